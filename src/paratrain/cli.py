@@ -1,0 +1,55 @@
+"""`paratrain train | plan | validate | bench | viz`.
+
+This module and the command modules it imports must not import torch at import time:
+`paratrain plan` has to answer instantly. Commands import torch inside their bodies.
+Every ``ValueError`` raised by a command becomes one line on stderr and exit code 2.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import click
+import typer
+
+from paratrain.bench.cli import app as bench_app
+from paratrain.systems.cli import register as register_systems
+from paratrain.train_cli import register as register_train
+from paratrain.viz.cli import app as viz_app
+
+app = typer.Typer(
+    help="Train decoder LMs with every classic form of parallelism; price any plan at scale.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+register_train(app)
+register_systems(app)
+app.add_typer(bench_app, name="bench", help="Benchmarks: collectives, calibration.")
+app.add_typer(viz_app, name="viz", help="Draw schedules: ring, tree, pipeline.")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Console entry point. Returns (and exits with) the command's exit code."""
+    try:
+        rv = app(args=argv, standalone_mode=False)
+    except click.exceptions.Exit as e:
+        code = e.exit_code
+    except click.ClickException as e:
+        e.show()
+        code = e.exit_code
+    except click.exceptions.Abort:
+        print("aborted", file=sys.stderr)
+        code = 1
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        code = 2
+    else:
+        code = rv if isinstance(rv, int) else 0
+    if argv is None:
+        sys.exit(code)
+    return code
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Collective schedules (pure data), the point-to-point executor and a simulator."""

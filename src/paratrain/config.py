@@ -1,0 +1,195 @@
+"""Model and training settings: small frozen dataclasses, validated on construction.
+
+Pure Python (no torch import), so the systems model and `paratrain plan` can use the same
+shapes and formulas as the runtime. Every invalid value raises one ``ValueError`` line
+that names the value and the fix; the CLI turns that into exit code 2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+def _require(ok: bool, msg: str) -> None:
+    if not ok:
+        raise ValueError(msg)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of a LLaMA-style decoder (RMSNorm, RoPE, SwiGLU, GQA).
+
+    ``d_ff`` is the SwiGLU hidden width (three matrices: gate, up, down).
+    """
+
+    n_layers: int = 4
+    d_model: int = 192
+    n_heads: int = 6
+    n_kv_heads: int | None = None  # None = n_heads (plain multi-head attention)
+    d_ff: int = 512
+    vocab_size: int = 256
+    context: int = 128
+    tie_embeddings: bool = False
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+
+    def __post_init__(self) -> None:
+        for name in ("n_layers", "d_model", "n_heads", "d_ff", "vocab_size", "context"):
+            v = getattr(self, name)
+            _require(
+                isinstance(v, int) and v > 0,
+                f"{name}={v!r} must be a positive integer; pass e.g. --{name.replace('_', '-')} 4",
+            )
+        _require(
+            self.d_model % self.n_heads == 0,
+            f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}; "
+            "choose d_model as a multiple of n_heads",
+        )
+        kv = self.kv_heads
+        _require(
+            kv > 0 and self.n_heads % kv == 0,
+            f"n_kv_heads={kv} must divide n_heads={self.n_heads}; choose a divisor",
+        )
+        _require(
+            self.head_dim % 2 == 0,
+            f"head dimension {self.head_dim} (d_model/n_heads) must be even for RoPE; "
+            "change d_model or n_heads",
+        )
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    # ---- exact counts -------------------------------------------------------------
+    def layer_params(self) -> int:
+        """Parameters of one transformer block (attention, SwiGLU MLP, two RMSNorms)."""
+        d, hd = self.d_model, self.head_dim
+        attn = d * (self.n_heads * hd) + 2 * d * (self.kv_heads * hd) + (self.n_heads * hd) * d
+        mlp = 3 * d * self.d_ff
+        return attn + mlp + 2 * d
+
+    def embedding_params(self) -> int:
+        """Token embedding plus output head (one matrix when tied) plus the final norm."""
+        emb = self.vocab_size * self.d_model
+        return emb * (1 if self.tie_embeddings else 2) + self.d_model
+
+    def num_params(self) -> int:
+        """Exact parameter count (LLaMA 2 7B's shape gives 6,738,415,616)."""
+        return self.n_layers * self.layer_params() + self.embedding_params()
+
+    def flops_per_token(self, seq_len: int | None = None) -> float:
+        """Model FLOPs per token for forward + backward: 6N + 12 L H Q T (PaLM, app. B).
+
+        N counts all parameters (embedding included, as in DESIGN.md's reference figures);
+        H is the number of heads, Q the head dimension, T the sequence length.
+        """
+        t = self.context if seq_len is None else seq_len
+        return 6.0 * self.num_params() + 12.0 * self.n_layers * self.n_heads * self.head_dim * t
+
+    def replace(self, **changes) -> ModelConfig:
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Optimisation and run settings (not the model, not the parallel layout)."""
+
+    steps: int = 300
+    global_batch: int = 16  # windows (sequences) per optimizer step, summed over workers
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 20
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    seed: int = 0
+    dtype: str = "float32"
+    eval_every: int = 50
+    eval_batches: int = 8
+    checkpoint_every: int = 0  # 0 = only at the end (when a checkpoint dir is set)
+    data: str | None = None  # None = the Python standard library's own source
+    val_fraction: float = 0.05
+
+    def __post_init__(self) -> None:
+        _require(self.steps > 0, f"steps={self.steps} must be positive; pass e.g. --steps 100")
+        _require(
+            self.global_batch > 0,
+            f"global_batch={self.global_batch} must be positive; pass e.g. --global-batch 16",
+        )
+        _require(self.lr > 0, f"lr={self.lr} must be positive; pass e.g. --lr 3e-3")
+        _require(
+            0 <= self.min_lr_ratio <= 1,
+            f"min_lr_ratio={self.min_lr_ratio} must be in [0, 1]",
+        )
+        _require(
+            self.warmup_steps >= 0,
+            f"warmup_steps={self.warmup_steps} must be >= 0; pass e.g. --warmup-steps 20",
+        )
+        _require(self.weight_decay >= 0, f"weight_decay={self.weight_decay} must be >= 0")
+        _require(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, "Adam betas must lie in [0, 1)")
+        _require(
+            self.grad_clip >= 0,
+            f"grad_clip={self.grad_clip} must be >= 0 (0 disables clipping)",
+        )
+        _require(
+            self.dtype in DTYPES,
+            f"dtype={self.dtype!r} is not supported; choose one of {', '.join(DTYPES)}",
+        )
+        _require(
+            self.eval_every >= 0,
+            f"eval_every={self.eval_every} must be >= 0 (0 = only at the end)",
+        )
+        _require(self.eval_batches > 0, f"eval_batches={self.eval_batches} must be positive")
+        _require(self.checkpoint_every >= 0, f"checkpoint_every={self.checkpoint_every} >= 0")
+        _require(
+            0 < self.val_fraction < 1,
+            f"val_fraction={self.val_fraction} must be in (0, 1)",
+        )
+
+
+DTYPES = ("float32", "float64", "bfloat16")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Everything a training run needs; built the same way from the CLI and from TOML."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+
+def load_toml(path: str | Path) -> dict:
+    """Read a TOML file of ``[model]``, ``[train]`` and ``[plan]`` tables."""
+    p = Path(path)
+    _require(p.is_file(), f"config file {str(p)!r} does not exist; pass an existing TOML path")
+    with p.open("rb") as f:
+        data = tomllib.load(f)
+    unknown = set(data) - {"model", "train", "plan"}
+    _require(
+        not unknown, f"unknown table(s) {sorted(unknown)} in {p}; use [model], [train], [plan]"
+    )
+    return data
+
+
+def build(cls, values: dict, where: str):
+    """Construct a settings dataclass from a dict, rejecting unknown keys by name."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(values) - names
+    _require(
+        not unknown,
+        f"unknown key(s) {sorted(unknown)} in [{where}]; known keys: {', '.join(sorted(names))}",
+    )
+    return cls(**values)

@@ -1,0 +1,117 @@
+"""Process-group set-up and tear-down: the one place that knows about backends.
+
+- Backend and device are chosen by themselves: NCCL + CUDA when a GPU is visible,
+  gloo + CPU otherwise.
+- Every group gets a timeout, so a broken collective fails instead of hanging.
+- Clean exit: with torch 2.13 and gloo, a process can abort at exit ("terminate called
+  without an active exception") while gloo's threads are torn down after
+  ``destroy_process_group()``. We therefore finish every output (files flushed, a final
+  barrier so no peer is still talking to us) and then end the worker with ``os._exit``,
+  which skips the interpreter's and gloo's destructors. See :func:`finish`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+import tempfile
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_TIMEOUT_S = 120.0
+
+
+def pick_backend() -> tuple[str, torch.device]:
+    """('nccl', cuda:<local rank>) when CUDA is available, else ('gloo', cpu)."""
+    if torch.cuda.is_available():
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        return "nccl", torch.device("cuda", local % torch.cuda.device_count())
+    return "gloo", torch.device("cpu")
+
+
+def init_from_env(timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[int, int, torch.device]:
+    """Join the group torchrun describes (RANK, WORLD_SIZE, MASTER_ADDR/PORT)."""
+    backend, device = pick_backend()
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def init_file_store(path: str, rank: int, world: int,
+                    timeout_s: float = DEFAULT_TIMEOUT_S) -> torch.device:
+    """Join a group through a FileStore (tests and spawned benchmarks: no ports)."""
+    backend, device = pick_backend()
+    store = dist.FileStore(path, world)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    return device
+
+
+def finish(code: int = 0) -> None:
+    """End a worker process after its outputs are complete (see module docstring)."""
+    if dist.is_available() and dist.is_initialized():
+        try:
+            dist.barrier()
+        except Exception:  # a peer already failed; its error is what matters
+            code = code or 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _spawned(fn, rank, world, store_path, out_dir, timeout_s, args):
+    torch.set_num_threads(1)
+    code = 0
+    try:
+        init_file_store(store_path, rank, world, timeout_s)
+        result = fn(rank, world, *args)
+        torch.save(result, Path(out_dir) / f"rank{rank}.pt")
+    except BaseException:
+        traceback.print_exc()
+        (Path(out_dir) / f"rank{rank}.err").write_text(traceback.format_exc())
+        code = 1
+    finish(code)
+
+
+def spawn(fn: Callable[..., Any], world: int, *args: Any,
+          timeout_s: float = DEFAULT_TIMEOUT_S) -> list[Any]:
+    """Run ``fn(rank, world, *args)`` in ``world`` fresh gloo processes; return the
+    per-rank results (which must be torch.save-able). Raises RuntimeError with the first
+    failing rank's traceback, or on timeout (processes are killed, never left hanging).
+    ``fn`` must be importable (a module-level function).
+    """
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory(prefix="paratrain-spawn-") as tmp:
+        store = os.path.join(tmp, "store")
+        procs = [
+            ctx.Process(target=_spawned, args=(fn, r, world, store, tmp, timeout_s, args))
+            for r in range(world)
+        ]
+        for p in procs:
+            p.start()
+        deadline = timeout_s + 60.0
+        for p in procs:
+            p.join(deadline)
+        hung = [r for r, p in enumerate(procs) if p.is_alive()]
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+        errs = sorted(Path(tmp).glob("rank*.err"))
+        if errs:
+            raise RuntimeError(f"{errs[0].stem} failed:\n{errs[0].read_text()}")
+        if hung:
+            raise RuntimeError(f"ranks {hung} did not finish within {deadline:.0f} s")
+        bad = [r for r, p in enumerate(procs) if p.exitcode != 0]
+        if bad:
+            raise RuntimeError(f"ranks {bad} exited with codes {[procs[r].exitcode for r in bad]}")
+        return [torch.load(Path(tmp) / f"rank{r}.pt", weights_only=True) for r in range(world)]

@@ -1,0 +1,1 @@
+"""Parallelism transforms applied to the plain model on a device mesh."""

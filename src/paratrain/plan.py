@@ -1,0 +1,132 @@
+"""The parallel plan: one small frozen value, executed by the runtime, priced by the
+systems model, drawn by the plots (DESIGN.md, "a plan is data").
+
+Pure Python (no torch import).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from paratrain.config import ModelConfig
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+RECOMPUTE = ("none", "selective", "full")
+COLLECTIVES = ("native", "ours")
+
+
+def _require(ok: bool, msg: str) -> None:
+    if not ok:
+        raise ValueError(msg)
+
+
+@dataclass(frozen=True)
+class ParallelPlan:
+    """How the work is split. Sizes multiply to the world size: dp * tp * pp * cp.
+
+    ``ep`` (expert parallelism) reuses data-parallel ranks, so it must divide dp.
+    ``micro_batches`` is the pipeline's micro-batch count, or gradient accumulation steps
+    when pp == 1.
+    """
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    zero: int = 0
+    sp: bool = False
+    micro_batches: int = 1
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+    recompute: str = "none"
+    bucket_mb: float = 25.0
+    overlap: bool = True
+    compress: str | None = None  # e.g. "topk:16"
+    collectives: str = "native"
+
+    def __post_init__(self) -> None:
+        for name in ("dp", "tp", "pp", "cp", "ep", "micro_batches", "virtual_stages"):
+            v = getattr(self, name)
+            _require(
+                isinstance(v, int) and v >= 1,
+                f"{name}={v!r} must be an integer >= 1; pass e.g. --{name.replace('_', '-')} 1",
+            )
+        _require(self.zero in (0, 1, 2, 3), f"zero={self.zero!r} must be 0, 1, 2 or 3")
+        _require(
+            self.schedule in SCHEDULES,
+            f"schedule={self.schedule!r} is unknown; choose one of {', '.join(SCHEDULES)}",
+        )
+        _require(
+            self.recompute in RECOMPUTE,
+            f"recompute={self.recompute!r} is unknown; choose one of {', '.join(RECOMPUTE)}",
+        )
+        _require(
+            self.collectives in COLLECTIVES,
+            f"collectives={self.collectives!r} is unknown; choose one of {', '.join(COLLECTIVES)}",
+        )
+        _require(self.bucket_mb > 0, f"bucket_mb={self.bucket_mb} must be positive, e.g. 25")
+        _require(
+            self.dp % self.ep == 0,
+            f"ep={self.ep} must divide dp={self.dp}; expert ranks are a subset of data ranks",
+        )
+        _require(
+            not self.sp or self.tp > 1,
+            "sequence parallelism (sp) needs tp > 1; pass --tp 2 or drop --sp",
+        )
+        _require(
+            self.virtual_stages == 1 or self.schedule == "interleaved",
+            f"virtual_stages={self.virtual_stages} needs --schedule interleaved",
+        )
+        if self.compress is not None:
+            kind, _, k = self.compress.partition(":")
+            _require(
+                kind == "topk" and k.isdigit() and int(k) >= 1,
+                f"compress={self.compress!r} is not understood; use e.g. topk:16",
+            )
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp * self.cp
+
+    def check(self, model: ModelConfig, world_size: int | None = None,
+              global_batch: int | None = None) -> None:
+        """Raise one clear ValueError if this plan cannot run ``model`` on ``world_size``."""
+        if world_size is not None:
+            _require(
+                self.world_size == world_size,
+                f"dp*tp*pp*cp = {self.dp}*{self.tp}*{self.pp}*{self.cp} = {self.world_size} "
+                f"but there are {world_size} processes; make the product equal the "
+                "process count",
+            )
+        _require(
+            model.n_heads % self.tp == 0,
+            f"tp={self.tp} does not divide n_heads={model.n_heads}; choose a tp that divides it",
+        )
+        _require(
+            model.kv_heads % self.tp == 0,
+            f"tp={self.tp} does not divide n_kv_heads={model.kv_heads}; choose a divisor",
+        )
+        stages = self.pp * self.virtual_stages
+        _require(
+            stages <= model.n_layers,
+            f"pp*virtual_stages={stages} exceeds n_layers={model.n_layers}; "
+            "use fewer pipeline stages",
+        )
+        if global_batch is not None:
+            per_mb = self.dp * self.micro_batches
+            _require(
+                global_batch % per_mb == 0,
+                f"global batch {global_batch} is not divisible by dp*micro_batches="
+                f"{self.dp}*{self.micro_batches}={per_mb}; pick a multiple of {per_mb}",
+            )
+        if self.schedule == "interleaved" and self.pp > 1:
+            _require(
+                self.micro_batches % self.pp == 0,
+                f"interleaved schedule needs micro_batches ({self.micro_batches}) to be a "
+                f"multiple of pp ({self.pp})",
+            )
+
+    def replace(self, **changes) -> ParallelPlan:
+        return dataclasses.replace(self, **changes)

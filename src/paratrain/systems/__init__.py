@@ -1,0 +1,1 @@
+"""The systems model: pure Python, importing it must not import torch."""

@@ -1,0 +1,1 @@
+"""Plots and animations written to files (matplotlib, Agg backend)."""
