@@ -56,7 +56,7 @@ def init_file_store(path: str, rank: int, world: int,
 
 def finish(code: int = 0) -> None:
     """End a worker process after its outputs are complete (see module docstring)."""
-    if dist.is_available() and dist.is_initialized():
+    if code == 0 and dist.is_available() and dist.is_initialized():
         try:
             dist.barrier()
         except Exception:  # a peer already failed; its error is what matters

@@ -1,0 +1,132 @@
+"""What the training loop needs from a (possibly parallel) model: the Engine.
+
+The loop reads top to bottom as: batch -> ``forward_backward`` -> ``reduce_gradients``
+-> ``clip_and_step``. Each parallelism is an Engine subclass (or a transform applied to
+the model before the Engine is built) that changes where the arithmetic happens, never
+what it computes.
+
+Loss normalisation happens once, globally: every micro-batch's loss is the *sum* of its
+token losses divided by the *global* token count of the step (all data ranks, all
+micro-batches). Summing gradients over ranks then gives exactly the mean gradient of the
+global batch, with no per-rank or per-micro-batch rescaling to get wrong.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from paratrain.config import TrainConfig
+from paratrain.optim import build_adamw, set_lr
+
+
+@dataclass
+class CommStats:
+    """Communication of one step, per rank."""
+
+    seconds: float = 0.0  # time spent waiting on gradient communication after backward
+    payload_bytes: int = 0  # bytes of gradient this rank contributed to reductions
+    wire_bytes: float = 0.0  # bytes this rank sent (counted, or by the algorithm's formula)
+
+
+def token_loss_sum(logits_BTV: torch.Tensor, y_BT: torch.Tensor) -> torch.Tensor:
+    """Sum (not mean) of the token cross-entropies, computed in at least float32."""
+    logits = logits_BTV.flatten(0, 1)
+    if logits.dtype in (torch.float16, torch.bfloat16):
+        logits = logits.float()
+    return F.cross_entropy(logits, y_BT.flatten(), reduction="sum")
+
+
+class Engine:
+    """One process, the whole model: the reference every parallel mode must reproduce."""
+
+    dp_rank = 0  # which slice of the global batch this process takes
+    dp_size = 1  # into how many slices the global batch is cut
+
+    def __init__(self, model: nn.Module, cfg: TrainConfig, device: torch.device) -> None:
+        self.model = model
+        self.cfg = cfg
+        self.device = device
+        self.autocast = cfg.dtype == "bfloat16"
+        self.opt = build_adamw(model, cfg)
+
+    # ---- forward / backward -------------------------------------------------------
+    def loss_sum(self, x_BT: torch.Tensor, y_BT: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
+            logits = self.model(x_BT.to(self.device))
+        return token_loss_sum(logits, y_BT.to(self.device))
+
+    def forward_backward(self, x_BT, y_BT, n_tokens_global: int) -> float:
+        """Accumulate d(loss_sum / n_tokens_global) into .grad; return the local loss sum."""
+        loss = self.loss_sum(x_BT, y_BT)
+        (loss / n_tokens_global).backward()
+        return float(loss.detach())
+
+    @torch.no_grad()
+    def eval_loss_sum(self, x_BT, y_BT) -> float:
+        self.model.eval()
+        try:
+            return float(self.loss_sum(x_BT, y_BT))
+        finally:
+            self.model.train()
+
+    # ---- communication and update -------------------------------------------------
+    def reduce_gradients(self) -> CommStats:
+        return CommStats()
+
+    def all_sum(self, values: list[float]) -> list[float]:
+        """Sum scalars over the data-parallel ranks (identity for one process)."""
+        return values
+
+    def clip_and_step(self, lr: float) -> float:
+        """Clip by global gradient norm, take the AdamW step, zero grads; return the norm."""
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        clip = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(params, clip, foreach=False)
+        set_lr(self.opt, lr)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return float(norm)
+
+    # ---- checkpoints: this rank's share of the state -------------------------------
+    def state_dict(self) -> dict:
+        return {"model": self.model.state_dict(), "optim": self.opt.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])
+        self.opt.load_state_dict(state["optim"])
+
+
+class SimulatedWorkers(Engine):
+    """W workers in one process: W shares of the batch, forward/backward each, the
+    gradients averaged, one step. The classic check that data parallelism changes where
+    the arithmetic happens, not what it computes."""
+
+    def __init__(self, model, cfg, device, workers: int) -> None:
+        super().__init__(model, cfg, device)
+        self.workers = workers
+
+    def forward_backward(self, x_BT, y_BT, n_tokens_global: int) -> float:
+        if x_BT.shape[0] % self.workers:
+            raise ValueError(f"batch of {x_BT.shape[0]} windows is not divisible by "
+                             f"--simulate-workers {self.workers}; use a multiple")
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        before = [p.grad for p in params]  # earlier micro-batches' accumulation, if any
+        per_worker, total = [], 0.0
+        for xs, ys in zip(x_BT.chunk(self.workers), y_BT.chunk(self.workers), strict=True):
+            for p in params:
+                p.grad = None
+            total += super().forward_backward(xs, ys, n_tokens_global)
+            per_worker.append([p.grad for p in params])
+        t0 = time.perf_counter()
+        for i, p in enumerate(params):  # the "all-reduce": a plain sum over workers
+            grads = [g[i] for g in per_worker if g[i] is not None]
+            if before[i] is not None:
+                grads.insert(0, before[i])
+            p.grad = torch.stack(grads).sum(0) if grads else None
+        self.sim_comm_s = time.perf_counter() - t0
+        return total

@@ -1,0 +1,192 @@
+"""The training loop: one loop for every world size and every plan.
+
+Reads top to bottom: set up -> (resume) -> for each step: batch, forward/backward,
+reduce gradients, clip and step, log, evaluate, checkpoint -> summary.
+Call :func:`train` in every worker after the process group exists (or with none, for
+one process).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from paratrain import checkpoint
+from paratrain.config import ModelConfig, TrainConfig
+from paratrain.data import Corpus
+from paratrain.model import Decoder
+from paratrain.optim import lr_at
+from paratrain.parallel.api import build_engine
+from paratrain.plan import ParallelPlan
+from paratrain.perf import matmul_peak_flops
+
+DTYPE = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.float32}
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """Where a run writes and what it shows (not part of the numerics)."""
+
+    run_dir: str | None = None
+    checkpoint_dir: str | None = None
+    resume: bool = False
+    simulate_workers: int = 1
+    quiet: bool = False
+    measure_peak: bool = True
+
+
+def _rank_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def build_model(cfg: ModelConfig, tcfg: TrainConfig, device: torch.device) -> Decoder:
+    """The same weights on every rank and in every mode: seeded construction on CPU."""
+    torch.manual_seed(tcfg.seed)
+    model = Decoder(cfg)
+    return model.to(device=device, dtype=DTYPE[tcfg.dtype])
+
+
+class _Log:
+    """Rank 0's outputs: the JSONL of steps, the progress bar, the summary."""
+
+    def __init__(self, run_dir: Path | None, active: bool, quiet: bool, total: int) -> None:
+        self.active = active
+        self.file = None
+        if active and run_dir is not None:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            self.file = (run_dir / "metrics.jsonl").open("a")
+        self.progress = None
+        if active and not quiet:
+            from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self.progress = Progress(TextColumn("step {task.completed}/{task.total}"),
+                                     BarColumn(), TextColumn("{task.description}"),
+                                     TimeRemainingColumn(), transient=False)
+            self.task = self.progress.add_task("", total=total)
+            self.progress.start()
+
+    def step(self, rec: dict, advance_to: int, desc: str) -> None:
+        if self.file is not None:
+            self.file.write(json.dumps(rec) + "\n")
+            self.file.flush()
+        if self.progress is not None:
+            self.progress.update(self.task, completed=advance_to, description=desc)
+
+    def close(self) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+        if self.file is not None:
+            self.file.close()
+
+
+def evaluate(engine, corpus: Corpus, tcfg: TrainConfig, ctx: int) -> float:
+    """Mean validation loss per token over the fixed validation windows."""
+    total = 0.0
+    for x, y in corpus.val_batches(tcfg.eval_batches, tcfg.global_batch, ctx,
+                                   engine.dp_rank, engine.dp_size):
+        total += engine.eval_loss_sum(x, y)
+    (total,) = engine.all_sum([total])
+    return total / (tcfg.eval_batches * tcfg.global_batch * ctx)
+
+
+def train(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan | None = None,
+          opts: RunOptions | None = None, device: torch.device | None = None) -> dict:
+    """Train and return the summary (same on every rank; rank 0 also writes files)."""
+    opts = opts or RunOptions()
+    rank, world = _rank_world()
+    plan = plan or ParallelPlan(dp=world)
+    plan.check(mcfg, world, tcfg.global_batch)
+    if opts.simulate_workers > 1:
+        if world > 1:
+            raise ValueError("--simulate-workers runs in one process; use it with --nproc 1")
+        if tcfg.global_batch % opts.simulate_workers:
+            raise ValueError(f"global batch {tcfg.global_batch} is not divisible by "
+                             f"--simulate-workers {opts.simulate_workers}; use a multiple")
+    device = device or torch.device("cpu")
+    corpus = Corpus.load(tcfg.data, tcfg.val_fraction, mcfg.context)
+    model = build_model(mcfg, tcfg, device)
+    engine = build_engine(model, tcfg, plan, device, opts.simulate_workers)
+
+    start = 0
+    meta = {"model": asdict(mcfg), "plan": asdict(plan), "seed": tcfg.seed,
+            "dtype": tcfg.dtype, "global_batch": tcfg.global_batch}
+    if opts.resume:
+        if not opts.checkpoint_dir:
+            raise ValueError("--resume needs --checkpoint-dir DIR to resume from")
+        start, state = checkpoint.load(opts.checkpoint_dir, rank, world, expect=meta)
+        engine.load_state_dict(state)
+
+    run_dir = Path(opts.run_dir) if opts.run_dir else None
+    log = _Log(run_dir, rank == 0, opts.quiet, tcfg.steps)
+    peak = matmul_peak_flops(DTYPE[tcfg.dtype] if tcfg.dtype != "bfloat16" else torch.bfloat16) \
+        if opts.measure_peak and rank == 0 else float("nan")
+    tokens = tcfg.global_batch * mcfg.context
+    micro = plan.micro_batches if plan.pp == 1 else 1  # the pipeline splits its own
+    model_flops = mcfg.flops_per_token(mcfg.context) * tokens
+    losses, times, comms, val_loss = [], [], [], float("nan")
+    payload = wire = 0.0
+    if log.progress is not None:
+        log.progress.update(log.task, completed=start)
+
+    for step in range(start, tcfg.steps):
+        t0 = time.perf_counter()
+        x, y = corpus.batch(tcfg.seed, step, tcfg.global_batch, mcfg.context,
+                            engine.dp_rank, engine.dp_size)
+        loss_sum = 0.0
+        for xs, ys in zip(x.chunk(micro), y.chunk(micro), strict=True):
+            loss_sum += engine.forward_backward(xs, ys, tokens)
+        t1 = time.perf_counter()
+        comm = engine.reduce_gradients()
+        (loss_sum,) = engine.all_sum([loss_sum])
+        lr = lr_at(step, tcfg)
+        gnorm = engine.clip_and_step(lr)
+        t2 = time.perf_counter()
+        loss = loss_sum / tokens
+        dt = t2 - t0
+        if not math.isfinite(loss):
+            raise FloatingPointError(f"loss became {loss} at step {step}; lower --lr")
+        losses.append(loss)
+        times.append(dt)
+        comms.append(comm.seconds)
+        payload, wire = comm.payload_bytes, comm.wire_bytes
+        rec = {"step": step, "loss": loss, "lr": lr, "grad_norm": gnorm,
+               "tokens_per_s": tokens / dt, "step_s": dt, "compute_s": dt - comm.seconds,
+               "comm_s": comm.seconds, "mfu": model_flops / dt / (peak * world)}
+        last = step == tcfg.steps - 1
+        if (tcfg.eval_every and (step + 1) % tcfg.eval_every == 0) or last:
+            val_loss = evaluate(engine, corpus, tcfg, mcfg.context)
+            rec["val_loss"] = val_loss
+        log.step(rec, step + 1, f"loss {loss:.4f} | {tokens / dt:,.0f} tok/s | "
+                 f"MFU {100 * rec['mfu']:.1f}%")
+        every = tcfg.checkpoint_every
+        if opts.checkpoint_dir and ((every and (step + 1) % every == 0) or last):
+            checkpoint.save(opts.checkpoint_dir, step + 1, engine.state_dict(),
+                            meta, rank, world)
+    log.close()
+
+    skip = 1 if len(times) > 1 else 0  # the first step pays warm-up costs
+    n = max(1, len(times) - skip)
+    step_s = sum(times[skip:]) / n if times else float("nan")
+    comm_s = sum(comms[skip:]) / n if comms else float("nan")
+    summary = {
+        "steps": tcfg.steps, "world_size": world, "plan": asdict(plan),
+        "params": mcfg.num_params(), "tokens_per_step": tokens,
+        "final_loss": losses[-1] if losses else float("nan"),
+        "val_loss": val_loss, "losses": losses,
+        "step_s": step_s, "tokens_per_s": tokens / step_s,
+        "compute_s_per_step": step_s - comm_s, "comm_s_per_step": comm_s,
+        "payload_bytes_per_step": payload, "wire_bytes_per_step": wire,
+        "peak_flops_per_rank": peak, "mfu": model_flops / step_s / (peak * world),
+        "unigram_entropy": corpus.unigram_entropy(),
+    }
+    if rank == 0 and run_dir is not None:
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    return summary

@@ -1,0 +1,97 @@
+"""A training worker: joins the group torchrun describes, trains, reports, exits cleanly.
+
+``python -m paratrain.worker RUN_DIR/run.json`` is what ``paratrain train --nproc N``
+hands to torchrun. The spec is the fully resolved settings written by the CLI.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import traceback
+
+import torch
+
+from paratrain.config import ModelConfig, TrainConfig
+from paratrain.plan import ParallelPlan
+
+
+def _parse(spec: dict):
+    from paratrain.train import RunOptions
+
+    return (ModelConfig(**spec["model"]), TrainConfig(**spec["train"]),
+            ParallelPlan(**spec["plan"]), RunOptions(**spec["opts"]))
+
+
+def print_summary(s: dict, run_dir: str | None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title="paratrain run", show_header=False)
+    plan = s["plan"]
+    layout = ", ".join(f"{k}={plan[k]}" for k in ("dp", "tp", "pp", "zero") if k in plan)
+    rows = [
+        ("processes / plan", f"{s['world_size']} / {layout}"),
+        ("parameters", f"{s['params']:,}"),
+        ("tokens per step", f"{s['tokens_per_step']:,}"),
+        ("final train loss", f"{s['final_loss']:.6f}"),
+        ("validation loss", f"{s['val_loss']:.6f}"),
+        ("unigram baseline", f"{s['unigram_entropy']:.6f}  (context-free model, nats/byte)"),
+        ("tokens/s", f"{s['tokens_per_s']:,.0f}"),
+        ("MFU", f"{100 * s['mfu']:.1f}%  of {s['peak_flops_per_rank'] / 1e9:.1f} GFLOP/s "
+                "measured matmul peak per rank"),
+        ("s/step (compute + comm)",
+         f"{s['step_s']:.4f}  ({s['compute_s_per_step']:.4f} + {s['comm_s_per_step']:.4f})"),
+        ("all-reduced per rank/step", f"{s['payload_bytes_per_step'] / 1e6:.3f} MB payload, "
+                                      f"{s['wire_bytes_per_step'] / 1e6:.3f} MB on the wire"),
+    ]
+    for k, v in rows:
+        t.add_row(k, v)
+    Console().print(t)
+    if run_dir:
+        print(f"metrics: {run_dir}/metrics.jsonl  summary: {run_dir}/summary.json")
+
+
+def run_local(spec: dict) -> dict:
+    """One process, no process group (``--nproc 1``)."""
+    from paratrain.train import train
+
+    mcfg, tcfg, plan, opts = _parse(spec)
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    summary = train(mcfg, tcfg, plan, opts, device)
+    if not opts.quiet:
+        print_summary(summary, opts.run_dir)
+    return summary
+
+
+def run_worker(spec: dict) -> None:
+    """Inside torchrun: init from env, train, print on rank 0, end via ``finish``."""
+    from paratrain.distributed import finish, init_from_env
+    from paratrain.train import train
+
+    torch.set_num_threads(1)
+    code = 0
+    try:
+        mcfg, tcfg, plan, opts = _parse(spec)
+        rank, _, device = init_from_env()
+        summary = train(mcfg, tcfg, plan, opts, device)
+        if rank == 0 and not opts.quiet:
+            print_summary(summary, opts.run_dir)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        code = 2
+    except Exception:
+        traceback.print_exc()
+        code = 1
+    finish(code)
+
+
+def main() -> None:
+    if len(sys.argv) != 2:
+        sys.exit("usage: python -m paratrain.worker RUN_DIR/run.json (written by paratrain train)")
+    with open(sys.argv[1]) as f:
+        run_worker(json.load(f))
+
+
+if __name__ == "__main__":
+    main()
