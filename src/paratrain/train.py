@@ -23,8 +23,8 @@ from paratrain.data import Corpus
 from paratrain.model import Decoder
 from paratrain.optim import lr_at
 from paratrain.parallel.api import build_engine
-from paratrain.plan import ParallelPlan
 from paratrain.perf import matmul_peak_flops
+from paratrain.plan import ParallelPlan
 
 DTYPE = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.float32}
 
@@ -143,7 +143,6 @@ def train(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan | None = None
         loss_sum = 0.0
         for xs, ys in zip(x.chunk(micro), y.chunk(micro), strict=True):
             loss_sum += engine.forward_backward(xs, ys, tokens)
-        t1 = time.perf_counter()
         comm = engine.reduce_gradients()
         (loss_sum,) = engine.all_sum([loss_sum])
         lr = lr_at(step, tcfg)

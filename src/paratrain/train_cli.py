@@ -18,7 +18,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -54,43 +54,43 @@ def register(app: typer.Typer) -> None:
     def train(
         nproc: Annotated[int, Opt(help="Worker processes (torchrun).")] = 2,
         simulate_workers: Annotated[int, Opt(help="W simulated workers in one process.")] = 1,
-        config: Annotated[Optional[str], Opt(help="TOML with [model] [train] [plan].")] = None,
+        config: Annotated[str | None, Opt(help="TOML with [model] [train] [plan].")] = None,
         # model
-        layers: Annotated[Optional[int], Opt(help="Transformer blocks.")] = None,
-        d_model: Annotated[Optional[int], Opt(help="Model width.")] = None,
-        heads: Annotated[Optional[int], Opt(help="Attention heads.")] = None,
-        kv_heads: Annotated[Optional[int], Opt(help="KV heads (GQA).")] = None,
-        d_ff: Annotated[Optional[int], Opt(help="SwiGLU hidden width.")] = None,
-        context: Annotated[Optional[int], Opt(help="Sequence length.")] = None,
-        tie_embeddings: Annotated[Optional[bool], Opt(help="Tie input/output embeddings.")] = None,
+        layers: Annotated[int | None, Opt(help="Transformer blocks.")] = None,
+        d_model: Annotated[int | None, Opt(help="Model width.")] = None,
+        heads: Annotated[int | None, Opt(help="Attention heads.")] = None,
+        kv_heads: Annotated[int | None, Opt(help="KV heads (GQA).")] = None,
+        d_ff: Annotated[int | None, Opt(help="SwiGLU hidden width.")] = None,
+        context: Annotated[int | None, Opt(help="Sequence length.")] = None,
+        tie_embeddings: Annotated[bool | None, Opt(help="Tie input/output embeddings.")] = None,
         # training
-        steps: Annotated[Optional[int], Opt(help="Optimizer steps.")] = None,
-        global_batch: Annotated[Optional[int], Opt(help="Windows per step, all workers.")] = None,
-        lr: Annotated[Optional[float], Opt(help="Peak learning rate.")] = None,
-        warmup_steps: Annotated[Optional[int], Opt(help="Linear warm-up steps.")] = None,
-        seed: Annotated[Optional[int], Opt(help="Seed of weights and batches.")] = None,
-        dtype: Annotated[Optional[str], Opt(help="float32 | float64 | bfloat16.")] = None,
-        eval_every: Annotated[Optional[int], Opt(help="Validate every K steps.")] = None,
-        data: Annotated[Optional[str], Opt(help="Text file or folder (default: stdlib).")] = None,
-        run_dir: Annotated[Optional[str], Opt(help="Metrics dir (default runs/<time>).")] = None,
-        checkpoint_dir: Annotated[Optional[str], Opt(help="Checkpoint directory.")] = None,
-        checkpoint_every: Annotated[Optional[int], Opt(help="Checkpoint every K steps.")] = None,
+        steps: Annotated[int | None, Opt(help="Optimizer steps.")] = None,
+        global_batch: Annotated[int | None, Opt(help="Windows per step, all workers.")] = None,
+        lr: Annotated[float | None, Opt(help="Peak learning rate.")] = None,
+        warmup_steps: Annotated[int | None, Opt(help="Linear warm-up steps.")] = None,
+        seed: Annotated[int | None, Opt(help="Seed of weights and batches.")] = None,
+        dtype: Annotated[str | None, Opt(help="float32 | float64 | bfloat16.")] = None,
+        eval_every: Annotated[int | None, Opt(help="Validate every K steps.")] = None,
+        data: Annotated[str | None, Opt(help="Text file or folder (default: stdlib).")] = None,
+        run_dir: Annotated[str | None, Opt(help="Metrics dir (default runs/<time>).")] = None,
+        checkpoint_dir: Annotated[str | None, Opt(help="Checkpoint directory.")] = None,
+        checkpoint_every: Annotated[int | None, Opt(help="Checkpoint every K steps.")] = None,
         resume: Annotated[bool, Opt(help="Resume from --checkpoint-dir.")] = False,
         quiet: Annotated[bool, Opt(help="No progress bar or summary table.")] = False,
         # plan
-        dp: Annotated[Optional[int], Opt(help="Data-parallel size (default nproc/(tp*pp)).")] = None,
-        tp: Annotated[Optional[int], Opt(help="Tensor-parallel size.")] = None,
-        pp: Annotated[Optional[int], Opt(help="Pipeline stages.")] = None,
-        sp: Annotated[Optional[bool], Opt(help="Sequence parallelism (needs tp>1).")] = None,
-        zero: Annotated[Optional[int], Opt(help="ZeRO stage 0-3.")] = None,
-        micro_batches: Annotated[Optional[int], Opt(help="Micro-batches / accumulation.")] = None,
-        schedule: Annotated[Optional[str], Opt(help="gpipe|1f1b|interleaved|zb-h1.")] = None,
-        virtual_stages: Annotated[Optional[int], Opt(help="Chunks per rank (interleaved).")] = None,
-        recompute: Annotated[Optional[str], Opt(help="none|selective|full.")] = None,
-        bucket_mb: Annotated[Optional[float], Opt(help="Gradient bucket size, MB.")] = None,
-        overlap: Annotated[Optional[bool], Opt(help="Overlap grad sync with backward.")] = None,
-        compress: Annotated[Optional[str], Opt(help="Gradient compression, e.g. topk:16.")] = None,
-        collectives: Annotated[Optional[str], Opt(help="native | ours.")] = None,
+        dp: Annotated[int | None, Opt(help="Data-parallel size (default nproc/(tp*pp)).")] = None,
+        tp: Annotated[int | None, Opt(help="Tensor-parallel size.")] = None,
+        pp: Annotated[int | None, Opt(help="Pipeline stages.")] = None,
+        sp: Annotated[bool | None, Opt(help="Sequence parallelism (needs tp>1).")] = None,
+        zero: Annotated[int | None, Opt(help="ZeRO stage 0-3.")] = None,
+        micro_batches: Annotated[int | None, Opt(help="Micro-batches / accumulation.")] = None,
+        schedule: Annotated[str | None, Opt(help="gpipe|1f1b|interleaved|zb-h1.")] = None,
+        virtual_stages: Annotated[int | None, Opt(help="Chunks per rank (interleaved).")] = None,
+        recompute: Annotated[str | None, Opt(help="none|selective|full.")] = None,
+        bucket_mb: Annotated[float | None, Opt(help="Gradient bucket size, MB.")] = None,
+        overlap: Annotated[bool | None, Opt(help="Overlap grad sync with backward.")] = None,
+        compress: Annotated[str | None, Opt(help="Gradient compression, e.g. topk:16.")] = None,
+        collectives: Annotated[str | None, Opt(help="native | ours.")] = None,
     ) -> None:
         """Train the decoder LM (default: 2 workers, data parallel, stdlib corpus)."""
         in_torchrun = "WORLD_SIZE" in os.environ and "RANK" in os.environ
