@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import sys
 
-import click
 import typer
 
 from paratrain.bench.cli import app as bench_app
@@ -33,17 +32,22 @@ def main(argv: list[str] | None = None) -> int:
     """Console entry point. Returns (and exits with) the command's exit code."""
     try:
         rv = app(args=argv, standalone_mode=False)
-    except click.exceptions.Exit as e:
-        code = e.exit_code
-    except click.ClickException as e:
-        e.show()
-        code = e.exit_code
-    except click.exceptions.Abort:
-        print("aborted", file=sys.stderr)
-        code = 1
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         code = 2
+    except (typer.Exit, typer.Abort, Exception) as e:
+        # typer's click exceptions (usage errors: exit 2) show themselves; typer may vendor
+        # click, so match by behaviour rather than by class.
+        if hasattr(e, "show") and hasattr(e, "exit_code"):
+            e.show()
+            code = e.exit_code
+        elif isinstance(e, typer.Exit) or hasattr(e, "exit_code"):
+            code = e.exit_code
+        elif isinstance(e, typer.Abort):
+            print("aborted", file=sys.stderr)
+            code = 1
+        else:
+            raise
     else:
         code = rv if isinstance(rv, int) else 0
     if argv is None:

@@ -39,6 +39,7 @@ class RunOptions:
     simulate_workers: int = 1
     quiet: bool = False
     measure_peak: bool = True
+    stop_after: int | None = None  # end (and checkpoint) after this step, as if interrupted
 
 
 def _rank_world() -> tuple[int, int]:
@@ -136,7 +137,8 @@ def train(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan | None = None
     if log.progress is not None:
         log.progress.update(log.task, completed=start)
 
-    for step in range(start, tcfg.steps):
+    end = tcfg.steps if opts.stop_after is None else min(tcfg.steps, opts.stop_after)
+    for step in range(start, end):
         t0 = time.perf_counter()
         x, y = corpus.batch(tcfg.seed, step, tcfg.global_batch, mcfg.context,
                             engine.dp_rank, engine.dp_size)
@@ -159,7 +161,7 @@ def train(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan | None = None
         rec = {"step": step, "loss": loss, "lr": lr, "grad_norm": gnorm,
                "tokens_per_s": tokens / dt, "step_s": dt, "compute_s": dt - comm.seconds,
                "comm_s": comm.seconds, "mfu": model_flops / dt / (peak * world)}
-        last = step == tcfg.steps - 1
+        last = step == end - 1
         if (tcfg.eval_every and (step + 1) % tcfg.eval_every == 0) or last:
             val_loss = evaluate(engine, corpus, tcfg, mcfg.context)
             rec["val_loss"] = val_loss

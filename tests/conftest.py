@@ -1,0 +1,21 @@
+"""Shared fixtures: a small real text corpus on disk and tiny model settings."""
+
+from __future__ import annotations
+
+import inspect
+import json
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def text_file(tmp_path_factory) -> str:
+    """~200 KB of real Python source (this repo's and the json module's) as a text file."""
+    src = [Path(inspect.getfile(json)).parent, Path(__file__).parents[1] / "src"]
+    parts = []
+    for root in src:
+        parts += [p.read_text() for p in sorted(root.rglob("*.py"))]
+    path = tmp_path_factory.mktemp("data") / "corpus.txt"
+    path.write_text("\n".join(parts))
+    return str(path)
