@@ -1,7 +1,84 @@
-"""`paratrain plan` and `paratrain validate`."""
+"""`paratrain plan` (and, later, `paratrain validate`).
+
+Importing this module must not import torch or the systems model's heavier parts: the
+commands import what they need inside their bodies. Bad names or layouts raise
+``ValueError``; ``paratrain.cli.main`` prints it as one line and exits with code 2.
+"""
+
+from __future__ import annotations
 
 import typer
+
+DEFAULT_TOKENS = 1_048_576
+
+
+def plan(
+    model: str = typer.Option("llama2-7b", help="Catalogue model name or a .toml/.json file."),
+    hardware: str = typer.Option("h100", help="Catalogue accelerator or a .toml/.json file."),
+    gpus: int = typer.Option(64, help="Number of GPUs (accelerators)."),
+    tokens: int = typer.Option(DEFAULT_TOKENS, "--tokens", "--tokens-per-step",
+                               help="Global batch in tokens per optimizer step."),
+    seq_len: int = typer.Option(4096, help="Sequence length in tokens."),
+    dp: int | None = typer.Option(None, help="Data-parallel size (default: the GPUs "
+                                                "left after tp, pp, cp)."),
+    tp: int = typer.Option(1, help="Tensor-parallel size."),
+    pp: int = typer.Option(1, help="Pipeline stages."),
+    cp: int = typer.Option(1, help="Context-parallel size."),
+    ep: int = typer.Option(1, help="Expert-parallel size (divides dp)."),
+    zero: int = typer.Option(0, help="ZeRO stage 0-3 (3 = FSDP)."),
+    sp: bool = typer.Option(False, "--sp", help="Sequence parallelism (needs tp > 1)."),
+    micro_batches: int = typer.Option(1, help="Micro-batches (gradient accumulation at pp 1)."),
+    schedule: str = typer.Option("1f1b", help="gpipe, 1f1b, interleaved or zb-h1."),
+    virtual_stages: int = typer.Option(1, help="Chunks per stage (interleaved schedule)."),
+    recompute: str = typer.Option("none", help="none, selective or full."),
+    overlap: bool = typer.Option(True, "--overlap/--no-overlap",
+                                 help="Overlap gradient sync with backward."),
+    eta: float | None = typer.Option(None, help="Matmul efficiency (default: the "
+                                                   "hardware's, 0.473 for H100)."),
+    precision: str = typer.Option("bf16-adam", help="bf16-adam (16 B/param) or fp32-adam."),
+    json_out: bool = typer.Option(False, "--json", help="Print the numbers as JSON."),
+    plot: str | None = typer.Option(None, help="Write memory and step-time PNGs to DIR."),
+) -> None:
+    """Price a parallel plan: memory per GPU, wire bytes, step time, MFU (no GPU needed).
+
+    With no flags: DESIGN.md's reference example, LLaMA 2 7B on 64 H100.
+    """
+    from paratrain.plan import ParallelPlan
+    from paratrain.systems.hardware import load_hardware
+    from paratrain.systems.models import load_model
+    from paratrain.systems.report import build_report, render
+
+    m = load_model(model)
+    hw = load_hardware(hardware)
+    if gpus < 1:
+        raise ValueError(f"gpus={gpus} must be >= 1; pass e.g. --gpus 64")
+    if dp is None:
+        rest = tp * pp * cp
+        if rest < 1 or gpus % rest:
+            raise ValueError(
+                f"tp*pp*cp = {tp}*{pp}*{cp} = {rest} does not divide gpus={gpus}; "
+                "choose sizes whose product divides the GPU count"
+            )
+        dp = gpus // rest
+    p = ParallelPlan(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=zero, sp=sp,
+                     micro_batches=micro_batches, schedule=schedule,
+                     virtual_stages=virtual_stages, recompute=recompute, overlap=overlap)
+    p.check(m, world_size=gpus)
+    rep = build_report(m, hw, p, tokens, seq_len, eta=eta, precision=precision)
+    if json_out:
+        import json
+
+        print(json.dumps(rep, indent=2))
+    else:
+        render(rep)
+    if plot:
+        from paratrain.viz.plan_plots import write_plan_plots
+
+        for path in write_plan_plots(rep, plot):
+            if not json_out:
+                print(f"wrote {path}")
 
 
 def register(app: typer.Typer) -> None:
     """Add the systems-model commands to the top-level app."""
+    app.command("plan")(plan)

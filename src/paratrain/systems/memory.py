@@ -1,0 +1,223 @@
+"""Memory per GPU: model states by precision recipe and ZeRO stage, activations by
+tensor/sequence parallelism, recomputation and pipeline schedule, and the HBM verdict.
+
+Model states (Rajbhandari et al. 2020, "ZeRO", Sec. 3-5), per parameter, default recipe
+BF16 weights (2 bytes) and gradients (2) plus FP32 master weights, Adam m and v (12):
+
+    stage 0: 2 + 2 + 12 = 16     stage 1: 2 + 2 + 12/d
+    stage 2: 2 + (2 + 12)/d      stage 3: 16/d
+
+with d the data-parallel degree (dp x cp: context-parallel ranks hold the same weights).
+Tensor and pipeline parallelism divide the parameters a GPU holds; expert parallelism
+divides the routed experts.
+
+Activations per layer, 16-bit (Korthikanti et al. 2022, "Reducing Activation
+Recomputation in Large Transformer Models", Table 2), s tokens, b sequences, h width,
+a heads, t tensor-parallel ranks:
+
+    no parallelism          s b h (34 + 5 a s / h)
+    tensor parallel         s b h (10 + 24/t + 5 a s / (h t))
+    tensor + sequence par.  s b h (34 + 5 a s / h) / t
+    selective recompute     s b h (10 + 24/t)      (sequence parallel: 34 s b h / t)
+    full recompute          2 s b h                (sequence parallel: 2 s b h / t)
+
+times the layers the busiest pipeline stage holds and the micro-batches in flight on it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from paratrain.config import ModelConfig
+from paratrain.plan import ParallelPlan
+from paratrain.systems.hardware import Hardware
+from paratrain.systems.layout import split_batch, stage_layers
+from paratrain.systems.models import ModelShape, as_shape
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Bytes per parameter for weights, gradients and optimizer state (master + m + v)."""
+
+    name: str
+    weight_bytes: float
+    grad_bytes: float
+    optim_bytes: float
+    act_bytes: float = 2.0
+
+    @property
+    def total_bytes(self) -> float:
+        return self.weight_bytes + self.grad_bytes + self.optim_bytes
+
+
+RECIPES = {
+    "bf16-adam": Precision("bf16-adam", 2, 2, 12),  # mixed precision, fp32 master + m + v
+    "fp32-adam": Precision("fp32-adam", 4, 4, 8, act_bytes=4),  # fp32 weights, grads, m, v
+}
+
+
+def recipe(name: str) -> Precision:
+    if name not in RECIPES:
+        raise ValueError(f"precision {name!r} is unknown; choose one of {', '.join(RECIPES)}")
+    return RECIPES[name]
+
+
+@dataclass(frozen=True)
+class ParamsPerGPU:
+    """Parameters the busiest GPU holds, split by how they are replicated."""
+
+    dense: float  # replicated over dp x cp
+    expert: float  # replicated over dp x cp / ep
+    layer_full: float  # one layer's parameters on this tensor-parallel rank (ZeRO-3 buffer)
+
+    @property
+    def total(self) -> float:
+        return self.dense + self.expert
+
+
+def params_per_gpu(model: ModelConfig, plan: ParallelPlan) -> ParamsPerGPU:
+    """Parameters on the busiest GPU: its pipeline stage's layers (plus the embedding or
+    head; with pp > 1 the vocabulary matrix of the first or last stage), over tp; routed
+    experts also over ep. Exact for tp = pp = 1."""
+    m = as_shape(model)
+    share = stage_layers(m.n_layers, plan.pp) / m.n_layers
+    if plan.pp == 1:
+        emb = m.embedding_params()
+    else:
+        emb = m.vocab_size * m.d_model + (m.context * m.d_model if m.learned_positions else 0)
+    expert = m.expert_params() * share
+    dense = m.num_layer_params() * share - expert + emb
+    return ParamsPerGPU(dense / plan.tp, expert / (plan.tp * plan.ep),
+                        m.num_layer_params() / m.n_layers / plan.tp)
+
+
+@dataclass(frozen=True)
+class ModelStates:
+    weights_bytes: float
+    grads_bytes: float
+    optimizer_bytes: float
+
+    @property
+    def total_bytes(self) -> float:
+        return self.weights_bytes + self.grads_bytes + self.optimizer_bytes
+
+
+def _sharded(params: float, d: float, zero: int, prec: Precision) -> ModelStates:
+    w, g, o = prec.weight_bytes * params, prec.grad_bytes * params, prec.optim_bytes * params
+    if zero >= 1:
+        o /= d
+    if zero >= 2:
+        g /= d
+    if zero >= 3:
+        w /= d
+    return ModelStates(w, g, o)
+
+
+def model_states(model: ModelConfig, plan: ParallelPlan,
+                 precision: str | Precision = "bf16-adam") -> ModelStates:
+    """Weights, gradients and optimizer state per GPU for ``plan.zero`` over dp x cp."""
+    prec = recipe(precision) if isinstance(precision, str) else precision
+    p = params_per_gpu(model, plan)
+    d = plan.dp * plan.cp
+    a = _sharded(p.dense, d, plan.zero, prec)
+    b = _sharded(p.expert, d / plan.ep, plan.zero, prec)
+    return ModelStates(a.weights_bytes + b.weights_bytes, a.grads_bytes + b.grads_bytes,
+                       a.optimizer_bytes + b.optimizer_bytes)
+
+
+def model_states_bytes(model: ModelConfig, plan: ParallelPlan,
+                       precision: str | Precision = "bf16-adam") -> float:
+    return model_states(model, plan, precision).total_bytes
+
+
+def layer_activation_bytes(seq: int, batch: int, hidden: int, heads: int, tp: int = 1,
+                           sp: bool = False, recompute: str = "none") -> float:
+    """Activation bytes one transformer layer keeps for backward (Korthikanti et al. 2022,
+    Table 2; 16-bit activations, attention scores stored unless recomputed)."""
+    sbh = seq * batch * hidden
+    t = tp
+    if recompute == "full":
+        return 2 * sbh / (t if sp else 1)
+    if recompute == "selective":
+        return 34 * sbh / t if sp else sbh * (10 + 24 / t)
+    if recompute != "none":
+        raise ValueError(f"recompute={recompute!r} is unknown; choose none, selective or full")
+    attn = 5 * heads * seq / hidden
+    if sp:
+        return sbh * (34 + attn) / t
+    return sbh * (10 + 24 / t + attn / t)
+
+
+def micro_batches_in_flight(schedule: str, pp: int, m: int, v: int = 1) -> float:
+    """Micro-batches whose activations the first (busiest) stage holds at its peak.
+
+    GPipe: all m. 1F1B and ZB-H1: min(pp, m) (Narayanan et al. 2021; Qi et al. 2023).
+    Interleaved 1F1B with v chunks: pp (1 + (pp - 1)/(pp v)) in units of a full stage
+    (Korthikanti et al. 2022, Sec. 4.2.3).
+    """
+    if pp == 1:
+        return 1
+    if schedule == "gpipe":
+        return m
+    if schedule == "interleaved":
+        return min(m, pp) * (1 + (pp - 1) / (pp * v))
+    return min(pp, m)
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Memory per GPU (busiest rank), bytes, and the verdict against the HBM."""
+
+    weights_bytes: float
+    grads_bytes: float
+    optimizer_bytes: float
+    activations_bytes: float
+    logits_bytes: float  # fp32 logits for the loss (last stage; counted when pp == 1)
+    buffers_bytes: float  # ZeRO-3: one layer gathered plus one prefetched
+    hbm_bytes: float
+
+    @property
+    def states_bytes(self) -> float:
+        return self.weights_bytes + self.grads_bytes + self.optimizer_bytes
+
+    @property
+    def total_bytes(self) -> float:
+        return self.states_bytes + self.activations_bytes + self.logits_bytes + \
+            self.buffers_bytes
+
+    @property
+    def margin_bytes(self) -> float:
+        return self.hbm_bytes - self.total_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.margin_bytes >= 0
+
+
+def activation_bytes(model: ModelConfig, plan: ParallelPlan, tokens_per_step: int,
+                     seq_len: int) -> float:
+    """Activations on the busiest GPU: per layer x layers per stage x in-flight micro-batches."""
+    m = as_shape(model)
+    batch = split_batch(tokens_per_step, seq_len, plan)
+    per_layer = layer_activation_bytes(batch.local_seq, batch.micro_batch, m.d_model,
+                                       m.n_heads, plan.tp, plan.sp, plan.recompute)
+    layers = stage_layers(m.n_layers, plan.pp)
+    inflight = micro_batches_in_flight(plan.schedule, plan.pp, plan.micro_batches,
+                                       plan.virtual_stages)
+    return per_layer * layers * inflight
+
+
+def memory(model: ModelConfig, plan: ParallelPlan, hw: Hardware, tokens_per_step: int,
+           seq_len: int, precision: str | Precision = "bf16-adam") -> Memory:
+    """Everything the busiest GPU holds at its peak, against ``hw.hbm_bytes``."""
+    m: ModelShape = as_shape(model)
+    prec = recipe(precision) if isinstance(precision, str) else precision
+    st = model_states(m, plan, prec)
+    act = activation_bytes(m, plan, tokens_per_step, seq_len)
+    batch = split_batch(tokens_per_step, seq_len, plan)
+    logits = 4.0 * batch.local_seq * batch.micro_batch * m.vocab_size / plan.tp \
+        if plan.pp == 1 else 0.0
+    buffers = 2 * params_per_gpu(m, plan).layer_full * prec.weight_bytes if plan.zero == 3 \
+        else 0.0
+    return Memory(st.weights_bytes, st.grads_bytes, st.optimizer_bytes, act, logits, buffers,
+                  hw.hbm_bytes)

@@ -1,0 +1,258 @@
+"""Step time: compute at peak x eta, communication per parallelism, overlap, bubble, MFU.
+
+Compute (Kaplan et al. 2020; PaLM, Chowdhery et al. 2022, appendix B): model FLOPs per
+token, forward + backward, are 6 N + 12 L H Q T; full recomputation adds another forward
+(hardware FLOPs, HFU), selective recomputation the attention-score forward. Compute time is
+hardware FLOPs / (GPUs x peak x eta).
+
+Communication per step, each priced with :mod:`paratrain.systems.collectives` on the
+slowest link its group spans (:mod:`paratrain.systems.layout`):
+
+- data parallel (dp x cp ranks): ZeRO 0 ring all-reduce of the gradients; ZeRO 1/2
+  reduce-scatter of gradients + all-gather of weights (the same 2(p-1)/p bytes); ZeRO 3
+  all-gathers weights for forward and backward of every micro-batch plus one
+  reduce-scatter: 3(p-1)/p x payload with one micro-batch.
+- tensor parallel (Shoeybi et al. 2019): 2 all-reduces of the layer's activations in
+  forward and 2 in backward per layer and micro-batch (with sequence parallelism: the
+  same bytes as all-gathers + reduce-scatters); full recomputation repeats the forward's.
+- pipeline: one point-to-point activation send forward and one gradient back per micro-batch
+  and virtual stage (scatter/gather optimisation: 1/tp of it per rank, Narayanan et al. 2021).
+- context parallel (ring attention, Liu et al. 2023): K and V pass around the cp ring,
+  forward once and backward twice (K/V and their gradients), hidden behind attention.
+- expert parallel: two all-to-alls (dispatch, combine) forward and two backward per MoE layer.
+
+Overlap: data-parallel sync runs under the remaining backward of the last micro-batch,
+about 2/3 of its compute (``overlap_fraction``); ZeRO-3's forward all-gathers under the
+forward. What does not fit is exposed. Tensor, pipeline and expert communication is
+counted as exposed. Pipeline bubble: (p-1)/m of the compute for GPipe and 1F1B (a
+fraction (p-1)/(m+p-1) of the step), divided by v for interleaving, by 3 for ZB-H1
+(Qi et al. 2023).
+
+MFU = model FLOPs / (step time x GPUs x peak); HFU uses hardware FLOPs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from paratrain.config import ModelConfig
+from paratrain.plan import ParallelPlan
+from paratrain.systems import collectives as coll
+from paratrain.systems.hardware import Hardware
+from paratrain.systems.layout import group_link, span, split_batch, stage_layers
+from paratrain.systems.memory import Precision, params_per_gpu, recipe
+from paratrain.systems.models import as_shape
+
+OVERLAP_FRACTION = 2 / 3  # backward's share of compute (2 of 6N per token)
+
+
+def bubble_fraction(schedule: str, pp: int, m: int, v: int = 1) -> float:
+    """Idle fraction of a pipeline step: (p-1)/(m+p-1) for GPipe and 1F1B (Huang et al.
+    2019; Narayanan et al. 2021); interleaving with v chunks divides the bubble by v;
+    ZB-H1 by about 3 (Qi et al. 2023, with equal F, B, W times)."""
+    b = bubble_over_compute(schedule, pp, m, v)
+    return b / (1 + b)
+
+
+def bubble_over_compute(schedule: str, pp: int, m: int, v: int = 1) -> float:
+    """Bubble time divided by the ideal (bubble-free) compute time."""
+    if pp == 1:
+        return 0.0
+    b = (pp - 1) / m
+    if schedule == "interleaved":
+        return b / v
+    if schedule == "zb-h1":
+        return b / 3
+    return b
+
+
+def dp_sync_wire_bytes(payload_bytes: float, p: int, zero: int, micro_batches: int = 1
+                       ) -> float:
+    """Bytes each data-parallel rank sends per step for its gradient sync: 2(p-1)/p x
+    payload for ZeRO 0-2, (2m+1)(p-1)/p for ZeRO-3 with m micro-batches (3(p-1)/p at m=1)."""
+    if zero < 3:
+        return coll.wire_bytes("all_reduce", "ring", p, payload_bytes)
+    ag = coll.wire_bytes("all_gather", "ring", p, payload_bytes)
+    return 2 * micro_batches * ag + coll.wire_bytes("reduce_scatter", "ring", p, payload_bytes)
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """Predicted time of one optimizer step and its utilisation (seconds, FLOPs)."""
+
+    compute_s: float
+    bubble_s: float
+    dp_comm_s: float
+    dp_exposed_s: float
+    tp_comm_s: float
+    pp_comm_s: float
+    cp_comm_s: float
+    cp_exposed_s: float
+    ep_comm_s: float
+    model_flops: float
+    hardware_flops: float
+    gpus: int
+    peak_flops: float
+    dp_wire_bytes: float
+    tp_wire_bytes: float
+    overlap: bool
+
+    @property
+    def comm_s(self) -> float:
+        return self.dp_comm_s + self.tp_comm_s + self.pp_comm_s + self.cp_comm_s + \
+            self.ep_comm_s
+
+    @property
+    def exposed_comm_s(self) -> float:
+        return self.dp_exposed_s + self.tp_comm_s + self.pp_comm_s + self.cp_exposed_s + \
+            self.ep_comm_s
+
+    @property
+    def step_sync_s(self) -> float:
+        """Nothing overlapped: compute, bubble, then every collective waits its turn."""
+        return self.compute_s + self.bubble_s + self.comm_s
+
+    @property
+    def step_overlap_s(self) -> float:
+        return self.compute_s + self.bubble_s + self.exposed_comm_s
+
+    @property
+    def step_s(self) -> float:
+        """The plan's own step: overlapped if ``plan.overlap``."""
+        return self.step_overlap_s if self.overlap else self.step_sync_s
+
+    def _util(self, flops: float, t: float) -> float:
+        return flops / (t * self.gpus * self.peak_flops)
+
+    @property
+    def mfu_sync(self) -> float:
+        return self._util(self.model_flops, self.step_sync_s)
+
+    @property
+    def mfu_overlap(self) -> float:
+        return self._util(self.model_flops, self.step_overlap_s)
+
+    @property
+    def hfu_sync(self) -> float:
+        return self._util(self.hardware_flops, self.step_sync_s)
+
+    @property
+    def hfu_overlap(self) -> float:
+        return self._util(self.hardware_flops, self.step_overlap_s)
+
+    @property
+    def mfu(self) -> float:
+        return self._util(self.model_flops, self.step_s)
+
+    @property
+    def hfu(self) -> float:
+        return self._util(self.hardware_flops, self.step_s)
+
+    @property
+    def tflops_per_gpu(self) -> float:
+        """Achieved model TFLOP/s per GPU at the plan's step time."""
+        return self.model_flops / self.step_s / self.gpus / 1e12
+
+
+def recompute_flops_per_token(model: ModelConfig, recompute: str, seq_len: int) -> float:
+    """Extra hardware FLOPs per token that recomputation adds (a forward is 1/3 of 6N +
+    12 L H Q T; selective recomputes only the attention scores and values)."""
+    m = as_shape(model)
+    if recompute == "full":
+        return m.flops_per_token(seq_len) / 3
+    if recompute == "selective":
+        return m.attention_flops_per_token(seq_len) / 3
+    return 0.0
+
+
+def step_time(model: ModelConfig, plan: ParallelPlan, hw: Hardware, tokens_per_step: int,
+              seq_len: int, *, eta: float | None = None,
+              overlap_fraction: float = OVERLAP_FRACTION,
+              precision: str | Precision = "bf16-adam", dp_algorithm: str = "ring") -> StepTime:
+    """Predict one optimizer step of ``plan`` on ``plan.world_size`` GPUs of ``hw``."""
+    m = as_shape(model)
+    prec = recipe(precision) if isinstance(precision, str) else precision
+    batch = split_batch(tokens_per_step, seq_len, plan)
+    gpus = plan.world_size
+    eta = hw.eta if eta is None else eta
+    if not 0 < eta <= 1:
+        raise ValueError(f"eta={eta} must be in (0, 1]; pass e.g. --eta 0.473")
+    mb = plan.micro_batches
+
+    model_flops = m.flops_per_token(seq_len) * tokens_per_step
+    hw_flops = model_flops + recompute_flops_per_token(m, plan.recompute, seq_len) * \
+        tokens_per_step
+    rate = gpus * hw.peak_flops * eta
+    compute_s = hw_flops / rate
+    bubble_s = compute_s * bubble_over_compute(plan.schedule, plan.pp, mb, plan.virtual_stages)
+    compute_mb = compute_s / mb  # one micro-batch's forward + backward on a stage
+
+    # ---- data parallel (dense over dp*cp, experts over dp*cp/ep) ----------------------
+    p = params_per_gpu(m, plan)
+    dp_comm = dp_exposed = dp_wire = 0.0
+    groups = ((p.dense, plan.dp * plan.cp, plan.tp),
+              (p.expert, plan.dp * plan.cp // plan.ep, plan.tp * plan.ep))
+    for params, d, stride in groups:
+        if d == 1 or params == 0:
+            continue
+        payload = params * prec.grad_bytes
+        a, bw = hw.link(span(d, stride))
+        kw = {"gpus_per_node": max(1, min(d, hw.gpus_per_node // stride)),
+              "intra_alpha_s": hw.intra_alpha, "intra_bw_bytes_per_s": hw.intra_bw}
+        dp_wire += dp_sync_wire_bytes(payload, d, plan.zero, mb)
+        if plan.zero < 3:
+            t = coll.time_s("all_reduce", dp_algorithm, d, payload, a, bw, **kw)
+            dp_comm += t
+            dp_exposed += max(0.0, t - overlap_fraction * compute_mb)
+        else:
+            t_ag = coll.time_s("all_gather", dp_algorithm, d, payload, a, bw, **kw)
+            t_rs = coll.time_s("reduce_scatter", dp_algorithm, d, payload, a, bw, **kw)
+            dp_comm += 2 * mb * t_ag + t_rs
+            fwd, bwd = (1 - overlap_fraction) * compute_mb, overlap_fraction * compute_mb
+            dp_exposed += (mb * max(0.0, t_ag - fwd) + (mb - 1) * max(0.0, t_ag - bwd)
+                           + max(0.0, t_ag + t_rs - bwd))
+
+    layers = stage_layers(m.n_layers, plan.pp)
+    act_bytes = batch.micro_batch * batch.local_seq * m.d_model * prec.act_bytes
+
+    # ---- tensor parallel -----------------------------------------------------------------
+    tp_comm = tp_wire = 0.0
+    if plan.tp > 1:
+        a, bw = group_link(plan, "tp", hw)
+        n_ar = 4 + (2 if plan.recompute == "full" else 0)
+        count = mb * layers * n_ar
+        tp_comm = count * coll.time_s("all_reduce", "ring", plan.tp, act_bytes, a, bw)
+        tp_wire = count * coll.wire_bytes("all_reduce", "ring", plan.tp, act_bytes)
+
+    # ---- pipeline point-to-point -------------------------------------------------------------
+    pp_comm = 0.0
+    if plan.pp > 1:
+        a, bw = hw.link(plan.tp * plan.cp * plan.dp + 1)
+        send = a + act_bytes / plan.tp / bw
+        pp_comm = 2 * mb * plan.virtual_stages * send
+
+    # ---- context parallel (ring attention) -------------------------------------------------
+    cp_comm = cp_exposed = 0.0
+    if plan.cp > 1:
+        a, bw = group_link(plan, "cp", hw)
+        kv_bytes = 2 * batch.micro_batch * batch.local_seq * m.kv_heads * m.head_dim * \
+            prec.act_bytes / plan.tp
+        per_layer = 3 * coll.time_s("all_gather", "ring", plan.cp, plan.cp * kv_bytes, a, bw)
+        cp_comm = mb * layers * per_layer
+        attn_s = m.attention_flops_per_token(seq_len) * tokens_per_step / rate
+        cp_exposed = max(0.0, cp_comm - attn_s)
+
+    # ---- expert parallel all-to-all -----------------------------------------------------------
+    ep_comm = 0.0
+    if plan.ep > 1 and m.is_moe:
+        a, bw = group_link(plan, "ep", hw)
+        moe_layers = m.moe_layers * layers / m.n_layers
+        payload = act_bytes * m.top_k
+        ep_comm = mb * moe_layers * 4 * coll.time_s("all_to_all", "naive", plan.ep, payload,
+                                                    a, bw)
+
+    if not plan.overlap:
+        dp_exposed, cp_exposed = dp_comm, cp_comm
+    return StepTime(compute_s, bubble_s, dp_comm, dp_exposed, tp_comm, pp_comm, cp_comm,
+                    cp_exposed, ep_comm, model_flops, hw_flops, gpus, hw.peak_flops, dp_wire,
+                    tp_wire, plan.overlap)
