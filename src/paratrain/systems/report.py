@@ -51,6 +51,11 @@ def build_report(model: ModelConfig, hw: Hardware, plan: ParallelPlan, tokens_pe
         mem = memory(m, pz, hw, tokens_per_step, seq_len, prec)
         zero_rows.append({
             "zero": z,
+            "weights_bytes": mem.weights_bytes,
+            "grads_bytes": mem.grads_bytes,
+            "optimizer_bytes": mem.optimizer_bytes,
+            "activations_bytes": mem.activations_bytes + mem.logits_bytes,
+            "buffers_bytes": mem.buffers_bytes,
             "states_bytes": mem.states_bytes,
             "total_bytes": mem.total_bytes,
             "fits": mem.fits,

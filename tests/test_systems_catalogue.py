@@ -1,0 +1,106 @@
+"""Catalogues: every entry loads, counts derive from shape, user files, clear errors,
+and importing the systems model does not import torch."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from paratrain.systems import collectives as coll
+from paratrain.systems.hardware import Hardware, hardware_names, load_hardware
+from paratrain.systems.models import load_model, model_names
+
+REQUIRED_HW = ["v100", "a100-40gb", "a100", "h100", "h200", "b200", "mi300x", "tpu-v4",
+               "tpu-v5p"]
+
+
+def test_importing_systems_does_not_import_torch():
+    code = ("import importlib, pkgutil, sys, paratrain.systems as s, paratrain.viz.plan_plots\n"
+            "for m in pkgutil.iter_modules(s.__path__): importlib.import_module(s.__name__ + "
+            "'.' + m.name)\n"
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.parametrize("name", REQUIRED_HW)
+def test_required_hardware(name):
+    hw = load_hardware(name)
+    assert hw.peak_flops > 0 and hw.hbm_bytes > 0
+    assert hw.topology == ("torus" if name.startswith("tpu") else "switch")
+
+
+def test_every_hardware_entry_loads_and_aliases_are_case_insensitive():
+    for n in hardware_names():
+        assert isinstance(load_hardware(n), Hardware)
+    assert load_hardware("H100") == load_hardware("h100-sxm5") == load_hardware("H100-SXM5-80GB")
+    assert load_hardware("h100").peak_flops_fp8 == 1979e12
+
+
+@pytest.mark.parametrize("name, params", [
+    ("llama2-7b", 6_738_415_616), ("llama2-13b", 13_015_864_320),
+    ("llama2-70b", 68_976_648_192), ("llama3-8b", 8_030_261_248),
+    ("llama3-70b", 70_553_706_496), ("llama3-405b", 405_853_388_800),
+])
+def test_llama_counts(name, params):
+    assert load_model(name).num_params() == params
+
+
+def test_published_sizes():
+    assert round(load_model("gpt3-175b").num_params() / 1e9) == 175
+    assert round(load_model("palm-540b").num_params() / 1e9) == 540
+    mix = load_model("mixtral-8x7b")
+    assert round(mix.num_params() / 1e9, 1) == 46.7 and round(mix.active_params() / 1e9, 1) \
+        == 12.9
+    ds = load_model("deepseek-v3")
+    assert round(ds.num_params() / 1e9) == 671 and round(ds.active_params() / 1e9) == 38
+    assert len(model_names()) >= 10
+
+
+def test_user_files(tmp_path):
+    fields = {k: v for k, v in vars(load_hardware("h100")).items() if v is not None}
+    p = tmp_path / "this-machine.json"
+    p.write_text(json.dumps({**fields, "name": "cpu box", "inter_bw": 1e9}))
+    assert load_hardware(str(p)).inter_bw == 1e9
+    del fields["intra_bw"]
+    q = tmp_path / "broken.toml"
+    q.write_text("\n".join(f"{k} = {json.dumps(v)}" for k, v in fields.items()))
+    with pytest.raises(ValueError, match="missing key.*intra_bw"):
+        load_hardware(str(q))
+    m = tmp_path / "tiny.toml"
+    m.write_text("n_layers = 2\nd_model = 64\nn_heads = 4\nd_ff = 128\nvocab_size = 256\n")
+    assert load_model(str(m)).num_params() > 0
+
+
+def test_unknown_names_list_the_known_ones():
+    with pytest.raises(ValueError, match="unknown hardware 'h1000'.*h100"):
+        load_hardware("h1000")
+    with pytest.raises(ValueError, match="unknown model 'llama9'.*llama2-7b"):
+        load_model("llama9")
+    with pytest.raises(ValueError, match="does not exist"):
+        load_hardware("/nonexistent/x.toml")
+
+
+def test_collective_errors_and_small_groups():
+    with pytest.raises(ValueError, match="all_to_all has no ring"):
+        coll.steps("all_to_all", "ring", 4)
+    with pytest.raises(ValueError, match="power of two"):
+        coll.steps("all_reduce", "halving_doubling", 6)
+    with pytest.raises(ValueError, match="unknown"):
+        coll.wire_bytes("allreduce", "ring", 4, 1.0)
+    for op in coll.OPS:
+        assert coll.wire_bytes(op, "naive", 1, 1e9) == 0.0
+    assert coll.time_s("all_reduce", "ring", 1, 1e9, 1e-5, 1e9) == 0.0
+
+
+def test_hierarchical_all_reduce_uses_both_links():
+    n, a_i, b_i, a_o, b_o = 1e9, 1e-6, 400e9, 1e-5, 50e9
+    t = coll.time_s("all_reduce", "hierarchical", 64, n, a_o, b_o, gpus_per_node=8,
+                    intra_alpha_s=a_i, intra_bw_bytes_per_s=b_i)
+    expect = 2 * (7 * a_i + 7 / 8 * n / b_i) + 14 * a_o + 2 * 7 / 8 * (n / 8) / b_o
+    assert t == pytest.approx(expect)
+    assert coll.steps("all_reduce", "hierarchical", 64) == 7 + 14 + 7
+    assert t < coll.time_s("all_reduce", "ring", 64, n, a_o, b_o)
