@@ -96,3 +96,13 @@ def test_tensor_parallel_comm_priced_on_nvlink():
     act = 8 * 4096 * 4096 * 2
     one = 14 * hw.intra_alpha + 2 * 7 / 8 * act / hw.intra_bw
     assert s.tp_comm_s == pytest.approx(32 * 4 * one)
+
+
+def test_sharded_gradients_sync_every_micro_batch():
+    from paratrain.systems.step_time import dp_sync_wire_bytes
+
+    n, p = 1e9, 8
+    piece = 7 / 8 * n
+    assert dp_sync_wire_bytes(n, p, 1, micro_batches=4) == pytest.approx(2 * piece)
+    assert dp_sync_wire_bytes(n, p, 2, micro_batches=4) == pytest.approx(5 * piece)
+    assert dp_sync_wire_bytes(n, p, 3, micro_batches=4) == pytest.approx(12 * piece)

@@ -8,10 +8,11 @@ hardware FLOPs / (GPUs x peak x eta).
 Communication per step, each priced with :mod:`paratrain.systems.collectives` on the
 slowest link its group spans (:mod:`paratrain.systems.layout`):
 
-- data parallel (dp x cp ranks): ZeRO 0 ring all-reduce of the gradients; ZeRO 1/2
-  reduce-scatter of gradients + all-gather of weights (the same 2(p-1)/p bytes); ZeRO 3
-  all-gathers weights for forward and backward of every micro-batch plus one
-  reduce-scatter: 3(p-1)/p x payload with one micro-batch.
+- data parallel (dp x cp ranks): ZeRO 0 ring all-reduce of the gradients; ZeRO 1
+  reduce-scatter of gradients + all-gather of weights (the same 2(p-1)/p bytes); ZeRO 2
+  reduce-scatters every micro-batch; ZeRO 3 also all-gathers the weights for forward and
+  backward of every micro-batch: 3(p-1)/p x payload with one micro-batch
+  (:func:`dp_sync_wire_bytes`).
 - tensor parallel (Shoeybi et al. 2019): 2 all-reduces of the layer's activations in
   forward and 2 in backward per layer and micro-batch (with sequence parallelism: the
   same bytes as all-gathers + reduce-scatters); full recomputation repeats the forward's.
@@ -22,11 +23,11 @@ slowest link its group spans (:mod:`paratrain.systems.layout`):
 - expert parallel: two all-to-alls (dispatch, combine) forward and two backward per MoE layer.
 
 Overlap: data-parallel sync runs under the remaining backward of the last micro-batch,
-about 2/3 of its compute (``overlap_fraction``); ZeRO-3's forward all-gathers under the
-forward. What does not fit is exposed. Tensor, pipeline and expert communication is
-counted as exposed. Pipeline bubble: (p-1)/m of the compute for GPipe and 1F1B (a
-fraction (p-1)/(m+p-1) of the step), divided by v for interleaving, by 3 for ZB-H1
-(Qi et al. 2023).
+about 2/3 of its compute (``overlap_fraction``); ZeRO-2/3 reduce-scatters under each
+micro-batch's backward, their all-gathers under a forward (the other 1/3). What does
+not fit is exposed. Tensor, pipeline and expert communication is counted as exposed.
+Pipeline bubble: (p-1)/m of the compute for GPipe and 1F1B (a fraction (p-1)/(m+p-1) of
+the step), divided by v for interleaving, by 3 for ZB-H1 (Qi et al. 2023).
 
 MFU = model FLOPs / (step time x GPUs x peak); HFU uses hardware FLOPs.
 """
@@ -68,12 +69,20 @@ def bubble_over_compute(schedule: str, pp: int, m: int, v: int = 1) -> float:
 
 def dp_sync_wire_bytes(payload_bytes: float, p: int, zero: int, micro_batches: int = 1
                        ) -> float:
-    """Bytes each data-parallel rank sends per step for its gradient sync: 2(p-1)/p x
-    payload for ZeRO 0-2, (2m+1)(p-1)/p for ZeRO-3 with m micro-batches (3(p-1)/p at m=1)."""
-    if zero < 3:
+    """Bytes each data-parallel rank sends per step for its gradient sync, m micro-batches:
+
+    ZeRO 0/1: one all-reduce (1: reduce-scatter + all-gather), 2(p-1)/p x payload.
+    ZeRO 2: gradients are sharded, so each micro-batch reduce-scatters, then one
+    all-gather of the weights: (m + 1)(p-1)/p (2(p-1)/p at m = 1).
+    ZeRO 3: each micro-batch all-gathers the weights for forward and again for backward
+    and reduce-scatters its gradients: 3m(p-1)/p (3(p-1)/p at m = 1).
+    """
+    piece = coll.wire_bytes("all_gather", "ring", p, payload_bytes)  # (p-1)/p x payload
+    if zero <= 1:
         return coll.wire_bytes("all_reduce", "ring", p, payload_bytes)
-    ag = coll.wire_bytes("all_gather", "ring", p, payload_bytes)
-    return 2 * micro_batches * ag + coll.wire_bytes("reduce_scatter", "ring", p, payload_bytes)
+    if zero == 2:
+        return (micro_batches + 1) * piece
+    return 3 * micro_batches * piece
 
 
 @dataclass(frozen=True)
@@ -200,17 +209,20 @@ def step_time(model: ModelConfig, plan: ParallelPlan, hw: Hardware, tokens_per_s
         kw = {"gpus_per_node": max(1, min(d, hw.gpus_per_node // stride)),
               "intra_alpha_s": hw.intra_alpha, "intra_bw_bytes_per_s": hw.intra_bw}
         dp_wire += dp_sync_wire_bytes(payload, d, plan.zero, mb)
-        if plan.zero < 3:
+        fwd, bwd = (1 - overlap_fraction) * compute_mb, overlap_fraction * compute_mb
+        if plan.zero <= 1:
             t = coll.time_s("all_reduce", dp_algorithm, d, payload, a, bw, **kw)
             dp_comm += t
-            dp_exposed += max(0.0, t - overlap_fraction * compute_mb)
-        else:
-            t_ag = coll.time_s("all_gather", dp_algorithm, d, payload, a, bw, **kw)
-            t_rs = coll.time_s("reduce_scatter", dp_algorithm, d, payload, a, bw, **kw)
-            dp_comm += 2 * mb * t_ag + t_rs
-            fwd, bwd = (1 - overlap_fraction) * compute_mb, overlap_fraction * compute_mb
-            dp_exposed += (mb * max(0.0, t_ag - fwd) + (mb - 1) * max(0.0, t_ag - bwd)
-                           + max(0.0, t_ag + t_rs - bwd))
+            dp_exposed += max(0.0, t - bwd)
+            continue
+        t_ag = coll.time_s("all_gather", dp_algorithm, d, payload, a, bw, **kw)
+        t_rs = coll.time_s("reduce_scatter", dp_algorithm, d, payload, a, bw, **kw)
+        if plan.zero == 2:  # reduce-scatter under each backward, all-gather under a forward
+            dp_comm += mb * t_rs + t_ag
+            dp_exposed += mb * max(0.0, t_rs - bwd) + max(0.0, t_ag - fwd)
+        else:  # ZeRO-3: gather for forward, gather + reduce-scatter under backward
+            dp_comm += mb * (2 * t_ag + t_rs)
+            dp_exposed += mb * (max(0.0, t_ag - fwd) + max(0.0, t_ag + t_rs - bwd))
 
     layers = stage_layers(m.n_layers, plan.pp)
     act_bytes = batch.micro_batch * batch.local_seq * m.d_model * prec.act_bytes
