@@ -1,0 +1,344 @@
+"""Data parallelism as people run it: flat gradient buckets reduced while backward runs.
+
+Public API (composable: any parameter list, any process group, e.g. a mesh's ``dp``
+axis and one pipeline stage's possibly tensor-sharded parameters)::
+
+    buckets = BucketedAllReduce(params, group=None, bucket_mb=25, overlap=True,
+                                impl="native")   # or GradBuckets(..., mode="reduce_scatter")
+    buckets.set_sync(last_micro_step)   # before each backward: communicate this time?
+    loss.backward()                     # hooks launch each full bucket's async all-reduce
+    stats = buckets.finish()            # after the last backward: launch the rest, wait
+    ... clip, optimizer.step() ...
+    buckets.zero_grad()                 # zero the flat buffers (and rebuild once, below)
+
+    DDPEngine(model, cfg, device, plan, group=None)  # the Engine the plan selects for zero=0
+
+How it works (after PyTorch's reducer, Li et al. 2020, "PyTorch Distributed"):
+
+- Trainable parameters are packed into flat buckets of at most ``bucket_mb`` MB, in
+  *reverse registration order* (roughly the order backward produces their gradients).
+  Each ``p.grad`` is a view into its bucket, so autograd accumulates straight into the
+  flat buffer and nothing is copied.
+- A post-accumulate-grad hook counts the ready parameters of each bucket; the moment a
+  bucket is complete on a *sync* backward, its all-reduce is launched asynchronously and
+  backward continues. ``finish`` launches what is left (everything, with overlap off)
+  and waits, just before the optimizer step.
+- Gradient accumulation: on micro-steps with ``set_sync(False)`` nothing is sent; the
+  buffers keep accumulating. Correctness never depends on the flag: ``finish`` always
+  reduces every bucket once; the flag only decides *when* a bucket may go early.
+- After the first step, the buckets are rebuilt once in the observed gradient-ready
+  order (if it differs), like PyTorch's reducer. Sharded stages (:mod:`zero`) keep their
+  first layout because optimizer-state ownership is tied to it.
+- Exposed communication is the wall time ``finish`` waits after backward ended; hidden
+  communication is the part of the in-flight intervals (launch to observed completion)
+  that lay inside backward.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from paratrain.optim import set_lr
+from paratrain.parallel.data import DataParallel
+from paratrain.parallel.ddp_comm import GroupComm, Handle
+from paratrain.parallel.engine import CommStats
+
+log = logging.getLogger(__name__)
+
+MODES = ("all_reduce", "reduce_scatter")
+
+
+@dataclass
+class DPCommStats(CommStats):
+    """CommStats plus the overlap picture: ``seconds`` is the exposed wait."""
+
+    hidden_s: float = 0.0  # communication that ran while backward was still computing
+    buckets: int = 0  # collectives launched for this step
+    launched_early: int = 0  # of which launched from backward hooks
+
+
+def _union_inside(intervals: list[tuple[float, float]], end: float) -> float:
+    """Length of the union of [a, b) intervals, each clipped to end before ``end``."""
+    total, cur_a, cur_b = 0.0, None, None
+    for a, b in sorted((a, min(b, end)) for a, b in intervals if a < end):
+        if cur_b is None or a > cur_b:
+            if cur_b is not None:
+                total += cur_b - cur_a
+            cur_a, cur_b = a, b
+        else:
+            cur_b = max(cur_b, b)
+    if cur_b is not None:
+        total += cur_b - cur_a
+    return total
+
+
+@dataclass
+class Bucket:
+    """Parameters sharing one flat gradient buffer of ``padded`` elements.
+
+    ``offsets[i]`` is where ``params[i]`` starts; elements ``[numel, padded)`` are zero
+    padding so that reduce-scatter can cut the buffer into ``p`` equal chunks.
+    """
+
+    params: list[nn.Parameter]
+    offsets: list[int]
+    numel: int
+    padded: int
+    grad: torch.Tensor | None = None  # (padded,) flat gradient, or None when freed
+    grad_shard: torch.Tensor | None = None  # (padded / p,) owned reduced chunk (sharded modes)
+    ready: int = 0
+    handle: Handle | None = None
+    early: bool = False
+    index: dict = field(default_factory=dict)  # id(param) -> position in params
+
+
+def pack(params: list[nn.Parameter], cap_bytes: int, pad_to: int) -> list[Bucket]:
+    """Greedy packing in the given order; a parameter larger than the cap gets its own
+    bucket. Each bucket's length is padded to a multiple of ``pad_to``."""
+    groups, cur, cur_bytes = [], [], 0
+    for p in params:
+        b = p.numel() * p.element_size()
+        if cur and cur_bytes + b > cap_bytes:
+            groups.append(cur)
+            cur, cur_bytes = [], 0
+        cur.append(p)
+        cur_bytes += b
+    if cur:
+        groups.append(cur)
+    out = []
+    for g in groups:
+        offs, n = [], 0
+        for p in g:
+            offs.append(n)
+            n += p.numel()
+        padded = -(-n // pad_to) * pad_to
+        out.append(Bucket(g, offs, n, padded, index={id(p): i for i, p in enumerate(g)}))
+    return out
+
+
+class GradBuckets:
+    """Bucketed, overlapped gradient reduction over ``comm``'s group.
+
+    ``mode="all_reduce"``: every rank ends with the summed gradient in ``p.grad``.
+    ``mode="reduce_scatter"``: rank r ends with chunk r of each bucket's sum in
+    ``bucket.grad_shard``; with ``persistent=False`` (ZeRO-2) the full flat buffer only
+    exists while its bucket is being filled and sent, ``p.grad`` is released the moment
+    it is copied in, and every backward reduces (the owned chunk accumulates).
+    """
+
+    def __init__(self, params, comm: GroupComm, bucket_mb: float = 25.0,
+                 overlap: bool = True, mode: str = "all_reduce", persistent: bool = True,
+                 rebuild: bool = True) -> None:
+        if mode not in MODES:
+            raise ValueError(f"mode={mode!r} is unknown; choose one of {', '.join(MODES)}")
+        if bucket_mb <= 0:
+            raise ValueError(f"bucket_mb={bucket_mb} must be positive, e.g. 25")
+        if mode == "all_reduce" and not persistent:
+            raise ValueError("persistent=False frees gradients after a reduce-scatter; "
+                             "use mode='reduce_scatter'")
+        self.comm = comm
+        self.mode = mode
+        self.persistent = persistent
+        self.overlap = overlap
+        self.cap_bytes = int(bucket_mb * 1024 * 1024)
+        self.params = [p for p in params if p.requires_grad]
+        self.pad_to = comm.size if mode == "reduce_scatter" else 1
+        self.sync = True
+        self.rebuild_pending = rebuild
+        self.observed: list[int] = []  # id(param) in gradient-ready order, first step only
+        self._recording = True
+        self._bucket_of: dict[int, Bucket] = {}
+        self._build(list(reversed(self.params)))
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_ready) for p in self.params]
+        self._intervals: list[tuple[float, float]] = []
+        self._bytes_mark = comm.bytes_sent
+        self.comm_buffer_peak = 0  # bytes of flat buffers alive at once (transient mode)
+
+    # ---- layout -------------------------------------------------------------------
+    def _build(self, order: list[nn.Parameter]) -> None:
+        self.buckets = pack(order, self.cap_bytes, self.pad_to)
+        self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        for b in self.buckets:
+            like = b.params[0]
+            if self.persistent:
+                b.grad = torch.zeros(b.padded, dtype=like.dtype, device=like.device)
+                for p, off in zip(b.params, b.offsets, strict=True):
+                    p.grad = b.grad[off:off + p.numel()].view_as(p)
+            if self.mode == "reduce_scatter":
+                b.grad_shard = torch.zeros(b.padded // self.comm.size, dtype=like.dtype,
+                                           device=like.device)
+
+    def layout(self) -> str:
+        """One line per bucket: size and the parameter shapes it holds (first few)."""
+        lines = [f"{len(self.buckets)} gradient buckets ({self.mode}, cap "
+                 f"{self.cap_bytes / 2**20:g} MB, overlap {'on' if self.overlap else 'off'}):"]
+        for i, b in enumerate(self.buckets):
+            shapes = ", ".join("x".join(map(str, p.shape)) for p in b.params[:4])
+            more = f" +{len(b.params) - 4}" if len(b.params) > 4 else ""
+            mb = b.padded * b.params[0].element_size() / 1e6
+            lines.append(f"  bucket {i}: {len(b.params)} params, {b.numel} elements "
+                         f"(padded {b.padded}), {mb:.3f} MB [{shapes}{more}]")
+        return "\n".join(lines)
+
+    # ---- backward hooks -----------------------------------------------------------
+    def set_sync(self, sync: bool) -> None:
+        """Whether the coming backward is the last micro-step (communicates early)."""
+        self.sync = sync
+
+    def _on_ready(self, p: nn.Parameter) -> None:
+        if self._recording:
+            self.observed.append(id(p))
+        b = self._bucket_of[id(p)]
+        if not self.persistent:  # ZeRO-2: copy into the transient buffer, release p.grad
+            if b.grad is None:
+                b.grad = torch.zeros(b.padded, dtype=p.dtype, device=p.device)
+                self._note_buffers()
+            off = b.offsets[b.index[id(p)]]
+            b.grad[off:off + p.numel()].add_(p.grad.reshape(-1))
+            p.grad = None
+        b.ready += 1
+        if b.ready == len(b.params) and self.sync and self.overlap:
+            self._launch(b, early=True)
+        for other in self.buckets:  # observe completions to measure hidden time
+            if other.handle is not None:
+                other.handle.is_completed()
+
+    def _launch(self, b: Bucket, early: bool = False) -> None:
+        if self.mode == "all_reduce":
+            b.handle = self.comm.all_reduce(b.grad, async_op=True)
+        else:
+            out = torch.empty_like(b.grad_shard)
+            b.handle = self.comm.reduce_scatter(out, b.grad, async_op=True)
+            b.handle.then = self._make_accumulate(b, out)
+        b.early = early
+
+    def _make_accumulate(self, b: Bucket, out: torch.Tensor):
+        def then():
+            b.grad_shard.add_(out)
+            if not self.persistent:
+                b.grad = None  # the non-owned gradient memory goes as soon as it is sent
+        return then
+
+    def _note_buffers(self) -> None:
+        live = sum(b.grad.numel() * b.grad.element_size() for b in self.buckets
+                   if b.grad is not None)
+        self.comm_buffer_peak = max(self.comm_buffer_peak, live)
+
+    # ---- after backward -----------------------------------------------------------
+    def end_backward(self) -> DPCommStats | None:
+        """Call after every backward. Transient (ZeRO-2) buckets must be reduced before
+        the next backward reuses them, so they are finished here; otherwise nothing."""
+        self._recording = False
+        if self.persistent and not self.sync:
+            for b in self.buckets:
+                b.ready = 0
+            return None
+        if not self.persistent and not self.sync:
+            return self._finish_all()
+        return None
+
+    def finish(self) -> DPCommStats:
+        """After the last micro-step's backward: reduce whatever is not yet in flight,
+        wait for all, and report exposed vs hidden time and bytes."""
+        self._recording = False
+        return self._finish_all()
+
+    def _finish_all(self) -> DPCommStats:
+        t_end = time.perf_counter()
+        launched = sum(1 for b in self.buckets if b.handle is not None)
+        early = sum(1 for b in self.buckets if b.handle is not None and b.early)
+        for b in self.buckets:
+            if b.handle is None and b.grad is not None:
+                self._launch(b)
+                launched += 1
+        intervals = []
+        for b in self.buckets:
+            if b.handle is not None:
+                b.handle.wait()
+                intervals.append((b.handle.launched_s, b.handle.done_s))
+                b.handle = None
+            b.ready = 0
+            if not self.persistent:
+                b.grad = None
+        exposed = time.perf_counter() - t_end
+        mark, self._bytes_mark = self._bytes_mark, self.comm.bytes_sent
+        payload = sum(b.padded * b.params[0].element_size() for b in self.buckets)
+        return DPCommStats(seconds=exposed, payload_bytes=payload,
+                           wire_bytes=self.comm.bytes_sent - mark,
+                           hidden_s=_union_inside(intervals, t_end), buckets=launched,
+                           launched_early=early)
+
+    def zero_grad(self) -> None:
+        """Zero the flat buffers after the step; rebuild the layout once from the
+        observed gradient-ready order."""
+        if self.rebuild_pending and self.persistent and self.mode == "all_reduce":
+            self.rebuild_pending = False
+            by_id = {id(p): p for p in self.params}
+            seen = list(dict.fromkeys(self.observed))
+            order = [by_id[i] for i in seen] + [p for p in reversed(self.params)
+                                                 if id(p) not in set(seen)]
+            if [id(p) for p in order] != [id(p) for b in self.buckets for p in b.params]:
+                log.info("rebuilding gradient buckets in the observed ready order")
+                self._build(order)
+                return
+        for b in self.buckets:
+            if b.grad is not None and self.persistent:
+                b.grad.zero_()
+            if b.grad_shard is not None:
+                b.grad_shard.zero_()
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+
+def BucketedAllReduce(params, group=None, bucket_mb: float = 25.0, overlap: bool = True,
+                      impl: str = "native") -> GradBuckets:
+    """DDP's reducer on ``group``: summed gradients in ``p.grad`` after ``finish()``."""
+    return GradBuckets(params, GroupComm(group, impl), bucket_mb, overlap, "all_reduce")
+
+
+class DDPEngine(DataParallel):
+    """``--zero 0``: bucketed, overlapped all-reduce; accumulation without communication
+    on all but the last micro-step (counted against ``plan.micro_batches``)."""
+
+    def __init__(self, model, cfg, device, plan, group=None) -> None:
+        super().__init__(model, cfg, device, group)
+        self.comm = GroupComm(group, plan.collectives)
+        self.buckets = GradBuckets(model.parameters(), self.comm, plan.bucket_mb,
+                                   plan.overlap, "all_reduce")
+        self.micro_batches = plan.micro_batches if plan.pp == 1 else 1
+        self._micro = 0
+        self.steps_done = 0
+        log.info(self.buckets.layout())
+
+    def forward_backward(self, x_BT, y_BT, n_tokens_global: int) -> float:
+        self._micro += 1
+        self.buckets.set_sync(self._micro >= self.micro_batches)
+        loss = super().forward_backward(x_BT, y_BT, n_tokens_global)
+        self.buckets.end_backward()
+        return loss
+
+    def reduce_gradients(self) -> DPCommStats:
+        self._micro = 0
+        return self.buckets.finish()
+
+    def clip_and_step(self, lr: float) -> float:
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        clip = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(params, clip, foreach=False)
+        set_lr(self.opt, lr)
+        self.opt.step()
+        self.buckets.zero_grad()
+        self.steps_done += 1
+        return float(norm)
+
+    def report(self) -> dict:
+        return {"bucket_layout": self.buckets.layout(), "wire_bytes_total": self.comm.bytes_sent,
+                "steps": self.steps_done}

@@ -1,0 +1,315 @@
+"""ZeRO-3 / FSDP: parameters sharded at rest, gathered per unit just in time.
+
+Public API (composable: any list of module groups, e.g. one pipeline stage's blocks,
+any group, e.g. a mesh's ``dp`` axis)::
+
+    fs = FullyShard(units, group, cfg, impl="native", param_dtype=None)
+         # units: list of module lists in forward order, e.g. default_units(model)
+    loss.backward(); fs.end_backward()     # per micro-step
+    stats = fs.finish()                     # wait for the last reduce-scatters
+    norm = fs.step(lr)                      # global-norm clip, AdamW on the owned shards
+
+    FSDPEngine(model, cfg, device, plan, group=None)   # the Engine for --zero 3
+
+Life of a unit (Zhao et al. 2023, "PyTorch FSDP"; Rajbhandari et al. 2020, ZeRO-3):
+
+- At rest a unit is one flat vector (its parameters in registration order, padded to a
+  multiple of p) of which rank r keeps chunk r (``shard``, the FP32 master); every
+  ``p.data`` is an empty tensor.
+- Before the forward of any of its modules it is all-gathered (``p.data`` become views of
+  the gathered buffer) and, while it computes, the next unit in forward order is
+  prefetched. After the forward of its last module it is freed again, and a hook is put
+  on that module's output gradient: when backward reaches it, the unit is gathered again
+  and the unit before it (in reverse forward order) is prefetched.
+- Each gradient is copied into the unit's flat gradient buffer as autograd produces it
+  (``p.grad`` released); when all trainable parameters of the unit have theirs, the
+  buffer is reduce-scattered asynchronously into the owned chunk (which accumulates
+  over micro-steps; every micro-step reduces) and the gathered parameters are freed. A
+  unit holding a frozen parameter is freed at the end of backward instead (a frozen
+  parameter's last use is not signalled by a gradient).
+- Wire bytes per step and micro-batch: all-gather (p-1)/p twice + reduce-scatter
+  (p-1)/p = 3(p-1)/p x payload.
+- Mixed precision: ``param_dtype`` (BF16 under ``--dtype bfloat16``) is what is gathered
+  and computed with; gradients are reduced and the update is done in the FP32 master
+  dtype of the shards.
+- A parameter shared by two units (tied embeddings) is refused by :class:`FullyShard`;
+  :func:`default_units` merges the embedding and the head into one root unit instead,
+  gathered from the embedding's forward to the head's and again for the whole backward.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from paratrain.config import TrainConfig
+from paratrain.parallel.data import DataParallel
+from paratrain.parallel.ddp import DPCommStats, _union_inside
+from paratrain.parallel.ddp_comm import GroupComm, Handle
+from paratrain.parallel.zero import FlatShard, ShardedAdamW, owned_segments
+
+log = logging.getLogger(__name__)
+
+
+def default_units(model: nn.Module) -> list[list[nn.Module]]:
+    """The Decoder's units in forward order: embedding, each block, (final norm, head);
+    with tied embeddings the embedding joins the head's unit (one root unit, first)."""
+    emb, head = [model.tok_emb], [model.norm, model.head]
+    blocks = [[b] for b in model.blocks]
+    if model.head.weight is model.tok_emb.weight:
+        return [emb + head, *blocks]
+    return [emb, *blocks, head]
+
+
+@dataclass
+class Unit:
+    name: str
+    modules: list[nn.Module]
+    params: list[nn.Parameter]
+    offsets: list[int]
+    numel: int
+    padded: int
+    shard: torch.Tensor  # (padded / p,) owned chunk, master dtype
+    grad_shard: torch.Tensor | None  # (padded / p,) reduced, accumulated gradient chunk
+    n_trainable: int
+    has_frozen: bool
+    full: torch.Tensor | None = None  # (padded,) gathered parameters, param dtype
+    gather: Handle | None = None
+    grad_full: torch.Tensor | None = None  # (padded,) this backward's gradients
+    ready: int = 0
+    reduce: list = field(default_factory=list)  # in-flight reduce-scatter handles
+    index: dict = field(default_factory=dict)
+
+
+class FullyShard:
+    """ZeRO-3 over ``units`` (module lists in forward order) on ``group``."""
+
+    def __init__(self, units: list[list[nn.Module]], group, cfg: TrainConfig,
+                 impl: str = "native", param_dtype: torch.dtype | None = None) -> None:
+        self.comm = GroupComm(group, impl)
+        p, r = self.comm.size, self.comm.rank
+        owner: dict[int, int] = {}
+        self.units: list[Unit] = []
+        for i, mods in enumerate(units):
+            params = []
+            for m in mods:
+                for q in m.parameters():
+                    if id(q) in owner and owner[id(q)] != i:
+                        raise ValueError(f"a parameter of shape {tuple(q.shape)} is shared by "
+                                         f"units {owner[id(q)]} and {i}; put those modules "
+                                         "in one unit (see default_units)")
+                    if id(q) not in owner:
+                        owner[id(q)] = i
+                        params.append(q)
+            self.units.append(self._make_unit(f"unit{i}", mods, params, p, r))
+        self.master_dtype = self.units[0].shard.dtype
+        self.param_dtype = param_dtype or self.master_dtype
+        for u in self.units:
+            self._free(u)
+            for m in u.modules:
+                m.register_forward_pre_hook(lambda _m, _a, u=u: self._pre_forward(u))
+            u.modules[-1].register_forward_hook(lambda _m, _a, out, u=u: self._post_forward(u, out))
+            for q in u.params:
+                if q.requires_grad:
+                    q.register_post_accumulate_grad_hook(lambda q, u=u: self._on_grad(u, q))
+        shards = [FlatShard(u.shard, u.grad_shard,
+                            owned_segments(u.params, u.offsets, r * (u.padded // p),
+                                           (r + 1) * (u.padded // p), u.shapes))
+                  for u in self.units if u.grad_shard is not None]
+        self.adam = ShardedAdamW(shards, self.comm, cfg)
+        self._fwd_order: list[Unit] = []
+        self.wait_s = 0.0  # time blocked on gathers this step
+        self.gathered_peak = 0  # bytes of gathered parameter + gradient buffers at once
+
+    @staticmethod
+    @torch.no_grad()
+    def _make_unit(name, mods, params, p, r) -> Unit:
+        offsets, n = [], 0
+        for q in params:
+            offsets.append(n)
+            n += q.numel()
+        padded = -(-n // p) * p
+        s = padded // p
+        flat = torch.zeros(padded, dtype=params[0].dtype, device=params[0].device)
+        for q, off in zip(params, offsets, strict=True):
+            flat[off:off + q.numel()].copy_(q.reshape(-1))
+        trainable = sum(q.requires_grad for q in params)
+        shard = flat[r * s:(r + 1) * s].clone()
+        grad_shard = torch.zeros_like(shard) if trainable else None
+        u = Unit(name, mods, params, offsets, n, padded, shard, grad_shard, trainable,
+                 trainable < len(params))
+        u.index = {id(q): i for i, q in enumerate(params)}
+        u.shapes = [q.shape for q in params]
+        return u
+
+    def layout(self) -> str:
+        lines = [f"{len(self.units)} FSDP units over {self.comm.size} ranks "
+                 f"(gather dtype {self.param_dtype}, prefetch 1 ahead):"]
+        for u in self.units:
+            kinds = ", ".join(type(m).__name__ for m in u.modules)
+            lines.append(f"  {u.name}: [{kinds}] {len(u.params)} params, {u.numel} elements, "
+                         f"shard {u.padded // self.comm.size}")
+        return "\n".join(lines)
+
+    # ---- gather / free ------------------------------------------------------------
+    def _launch_gather(self, u: Unit) -> None:
+        if u.full is not None or u.gather is not None:
+            return
+        full = torch.empty(u.padded, dtype=self.param_dtype, device=u.shard.device)
+        u.gather = self.comm.all_gather(full, u.shard.to(self.param_dtype), async_op=True)
+        u.gather_buf = full
+
+    def _ensure(self, u: Unit) -> None:
+        if u.full is not None:
+            return
+        self._launch_gather(u)
+        t0 = time.perf_counter()
+        u.gather.wait()
+        self.wait_s += time.perf_counter() - t0
+        u.full, u.gather, u.gather_buf = u.gather_buf, None, None
+        for q, off, shape in zip(u.params, u.offsets, u.shapes, strict=True):
+            q.data = u.full[off:off + shape.numel()].view(shape)
+        self._note_peak()
+
+    def _free(self, u: Unit) -> None:
+        empty = torch.empty(0, dtype=self.param_dtype, device=u.shard.device)
+        for q in u.params:
+            q.data = empty
+        u.full = None
+
+    def _note_peak(self) -> None:
+        live = sum(u.padded for u in self.units if u.full is not None) * \
+            torch.empty((), dtype=self.param_dtype).element_size()
+        live += sum(u.padded * u.shard.element_size() for u in self.units
+                    if u.grad_full is not None)
+        self.gathered_peak = max(self.gathered_peak, live)
+
+    # ---- hooks ----------------------------------------------------------------------
+    def _pre_forward(self, u: Unit) -> None:
+        self._ensure(u)
+        i = self.units.index(u)
+        if i + 1 < len(self.units):
+            self._launch_gather(self.units[i + 1])
+
+    def _post_forward(self, u: Unit, out) -> None:
+        if torch.is_grad_enabled() and torch.is_tensor(out) and out.requires_grad:
+            self._fwd_order.append(u)
+            out.register_hook(lambda _g, u=u: self._pre_backward(u))
+        self._free(u)
+
+    def _pre_backward(self, u: Unit) -> None:
+        self._ensure(u)
+        order = self._fwd_order[::-1]
+        i = order.index(u)
+        if i + 1 < len(order) and order[i + 1].ready < order[i + 1].n_trainable:
+            self._launch_gather(order[i + 1])
+
+    def _on_grad(self, u: Unit, q: nn.Parameter) -> None:
+        if u.grad_full is None:
+            u.grad_full = torch.zeros(u.padded, dtype=self.master_dtype, device=u.shard.device)
+            self._note_peak()
+        off = u.offsets[u.index[id(q)]]
+        u.grad_full[off:off + q.numel()].add_(q.grad.reshape(-1))
+        q.grad = None
+        u.ready += 1
+        if u.ready == u.n_trainable:
+            self._reduce(u)
+            if not u.has_frozen:
+                self._free(u)
+
+    def _reduce(self, u: Unit) -> None:
+        out = torch.empty_like(u.grad_shard)
+        h = self.comm.reduce_scatter(out, u.grad_full, async_op=True)
+        h.then = lambda: u.grad_shard.add_(out)
+        u.reduce.append(h)
+        u.grad_full = None  # the handle keeps the buffer alive until sent
+
+    # ---- per micro-step / per step ----------------------------------------------------
+    def end_backward(self) -> None:
+        """After each backward: free what is still gathered, reduce what never
+        completed (unused parameters), forget this forward's order."""
+        for u in self.units:
+            if u.grad_full is not None:
+                self._reduce(u)
+            if u.full is not None:
+                self._free(u)
+            u.ready = 0
+        self._fwd_order = []
+
+    def finish(self) -> DPCommStats:
+        t_end = time.perf_counter()
+        intervals = []
+        for u in self.units:
+            for h in u.reduce:
+                h.wait()
+                intervals.append((h.launched_s, h.done_s))
+            u.reduce = []
+        exposed = time.perf_counter() - t_end
+        payload = sum(u.padded for u in self.units) * self.master_dtype.itemsize
+        stats = DPCommStats(seconds=exposed + self.wait_s, payload_bytes=payload,
+                            hidden_s=_union_inside(intervals, t_end),
+                            buckets=len(intervals))
+        self.wait_s = 0.0
+        return stats
+
+    def step(self, lr: float) -> float:
+        norm = self.adam.clip_and_step(lr)
+        for u in self.units:
+            if u.grad_shard is not None:
+                u.grad_shard.zero_()
+        return norm
+
+    def state_tensors(self) -> dict[str, list[torch.Tensor]]:
+        return {"params": [u.shard for u in self.units],
+                "grads": [u.grad_shard for u in self.units if u.grad_shard is not None],
+                "optimizer": self.adam.state_tensors()}
+
+
+class FSDPEngine(DataParallel):
+    """``--zero 3`` on the data-parallel group, units from :func:`default_units`."""
+
+    def __init__(self, model, cfg, device, plan, group=None) -> None:
+        super().__init__(model, cfg, device, group)
+        pdt = torch.bfloat16 if cfg.dtype == "bfloat16" else None
+        self.fs = FullyShard(default_units(model), group, cfg, plan.collectives, pdt)
+        self.autocast = self.autocast and pdt is None
+        self.opt = self.fs.adam.opt
+        self.comm = self.fs.comm
+        self._mark = 0.0
+        self.steps_done = 0
+        log.info(self.fs.layout())
+
+    def forward_backward(self, x_BT, y_BT, n_tokens_global: int) -> float:
+        loss = super().forward_backward(x_BT, y_BT, n_tokens_global)
+        self.fs.end_backward()
+        return loss
+
+    def reduce_gradients(self) -> DPCommStats:
+        stats = self.fs.finish()
+        stats.wire_bytes = self.comm.bytes_sent - self._mark
+        self._mark = self.comm.bytes_sent
+        return stats
+
+    def clip_and_step(self, lr: float) -> float:
+        self.steps_done += 1
+        return self.fs.step(lr)
+
+    def state_tensors(self) -> dict[str, list[torch.Tensor]]:
+        return self.fs.state_tensors()
+
+    def report(self) -> dict:
+        return {"bucket_layout": self.fs.layout(), "wire_bytes_total": self.comm.bytes_sent,
+                "steps": self.steps_done}
+
+    def state_dict(self) -> dict:
+        return {"shards": [u.shard for u in self.fs.units], "optim": self.opt.state_dict()}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict) -> None:
+        for u, s in zip(self.fs.units, state["shards"], strict=True):
+            u.shard.copy_(s)
+        self.opt.load_state_dict(state["optim"])
