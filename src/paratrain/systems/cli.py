@@ -37,7 +37,13 @@ def plan(
                                                    "hardware's, 0.473 for H100)."),
     precision: str = typer.Option("bf16-adam", help="bf16-adam (16 B/param) or fp32-adam."),
     json_out: bool = typer.Option(False, "--json", help="Print the numbers as JSON."),
-    plot: str | None = typer.Option(None, help="Write memory and step-time PNGs to DIR."),
+    plot: str | None = typer.Option(None, help="Write memory and step-time PNGs to DIR "
+                                                "(with --search: the Pareto front)."),
+    search: bool = typer.Option(False, "--search", help="Search every layout that fits; "
+                                                        "rank by predicted step time."),
+    top: int = typer.Option(10, help="With --search: how many layouts to show."),
+    global_batch: int | None = typer.Option(None, help="Global batch in sequences "
+                                                       "(overrides --tokens)."),
 ) -> None:
     """Price a parallel plan: memory per GPU, wire bytes, step time, MFU (no GPU needed).
 
@@ -52,6 +58,11 @@ def plan(
     hw = load_hardware(hardware)
     if gpus < 1:
         raise ValueError(f"gpus={gpus} must be >= 1; pass e.g. --gpus 64")
+    if global_batch is not None:
+        tokens = global_batch * seq_len
+    if search:
+        _search(m, hw, gpus, tokens, seq_len, top, eta, json_out, plot)
+        return
     if dp is None:
         rest = tp * pp * cp
         if rest < 1 or gpus % rest:
@@ -77,6 +88,34 @@ def plan(
         for path in write_plan_plots(rep, plot):
             if not json_out:
                 print(f"wrote {path}")
+
+
+def _search(m, hw, gpus, tokens, seq_len, top, eta, json_out, plot) -> None:
+    from paratrain.systems.search import candidate_record, explain, render_search, search
+
+    if top < 1:
+        raise ValueError(f"top={top} must be >= 1; pass e.g. --top 10")
+    res = search(m, hw, gpus, tokens, seq_len, top=top, eta=eta, keep_points=bool(plot))
+    hw = hw if eta is None else hw.replace(eta=eta)
+    lines = explain(res, m, hw)
+    if json_out:
+        import json
+
+        print(json.dumps({"model": m.name, "hardware": hw.name, "gpus": gpus,
+                          "tokens_per_step": tokens, "seq_len": seq_len,
+                          "scored": res.scored, "fitting": res.fitting,
+                          "elapsed_s": res.elapsed_s, "layouts_per_s": res.layouts_per_s,
+                          "top": [candidate_record(c) for c in res.top], "why": lines},
+                         indent=2))
+    else:
+        render_search(res, lines, f"{m.name} on {gpus} x {hw.name}, {tokens:,} tokens/step, "
+                                  f"sequence {seq_len}: fastest layouts that fit")
+    if plot:
+        from paratrain.viz.plan_plots import plot_pareto
+
+        path = plot_pareto(res, plot, f"{m.name} on {gpus} x {hw.name}")
+        if not json_out:
+            print(f"wrote {path}")
 
 
 def register(app: typer.Typer) -> None:

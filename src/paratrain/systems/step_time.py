@@ -239,7 +239,7 @@ def step_time(model: ModelConfig, plan: ParallelPlan, hw: Hardware, tokens_per_s
     # ---- pipeline point-to-point -------------------------------------------------------------
     pp_comm = 0.0
     if plan.pp > 1:
-        a, bw = hw.link(plan.tp * plan.cp * plan.dp + 1)
+        a, bw = group_link(plan, "pp", hw)  # the slowest hop between neighbouring stages
         send = a + act_bytes / plan.tp / bw
         pp_comm = 2 * mb * plan.virtual_stages * send
 

@@ -100,3 +100,34 @@ def write_plan_plots(rep: dict, out_dir: str | Path) -> list[Path]:
     d = Path(out_dir)
     d.mkdir(parents=True, exist_ok=True)
     return [plot_memory(rep, d / "memory.png"), plot_step_time(rep, d / "step_time.png")]
+
+
+def plot_pareto(result, out_dir: str | Path, title: str) -> Path:
+    """Step time vs memory per GPU of every fitting layout of a search, Pareto front marked
+    (``result`` is a :class:`paratrain.systems.search.SearchResult`)."""
+    plt = _plt()
+    d = Path(out_dir)
+    d.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    if result.points:
+        t, mem = zip(*result.points, strict=True)
+        ax.scatter(t, [x / GB for x in mem], s=4, alpha=0.3, color="#999999",
+                   label="layouts that fit")
+    front = result.pareto()
+    if front:
+        ft, fm = zip(*front, strict=True)
+        ax.step(ft, [x / GB for x in fm], where="post", color="#C44E52", label="Pareto front")
+        ax.scatter(ft, [x / GB for x in fm], s=14, color="#C44E52")
+    best = result.top[0]
+    ax.scatter([best.step_s], [best.memory.total_bytes / GB], s=80, marker="*",
+               color="#4C72B0", zorder=3, label="fastest")
+    ax.set_xlabel("predicted step time (s)")
+    ax.set_ylabel("memory per GPU (GB)")
+    ax.set_xscale("log")
+    ax.set_title(f"{title}: {result.fitting:,} layouts that fit", fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    out = d / "search_pareto.png"
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out

@@ -1,0 +1,256 @@
+"""`paratrain plan --search`: enumerate every valid layout, drop those that do not fit,
+rank the rest by predicted step time.
+
+Axes: tp (powers of two up to one node, dividing the heads), cp (powers of two up to 16,
+at least 1024 tokens per rank), pp (divisors of what is left, at most the layers), dp
+(the rest, dividing the batch), ep (MoE: powers of two dividing dp and the experts),
+micro-batch size (divisors of the per-replica batch, so accumulation or pipeline
+micro-batches follow), schedule (GPipe, 1F1B, interleaved with v = 2 or 4, ZB-H1), ZeRO
+stage 0-3, recomputation none/selective/full. Sequence parallelism is always on when
+tp > 1: it moves the same bytes as tensor parallelism alone (all-gather + reduce-scatter
+= all-reduce) and divides the remaining activations by tp, so it dominates.
+
+The winner is explained in the rules of thumb of DESIGN.md: tensor parallel inside a node,
+pipeline or FSDP across nodes until the model fits, data parallel for the rest, gradient
+accumulation when the batch is small.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from paratrain.config import ModelConfig
+from paratrain.plan import ParallelPlan
+from paratrain.systems.hardware import Hardware
+from paratrain.systems.memory import Memory, memory
+from paratrain.systems.models import as_shape
+from paratrain.systems.step_time import StepTime, bubble_fraction, step_time
+
+ZERO_STAGES = (0, 1, 2, 3)
+RECOMPUTES = ("none", "selective", "full")
+
+
+def _divisors(n: int) -> list[int]:
+    small = [d for d in range(1, int(n ** 0.5) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
+
+
+def _pow2_upto(n: int) -> list[int]:
+    out, k = [], 1
+    while k <= n:
+        out.append(k)
+        k *= 2
+    return out
+
+
+@dataclass(frozen=True)
+class Candidate:
+    plan: ParallelPlan
+    micro_batch: int  # sequences per micro-batch per data-parallel rank
+    memory: Memory
+    time: StepTime
+
+    @property
+    def step_s(self) -> float:
+        return self.time.step_s
+
+
+@dataclass
+class SearchResult:
+    top: list[Candidate]
+    scored: int  # layouts priced (memory at least)
+    fitting: int
+    elapsed_s: float
+    points: list[tuple[float, float]] = field(default_factory=list)  # (step_s, bytes)
+
+    @property
+    def layouts_per_s(self) -> float:
+        return self.scored / self.elapsed_s if self.elapsed_s > 0 else float("inf")
+
+    def pareto(self) -> list[tuple[float, float]]:
+        """Fitting layouts no other beats on both step time and memory."""
+        front, best_mem = [], float("inf")
+        for t, mem in sorted(self.points):
+            if mem < best_mem:
+                front.append((t, mem))
+                best_mem = mem
+        return front
+
+
+def enumerate_plans(model: ModelConfig, hw: Hardware, gpus: int, sequences: int,
+                    seq_len: int, *, zero_stages=ZERO_STAGES, recomputes=RECOMPUTES,
+                    max_micro_batch: int = 64) -> Iterator[tuple[ParallelPlan, int]]:
+    """Every valid (plan, micro-batch size) for ``gpus`` GPUs and a global batch of
+    ``sequences`` sequences of ``seq_len`` tokens."""
+    m = as_shape(model)
+    for tp in _pow2_upto(min(hw.gpus_per_node, gpus)):
+        if m.n_heads % tp or m.kv_heads % tp or gpus % tp:
+            continue
+        for cp in _pow2_upto(16):
+            if gpus % (tp * cp) or seq_len % cp or (cp > 1 and seq_len // cp < 1024):
+                continue
+            for pp in _divisors(gpus // (tp * cp)):
+                if pp > m.n_layers:
+                    break
+                dp = gpus // (tp * cp * pp)
+                if sequences % dp:
+                    continue
+                per_replica = sequences // dp
+                eps = [e for e in _pow2_upto(min(dp, m.n_experts)) if dp % e == 0 and
+                       m.n_experts % e == 0] if m.is_moe else [1]
+                for b in _divisors(per_replica):
+                    if b > max_micro_batch:
+                        break
+                    mb = per_replica // b
+                    scheds = [("1f1b", 1)] if pp == 1 else [("gpipe", 1), ("1f1b", 1),
+                                                            ("zb-h1", 1)]
+                    if pp > 1 and mb % pp == 0:
+                        scheds += [("interleaved", v) for v in (2, 4) if pp * v <= m.n_layers]
+                    for sched, v in scheds:
+                        for ep in eps:
+                            for zero in (zero_stages if dp * cp > 1 else (0,)):
+                                for rc in recomputes:
+                                    yield ParallelPlan(
+                                        dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=zero,
+                                        sp=tp > 1, micro_batches=mb, schedule=sched,
+                                        virtual_stages=v, recompute=rc), b
+
+
+def search(model: ModelConfig, hw: Hardware, gpus: int, tokens_per_step: int, seq_len: int,
+           *, top: int = 10, eta: float | None = None, keep_points: bool = True,
+           **enum_kw) -> SearchResult:
+    """Price every layout; return the ``top`` fitting ones by predicted step time."""
+    if tokens_per_step % seq_len:
+        raise ValueError(
+            f"tokens_per_step={tokens_per_step} is not a multiple of seq_len={seq_len}; "
+            "pick a whole number of sequences"
+        )
+    if eta is not None:
+        hw = hw.replace(eta=eta)
+    m = as_shape(model)
+    t0 = time.perf_counter()
+    scored = fitting = 0
+    best: list[Candidate] = []
+    worst_kept = float("inf")
+    points = []
+    for plan, b in enumerate_plans(m, hw, gpus, tokens_per_step // seq_len, seq_len,
+                                   **enum_kw):
+        scored += 1
+        mem = memory(m, plan, hw, tokens_per_step, seq_len)
+        if not mem.fits:
+            continue
+        fitting += 1
+        st = step_time(m, plan, hw, tokens_per_step, seq_len)
+        if keep_points:
+            points.append((st.step_s, mem.total_bytes))
+        if len(best) < top or st.step_s < worst_kept:
+            best.append(Candidate(plan, b, mem, st))
+            best.sort(key=lambda c: (c.step_s, c.memory.total_bytes))
+            del best[top:]
+            worst_kept = best[-1].step_s
+    elapsed = time.perf_counter() - t0
+    if not best:
+        raise ValueError(
+            f"no layout of {m.name} fits {gpus} x {hw.name} ({hw.hbm_bytes / 1e9:.0f} GB) "
+            f"with {tokens_per_step} tokens per step; use more GPUs or a smaller batch"
+        )
+    return SearchResult(best, scored, fitting, elapsed, points)
+
+
+def explain(result: SearchResult, model: ModelConfig, hw: Hardware) -> list[str]:
+    """Why the winner wins, in the language of the rules of thumb."""
+    m = as_shape(model)
+    c = result.top[0]
+    p, st, mem = c.plan, c.time, c.memory
+    gb = 1e9
+    lines = []
+    if p.tp > 1:
+        where = "inside one node" if p.tp <= hw.gpus_per_node else "across nodes"
+        lines.append(
+            f"tensor parallel {p.tp} {where} ({hw.intra_bw / gb:.0f} GB/s links): its "
+            f"per-layer collectives cost {st.tp_comm_s:.3g} s per step, cheap only on the "
+            "node's fast links; sequence parallelism splits the remaining activations")
+    else:
+        lines.append("no tensor parallelism: the layers fit whole, so no per-layer "
+                     "collectives are needed")
+    if p.pp > 1 or p.zero:
+        how = []
+        if p.pp > 1:
+            how.append(f"pipeline {p.pp} across nodes ({p.schedule}"
+                       f"{f', v={p.virtual_stages}' if p.virtual_stages > 1 else ''}, "
+                       f"bubble {100 * bubble_fraction(p.schedule, p.pp, p.micro_batches, p.virtual_stages):.1f}%)")  # noqa: E501
+        if p.zero:
+            how.append(f"ZeRO-{p.zero} over {p.dp * p.cp} data ranks")
+        lines.append(f"{' and '.join(how)} until the model fits: model states "
+                     f"{mem.states_bytes / gb:.1f} GB, total {mem.total_bytes / gb:.1f} of "
+                     f"{hw.hbm_bytes / gb:.0f} GB per GPU")
+    else:
+        lines.append(f"no pipeline or sharding needed: the model states "
+                     f"({mem.states_bytes / gb:.1f} GB) fit replicated")
+    lines.append(f"data parallel {p.dp} for the rest: gradient sync {st.dp_comm_s:.3g} s, "
+                 f"{st.dp_exposed_s:.3g} s of it exposed after overlap with backward")
+    if p.cp > 1:
+        lines.append(f"context parallel {p.cp}: each sequence is split over {p.cp} ranks, "
+                     "dividing its activations; ring attention hides the K/V passes "
+                     f"(exposed {st.cp_exposed_s:.3g} s)")
+    if p.micro_batches > 1 and p.pp == 1:
+        lines.append(f"gradient accumulation over {p.micro_batches} micro-batches of "
+                     f"{c.micro_batch} sequence(s): the activations of the whole per-replica "
+                     "batch would not fit (or cost more) at once")
+    elif p.pp > 1:
+        lines.append(f"{p.micro_batches} micro-batches of {c.micro_batch} sequence(s) keep "
+                     "the pipeline bubble small")
+    if p.recompute != "none":
+        lines.append(f"{p.recompute} recomputation: trades {100 * (st.hardware_flops / st.model_flops - 1):.0f}% "  # noqa: E501
+                     "more FLOPs for activation memory")
+    # what the runner-up choices would have cost, one axis at a time
+    for axis in ("tp", "pp", "zero", "recompute"):
+        alt = next((x for x in result.top[1:] if getattr(x.plan, axis) != getattr(p, axis)),
+                   None)
+        if alt is not None:
+            lines.append(f"best with {axis}={getattr(alt.plan, axis)} instead: "
+                         f"{100 * (alt.step_s / c.step_s - 1):+.1f}% step time")
+    if m.is_moe and p.ep > 1:
+        lines.append(f"expert parallel {p.ep}: each rank keeps {m.n_experts // p.ep} experts")
+    return lines
+
+
+def candidate_record(c: Candidate) -> dict:
+    p = c.plan
+    return {"dp": p.dp, "tp": p.tp, "pp": p.pp, "cp": p.cp, "ep": p.ep, "zero": p.zero,
+            "sp": p.sp, "micro_batches": p.micro_batches, "micro_batch_seqs": c.micro_batch,
+            "schedule": p.schedule, "virtual_stages": p.virtual_stages,
+            "recompute": p.recompute, "step_s": c.step_s, "mfu": c.time.mfu,
+            "hfu": c.time.hfu, "memory_bytes": c.memory.total_bytes,
+            "compute_s": c.time.compute_s, "bubble_s": c.time.bubble_s,
+            "exposed_comm_s": c.time.exposed_comm_s}
+
+
+def render_search(result: SearchResult, lines: list[str], title: str, console=None) -> None:
+    from rich import box
+    from rich.console import Console
+    from rich.table import Table
+
+    con = console or Console()
+    t = Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
+    cols = ("#", "dp", "tp", "pp", "cp", "ep", "zero", "mb x seqs", "schedule", "recomp",
+            "step s", "MFU%", "GB")
+    for col in cols:
+        t.add_column(col, justify="right", no_wrap=True)
+    for i, c in enumerate(result.top, 1):
+        p = c.plan
+        sched = p.schedule if p.pp > 1 else "-"
+        if p.virtual_stages > 1:
+            sched += f" v{p.virtual_stages}"
+        t.add_row(str(i), str(p.dp), str(p.tp), str(p.pp), str(p.cp), str(p.ep), str(p.zero),
+                  f"{p.micro_batches}x{c.micro_batch}", sched, p.recompute[:4],
+                  f"{c.step_s:.3f}", f"{100 * c.time.mfu:.1f}",
+                  f"{c.memory.total_bytes / 1e9:.1f}")
+    con.print(t)
+    con.print("[bold]why the winner wins[/]")
+    for line in lines:
+        con.print(f"  - {line}")
+    con.print(f"scored {result.scored:,} layouts ({result.fitting:,} fit) in "
+              f"{result.elapsed_s:.2f} s: {result.layouts_per_s:,.0f} layouts/s")

@@ -1,0 +1,86 @@
+"""`paratrain plan --search`: known optima on hand-checkable cases, only fitting layouts,
+speed at Llama 3 405B scale, CLI."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from paratrain.cli import main
+from paratrain.systems.hardware import load_hardware
+from paratrain.systems.memory import memory
+from paratrain.systems.models import ModelShape, load_model
+from paratrain.systems.search import enumerate_plans, search
+from paratrain.systems.step_time import step_time
+
+SMALL = ModelShape(name="small", n_layers=8, d_model=1024, n_heads=8, d_ff=2816,
+                   vocab_size=32000, context=2048)
+
+
+def test_small_model_in_one_node_is_pure_data_parallel():
+    """Everything fits replicated and the node is fast: plain DP, no recomputation.
+    (Accumulating costs nothing here while the sync stays hidden, so ties go to the
+    layout with less memory.)"""
+    hw = load_hardware("h100")
+    res = search(SMALL, hw, 8, 64 * 2048, 2048, top=5)
+    p = res.top[0].plan
+    assert (p.dp, p.tp, p.pp, p.cp, p.recompute) == (8, 1, 1, 1, "none")
+    assert res.top[0].time.dp_exposed_s == 0
+
+
+def test_slow_network_puts_the_pipeline_across_nodes():
+    """Two nodes on a slow network and a small batch of a wide model: gradients (GBs) must
+    not cross it; the pipeline's activations (2 x tokens x d_model x 2 bytes) may."""
+    wide = SMALL.replace(d_model=4096, n_heads=32, d_ff=11008)
+    hw = load_hardware("h100").replace(inter_bw=1e8)
+    res = search(wide, hw, 16, 16 * 2048, 2048, top=3)
+    p = res.top[0].plan
+    assert p.pp >= 2 and (p.dp * p.cp - 1) * p.tp + 1 <= 8  # data ranks share a node
+
+
+def test_best_is_the_minimum_over_all_fitting_layouts():
+    hw = load_hardware("a100-40gb")
+    m = load_model("llama2-7b")
+    tokens, seq = 64 * 4096, 4096
+    res = search(m, hw, 16, tokens, seq, top=20)
+    brute = min(step_time(m, p, hw, tokens, seq).step_s
+                for p, _ in enumerate_plans(m, hw, 16, 64, seq)
+                if memory(m, p, hw, tokens, seq).fits)
+    assert res.top[0].step_s == pytest.approx(brute)
+    steps = [c.step_s for c in res.top]
+    assert steps == sorted(steps)
+    for c in res.top:  # never a layout that does not fit
+        mem = memory(m, c.plan, hw, tokens, seq)
+        assert mem.fits and mem.total_bytes <= hw.hbm_bytes
+        assert c.plan.world_size == 16
+
+
+def test_no_fitting_layout_is_a_clear_error():
+    with pytest.raises(ValueError, match="no layout of Llama 3 405B fits 8"):
+        search(load_model("llama3-405b"), load_hardware("h100"), 8, 8 * 8192, 8192)
+
+
+def test_llama3_405b_on_16k_gpus_is_fast():
+    res = search(load_model("llama3-405b"), load_hardware("h100"), 16384, 16 * 2**20, 8192,
+                 keep_points=False)
+    assert res.elapsed_s < 5 and res.scored > 10_000
+    assert res.top[0].memory.fits
+
+
+def test_cli_search_json_and_plot(tmp_path, capsys):
+    out = tmp_path / "plots"
+    rc = main(["plan", "--search", "--json", "--model", "llama2-7b", "--gpus", "64",
+               "--top", "3", "--plot", str(out)])
+    assert rc == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert len(rep["top"]) == 3 and rep["layouts_per_s"] > 0 and rep["why"]
+    assert rep["top"][0]["step_s"] <= rep["top"][-1]["step_s"]
+    png = out / "search_pareto.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_search_text(capsys):
+    assert main(["plan", "--search", "--gpus", "8", "--global-batch", "64", "--top", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "why the winner wins" in out and "layouts/s" in out
