@@ -1,0 +1,330 @@
+"""Run a :class:`~paratrain.comm.schedule.Schedule` on a process group with isend/irecv.
+
+How one round runs on gloo (the default path):
+
+1. The receives of round j were posted while round j-1 was finishing (so a neighbour
+   that races ahead finds a posted receive, not a rendezvous stall); sends of round j are
+   posted once round j-1's results they read are final.
+2. Every message is cut into pieces of ``piece_bytes``: we wait for piece q, add it into
+   its place (or copy it), and meanwhile gloo's I/O threads are moving pieces q+1.. of
+   this round and pieces of the next round. That is the segmented pipeline gloo's own
+   ring uses; it hides the reduction behind the wire.
+
+Deadlock avoidance: gloo's send is a rendezvous (it completes only once the peer posted
+the matching receive), so a blocking send followed by a receive deadlocks as soon as two
+ranks send to each other. Here nothing blocks until every receive and every send of the
+round is posted: all ranks can make progress whatever order the peers reach the round
+in. Messages between one pair of ranks match in posting order (same tag), and both sides
+derive that order from the schedule: by round, then (reduce before copy, first segment).
+A peer that never sends (a mismatched schedule, a dead rank) makes ``wait`` time out and
+we raise :class:`CommTimeoutError` naming the round, peer and segments: no hang.
+
+Memory: sends read straight from the user's buffer (slices of a contiguous vector are
+contiguous: no packing copy); copies land straight in place when safe; reductions land in
+a preallocated receive buffer (two per process, reused across calls, one per round
+parity) and are added in place into views of the user's buffer.
+
+NCCL: NCCL kernels on one stream run in order, so posting the next round's receives early
+could block a send behind them; there each round is one ``batch_isend_irecv`` group,
+waited before the next (written for completeness, not exercised by the CPU tests).
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from paratrain.comm.schedule import REDUCE, Schedule, chunk_sizes, offsets
+
+DEFAULT_PIECE_BYTES = 1 << 20
+REDUCE_OPS = ("sum", "mean", "max", "min")
+
+
+class CommTimeoutError(RuntimeError):
+    """A point-to-point wait timed out: the ranks' schedules do not match, or a peer died."""
+
+
+@dataclass
+class ExecStats:
+    """What one execution did on this rank: steps (rounds of the schedule), bytes and
+    messages it sent and received, and wall time."""
+
+    op: str
+    algorithm: str
+    p: int
+    rank: int
+    steps: int
+    bytes_sent: int = 0
+    bytes_recv: int = 0
+    messages: int = 0
+    seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class _Msg:
+    peer: int          # group rank of the other side
+    where: int         # 0: the output buffer; 1: the input buffer (all_to_all sends)
+    offset: int        # element offset in that buffer
+    length: int        # elements
+    reduce: bool
+    segs: tuple[int, ...]
+    scratch: int = -1  # offset in the round's receive buffer; -1: received in place
+
+
+@dataclass(frozen=True)
+class _Round:
+    sends: tuple[_Msg, ...]
+    recvs: tuple[_Msg, ...]
+    scratch: int       # elements of receive buffer this round needs
+
+
+def _place(s: Schedule, rank: int, seg: int, sending: bool) -> tuple[int, int]:
+    """(where, offset) of a segment in this rank's buffers."""
+    if s.layout == "flat":
+        return 0, s.seg_offsets[seg]
+    i, j = divmod(seg, s.p)  # block (i, j): rank i's chunk j, received by rank j
+    if sending:
+        return 1, offsets(chunk_sizes(s.n, s.p))[j]
+    return 0, i * chunk_sizes(s.n, s.p)[rank]
+
+
+def _messages(s: Schedule, rank: int, transfers, sending: bool) -> list[_Msg]:
+    groups: dict[tuple[int, bool], list[int]] = {}
+    for t in transfers:
+        groups.setdefault((t.dst if sending else t.src, t.op == REDUCE), []).append(t.seg)
+    out = []
+    # Both sides sort by (peer, reduce first, first segment): the pair's posting order.
+    for (peer, red), segs in sorted(groups.items(), key=lambda kv: (kv[0][0], not kv[0][1])):
+        segs.sort()
+        runs: list[list[int]] = []
+        for g in segs:
+            # coalesce neighbouring segments of a flat vector into one message
+            if runs and s.layout == "flat" and g == runs[-1][-1] + 1:
+                runs[-1].append(g)
+            else:
+                runs.append([g])
+        for run in runs:
+            length = sum(s.seg_sizes[g] for g in run)
+            if length == 0:
+                continue  # empty chunks: both sides skip them (same rule on both ends)
+            where, off = _place(s, rank, run[0], sending)
+            out.append(_Msg(peer, where, off, length, red, tuple(run)))
+    return out
+
+
+def plan(s: Schedule, rank: int) -> tuple[_Round, ...]:
+    """This rank's messages per round, with receive-buffer offsets (memoised)."""
+    key = ("plan", rank)
+    if key in s._memo:
+        return s._memo[key]
+    per = s.rank_rounds(rank)
+    sent = [{t.seg for t in snd} for snd, _ in per]
+    got = [{t.seg for t in rcv} for _, rcv in per]
+    rounds = []
+    for j, (snd, rcv) in enumerate(per):
+        # A copy may land in place only if nothing else touches those segments while the
+        # receive is outstanding: it is posted during round j-1 and must not overwrite
+        # what rounds j-1 or j still send, nor race round j-1's writes.
+        busy = sent[j] | (sent[j - 1] | got[j - 1] if j else set())
+        recvs, used = [], 0
+        for m in _messages(s, rank, rcv, sending=False):
+            if m.reduce or busy.intersection(m.segs):
+                m = _Msg(m.peer, m.where, m.offset, m.length, m.reduce, m.segs, used)
+                used += m.length
+            recvs.append(m)
+        rounds.append(_Round(tuple(_messages(s, rank, snd, sending=True)), tuple(recvs), used))
+    s._memo[key] = tuple(rounds)
+    return s._memo[key]
+
+
+_SCRATCH: dict[tuple, torch.Tensor] = {}
+
+
+def _scratch(dtype: torch.dtype, device: torch.device, parity: int, plane: int,
+             numel: int) -> torch.Tensor:
+    """Preallocated receive buffer, grown on demand and reused across calls."""
+    key = (dtype, str(device), parity, plane)
+    buf = _SCRATCH.get(key)
+    if buf is None or buf.numel() < numel:
+        buf = torch.empty(numel, dtype=dtype, device=device)
+        _SCRATCH[key] = buf
+    return buf
+
+
+def execute(s: Schedule, planes: list[tuple[torch.Tensor, torch.Tensor | None]], *,
+            group=None, reduce_op: str = "sum", piece_bytes: int = DEFAULT_PIECE_BYTES,
+            timeout_s: float = 120.0) -> ExecStats:
+    """Run ``s`` on this rank's buffers; return what it did.
+
+    ``planes``: one or more (out, inp) pairs of flat contiguous tensors moved together
+    (top-k sends values and indices side by side); ``inp`` is used only by all_to_all,
+    whose sends read the input and whose receives fill the output. ``reduce_op`` "mean"
+    reduces like "sum" (the caller divides once at the end).
+    """
+    if reduce_op not in REDUCE_OPS:
+        raise ValueError(f"op={reduce_op!r} is not supported; use one of {REDUCE_OPS}")
+    rank = dist.get_rank(group)
+    if dist.get_world_size(group) != s.p:
+        raise ValueError(f"schedule for p={s.p} run on a group of {dist.get_world_size(group)}")
+    glob = list(range(s.p)) if group is None else [dist.get_global_rank(group, i)
+                                                   for i in range(s.p)]
+    run = _Run(s, rank, planes, group, glob, reduce_op, piece_bytes, timeout_s)
+    t0 = time.perf_counter()
+    if planes[0][0].device.type == "cuda":
+        run.run_batched()
+    else:
+        run.run_gloo()
+    run.stats.seconds = time.perf_counter() - t0
+    return run.stats
+
+
+class _Run:
+    """One execution's state: posted works, pending sends per segment, counters."""
+
+    def __init__(self, s, rank, planes, group, glob, reduce_op, piece_bytes, timeout_s):
+        self.s, self.rank, self.planes, self.group, self.glob = s, rank, planes, group, glob
+        self.rounds = plan(s, rank)
+        self.reduce_op = reduce_op
+        esize = planes[0][0].element_size()
+        self.piece = max(1, piece_bytes // esize)
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.timeout_s = timeout_s
+        self.pending: dict[int, list] = {}  # segment -> sends still reading it
+        self.recv_works: dict[int, list] = {}  # round -> [(msg, plane, off, len, work)]
+        self.stats = ExecStats(s.op, s.algorithm, s.p, rank, s.steps)
+        # one receive buffer per round parity, sized for the largest round of that parity:
+        # round j+1's receives are posted while round j's buffer is still being read
+        need = [max((r.scratch for r in self.rounds[par::2]), default=0) for par in (0, 1)]
+        self.scratch = [[_scratch(out.dtype, out.device, par, i, need[par])
+                         for par in (0, 1)] for i, (out, _) in enumerate(planes)]
+
+    # -- buffers -------------------------------------------------------------------------
+    def _buf(self, plane: int, where: int) -> torch.Tensor:
+        out, inp = self.planes[plane]
+        return out if where == 0 else inp
+
+    def _pieces(self, m: _Msg):
+        for off in range(0, m.length, self.piece):
+            yield off, min(self.piece, m.length - off)
+
+    def _recv_target(self, j: int, m: _Msg, plane: int, off: int, k: int) -> torch.Tensor:
+        if m.scratch < 0:
+            return self._buf(plane, m.where)[m.offset + off:m.offset + off + k]
+        return self.scratch[plane][j % 2][m.scratch + off:m.scratch + off + k]
+
+    def _wait_sends(self, segs) -> None:
+        # A message spanning several segments is listed under each of them; gloo counts
+        # completions, so a second wait on one send would block: wait each work once.
+        for g in segs:
+            for entry in self.pending.pop(g, ()):
+                if entry[1]:
+                    self._wait(entry[0], "send to", entry[2], g)
+                    entry[1] = False
+
+    def _wait(self, work, what: str, m: _Msg | None, seg=None, j: int | None = None) -> None:
+        try:
+            work.wait(self.timeout)
+        except RuntimeError as e:
+            peer = f"group rank {m.peer}" if m else "a peer"
+            segs = m.segs if m else (seg,)
+            raise CommTimeoutError(
+                f"rank {self.rank}: {self.s.op}/{self.s.algorithm} (p={self.s.p}, "
+                f"n={self.s.n}) round {j}: {what} {peer} (segments {list(segs)}) did not "
+                f"complete within {self.timeout_s:g} s; the ranks ran mismatched schedules "
+                f"(op, algorithm, size or root differ) or a peer failed ({e})") from None
+
+    # -- gloo: post early, pipeline by pieces --------------------------------------------
+    def _post_recvs(self, j: int) -> None:
+        works = []
+        for m in self.rounds[j].recvs:
+            if m.scratch < 0:
+                self._wait_sends(m.segs)  # in-place copy: earlier sends of it must be done
+            for plane in range(len(self.planes)):
+                for off, k in self._pieces(m):
+                    t = self._recv_target(j, m, plane, off, k)
+                    works.append((m, plane, off, k,
+                                  dist.irecv(t, self.glob[m.peer], group=self.group)))
+        self.recv_works[j] = works
+
+    def _post_sends(self, j: int) -> None:
+        for m in self.rounds[j].sends:
+            ws = []
+            for plane in range(len(self.planes)):
+                src = self._buf(plane, m.where)
+                for off, k in self._pieces(m):
+                    v = src[m.offset + off:m.offset + off + k]
+                    # [work, still to wait, message]
+                    ws.append([dist.isend(v, self.glob[m.peer], group=self.group), True, m])
+                    self.stats.bytes_sent += k * v.element_size()
+                    self.stats.messages += 1
+            for g in m.segs:
+                self.pending.setdefault(g, []).extend(ws)
+
+    def _finish_recvs(self, j: int) -> None:
+        cleared = set()
+        for m, plane, off, k, w in self.recv_works.pop(j):
+            self._wait(w, "receive from", m, j=j)
+            buf = self._buf(plane, m.where)
+            self.stats.bytes_recv += k * buf.element_size()
+            if m.scratch < 0:
+                continue
+            if m not in cleared:  # we are about to write these segments
+                self._wait_sends(m.segs)
+                cleared.add(m)
+            self._apply(buf[m.offset + off:m.offset + off + k],
+                        self._recv_target(j, m, plane, off, k), m.reduce)
+
+    def _apply(self, dst: torch.Tensor, got: torch.Tensor, reduce: bool) -> None:
+        if not reduce:
+            dst.copy_(got)
+        elif self.reduce_op in ("sum", "mean"):
+            dst.add_(got)
+        elif self.reduce_op == "max":
+            torch.maximum(dst, got, out=dst)
+        else:
+            torch.minimum(dst, got, out=dst)
+
+    def run_gloo(self) -> None:
+        n = len(self.rounds)
+        if n == 0:
+            return
+        self._post_recvs(0)
+        self._post_sends(0)
+        for j in range(n):
+            if j + 1 < n:
+                self._post_recvs(j + 1)  # early: the peer's next sends find them posted
+            self._finish_recvs(j)
+            if j + 1 < n:
+                self._post_sends(j + 1)  # after round j: they read its results
+        for g in list(self.pending):
+            self._wait_sends((g,))
+
+    # -- NCCL: one batch per round -------------------------------------------------------
+    def run_batched(self) -> None:
+        for j, rnd in enumerate(self.rounds):
+            ops, recvs = [], []
+            for m in rnd.sends:
+                for plane in range(len(self.planes)):
+                    src = self._buf(plane, m.where)
+                    for off, k in self._pieces(m):
+                        v = src[m.offset + off:m.offset + off + k]
+                        ops.append(dist.P2POp(dist.isend, v, self.glob[m.peer], self.group))
+                        self.stats.bytes_sent += k * v.element_size()
+                        self.stats.messages += 1
+            for m in rnd.recvs:
+                for plane in range(len(self.planes)):
+                    for off, k in self._pieces(m):
+                        t = self._recv_target(j, m, plane, off, k)
+                        ops.append(dist.P2POp(dist.irecv, t, self.glob[m.peer], self.group))
+                        recvs.append((m, plane, off, k, t))
+            for w in (dist.batch_isend_irecv(ops) if ops else []):
+                self._wait(w, "exchange with", None, j=j)
+            for m, plane, off, k, t in recvs:
+                buf = self._buf(plane, m.where)
+                self.stats.bytes_recv += k * buf.element_size()
+                if m.scratch >= 0:
+                    self._apply(buf[m.offset + off:m.offset + off + k], t, m.reduce)
