@@ -23,6 +23,7 @@ from paratrain.data import Corpus
 from paratrain.model import Decoder
 from paratrain.optim import lr_at
 from paratrain.parallel.api import build_engine
+from paratrain.parallel.memory import ActivationMeter, format_report, memory_report
 from paratrain.perf import matmul_peak_flops
 from paratrain.plan import ParallelPlan
 
@@ -134,6 +135,7 @@ def train(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan | None = None
     model_flops = mcfg.flops_per_token(mcfg.context) * tokens
     losses, times, comms, val_loss = [], [], [], float("nan")
     payload = wire = 0.0
+    meter = ActivationMeter()  # bytes saved for backward, watched on the first micro-batch
     if log.progress is not None:
         log.progress.update(log.task, completed=start)
 
@@ -143,9 +145,12 @@ def train(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan | None = None
         x, y = corpus.batch(tcfg.seed, step, tcfg.global_batch, mcfg.context,
                             engine.dp_rank, engine.dp_size)
         loss_sum = 0.0
-        for xs, ys in zip(x.chunk(micro), y.chunk(micro), strict=True):
-            loss_sum += engine.forward_backward(xs, ys, tokens)
+        for i, (xs, ys) in enumerate(zip(x.chunk(micro), y.chunk(micro), strict=True)):
+            with meter.watch(step == start and i == 0):
+                loss_sum += engine.forward_backward(xs, ys, tokens)
         comm = engine.reduce_gradients()
+        if step == end - 1:
+            meter.snapshot(engine)  # grads, optimizer state and buffers all exist now
         (loss_sum,) = engine.all_sum([loss_sum])
         lr = lr_at(step, tcfg)
         gnorm = engine.clip_and_step(lr)
@@ -187,7 +192,11 @@ def train(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan | None = None
         "payload_bytes_per_step": payload, "wire_bytes_per_step": wire,
         "peak_flops_per_rank": peak, "mfu": model_flops / step_s / (peak * world),
         "unigram_entropy": corpus.unigram_entropy(),
+        "memory": memory_report(engine, mcfg, plan, tcfg, meter),
+        "dp": engine.report() if hasattr(engine, "report") else {},
     }
+    if rank == 0 and not opts.quiet:
+        print(format_report(summary["memory"]))
     if rank == 0 and run_dir is not None:
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary

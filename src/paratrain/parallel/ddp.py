@@ -170,8 +170,11 @@ class GradBuckets:
                 for p, off in zip(b.params, b.offsets, strict=True):
                     p.grad = b.grad[off:off + p.numel()].view_as(p)
             if self.mode == "reduce_scatter":
-                b.grad_shard = torch.zeros(b.padded // self.comm.size, dtype=like.dtype,
-                                           device=like.device)
+                s, r = b.padded // self.comm.size, self.comm.rank
+                # ZeRO-1: the owned chunk of the full buffer receives the sum (no second
+                # copy); ZeRO-2: a persistent chunk that accumulates over micro-steps.
+                b.grad_shard = b.grad[r * s:(r + 1) * s] if self.persistent else \
+                    torch.zeros(s, dtype=like.dtype, device=like.device)
 
     def layout(self) -> str:
         """One line per bucket: size and the parameter shapes it holds (first few)."""
@@ -219,7 +222,10 @@ class GradBuckets:
 
     def _make_accumulate(self, b: Bucket, out: torch.Tensor):
         def then():
-            b.grad_shard.add_(out)
+            if self.persistent:
+                b.grad_shard.copy_(out)
+            else:
+                b.grad_shard.add_(out)
             if not self.persistent:
                 b.grad = None  # the non-owned gradient memory goes as soon as it is sent
         return then
@@ -289,7 +295,7 @@ class GradBuckets:
         for b in self.buckets:
             if b.grad is not None and self.persistent:
                 b.grad.zero_()
-            if b.grad_shard is not None:
+            if b.grad_shard is not None and not self.persistent:
                 b.grad_shard.zero_()
 
     def remove_hooks(self) -> None:

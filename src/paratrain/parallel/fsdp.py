@@ -263,6 +263,18 @@ class FullyShard:
                 u.grad_shard.zero_()
         return norm
 
+    @torch.no_grad()
+    def full_parameters(self) -> dict[int, torch.Tensor]:
+        """id(param) -> its full value in the master dtype (collective: all-gathers every
+        unit's shards; for checks and exports, not for training)."""
+        out = {}
+        for u in self.units:
+            full = torch.empty(u.padded, dtype=u.shard.dtype, device=u.shard.device)
+            self.comm.all_gather(full, u.shard.clone(), async_op=False).wait()
+            for q, off, shape in zip(u.params, u.offsets, u.shapes, strict=True):
+                out[id(q)] = full[off:off + shape.numel()].view(shape).clone()
+        return out
+
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:
         return {"params": [u.shard for u in self.units],
                 "grads": [u.grad_shard for u in self.units if u.grad_shard is not None],
@@ -300,6 +312,11 @@ class FSDPEngine(DataParallel):
 
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:
         return self.fs.state_tensors()
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        """Name -> full parameter value (collective)."""
+        by_id = self.fs.full_parameters()
+        return {n: by_id[id(q)] for n, q in self.model.named_parameters()}
 
     def report(self) -> dict:
         return {"bucket_layout": self.fs.layout(), "wire_bytes_total": self.comm.bytes_sent,

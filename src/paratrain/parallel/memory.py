@@ -1,0 +1,159 @@
+"""Memory per rank, measured from real tensor storages, beside the systems model.
+
+Public API::
+
+    meter = ActivationMeter()
+    with meter.watch(True):            # around one forward + backward
+        engine.forward_backward(...)
+    meter.peak_bytes                   # bytes saved for backward (storages, params excluded)
+    meter.snapshot(engine)             # model states now (after a gradient reduction)
+
+    measure_states(engine)             # {"params", "grads", "optimizer", "comm_buffers"}
+    memory_report(engine, mcfg, plan, tcfg, meter)   # per-rank measured + predicted
+
+How it measures (not the formula):
+
+- Model states: an engine may describe its own tensors through ``state_tensors()``
+  (``{"params": [...], "grads": [...], "optimizer": [...], "comm_buffers": [...]}``);
+  the plain Engine is read from ``model.parameters()``, ``.grad`` and the optimizer's
+  state. Bytes are summed over *distinct storages* (a view into a flat bucket counts
+  once, with the bucket's full size, padding included). Optimizer ``step`` counters
+  (0-dim) are not model state and are skipped.
+- Communication buffers: the peak bytes of transient flat buffers an engine reports
+  (``comm_buffer_peak``: ZeRO-2 gradient buckets, ZeRO-3 gathered units) plus any
+  persistent ones it lists.
+- Activations: a ``saved_tensors_hooks`` pack hook records the storage of every tensor
+  autograd saves for backward during one forward, parameters excluded; the peak is
+  the total at the end of forward (when the graph is largest).
+
+The prediction is :func:`paratrain.systems.memory.model_states` with the precision of
+the run (``fp32-adam``: 4 + 4 + 8 bytes per parameter; float64 doubles it; under
+``--dtype bfloat16`` paratrain keeps FP32 weights and computes under autocast, so it is
+also ``fp32-adam``), and the Korthikanti activation formula scaled from its 16-bit
+elements to the run's element size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from paratrain.config import ModelConfig, TrainConfig
+from paratrain.plan import ParallelPlan
+
+ELEMENT_BYTES = {"float64": 8, "float32": 4, "bfloat16": 4}
+
+
+def storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (views counted once)."""
+    seen, total = set(), 0
+    for t in tensors:
+        if t is None or t.numel() == 0:
+            continue
+        s = t.untyped_storage()
+        key = (s.data_ptr(), t.device)
+        if key not in seen:
+            seen.add(key)
+            total += s.nbytes()
+    return total
+
+
+class ActivationMeter:
+    """Bytes autograd saves for backward during watched forwards (peak over them)."""
+
+    def __init__(self) -> None:
+        self.peak_bytes = 0
+        self._seen: dict = {}
+        self.states: dict[str, int] | None = None
+
+    def snapshot(self, engine) -> None:
+        """Record the model states now (the loop calls it after the last step's gradient
+        reduction, when gradients, optimizer state and buffers all exist)."""
+        self.states = measure_states(engine)
+
+    def _pack(self, t: torch.Tensor):
+        if not isinstance(t, nn.Parameter) and t.numel():
+            s = t.untyped_storage()
+            self._seen[(s.data_ptr(), t.device)] = s.nbytes()
+        return t
+
+    @contextlib.contextmanager
+    def watch(self, active: bool = True):
+        if not active:
+            yield
+            return
+        self._seen = {}
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
+            yield
+        self.peak_bytes = max(self.peak_bytes, sum(self._seen.values()))
+        self._seen = {}
+
+
+def measure_states(engine) -> dict[str, int]:
+    """Bytes this rank holds in parameters, gradients, optimizer state, comm buffers."""
+    if hasattr(engine, "state_tensors"):
+        st = engine.state_tensors()
+    else:
+        params = list(engine.model.parameters())
+        st = {"params": params, "grads": [p.grad for p in params],
+              "optimizer": [t for s in engine.opt.state.values() for t in s.values()
+                            if torch.is_tensor(t) and t.dim() > 0]}
+    out = {k: storage_bytes(st.get(k, [])) for k in ("params", "grads", "optimizer")}
+    out["comm_buffers"] = storage_bytes(st.get("comm_buffers", []))
+    for holder in (engine, getattr(engine, "fs", None), getattr(engine, "zo", None)):
+        if holder is None:
+            continue
+        peak = getattr(holder, "gathered_peak", None)
+        buckets = getattr(holder, "buckets", None)
+        if peak is None and buckets is not None:
+            peak = getattr(buckets, "comm_buffer_peak", None)
+        if peak:
+            out["comm_buffers"] += int(peak)
+    return out
+
+
+def predicted_states(mcfg: ModelConfig, plan: ParallelPlan, tcfg: TrainConfig) -> dict:
+    """The systems model's model-state bytes per rank for this run's precision."""
+    from paratrain.systems.memory import Precision, model_states
+
+    b = ELEMENT_BYTES[tcfg.dtype]
+    prec = Precision(f"fp{8 * b}-adam", b, b, 2 * b, act_bytes=b)
+    ms = model_states(mcfg, plan, prec)
+    return {"params": ms.weights_bytes, "grads": ms.grads_bytes,
+            "optimizer": ms.optimizer_bytes}
+
+
+def predicted_activations(mcfg: ModelConfig, plan: ParallelPlan, tcfg: TrainConfig) -> float:
+    from paratrain.systems.memory import activation_bytes
+
+    tokens = tcfg.global_batch * mcfg.context
+    return activation_bytes(mcfg, plan, tokens, mcfg.context) * ELEMENT_BYTES[tcfg.dtype] / 2
+
+
+def memory_report(engine, mcfg: ModelConfig, plan: ParallelPlan, tcfg: TrainConfig,
+                  meter: ActivationMeter) -> dict:
+    """Measured bytes of every rank (collective when a group exists) and the prediction."""
+    mine = dict(meter.states) if meter.states is not None else measure_states(engine)
+    mine["activations_peak"] = meter.peak_bytes
+    ranks = [mine]
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        ranks = [None] * dist.get_world_size()
+        dist.all_gather_object(ranks, mine)
+    pred = predicted_states(mcfg, plan, tcfg)
+    pred["activations_peak"] = predicted_activations(mcfg, plan, tcfg)
+    return {"measured_per_rank": ranks, "predicted_per_rank": pred}
+
+
+def format_report(rep: dict) -> str:
+    """A small table: one row per kind, measured (rank 0, max over ranks) vs predicted."""
+    rows = ["memory per rank (MB)   measured r0   max rank   predicted"]
+    pred = rep["predicted_per_rank"]
+    for k in ("params", "grads", "optimizer", "comm_buffers", "activations_peak"):
+        vals = [r[k] for r in rep["measured_per_rank"]]
+        p = pred.get(k)
+        ptxt = f"{p / 1e6:10.3f}" if p is not None else "         -"
+        rows.append(f"  {k:<20} {vals[0] / 1e6:11.3f} {max(vals) / 1e6:10.3f} {ptxt}")
+    return "\n".join(rows)
