@@ -80,6 +80,10 @@ class _Round:
     sends: tuple[_Msg, ...]
     recvs: tuple[_Msg, ...]
     scratch: int       # elements of receive buffer this round needs
+    # forward[i] = index of the next round's send that re-sends exactly what receive i
+    # delivers (ring: the chunk just reduced travels on): it goes out piece by piece as
+    # soon as each piece is final, so the pipeline never drains at a round boundary.
+    forward: tuple[int | None, ...] = ()
 
 
 def _place(s: Schedule, rank: int, seg: int, sending: bool) -> tuple[int, int]:
@@ -137,8 +141,29 @@ def plan(s: Schedule, rank: int) -> tuple[_Round, ...]:
                 used += m.length
             recvs.append(m)
         rounds.append(_Round(tuple(_messages(s, rank, snd, sending=True)), tuple(recvs), used))
+    for j in range(len(rounds) - 1):
+        rounds[j] = _with_forwarding(rounds[j], rounds[j + 1])
     s._memo[key] = tuple(rounds)
     return s._memo[key]
+
+
+def _with_forwarding(cur: _Round, nxt: _Round) -> _Round:
+    fwd: list[int | None] = []
+    first_to_peer = {}
+    for i, m in enumerate(nxt.sends):
+        first_to_peer.setdefault(m.peer, i)
+    for m in cur.recvs:
+        hit = None
+        for i, sm in enumerate(nxt.sends):
+            # Same bytes, written by this receive alone, and first in line to its peer
+            # (messages to one peer must be posted in the order the peer expects).
+            same = (sm.where, sm.offset, sm.length) == (m.where, m.offset, m.length)
+            alone = sum(1 for o in cur.recvs if set(o.segs) & set(m.segs)) == 1
+            if same and alone and first_to_peer[sm.peer] == i:
+                hit = i
+                break
+        fwd.append(hit)
+    return _Round(cur.sends, cur.recvs, cur.scratch, tuple(fwd))
 
 
 _SCRATCH: dict[tuple, torch.Tensor] = {}
@@ -195,6 +220,7 @@ class _Run:
         self.timeout_s = timeout_s
         self.pending: dict[int, list] = {}  # segment -> sends still reading it
         self.recv_works: dict[int, list] = {}  # round -> [(msg, plane, off, len, work)]
+        self.forwarded: set[int] = set()  # next round's sends already posted
         self.stats = ExecStats(s.op, s.algorithm, s.p, rank, s.steps)
         # one receive buffer per round parity, sized for the largest round of that parity:
         # round j+1's receives are posted while round j's buffer is still being read
@@ -250,33 +276,43 @@ class _Run:
                                   dist.irecv(t, self.glob[m.peer], group=self.group)))
         self.recv_works[j] = works
 
+    def _send_piece(self, m: _Msg, plane: int, off: int, k: int) -> None:
+        v = self._buf(plane, m.where)[m.offset + off:m.offset + off + k]
+        entry = [dist.isend(v, self.glob[m.peer], group=self.group), True, m]  # work, to wait
+        for g in m.segs:
+            self.pending.setdefault(g, []).append(entry)
+        self.stats.bytes_sent += k * v.element_size()
+        self.stats.messages += 1
+
     def _post_sends(self, j: int) -> None:
-        for m in self.rounds[j].sends:
-            ws = []
+        early = self.forwarded if j > 0 else ()
+        for i, m in enumerate(self.rounds[j].sends):
+            if i in early:
+                continue  # already went out piece by piece during round j-1
             for plane in range(len(self.planes)):
-                src = self._buf(plane, m.where)
                 for off, k in self._pieces(m):
-                    v = src[m.offset + off:m.offset + off + k]
-                    # [work, still to wait, message]
-                    ws.append([dist.isend(v, self.glob[m.peer], group=self.group), True, m])
-                    self.stats.bytes_sent += k * v.element_size()
-                    self.stats.messages += 1
-            for g in m.segs:
-                self.pending.setdefault(g, []).extend(ws)
+                    self._send_piece(m, plane, off, k)
 
     def _finish_recvs(self, j: int) -> None:
         cleared = set()
+        rnd = self.rounds[j]
+        # forwarding piece by piece would interleave planes differently from the
+        # receiver's posting order: single-plane runs only
+        fwd = dict(zip(rnd.recvs, rnd.forward, strict=False)) if len(self.planes) == 1 else {}
+        nxt = self.rounds[j + 1].sends if j + 1 < len(self.rounds) else ()
+        self.forwarded = {i for i in fwd.values() if i is not None}
         for m, plane, off, k, w in self.recv_works.pop(j):
             self._wait(w, "receive from", m, j=j)
             buf = self._buf(plane, m.where)
             self.stats.bytes_recv += k * buf.element_size()
-            if m.scratch < 0:
-                continue
-            if m not in cleared:  # we are about to write these segments
-                self._wait_sends(m.segs)
-                cleared.add(m)
-            self._apply(buf[m.offset + off:m.offset + off + k],
-                        self._recv_target(j, m, plane, off, k), m.reduce)
+            if m.scratch >= 0:
+                if m not in cleared:  # we are about to write these segments
+                    self._wait_sends(m.segs)
+                    cleared.add(m)
+                self._apply(buf[m.offset + off:m.offset + off + k],
+                            self._recv_target(j, m, plane, off, k), m.reduce)
+            if fwd.get(m) is not None:
+                self._send_piece(nxt[fwd[m]], plane, off, k)
 
     def _apply(self, dst: torch.Tensor, got: torch.Tensor, reduce: bool) -> None:
         if not reduce:
