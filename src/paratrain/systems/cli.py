@@ -12,6 +12,12 @@ import typer
 DEFAULT_TOKENS = 1_048_576
 
 
+def _holdout_default() -> tuple[str, ...]:
+    from paratrain.systems.validate import HOLDOUT
+
+    return HOLDOUT
+
+
 def plan(
     model: str = typer.Option("llama2-7b", help="Catalogue model name or a .toml/.json file."),
     hardware: str = typer.Option("h100", help="Catalogue accelerator or a .toml/.json file."),
@@ -118,6 +124,36 @@ def _search(m, hw, gpus, tokens, seq_len, top, eta, json_out, plot) -> None:
             print(f"wrote {path}")
 
 
+def validate(
+    runs: str | None = typer.Option(None, help="CSV of published runs in the columns of "
+                                               "calibration.csv (default: the shipped one)."),
+    json_out: bool = typer.Option(False, "--json", help="Print records and summary as JSON."),
+    fit: bool = typer.Option(False, "--fit", help="Fit eta, bandwidth efficiency, overlap "
+                                                  "and overhead by least squares; report "
+                                                  "leave-one-out and held-out error."),
+    out: str | None = typer.Option(None, help="With --fit: write the fitted values here "
+                                              "(TOML)."),
+    params: str | None = typer.Option(None, help="Fitted parameters to use (default: the "
+                                                 "shipped data/fitted.toml)."),
+    unfitted: bool = typer.Option(False, "--unfitted", help="Use DESIGN.md's raw model "
+                                                            "(catalogue eta, flat ring)."),
+    holdout: str = typer.Option(",".join(_holdout_default()),
+                                help="With --fit: comma-separated row ids kept out of the fit."),
+) -> None:
+    """Score the systems model against published training runs (MFU / HFU / TFLOP/s)."""
+    from paratrain.systems.validate import render_validate, run_validate
+
+    ids = tuple(x.strip() for x in holdout.split(",") if x.strip())
+    res = run_validate(runs, params, unfitted, fit, ids, out)
+    if json_out:
+        import json
+
+        print(json.dumps(res, indent=2))
+    else:
+        render_validate(res)
+
+
 def register(app: typer.Typer) -> None:
     """Add the systems-model commands to the top-level app."""
     app.command("plan")(plan)
+    app.command("validate")(validate)

@@ -163,6 +163,21 @@ class StepTime:
         return self.model_flops / self.step_s / self.gpus / 1e12
 
 
+def _dp_algorithm(name: str, p: int, per_node: int, crosses_nodes: bool) -> tuple[str, int]:
+    """(algorithm, ranks per node) for the data-parallel sync.
+
+    ``ring`` is DESIGN.md's flat ring at the slowest link. ``auto`` goes hierarchical
+    (intra-node, then inter-node on 1/g of the payload) when the group crosses nodes with
+    several ranks in each; g is rounded down to a divisor of p.
+    """
+    if name != "auto":
+        return name, per_node
+    if not crosses_nodes or per_node == 1:
+        return "ring", per_node
+    g = max(x for x in range(1, per_node + 1) if p % x == 0)
+    return ("hierarchical", g) if g > 1 else ("ring", g)
+
+
 def recompute_flops_per_token(model: ModelConfig, recompute: str, seq_len: int) -> float:
     """Extra hardware FLOPs per token that recomputation adds (a forward is 1/3 of 6N +
     12 L H Q T; selective recomputes only the attention scores and values)."""
@@ -177,8 +192,16 @@ def recompute_flops_per_token(model: ModelConfig, recompute: str, seq_len: int) 
 def step_time(model: ModelConfig, plan: ParallelPlan, hw: Hardware, tokens_per_step: int,
               seq_len: int, *, eta: float | None = None,
               overlap_fraction: float = OVERLAP_FRACTION,
-              precision: str | Precision = "bf16-adam", dp_algorithm: str = "ring") -> StepTime:
-    """Predict one optimizer step of ``plan`` on ``plan.world_size`` GPUs of ``hw``."""
+              precision: str | Precision = "bf16-adam", dp_algorithm: str = "ring",
+              overhead_width: float = 0.0) -> StepTime:
+    """Predict one optimizer step of ``plan`` on ``plan.world_size`` GPUs of ``hw``.
+
+    ``dp_algorithm``: "ring" (DESIGN.md's reference), "auto" (hierarchical across nodes),
+    or any algorithm of :mod:`paratrain.systems.collectives`. ``overhead_width`` (h0)
+    prices the memory-bound, non-matmul work of a layer (norms, activations, softmax,
+    optimizer): it scales with s b h while matmuls scale with s b h^2, so compute time is
+    multiplied by (1 + h0 / d_model); 0 (the default, DESIGN.md's model) ignores it.
+    """
     m = as_shape(model)
     prec = recipe(precision) if isinstance(precision, str) else precision
     batch = split_batch(tokens_per_step, seq_len, plan)
@@ -192,7 +215,7 @@ def step_time(model: ModelConfig, plan: ParallelPlan, hw: Hardware, tokens_per_s
     hw_flops = model_flops + recompute_flops_per_token(m, plan.recompute, seq_len) * \
         tokens_per_step
     rate = gpus * hw.peak_flops * eta
-    compute_s = hw_flops / rate
+    compute_s = hw_flops / rate * (1 + overhead_width / m.d_model)
     bubble_s = compute_s * bubble_over_compute(plan.schedule, plan.pp, mb, plan.virtual_stages)
     compute_mb = compute_s / mb  # one micro-batch's forward + backward on a stage
 
@@ -206,17 +229,19 @@ def step_time(model: ModelConfig, plan: ParallelPlan, hw: Hardware, tokens_per_s
             continue
         payload = params * prec.grad_bytes
         a, bw = hw.link(span(d, stride))
-        kw = {"gpus_per_node": max(1, min(d, hw.gpus_per_node // stride)),
-              "intra_alpha_s": hw.intra_alpha, "intra_bw_bytes_per_s": hw.intra_bw}
+        algo, g = _dp_algorithm(dp_algorithm, d, max(1, min(d, hw.gpus_per_node // stride)),
+                                span(d, stride) > hw.gpus_per_node)
+        kw = {"gpus_per_node": g, "intra_alpha_s": hw.intra_alpha,
+              "intra_bw_bytes_per_s": hw.intra_bw}
         dp_wire += dp_sync_wire_bytes(payload, d, plan.zero, mb)
         fwd, bwd = (1 - overlap_fraction) * compute_mb, overlap_fraction * compute_mb
         if plan.zero <= 1:
-            t = coll.time_s("all_reduce", dp_algorithm, d, payload, a, bw, **kw)
+            t = coll.time_s("all_reduce", algo, d, payload, a, bw, **kw)
             dp_comm += t
             dp_exposed += max(0.0, t - bwd)
             continue
-        t_ag = coll.time_s("all_gather", dp_algorithm, d, payload, a, bw, **kw)
-        t_rs = coll.time_s("reduce_scatter", dp_algorithm, d, payload, a, bw, **kw)
+        t_ag = coll.time_s("all_gather", algo, d, payload, a, bw, **kw)
+        t_rs = coll.time_s("reduce_scatter", algo, d, payload, a, bw, **kw)
         if plan.zero == 2:  # reduce-scatter under each backward, all-gather under a forward
             dp_comm += mb * t_rs + t_ag
             dp_exposed += mb * max(0.0, t_rs - bwd) + max(0.0, t_ag - fwd)

@@ -1,0 +1,133 @@
+"""`paratrain validate`: published runs, error arithmetic, fitting, CLI."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+
+from paratrain.cli import main
+from paratrain.systems.validate import (
+    DEFAULT_RUNS,
+    Params,
+    Record,
+    cases_and_skips,
+    fit,
+    load_params,
+    predict,
+    read_runs,
+    row_to_case,
+    run_validate,
+    summarize,
+)
+
+
+def _write(path, rows):
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    return path
+
+
+def test_error_arithmetic_on_three_rows():
+    recs = [Record("a", "s1", "mfu", 0.50, 0.45), Record("b", "s2", "hfu", 0.40, 0.44),
+            Record("c", "s2", "tflops", 100.0, 110.0), Record("d", "s2", None, None, None, "x")]
+    s = summarize(recs)
+    assert s["overall"]["n"] == 3 and s["skipped"] == 1
+    assert s["overall"]["mape"] == pytest.approx((10 + 10 + 10) / 3)
+    assert s["overall"]["mae_pp"] == pytest.approx((5 + 4) / 2)
+    assert s["overall"]["mae_tflops"] == pytest.approx(10)
+    assert s["per_source"]["s1"]["mape"] == pytest.approx(10)
+    assert s["per_source"]["s2"]["n"] == 2
+    assert recs[1].error == pytest.approx(0.04) and recs[1].abs_pct_error == pytest.approx(10)
+
+
+def test_toy_table_prices_like_for_like_and_lists_skips(tmp_path):
+    rows = read_runs()
+    by_id = {r["id"]: r for r in rows}
+    toy = [dict(by_id["dgxc_gpt3_175b_128"]), dict(by_id["narayanan21_t1_1.7B"]),
+           dict(by_id["bloom_176b"])]
+    toy[2]["layers"] = ""  # cannot be priced
+    toy[1]["hfu_pct"] = ""  # only TFLOP/s (hardware FLOPs) left
+    res = run_validate(str(_write(tmp_path / "toy.csv", toy)), None, True, False, (), None)
+    recs = {r["id"]: r for r in res["records"]}
+    assert recs["dgxc_gpt3_175b_128"]["metric"] == "mfu"
+    assert recs["dgxc_gpt3_175b_128"]["reported"] == pytest.approx(0.5354)
+    assert recs["narayanan21_t1_1.7B"]["metric"] == "tflops"
+    assert recs["narayanan21_t1_1.7B"]["reported"] == 137
+    assert "model shape incomplete" in recs["bloom_176b"]["skipped_reason"]
+    assert recs["bloom_176b"]["predicted"] is None
+    priced = [r for r in res["records"] if r["predicted"] is not None]
+    mape = sum(abs(r["predicted"] - r["reported"]) / r["reported"] for r in priced) / 2 * 100
+    assert res["summary"]["overall"]["mape"] == pytest.approx(mape)
+
+
+def test_every_shipped_row_is_priced_and_fitted_defaults_are_good():
+    cases, skips = cases_and_skips(read_runs())
+    assert not skips and len(cases) == len(read_runs())
+    res = run_validate(None, None, False, False, (), None)
+    assert res["summary"]["overall"]["mape"] < 10
+    p = load_params()
+    assert 0.2 <= min(p.eta.values()) and max(p.eta.values()) <= 1.0
+
+
+def test_fit_recovers_parameters_from_synthetic_rows():
+    rows = read_runs()
+    ids = ["narayanan21_t1_1.7B", "narayanan21_t1_145.6B", "megascale_175b_megatronlm_256",
+           "megascale_175b_megatronlm_12288", "dgxc_gpt3_175b_128", "llama3_405b_8192_seq8192",
+           "llama3_405b_16384_seq8192", "narayanan21_t1_18.4B"]
+    truth = Params(eta={"a100": 0.6, "h100": 0.55}, bw_eff=0.7, overlap_fraction=0.6,
+                   overhead_width=300.0)
+    cases = []
+    for r in rows:
+        if r["id"] in ids:
+            c = row_to_case(r)
+            cases.append(c.__class__(**{**c.__dict__, "reported": predict(c, truth)}))
+    got = fit(cases, max_evals=800)
+    assert got.eta["a100"] == pytest.approx(0.6, rel=0.03)
+    assert got.eta["h100"] == pytest.approx(0.55, rel=0.03)
+    assert got.overhead_width == pytest.approx(300, rel=0.15)
+    for c in cases:
+        assert predict(c, got) == pytest.approx(c.reported, rel=0.01)
+
+
+def test_cli_json_records(capsys):
+    assert main(["validate", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    for r in res["records"]:
+        assert {"id", "metric", "reported", "predicted", "skipped_reason"} <= set(r)
+    assert res["summary"]["overall"]["n"] == len(read_runs())
+    assert "Narayanan et al." in res["summary"]["per_source"]
+
+
+def test_cli_fit_writes_parameters_and_holdout(tmp_path, capsys):
+    rows = read_runs()
+    keep = [r for r in rows if r["id"].startswith(("narayanan", "dgxc"))]
+    runs = _write(tmp_path / "runs.csv", keep)
+    out = tmp_path / "fitted.toml"
+    assert main(["validate", "--runs", str(runs), "--fit", "--out", str(out), "--holdout",
+                 "narayanan21_t1_1008.0B,dgxc_gpt3_175b_2048", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["fit"]["holdout"]["overall"]["n"] == 2
+    assert res["fit"]["loo"]["overall"]["n"] == len(keep) - 2
+    p = load_params(out)
+    assert set(p.eta) == {"a100", "h100"}
+    assert "Leave-one-out MAPE" in out.read_text()
+    assert main(["validate", "--runs", str(runs), "--params", str(out)]) == 0
+    assert "overall: n=" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("args, msg", [
+    (["--runs", "/nonexistent.csv"], "does not exist"),
+    (["--fit", "--holdout", "no_such_row"], "no_such_row"),
+    (["--params", "/nonexistent.toml"], "do not exist"),
+])
+def test_cli_bad_inputs(args, msg, capsys):
+    assert main(["validate", *args]) == 2
+    assert msg in capsys.readouterr().err
+
+
+def test_shipped_table_is_package_data():
+    assert DEFAULT_RUNS.is_file() and DEFAULT_RUNS.parent.name == "data"
