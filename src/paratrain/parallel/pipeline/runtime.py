@@ -1,0 +1,263 @@
+"""Execute a :class:`~.schedule.Schedule` with point-to-point sends and receives.
+
+Each pipeline rank walks its own action list in order:
+
+- ``RECV_F`` / ``RECV_B``: post an ``irecv`` into a fresh buffer of the known shape
+  (activation (b, T', D) with T' = T / tp under sequence parallelism, else T).
+- ``F``: wait for the input's receive (stage 0 takes token ids), run the chunk; the last
+  virtual stage also computes the loss sum of the micro-batch.
+- ``B``: wait for the output gradient's receive (the last stage starts from
+  ``loss_sum / n_tokens_global``) and backpropagate through the chunk.
+- ``BI`` / ``BW`` (zero bubble, Qi et al. 2023): ``BI`` backpropagates the input
+  gradient only — every matmul weight gradient is deferred (:class:`WeightGradStore`:
+  the forward ran under a mode that routes ``F.linear`` through a function whose backward
+  stashes (input, output-grad) instead of computing dW); ``BW`` computes those stashed
+  dW = g^T x and accumulates them into ``.grad``. Small weight gradients (norm gains,
+  the embedding) are computed inside ``BI``.
+- ``SEND_F`` / ``SEND_B``: ``isend`` the output or the input gradient.
+
+Note (why this cannot deadlock on gloo). Sends are never waited on until the whole list
+is done, so a rank only ever blocks in ``wait()`` of a receive, and that receive's
+producer is an earlier compute action of another rank in the validated schedule
+(:func:`~.schedule.validate` executes the lists under exactly these semantics and
+rejects cycles). Receives are posted just before their consumer — after every send the
+rank issued earlier — so no rank posts a receive before a send it must make first.
+Messages are matched by tag (kind, micro-batch, receiving virtual stage), so several
+in-flight messages between the same two ranks cannot be confused; on the world group
+different (dp, tp) pipelines use disjoint rank pairs. At the end of the step all sends
+are waited for, so the buffers stay alive until delivered.
+
+Loss normalisation: each micro-batch's loss *sum* is divided by the *global* token count
+of the step before backward (engine.py), so accumulating over micro-batches and summing
+over data ranks gives exactly the single-process gradient — once, nowhere else.
+
+Every compute action is timed (``perf_counter``, one clock for all processes on a
+machine) so the run can report the measured bubble and draw the measured Gantt chart.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from paratrain.parallel.pipeline.schedule import Action, Schedule
+
+
+# ---- zero-bubble: deferring weight gradients ---------------------------------------
+class WeightGradStore:
+    """Stashed (weight, input, output-grad) per (micro-batch, chunk), consumed by BW."""
+
+    def __init__(self) -> None:
+        self.pending: dict[tuple[int, int], list] = {}
+
+    def put(self, key, w, x, g) -> None:
+        self.pending.setdefault(key, []).append((w, x, g))
+
+    @torch.no_grad()
+    def flush(self, key) -> None:
+        for w, x_NI, g_NO in self.pending.pop(key, []):
+            gw = g_NO.reshape(-1, g_NO.shape[-1]).t() @ x_NI.reshape(-1, x_NI.shape[-1])
+            if w.grad is None:
+                w.grad = gw
+            else:
+                w.grad.add_(gw)
+
+
+class _LinearDeferW(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, store, key):
+        ctx.save_for_backward(x)
+        # the Parameter object itself (a saved tensor may come back as another object,
+        # e.g. through saved-tensor hooks, and .grad must land on the real parameter)
+        ctx.w, ctx.store, ctx.key = w, store, key
+        return F.linear(x, w)
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,), w = ctx.saved_tensors, ctx.w
+        ctx.store.put(ctx.key, w, x, g)
+        gx = g @ w if ctx.needs_input_grad[0] else None
+        return gx, None, None, None
+
+
+class DeferWeightGrads(TorchFunctionMode):
+    """While active, ``F.linear(x, W)`` with a trainable W defers dW to ``store``."""
+
+    def __init__(self, store: WeightGradStore, key) -> None:
+        super().__init__()
+        self.store, self.key = store, key
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        bias = args[2] if len(args) > 2 else kwargs.get("bias")
+        if func is F.linear and bias is None and len(args) >= 2 \
+                and isinstance(args[1], torch.nn.Parameter) and args[1].requires_grad:
+            return _LinearDeferW.apply(args[0], args[1], self.store, self.key)
+        return func(*args, **kwargs)
+
+
+# ---- activation accounting ---------------------------------------------------------
+class ActivationMeter:
+    """Bytes of tensors autograd saves for backward (parameters excluded, each storage
+    counted once), per (micro-batch, chunk), and the peak of their sum over a step."""
+
+    def __init__(self, params) -> None:
+        self.param_ptrs = {p.data_ptr() for p in params}
+        self.live: dict = {}
+        self.current = 0
+        self.peak = 0
+
+    def recording(self, key):
+        seen: set[int] = set()
+        self.live[key] = 0
+
+        def pack(t: torch.Tensor):
+            try:
+                ptr = t.untyped_storage().data_ptr()
+                size = t.untyped_storage().nbytes()
+            except (RuntimeError, NotImplementedError):
+                return t
+            if ptr not in seen and ptr not in self.param_ptrs:
+                seen.add(ptr)
+                self.live[key] += size
+                self.current += size
+                self.peak = max(self.peak, self.current)
+            return t
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+
+    def release(self, key) -> None:
+        self.current -= self.live.pop(key, 0)
+
+    def reset(self) -> None:
+        self.live.clear()
+        self.current = self.peak = 0
+
+
+# ---- the runtime -------------------------------------------------------------------
+class PipelineRuntime:
+    """Runs ``schedule`` for pipeline rank ``rank`` over ``chunks`` (one per local
+    virtual stage). ``peer(r)`` maps a pipeline rank to its global rank."""
+
+    def __init__(self, chunks, schedule: Schedule, rank: int, peer: Callable[[int], int],
+                 loss_fn: Callable, hidden_shape: Callable[[int], tuple], dtype: torch.dtype,
+                 device: torch.device, meter: ActivationMeter) -> None:
+        self.chunks = chunks
+        self.s = schedule
+        self.rank = rank
+        self.peer = peer
+        self.loss_fn = loss_fn
+        self.hidden_shape = hidden_shape  # micro-batch size -> (b, T', D)
+        self.dtype, self.device = dtype, device
+        self.meter = meter
+        self.store = WeightGradStore()
+        self.timeline: list[tuple[str, int, int, float, float]] = []
+
+    def _tag(self, kind: str, mb: int, stage: int) -> int:
+        return ((0 if kind == "F" else 1) * self.s.stages + stage) * self.s.micro_batches + mb
+
+    def run(self, x_mbs: list, y_mbs: list, n_tokens_global: int, T: int) -> float:
+        """One step: every action of this rank; returns this rank's loss sum."""
+        s, last = self.s, self.s.stages - 1
+        acts: tuple[Action, ...] = s.actions[self.rank]
+        recvs: dict[tuple, tuple] = {}
+        sends = []
+        state: dict[tuple[int, int], tuple] = {}  # (mb, chunk) -> (input, output or loss)
+        grads_in: dict[tuple[int, int], torch.Tensor] = {}
+        loss_sum = 0.0
+        self.timeline = []
+        zb = any(a.kind == "BI" for a in acts)
+        for a in acts:
+            k = s.stage(self.rank, a.chunk)
+            key = (a.mb, a.chunk)
+            if a.kind in ("RECV_F", "RECV_B"):
+                kind = a.kind[-1]
+                buf = torch.empty(self.hidden_shape(x_mbs[a.mb].shape[0]), dtype=self.dtype,
+                                  device=self.device)
+                work = dist.irecv(buf, src=self.peer(a.peer), tag=self._tag(kind, a.mb, k))
+                recvs[(kind, a.mb, a.chunk)] = (work, buf)
+            elif a.kind == "SEND_F":
+                out = state[key][1].detach().contiguous()
+                sends.append((dist.isend(out, dst=self.peer(a.peer),
+                                         tag=self._tag("F", a.mb, k + 1)), out))
+            elif a.kind == "SEND_B":
+                g = grads_in.pop(key)
+                sends.append((dist.isend(g, dst=self.peer(a.peer),
+                                         tag=self._tag("B", a.mb, k - 1)), g))
+            elif a.kind == "F":
+                if k == 0:
+                    inp = x_mbs[a.mb]
+                else:
+                    work, inp = recvs.pop(("F", a.mb, a.chunk))
+                    work.wait()  # waiting is bubble, not compute: timed from here
+                    inp.requires_grad_(True)
+                t0 = time.perf_counter()
+                with self.meter.recording(key):
+                    if zb:
+                        with DeferWeightGrads(self.store, key):
+                            out = self.chunks[a.chunk](inp, T)
+                    else:
+                        out = self.chunks[a.chunk](inp, T)
+                    if k == last:
+                        loss = self.loss_fn(out, y_mbs[a.mb])
+                        loss_sum += float(loss.detach())
+                        out = loss / n_tokens_global
+                state[key] = (inp, out)
+                self.timeline.append(("F", a.mb, a.chunk, t0, time.perf_counter()))
+            elif a.kind in ("B", "BI"):
+                inp, out = state.pop(key)
+                if k == last:
+                    grad = None
+                else:
+                    work, grad = recvs.pop(("B", a.mb, a.chunk))
+                    work.wait()
+                t0 = time.perf_counter()
+                if a.kind == "BI":
+                    with DeferWeightGrads(self.store, key):  # recompute sees the same ops
+                        torch.autograd.backward(out, grad)
+                else:
+                    torch.autograd.backward(out, grad)
+                    self.meter.release(key)
+                if k > 0:
+                    grads_in[key] = inp.grad.contiguous()
+                self.timeline.append((a.kind, a.mb, a.chunk, t0, time.perf_counter()))
+            elif a.kind == "BW":
+                t0 = time.perf_counter()
+                self.store.flush(key)
+                self.meter.release(key)
+                self.timeline.append(("BW", a.mb, a.chunk, t0, time.perf_counter()))
+            else:
+                raise ValueError(f"unknown action {a}")
+        for work, _ in sends:
+            work.wait()
+        return loss_sum
+
+    @torch.no_grad()
+    def forward_only(self, x_BT, y_BT, T: int) -> float:
+        """Evaluation: the whole batch through the stages in order (blocking receives of
+        earlier stages only, non-blocking sends: cannot deadlock); loss sum on the last."""
+        s, last = self.s, self.s.stages - 1
+        sends, loss_sum = [], 0.0
+        for c, chunk in enumerate(self.chunks):
+            k = s.stage(self.rank, c)
+            if k == 0:
+                inp = x_BT
+            else:
+                inp = torch.empty(self.hidden_shape(x_BT.shape[0]), dtype=self.dtype,
+                                  device=self.device)
+                dist.recv(inp, src=self.peer(s.locate(k - 1)[0]), tag=self._tag("F", 0, k))
+            out = chunk(inp, T)
+            if k == last:
+                loss_sum += float(self.loss_fn(out, y_BT))
+            else:
+                out = out.contiguous()
+                sends.append((dist.isend(out, dst=self.peer(s.locate(k + 1)[0]),
+                                         tag=self._tag("F", 0, k + 1)), out))
+        for work, _ in sends:
+            work.wait()
+        return loss_sum
