@@ -88,7 +88,7 @@ def test_collective_errors_and_small_groups():
     with pytest.raises(ValueError, match="all_to_all has no ring"):
         coll.steps("all_to_all", "ring", 4)
     with pytest.raises(ValueError, match="power of two"):
-        coll.steps("all_reduce", "halving_doubling", 6)
+        coll.steps("reduce_scatter", "halving_doubling", 6)
     with pytest.raises(ValueError, match="unknown"):
         coll.wire_bytes("allreduce", "ring", 4, 1.0)
     for op in coll.OPS:

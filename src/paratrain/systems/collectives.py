@@ -17,17 +17,28 @@ tree it is more, because a root receives (or a level forwards) the whole vector 
 sequence: the naive binary-tree all-reduce moves the whole payload on each of its
 2 log2(p) levels (DESIGN.md: 3.2 s for 13.5 GB among 64 GPUs at 50 GB/s).
 
+Pipelined algorithms (ring broadcast/reduce as a chain, pipelined_tree) take an optional
+``segments`` S: the step count then includes the pipeline's fill, exactly as the
+hand-made schedules in :mod:`paratrain.comm` execute it; ``None`` is the ideal limit of
+many segments (chain: p - 1 steps, n on the critical path). Byte counts are exact when
+the vector splits evenly into the pieces (the schedules send whole elements, so with an
+uneven split the busiest rank sends up to one element more per piece).
+
 Algorithms:
   ring             Patarasuk & Yuan 2009: 2(p-1) steps, 2(p-1)/p x n per rank (the minimum).
   naive            everyone to one root (a star), one message at a time; all_to_all: direct
                    pairwise sends.
   tree             binomial tree, each level moving the whole vector (log2 p levels up,
                    log2 p down).
-  pipelined_tree   the vector cut into many chunks streamed down/up a tree (NCCL's double
-                   binary tree, Sanders et al. 2009): log2 p latency, ~n per rank per pass.
+  pipelined_tree   the vector cut into S segments streamed up and down two mirrored heap
+                   binary trees, each carrying half (NCCL's double binary tree, Sanders,
+                   Speck & Traeff 2009): ceil(S/2) + 2 floor(log2 p) - 1 steps; a rank
+                   sends n/2 per tree edge it owns (up to ~2n).
   halving_doubling recursive halving reduce-scatter + recursive doubling all-gather
                    (Thakur, Rabenseifner & Gropp 2005); all_to_all: Bruck et al. 1997.
-                   Needs p a power of two.
+                   Needs p a power of two, except all_reduce: with p' the largest power
+                   of two <= p, p - p' ranks first hand their vector to a neighbour and
+                   get the result back at the end (2 more steps, one more vector).
   hierarchical     inside each node (g GPUs) then across nodes (p / g) then inside again
                    (2D ring: reduce-scatter intra, all-reduce inter on n / g, all-gather
                    intra). Takes ``gpus_per_node`` and the intra link separately.
@@ -63,8 +74,8 @@ def _check(op: str, algorithm: str, p: int, gpus_per_node: int | None = None) ->
         raise ValueError(f"{op} has no {algorithm} algorithm; use one of {ok}")
     if not (isinstance(p, int) and p >= 1):
         raise ValueError(f"group size p={p!r} must be an integer >= 1")
-    if algorithm == "halving_doubling" and p & (p - 1):
-        raise ValueError(f"halving_doubling needs p a power of two, got p={p}; use ring")
+    if algorithm == "halving_doubling" and p & (p - 1) and op != "all_reduce":
+        raise ValueError(f"{op} by halving_doubling needs p a power of two, got p={p}; use ring")
     if algorithm == "hierarchical" and gpus_per_node is not None and p > gpus_per_node and (
         p % gpus_per_node
     ):
@@ -84,18 +95,31 @@ def _split(p: int, gpus_per_node: int) -> tuple[int, int]:
     return g, p // g
 
 
-def _flat(op: str, algorithm: str, p: int, n: float) -> tuple[int, float, float]:
+def _double_tree_wire(p: int, n: float, share_a: float) -> float:
+    """Bytes the busiest rank sends in the two mirrored heap trees (children 2i+1, 2i+2;
+    tree B numbers rank r as p-1-r): each tree edge a rank owns (up to its parent, down to
+    each child) carries that tree's share of the vector (``share_a`` of it for tree A)."""
+    def edges(i: int) -> int:
+        return (i > 0) + (2 * i + 1 < p) + (2 * i + 2 < p)
+
+    return max(edges(r) * share_a * n + edges(p - 1 - r) * (1 - share_a) * n for r in range(p))
+
+
+def _flat(op: str, algorithm: str, p: int, n: float, segments: int | None = None
+          ) -> tuple[int, float, float]:
     """(steps, wire bytes of the busiest rank, critical bytes) for one flat algorithm."""
     if p == 1:
         return 0, 0.0, 0.0
     L = _log2(p)
     f = (p - 1) / p
     if algorithm == "ring":
-        steps = {"all_reduce": 2 * (p - 1), "reduce_scatter": p - 1, "all_gather": p - 1,
-                 "broadcast": p - 1, "reduce": p - 1}[op]
-        # broadcast/reduce: a pipelined chain; every rank but one forwards n once.
-        wire = {"all_reduce": 2 * f * n, "reduce_scatter": f * n, "all_gather": f * n,
-                "broadcast": n, "reduce": n}[op]
+        if op in ("broadcast", "reduce"):  # a pipelined chain: every rank but one sends n
+            if segments is None:
+                return p - 1, n, n
+            k = segments
+            return p - 2 + k, n, (p - 2 + k) * n / k
+        steps = {"all_reduce": 2 * (p - 1), "reduce_scatter": p - 1, "all_gather": p - 1}[op]
+        wire = {"all_reduce": 2 * f * n, "reduce_scatter": f * n, "all_gather": f * n}[op]
         return steps, wire, wire
     if algorithm == "naive":
         if op == "all_to_all":  # direct pairwise exchange
@@ -117,10 +141,18 @@ def _flat(op: str, algorithm: str, p: int, n: float) -> tuple[int, float, float]
             return L, L * n, L * n
         return 2 * L, L * n, 2 * L * n  # all_reduce: reduce up, broadcast down
     if algorithm == "pipelined_tree":
+        depth = p.bit_length() - 1  # floor(log2 p): height of a heap tree
         if op == "all_reduce":
-            return 2 * L, 2 * n, 2 * n
+            share_a = 0.5 if segments is None else (segments + 1) // 2 / segments
+            wire = _double_tree_wire(p, n, share_a)
+            steps = 2 * depth if segments is None else (segments + 1) // 2 + 2 * depth - 1
+            return steps, wire, wire
         return L, n, n
     # halving_doubling
+    if op == "all_reduce" and p & (p - 1):  # fold the extra ranks in and out
+        q = 1 << (p.bit_length() - 1)
+        hd = 2 * (q - 1) / q * n
+        return 2 * _log2(q) + 2, hd + n, hd + 2 * n
     steps = {"all_reduce": 2 * L, "reduce_scatter": L, "all_gather": L,
              "broadcast": 2 * L, "reduce": 2 * L, "all_to_all": L}[op]
     wire = {"all_reduce": 2 * f * n, "reduce_scatter": f * n, "all_gather": f * n,
@@ -150,29 +182,37 @@ def _hier_parts(op: str, p: int, n: float, gpus_per_node: int):
     return parts
 
 
-def steps(op: str, algorithm: str, p: int, *, gpus_per_node: int = 8) -> int:
+def _check_segments(segments: int | None) -> None:
+    if segments is not None and not (isinstance(segments, int) and segments >= 1):
+        raise ValueError(f"segments={segments!r} must be an integer >= 1 (or None)")
+
+
+def steps(op: str, algorithm: str, p: int, *, gpus_per_node: int = 8,
+          segments: int | None = None) -> int:
     """Sequential rounds of ``op`` with ``algorithm`` among ``p`` ranks (ring all-reduce:
     2(p-1); binary tree all-reduce: 2 log2 p)."""
     _check(op, algorithm, p, gpus_per_node)
+    _check_segments(segments)
     if algorithm == "hierarchical":
         return sum(s for s, _, _, _ in _hier_parts(op, p, 1.0, gpus_per_node))
-    return _flat(op, algorithm, p, 1.0)[0]
+    return _flat(op, algorithm, p, 1.0, segments)[0]
 
 
 def wire_bytes(op: str, algorithm: str, p: int, payload_bytes: float, *,
-               gpus_per_node: int = 8) -> float:
+               gpus_per_node: int = 8, segments: int | None = None) -> float:
     """Bytes the busiest rank sends (ring all-reduce: 2(p-1)/p x payload, the minimum)."""
     _check(op, algorithm, p, gpus_per_node)
+    _check_segments(segments)
     if payload_bytes < 0:
         raise ValueError(f"payload_bytes={payload_bytes} must be >= 0")
     if algorithm == "hierarchical":
         return sum(w for _, w, _, _ in _hier_parts(op, p, payload_bytes, gpus_per_node))
-    return _flat(op, algorithm, p, payload_bytes)[1]
+    return _flat(op, algorithm, p, payload_bytes, segments)[1]
 
 
 def time_s(op: str, algorithm: str, p: int, payload_bytes: float, alpha_s: float,
            bw_bytes_per_s: float, *, gpus_per_node: int = 8, intra_alpha_s: float | None = None,
-           intra_bw_bytes_per_s: float | None = None) -> float:
+           intra_bw_bytes_per_s: float | None = None, segments: int | None = None) -> float:
     """Alpha-beta time: steps x alpha + critical bytes / bandwidth.
 
     ``alpha_s``/``bw_bytes_per_s`` describe the slowest link the group spans. For
@@ -180,12 +220,13 @@ def time_s(op: str, algorithm: str, p: int, payload_bytes: float, alpha_s: float
     (default: the same link).
     """
     _check(op, algorithm, p, gpus_per_node)
+    _check_segments(segments)
     if bw_bytes_per_s <= 0:
         raise ValueError(f"bandwidth {bw_bytes_per_s} must be positive bytes/s")
     if payload_bytes < 0:
         raise ValueError(f"payload_bytes={payload_bytes} must be >= 0")
     if algorithm != "hierarchical":
-        s, _, crit = _flat(op, algorithm, p, payload_bytes)
+        s, _, crit = _flat(op, algorithm, p, payload_bytes, segments)
         return s * alpha_s + crit / bw_bytes_per_s
     ia = alpha_s if intra_alpha_s is None else intra_alpha_s
     ib = bw_bytes_per_s if intra_bw_bytes_per_s is None else intra_bw_bytes_per_s
