@@ -104,3 +104,17 @@ def test_plan_command_does_not_import_torch():
             "assert rc == 0 and 'torch' not in sys.modules")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
+
+
+def test_calibrated_uses_the_fitted_parameters(capsys):
+    from paratrain.systems.validate import load_params
+
+    assert main(["plan", "--json", "--calibrated"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["hardware"]["eta"] == pytest.approx(load_params().eta["h100"])
+    assert rep["step"]["mfu_overlap"] != pytest.approx(0.473)
+    # the gradient-sync table keeps DESIGN.md's flat ring
+    assert round(rep["gradient_sync"]["ring_allreduce_dp_s"], 2) == 0.53
+    assert main(["plan", "--search", "--calibrated", "--gpus", "8", "--global-batch", "64",
+                 "--top", "1", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["top"][0]["mfu"] > 0

@@ -50,6 +50,9 @@ def plan(
     top: int = typer.Option(10, help="With --search: how many layouts to show."),
     global_batch: int | None = typer.Option(None, help="Global batch in sequences "
                                                        "(overrides --tokens)."),
+    calibrated: bool = typer.Option(False, "--calibrated", help="Use the parameters fitted "
+                                    "on published runs (paratrain validate) instead of "
+                                    "DESIGN.md's eta 0.473 and flat ring."),
 ) -> None:
     """Price a parallel plan: memory per GPU, wire bytes, step time, MFU (no GPU needed).
 
@@ -62,12 +65,20 @@ def plan(
 
     m = load_model(model)
     hw = load_hardware(hardware)
+    step_kwargs = None
+    if calibrated:
+        from paratrain.systems.catalogue import lookup
+        from paratrain.systems.validate import load_params
+
+        fitted = load_params()
+        hw = fitted.apply(lookup(hardware, "hardware.toml", "hardware")[0], hw)
+        step_kwargs = fitted.step_kwargs()
     if gpus < 1:
         raise ValueError(f"gpus={gpus} must be >= 1; pass e.g. --gpus 64")
     if global_batch is not None:
         tokens = global_batch * seq_len
     if search:
-        _search(m, hw, gpus, tokens, seq_len, top, eta, json_out, plot)
+        _search(m, hw, gpus, tokens, seq_len, top, eta, json_out, plot, step_kwargs)
         return
     if dp is None:
         rest = tp * pp * cp
@@ -81,7 +92,12 @@ def plan(
                      micro_batches=micro_batches, schedule=schedule,
                      virtual_stages=virtual_stages, recompute=recompute, overlap=overlap)
     p.check(m, world_size=gpus)
-    rep = build_report(m, hw, p, tokens, seq_len, eta=eta, precision=precision)
+    from paratrain.systems.step_time import OVERLAP_FRACTION
+
+    kw = dict(step_kwargs or {})
+    rep = build_report(m, hw, p, tokens, seq_len, eta=eta, precision=precision,
+                       overlap_fraction=kw.pop("overlap_fraction", OVERLAP_FRACTION),
+                       step_kwargs=kw)
     if json_out:
         import json
 
@@ -96,12 +112,13 @@ def plan(
                 print(f"wrote {path}")
 
 
-def _search(m, hw, gpus, tokens, seq_len, top, eta, json_out, plot) -> None:
+def _search(m, hw, gpus, tokens, seq_len, top, eta, json_out, plot, step_kwargs) -> None:
     from paratrain.systems.search import candidate_record, explain, render_search, search
 
     if top < 1:
         raise ValueError(f"top={top} must be >= 1; pass e.g. --top 10")
-    res = search(m, hw, gpus, tokens, seq_len, top=top, eta=eta, keep_points=bool(plot))
+    res = search(m, hw, gpus, tokens, seq_len, top=top, eta=eta, keep_points=bool(plot),
+                 step_kwargs=step_kwargs)
     hw = hw if eta is None else hw.replace(eta=eta)
     lines = explain(res, m, hw)
     if json_out:

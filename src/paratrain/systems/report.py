@@ -23,8 +23,11 @@ GB = 1e9
 def build_report(model: ModelConfig, hw: Hardware, plan: ParallelPlan, tokens_per_step: int,
                  seq_len: int, *, eta: float | None = None,
                  overlap_fraction: float = OVERLAP_FRACTION,
-                 precision: str = "bf16-adam") -> dict:
-    """Every number `paratrain plan` shows, in SI units (bytes, seconds, fractions)."""
+                 precision: str = "bf16-adam", step_kwargs: dict | None = None) -> dict:
+    """Every number `paratrain plan` shows, in SI units (bytes, seconds, fractions).
+
+    ``step_kwargs`` go to :func:`step_time` (e.g. the fitted ``dp_algorithm`` and
+    ``overhead_width`` of ``paratrain plan --calibrated``)."""
     m = as_shape(model)
     plan.check(m, global_batch=tokens_per_step // seq_len if seq_len else None)
     if eta is not None:
@@ -63,7 +66,7 @@ def build_report(model: ModelConfig, hw: Hardware, plan: ParallelPlan, tokens_pe
         })
     mem = memory(m, plan, hw, tokens_per_step, seq_len, prec)
     st = step_time(m, plan, hw, tokens_per_step, seq_len, overlap_fraction=overlap_fraction,
-                   precision=prec)
+                   precision=prec, **(step_kwargs or {}))
     return {
         "model": {"name": m.name, "params": m.num_params(), "active_params": m.active_params(),
                   "n_layers": m.n_layers, "d_model": m.d_model, "n_heads": m.n_heads,

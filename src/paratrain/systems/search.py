@@ -120,8 +120,9 @@ def enumerate_plans(model: ModelConfig, hw: Hardware, gpus: int, sequences: int,
 
 def search(model: ModelConfig, hw: Hardware, gpus: int, tokens_per_step: int, seq_len: int,
            *, top: int = 10, eta: float | None = None, keep_points: bool = True,
-           **enum_kw) -> SearchResult:
-    """Price every layout; return the ``top`` fitting ones by predicted step time."""
+           step_kwargs: dict | None = None, **enum_kw) -> SearchResult:
+    """Price every layout; return the ``top`` fitting ones by predicted step time
+    (``step_kwargs`` go to :func:`step_time`)."""
     if tokens_per_step % seq_len:
         raise ValueError(
             f"tokens_per_step={tokens_per_step} is not a multiple of seq_len={seq_len}; "
@@ -130,6 +131,7 @@ def search(model: ModelConfig, hw: Hardware, gpus: int, tokens_per_step: int, se
     if eta is not None:
         hw = hw.replace(eta=eta)
     m = as_shape(model)
+    kw = step_kwargs or {}
     t0 = time.perf_counter()
     scored = fitting = 0
     best: list[Candidate] = []
@@ -142,7 +144,7 @@ def search(model: ModelConfig, hw: Hardware, gpus: int, tokens_per_step: int, se
         if not mem.fits:
             continue
         fitting += 1
-        st = step_time(m, plan, hw, tokens_per_step, seq_len)
+        st = step_time(m, plan, hw, tokens_per_step, seq_len, **kw)
         if keep_points:
             points.append((st.step_s, mem.total_bytes))
         if len(best) < top or st.step_s < worst_kept:

@@ -51,6 +51,11 @@ class Params:
         return hw.replace(eta=self.eta.get(generation(key), hw.eta),
                           intra_bw=hw.intra_bw * self.bw_eff, inter_bw=hw.inter_bw * self.bw_eff)
 
+    def step_kwargs(self) -> dict:
+        """Keyword arguments of :func:`step_time` these parameters set."""
+        return {"overlap_fraction": self.overlap_fraction, "dp_algorithm": self.dp_algorithm,
+                "overhead_width": self.overhead_width}
+
     def replace(self, **kw) -> Params:
         import dataclasses
 
@@ -271,8 +276,7 @@ def predict(case: Case, params: Params) -> float:
     """The model's figure for ``case.metric`` under ``params``."""
     hw = params.apply(case.hw_key, case.hw)
     st = step_time(case.model, case.plan, hw, case.tokens, case.seq_len,
-                   overlap_fraction=params.overlap_fraction, dp_algorithm=params.dp_algorithm,
-                   overhead_width=params.overhead_width)
+                   **params.step_kwargs())
     if case.metric == "mfu":
         return st.mfu
     if case.metric == "hfu":
