@@ -70,6 +70,9 @@ def check_supported(model: nn.Module, cfg: TrainConfig, plan: ParallelPlan) -> N
     if plan.sp and m.context % plan.tp:
         raise ValueError(f"sequence parallelism needs context ({m.context}) divisible by "
                          f"tp ({plan.tp}); choose a multiple of {plan.tp}")
+    if plan.schedule == "zb-h1" and plan.pp > 1 and plan.recompute != "none":
+        raise ValueError(f"zb-h1 with recompute={plan.recompute}: recomputation in backward "
+                         "would not defer weight gradients; use --recompute none or 1f1b")
     if plan.cp != 1 or plan.ep != 1:
         raise ValueError(f"cp={plan.cp}, ep={plan.ep}: context/expert parallelism are not "
                          "implemented; use 1")
