@@ -116,6 +116,8 @@ def train(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan | None = None
     corpus = Corpus.load(tcfg.data, tcfg.val_fraction, mcfg.context)
     model = build_model(mcfg, tcfg, device)
     engine = build_engine(model, tcfg, plan, device, opts.simulate_workers)
+    if rank == 0 and not opts.quiet and hasattr(engine, "mesh"):
+        print(engine.mesh.layout(), flush=True)  # the (pp, dp, tp) layout of the ranks
 
     start = 0
     meta = {"model": asdict(mcfg), "plan": asdict(plan), "seed": tcfg.seed,
@@ -194,9 +196,14 @@ def train(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan | None = None
         "unigram_entropy": corpus.unigram_entropy(),
         "memory": memory_report(engine, mcfg, plan, tcfg, meter),
         "dp": engine.report() if hasattr(engine, "report") else {},
+        "model_parallel": engine.model_parallel_report()  # bubble, activations, TP bytes
+        if hasattr(engine, "model_parallel_report") else {},
     }
     if rank == 0 and not opts.quiet:
         print(format_report(summary["memory"]))
     if rank == 0 and run_dir is not None:
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+        if "pipeline" in summary["model_parallel"]:  # for `paratrain viz pipeline --measured`
+            (run_dir / "pipeline_timeline.json").write_text(
+                json.dumps(summary["model_parallel"]["pipeline"]))
     return summary
