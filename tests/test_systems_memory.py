@@ -106,3 +106,15 @@ def test_sharded_gradients_sync_every_micro_batch():
     assert dp_sync_wire_bytes(n, p, 1, micro_batches=4) == pytest.approx(2 * piece)
     assert dp_sync_wire_bytes(n, p, 2, micro_batches=4) == pytest.approx(5 * piece)
     assert dp_sync_wire_bytes(n, p, 3, micro_batches=4) == pytest.approx(12 * piece)
+
+
+def test_plain_model_config_is_priced_like_its_shape():
+    from paratrain.config import ModelConfig
+    from paratrain.systems.models import as_shape
+
+    cfg = ModelConfig(n_layers=4, d_model=64, n_heads=4, d_ff=128, vocab_size=256, context=32)
+    plan = ParallelPlan(dp=2, zero=1)
+    hw = load_hardware("h100")
+    assert as_shape(cfg).num_params() == cfg.num_params()
+    assert memory(cfg, plan, hw, 8 * 32, 32) == memory(as_shape(cfg), plan, hw, 8 * 32, 32)
+    assert step_time(cfg, plan, hw, 8 * 32, 32).model_flops == cfg.flops_per_token(32) * 256

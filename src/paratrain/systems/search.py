@@ -245,7 +245,7 @@ def render_search(result: SearchResult, lines: list[str], title: str, console=No
         p = c.plan
         sched = p.schedule if p.pp > 1 else "-"
         if p.virtual_stages > 1:
-            sched += f" v{p.virtual_stages}"
+            sched = f"interl v{p.virtual_stages}"
         t.add_row(str(i), str(p.dp), str(p.tp), str(p.pp), str(p.cp), str(p.ep), str(p.zero),
                   f"{p.micro_batches}x{c.micro_batch}", sched, p.recompute[:4],
                   f"{c.step_s:.3f}", f"{100 * c.time.mfu:.1f}",
