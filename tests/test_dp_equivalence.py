@@ -108,7 +108,7 @@ def _odd_runs(world: int, data: str) -> dict:
     for name, mcfg, prep in ODD_CASES:
         for z in (0, 1, 2, 3):
             plan = ParallelPlan(dp=world, zero=z, bucket_mb=BUCKET_MB, micro_batches=2)
-            out[(name, z)] = run_engine(mcfg, tcfg(data, "float64", steps=8), plan, prep)
+            out[(name, z)] = run_engine(mcfg, tcfg(data, "float64", steps=5), plan, prep)
     return out
 
 
@@ -121,7 +121,7 @@ def _odd_worker(rank: int, world: int, data: str) -> dict:
 def reference(text_file):
     ref = {d: run_engine(MODEL, tcfg(text_file, d), None) for d in ("float64", "float32")}
     for name, mcfg, prep in ODD_CASES:
-        ref[name] = run_engine(mcfg, tcfg(text_file, "float64", steps=8), None, prep)
+        ref[name] = run_engine(mcfg, tcfg(text_file, "float64", steps=5), None, prep)
     return ref
 
 
@@ -178,7 +178,7 @@ def test_odd_cases_on_four_ranks(text_file, reference):
 def test_simulated_workers_with_every_zero_stage_equal_stage_0(text_file):
     """--simulate-workers runs the unsharded arithmetic for every stage (sharding over
     simulated workers would change where, not what): the trajectories are identical."""
-    t = tcfg(text_file, "float64", steps=5)
+    t = tcfg(text_file, "float64", steps=3)
     runs = [train(MODEL, t, ParallelPlan(zero=z), RunOptions(simulate_workers=4, **QUIET))
             ["losses"] for z in (0, 1, 2, 3)]
     assert all(r == runs[0] for r in runs)

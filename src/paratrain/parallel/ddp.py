@@ -147,7 +147,9 @@ class GradBuckets:
         self.overlap = overlap
         self.cap_bytes = int(bucket_mb * 1024 * 1024)
         self.params = [p for p in params if p.requires_grad]
-        self.pad_to = comm.size if mode == "reduce_scatter" else 1
+        # Padding to a multiple of p: equal chunks for reduce-scatter, and a perfectly
+        # balanced ring all-reduce (every rank sends exactly 2(p-1)/p of the bucket).
+        self.pad_to = comm.size
         self.sync = True
         self.rebuild_pending = rebuild
         self.observed: list[int] = []  # id(param) in gradient-ready order, first step only

@@ -1,0 +1,98 @@
+"""Measured memory and wire bytes per rank equal the systems model's formulas.
+
+- Model states (parameters, gradients, AdamW m and v) measured from the tensors' real
+  storages equal ``paratrain.systems.memory.model_states`` for the plan, for d = 2 and
+  4 and every ZeRO stage: exactly for the optimizer state summed over ranks, and per
+  rank up to the zero padding of uneven shards (at most d - 1 elements per flat buffer).
+- Wire bytes per rank per step, counted transfer by transfer by paratrain's own
+  collectives (``--collectives ours``), equal 2(p-1)/p x payload for stages 0-2 and
+  3(p-1)/p x payload for stage 3 (``systems.step_time.dp_sync_wire_bytes``).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from paratrain.config import ModelConfig, TrainConfig
+from paratrain.distributed import spawn
+from paratrain.plan import ParallelPlan
+from paratrain.systems.memory import Precision, model_states
+from paratrain.systems.step_time import dp_sync_wire_bytes
+from paratrain.train import RunOptions, train
+
+MODEL = ModelConfig(n_layers=2, d_model=32, n_heads=4, d_ff=64, context=16)
+ODD = ModelConfig(n_layers=2, d_model=42, n_heads=3, d_ff=51, context=16)  # N % 4 == 2
+BUCKET_MB = 0.02
+FP32 = Precision("fp32-adam", 4, 4, 8)
+
+
+def _worker(rank: int, world: int, data: str) -> dict:
+    t = TrainConfig(steps=3, global_batch=8, lr=1e-3, warmup_steps=1, eval_every=0,
+                    eval_batches=1, dtype="float32", data=data)
+    out = {}
+    for name, mcfg in (("model", MODEL), ("odd", ODD)):
+        for z in (0, 1, 2, 3):
+            plan = ParallelPlan(dp=world, zero=z, bucket_mb=BUCKET_MB, collectives="ours")
+            s = train(mcfg, t, plan, RunOptions(quiet=True, measure_peak=False))
+            out[(name, z)] = {k: s[k] for k in ("memory", "payload_bytes_per_step",
+                                                "wire_bytes_per_step", "dp")}
+    return out if rank == 0 else {}
+
+
+@pytest.fixture(scope="module", params=[2, 4])
+def runs(request, text_file):
+    return request.param, spawn(_worker, request.param, text_file)[0]
+
+
+@pytest.mark.parametrize("name", ["model", "odd"])
+def test_model_state_bytes_equal_the_formula(runs, name):
+    d, out = runs
+    mcfg = {"model": MODEL, "odd": ODD}[name]
+    n = mcfg.num_params()
+    for z in (0, 1, 2, 3):
+        mem = out[(name, z)]["memory"]
+        pred = model_states(mcfg, ParallelPlan(dp=d, zero=z), FP32)
+        assert mem["predicted_per_rank"]["params"] == pred.weights_bytes
+        ranks = mem["measured_per_rank"]
+        assert len(ranks) == d
+        # Optimizer state: exactly the owned real elements, 8 bytes each; over all ranks
+        # that is every parameter once (sharded) or d times (replicated).
+        total_opt = sum(r["optimizer"] for r in ranks)
+        assert total_opt == (8 * n if z >= 1 else 8 * n * d), f"zero={z}"
+        layout = out[(name, z)]["dp"]["bucket_layout"]
+        flats = int(layout.split()[0])  # buckets or units, each padded by < d elements
+        slack = 4 * flats * (d - 1)
+        for r in ranks:
+            for kind, want in (("params", pred.weights_bytes), ("grads", pred.grads_bytes),
+                               ("optimizer", pred.optimizer_bytes)):
+                got = r[kind]
+                assert want - slack <= got <= want + slack, \
+                    f"d={d} zero={z} {kind}: measured {got} vs formula {want} (+-{slack})"
+        if name == "model" and z == 0:  # nothing to pad: exact
+            assert ranks[0]["params"] == pred.weights_bytes
+            assert ranks[0]["grads"] == pred.grads_bytes
+
+
+def test_wire_bytes_per_step_equal_the_ring_formulas(runs):
+    d, out = runs
+    for name in ("model", "odd"):
+        for z in (0, 1, 2, 3):
+            r = out[(name, z)]
+            payload = r["payload_bytes_per_step"]  # the padded flat buffers, fp32
+            want = dp_sync_wire_bytes(payload, d, z)
+            factor = 3 if z == 3 else 2
+            assert want == pytest.approx(factor * (d - 1) / d * payload, rel=1e-12)
+            assert r["wire_bytes_per_step"] == pytest.approx(want, rel=1e-12), \
+                f"{name} d={d} zero={z}"
+            n_bytes = 4 * {"model": MODEL, "odd": ODD}[name].num_params()
+            assert n_bytes <= payload < n_bytes + 4 * 64 * d  # padding only
+
+
+def test_zero_shrinks_measured_memory_in_the_right_order(runs):
+    d, out = runs
+    totals = []
+    for z in (0, 1, 2, 3):
+        m = out[("model", z)]["memory"]["measured_per_rank"][0]
+        totals.append(m["params"] + m["grads"] + m["optimizer"])
+    assert totals[0] > totals[1] > totals[2] > totals[3]
+    assert totals[3] == pytest.approx(totals[0] / d, rel=0.02)
