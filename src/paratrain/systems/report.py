@@ -163,7 +163,7 @@ def render(rep: dict, console=None) -> None:
     con.print(t)
 
     me = rep["memory"]
-    t = Table(title=f"Memory per GPU for this plan (ZeRO-{pl['zero']}, busiest rank)")
+    t = Table(title=f"Memory per GPU (ZeRO-{pl['zero']}, busiest rank)")
     t.add_column("component")
     t.add_column("GB", justify="right")
     for k in ("weights", "grads", "optimizer", "activations", "logits", "buffers"):
