@@ -1,0 +1,61 @@
+"""The mesh: tp innermost, then dp, then pp; device_mesh and the new_group fallback
+build the same groups; the layout prints."""
+
+from __future__ import annotations
+
+import pytest
+
+from paratrain.distributed import spawn
+from paratrain.parallel.mesh import Mesh, all_layouts, axis_ranks, coords_of, layout_table, rank_of
+from paratrain.plan import ParallelPlan
+
+
+def test_layout_arithmetic():
+    for sizes in all_layouts(12):
+        world = sizes["pp"] * sizes["dp"] * sizes["tp"]
+        for r in range(world):
+            c = coords_of(r, sizes)
+            assert rank_of(c, sizes) == r
+            for axis in ("pp", "dp", "tp"):
+                ranks = axis_ranks(r, axis, sizes)
+                assert r in ranks and len(ranks) == sizes[axis]
+    sizes = {"pp": 2, "dp": 2, "tp": 2}
+    assert axis_ranks(0, "tp", sizes) == [0, 1]  # tp partners are neighbours
+    assert axis_ranks(0, "dp", sizes) == [0, 2]
+    assert axis_ranks(0, "pp", sizes) == [0, 4]  # stages furthest apart
+    text = layout_table(sizes)
+    assert "rank   5: pp 1  dp 0  tp 1" in text
+
+
+def test_reserved_axes_are_refused():
+    with pytest.raises(ValueError, match="reserved"):
+        Mesh.from_plan(ParallelPlan(cp=2), world=2)
+
+
+def _mesh_worker(rank: int, world: int) -> dict:
+    import torch.distributed as dist
+
+    out = {}
+    for plan in (ParallelPlan(pp=2, tp=2), ParallelPlan(dp=2, tp=2), ParallelPlan(pp=2, dp=2)):
+        mesh = Mesh.from_plan(plan)
+        fallback = Mesh._new_group_groups(mesh.sizes, rank)
+        out[str(mesh.sizes)] = {
+            "source": mesh.source,
+            "groups": {a: dist.get_process_group_ranks(mesh.group(a)) for a in mesh.sizes},
+            "fallback": {a: dist.get_process_group_ranks(fallback[a]) for a in mesh.sizes},
+            "index": {a: mesh.index(a) for a in mesh.sizes},
+            "layout": mesh.layout(),
+        }
+    return out
+
+
+def test_groups_on_four_processes():
+    results = spawn(_mesh_worker, 4, timeout_s=120)
+    for rank, res in enumerate(results):
+        for key, r in res.items():
+            assert r["groups"] == r["fallback"]  # device_mesh == the new_group fallback
+            sizes = eval(key)  # noqa: S307 - our own dict repr
+            for a in ("pp", "dp", "tp"):
+                assert r["groups"][a] == axis_ranks(rank, a, sizes)
+                assert r["index"][a] == coords_of(rank, sizes)[a]
+    print(results[0]["{'pp': 2, 'dp': 1, 'tp': 2}"]["layout"])

@@ -1,0 +1,89 @@
+"""Pipeline schedules as data: every generated schedule executes (no deadlock, every send
+received, no backward before its forward, nothing missing or repeated) for p up to 64,
+and its simulated bubble is the textbook one."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from paratrain.parallel.pipeline.schedule import (
+    SCHEDULES, Action, bubble_formula, build_schedule, simulate, validate)
+
+
+def cases(p: int):
+    for name in SCHEDULES:
+        for m in sorted({1, 2, p, 2 * p}):
+            for v in ((1, 2, 3) if name == "interleaved" else (1,)):
+                if name == "interleaved" and m % p:
+                    continue
+                yield name, m, v
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 4, 5, 8, 16, 32, 64])
+def test_every_schedule_validates(p):
+    for name, m, v in cases(p):
+        tl = validate(build_schedule(name, p, m, v))
+        assert 0.0 <= tl.bubble < 1.0
+        if name in ("gpipe", "1f1b"):
+            assert tl.bubble == pytest.approx(bubble_formula(name, p, m), abs=1e-12)
+        if name == "interleaved":
+            assert tl.bubble == pytest.approx((p - 1) / (v * m + p - 1), abs=1e-12)
+        if name == "zb-h1" and m >= p:
+            assert tl.bubble == pytest.approx(bubble_formula(name, p, m), abs=1e-12)
+            assert tl.bubble <= bubble_formula("1f1b", p, m)
+
+
+def test_memory_of_1f1b_vs_gpipe():
+    p, m = 4, 8
+    assert simulate(build_schedule("gpipe", p, m)).peak_in_flight == [m] * p
+    assert simulate(build_schedule("1f1b", p, m)).peak_in_flight == [p - r for r in range(p)]
+
+
+def test_predicted_bubbles_at_pp4_m8():
+    got = {n: simulate(build_schedule(n, 4, 8, 2 if n == "interleaved" else 1)).bubble
+           for n in SCHEDULES}
+    print({k: round(v, 4) for k, v in got.items()})
+    assert got["gpipe"] == pytest.approx(3 / 11)
+    assert got["1f1b"] == pytest.approx(3 / 11)
+    assert got["interleaved"] == pytest.approx(3 / 19)
+    assert got["zb-h1"] == pytest.approx(3 / 27)
+
+
+def _replace(s, rank, acts):
+    rows = list(s.actions)
+    rows[rank] = tuple(acts)
+    return dataclasses.replace(s, actions=tuple(rows))
+
+
+def test_validator_rejects_broken_schedules():
+    s = build_schedule("1f1b", 2, 2)
+    r1 = list(s.actions[1])
+    # a backward whose forward never ran
+    with pytest.raises(ValueError, match="before F0"):
+        validate(_replace(s, 1, [a for a in r1 if not (a.kind == "F" and a.mb == 0)]))
+    # a receive nobody sends -> deadlock
+    with pytest.raises(ValueError, match="deadlock"):
+        validate(_replace(s, 0, [Action("RECV_B", 5, 0, 1)] + list(s.actions[0])))
+    # a send nobody receives
+    r0 = list(s.actions[0]) + [Action("SEND_F", 1, 0, 1)]
+    with pytest.raises(ValueError):
+        validate(_replace(s, 0, r0))
+    # a missing backward (and its send)
+    with pytest.raises(ValueError, match="missing|deadlock"):
+        validate(_replace(s, 1, [a for a in r1 if a.mb != 1 or a.kind in ("F", "RECV_F")]))
+    # two ranks each waiting for the other first: a cycle
+    g = build_schedule("gpipe", 2, 1)
+    swapped = [Action("RECV_B", 0, 0, 1)] + [a for a in g.actions[0] if a.kind != "RECV_B"]
+    with pytest.raises(ValueError, match="deadlock"):
+        validate(_replace(g, 0, swapped))
+
+
+def test_bad_arguments_are_one_line_errors():
+    with pytest.raises(ValueError, match="unknown"):
+        build_schedule("pipedream", 2, 2)
+    with pytest.raises(ValueError, match="multiple"):
+        build_schedule("interleaved", 4, 6, 2)
+    with pytest.raises(ValueError, match="interleaved"):
+        build_schedule("1f1b", 2, 2, 2)
