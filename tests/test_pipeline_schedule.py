@@ -9,7 +9,13 @@ import dataclasses
 import pytest
 
 from paratrain.parallel.pipeline.schedule import (
-    SCHEDULES, Action, bubble_formula, build_schedule, simulate, validate)
+    SCHEDULES,
+    Action,
+    bubble_formula,
+    build_schedule,
+    simulate,
+    validate,
+)
 
 
 def cases(p: int):
