@@ -158,6 +158,8 @@ class MeshEngine(Engine):
     @torch.no_grad()
     def eval_loss_sum(self, x_BT, y_BT) -> float:
         self.model.eval()
+        counts = [(c.wire_bytes, c.payload_bytes, c.calls) for st in self.tp_states
+                  for c in (st.blocks, st.edges)]  # evaluation traffic is not training's
         try:
             x_BT, y_BT = x_BT.to(self.device), y_BT.to(self.device)
             if self.runtime is None:
@@ -165,6 +167,9 @@ class MeshEngine(Engine):
             return self.runtime.forward_only(x_BT, y_BT, x_BT.shape[1])
         finally:
             self.model.train()
+            comms = [c for st in self.tp_states for c in (st.blocks, st.edges)]
+            for c, (w, p, n) in zip(comms, counts, strict=True):
+                c.wire_bytes, c.payload_bytes, c.calls = w, p, n
 
     # ---- communication and update --------------------------------------------------
     def reduce_gradients(self) -> CommStats:
