@@ -1,0 +1,145 @@
+"""Simulator results and traffic for p up to 1024, and the schedules' counts against the
+systems model's closed forms (paratrain.systems.collectives)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from paratrain.comm import ALGORITHMS, build, count, time_s
+from paratrain.comm.schedule import chunk_sizes, offsets
+from paratrain.comm.simulator import simulate_collective
+from paratrain.systems import collectives as sysc
+
+# p: mostly small, sometimes up to 1024 (a ring at p=1024 has 2M transfers: ~3 s)
+P = st.one_of(st.integers(1, 40), st.sampled_from([63, 64, 100, 255, 256, 1000, 1024]))
+CASES = [(op, a) for op, algs in ALGORITHMS.items() for a in algs]
+
+
+def _inputs(p: int, n: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(-8, 8, size=(p, n)).astype(np.float64)
+
+
+def _expected_ok(op, p, n, x, outs, root) -> bool:
+    tot = x.sum(0)
+    if op == "all_reduce":
+        return all(np.array_equal(o, tot) for o in outs)
+    if op == "reduce":
+        return np.array_equal(outs[root], tot)
+    if op == "broadcast":
+        return all(np.array_equal(o, x[root]) for o in outs)
+    if op == "reduce_scatter":
+        return np.array_equal(np.concatenate(outs), tot)
+    if op == "all_gather":
+        return all(np.array_equal(o, x[0]) for o in outs)
+    if op == "sparse_all_gather":
+        return all(np.array_equal(o, x.reshape(-1)) for o in outs)
+    cs, of = chunk_sizes(n, p), offsets(chunk_sizes(n, p))
+    return all(np.array_equal(outs[r], np.concatenate([x[i][of[r]:of[r] + cs[r]]
+                                                      for i in range(p)])) for r in range(p))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=st.sampled_from(CASES), p=P, n=st.integers(0, 300), seed=st.integers(0, 99),
+       data=st.data())
+def test_simulator_results_and_traffic(case, p, n, seed, data):
+    op, alg = case
+    if alg == "halving_doubling" and op != "all_reduce":
+        p = 1 << (p.bit_length() - 1)
+    if op == "all_to_all" or alg == "naive":
+        p = min(p, 64)  # p x p blocks / p-1 sequential whole vectors: keep it small
+    root = data.draw(st.integers(0, p - 1)) if op in ("broadcast", "reduce") else 0
+    x = _inputs(p, n, seed)
+    if op == "all_gather":
+        cs, of = chunk_sizes(n, p), offsets(chunk_sizes(n, p))
+        x = np.tile(x[:1], (p, 1))
+        inputs = [x[0][of[r]:of[r] + cs[r]] for r in range(p)]
+    else:
+        inputs = list(x)
+    outs, res = simulate_collective(op, alg, inputs, root=root, segments=5)
+    assert _expected_ok(op, p, n, x, outs, root)
+    c = count(build(op, alg, p, len(x[0]) if op != "all_gather" else n, root=root, segments=5))
+    assert (res.steps, res.sent, res.recv) == (c.steps, c.sent, c.recv)
+    assert sum(c.sent) == sum(c.recv)
+
+
+# (op, algorithm) whose schedule is exactly what the closed form describes
+EXACT = [("all_reduce", "ring"), ("reduce_scatter", "ring"), ("all_gather", "ring"),
+         ("all_reduce", "naive"), ("reduce_scatter", "naive"), ("all_gather", "naive"),
+         ("broadcast", "naive"), ("reduce", "naive"), ("all_to_all", "naive"),
+         ("all_reduce", "tree"), ("broadcast", "tree"), ("reduce", "tree"),
+         ("all_reduce", "halving_doubling"), ("reduce_scatter", "halving_doubling"),
+         ("all_gather", "halving_doubling")]
+
+
+@pytest.mark.parametrize("op,alg", EXACT)
+@pytest.mark.parametrize("p", [2, 3, 4, 5, 8, 16, 64, 256, 1024])
+def test_counts_equal_systems_formulas(op, alg, p):
+    if alg == "halving_doubling" and p & (p - 1):
+        pytest.skip("the closed form needs p a power of two")
+    if p > 64 and (alg == "naive" or op == "all_to_all"):
+        pytest.skip("p-1 sequential rounds of p x p blocks: covered up to 64")
+    if p > 256 and (op, alg) != ("all_reduce", "ring"):
+        pytest.skip("p = 1024 (2M transfers) for the ring all-reduce only: time")
+    elem = 4
+    for n in (p * 96, p * 96 + p // 2 + 1):  # divisible by p, then uneven chunks
+        s = build(op, alg, p, n)
+        c = count(s)
+        payload = n * elem
+        assert s.steps == sysc.steps(op, alg, p), (op, alg, p)
+        wire = sysc.wire_bytes(op, alg, p, payload)
+        busiest = max(c.sent) * elem
+        if n % p == 0:
+            assert busiest == pytest.approx(wire, rel=1e-12)
+            t_ours = time_s(s, 3e-6, 1e9, elem_bytes=elem)
+            assert t_ours == pytest.approx(sysc.time_s(op, alg, p, payload, 3e-6, 1e9), rel=1e-12)
+        else:  # each chunk sent is at most one element longer than n / p
+            most = Counter(t.src for r in s.rounds for t in r).most_common(1)[0][1]
+            assert abs(busiest - wire) <= most * elem
+
+
+@pytest.mark.parametrize("op", ["broadcast", "reduce"])
+@pytest.mark.parametrize("p", [2, 3, 8, 64])
+def test_pipelined_chain_matches_closed_form(op, p):
+    """Chain: one segment gives the closed form's steps and bytes; its time is the limit
+    of many segments (the closed form leaves out the pipeline's fill)."""
+    n = 64 * 1024
+    s1 = build(op, "ring", p, n, segments=1)
+    assert s1.steps == sysc.steps(op, "ring", p)
+    assert max(count(s1).sent) * 4 == sysc.wire_bytes(op, "ring", p, 4 * n)
+    closed = sysc.time_s(op, "ring", p, 4 * n, 0.0, 1e9)
+    many = build(op, "ring", p, n, segments=1024)
+    assert time_s(many, 0.0, 1e9) == pytest.approx(closed, rel=(p - 2) / 1024 + 1e-9)
+
+
+@pytest.mark.parametrize("p", [2, 4, 8, 16, 64])
+def test_pipelined_tree_within_closed_form(p):
+    """Double binary tree: each rank sends at most the closed form's 2x the vector, and
+    with many segments the bandwidth term approaches its 2 n / bw."""
+    n = 4096 * 16
+    s = build("all_reduce", "pipelined_tree", p, n, segments=256)
+    assert max(count(s).sent) * 4 <= sysc.wire_bytes("all_reduce", "pipelined_tree", p, 4 * n)
+    closed = sysc.time_s("all_reduce", "pipelined_tree", p, 4 * n, 0.0, 1e9)
+    depth = (p).bit_length() - 1
+    assert time_s(s, 0.0, 1e9) <= closed * (1 + 4 * depth / 128) + 1e-12
+
+
+def test_sparse_exchange_grows_with_p():
+    """DESIGN: top-k payloads go by all-gather, (p-1) x payload per rank."""
+    for p in (2, 8, 64):
+        c = count(build("sparse_all_gather", "ring", p, 10))
+        assert max(c.sent) == (p - 1) * 10
+        assert max(c.sent) * 12 == sysc.compressed_wire_bytes(p, 10 * 12)
+
+
+@pytest.mark.parametrize("alg,p", [("ring", 1024), ("halving_doubling", 1000)])
+def test_simulator_at_a_thousand_ranks(alg, p):
+    x = _inputs(p, 37, 0)  # n < p: most chunks are empty
+    outs, res = simulate_collective("all_reduce", alg, list(x))
+    assert _expected_ok("all_reduce", p, 37, x, outs, 0)
+    c = count(build("all_reduce", alg, p, 37))
+    assert (res.sent, res.recv) == (c.sent, c.recv)
