@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import torch
 from torch import nn
@@ -152,6 +152,7 @@ class GradBuckets:
         self.pad_to = comm.size
         self.sync = True
         self.rebuild_pending = rebuild
+        self.rebuilt = False  # True once the layout followed the observed order
         self.observed: list[int] = []  # id(param) in gradient-ready order, first step only
         self._recording = True
         self._bucket_of: dict[int, Bucket] = {}
@@ -293,6 +294,7 @@ class GradBuckets:
             if [id(p) for p in order] != [id(p) for b in self.buckets for p in b.params]:
                 log.info("rebuilding gradient buckets in the observed ready order")
                 self._build(order)
+                self.rebuilt = True
                 return
         for b in self.buckets:
             if b.grad is not None and self.persistent:
@@ -300,10 +302,23 @@ class GradBuckets:
             if b.grad_shard is not None and not self.persistent:
                 b.grad_shard.zero_()
 
+    def layout_follows_observed_order(self) -> bool:
+        """Whether the buckets hold the parameters in the first step's ready order."""
+        seen = list(dict.fromkeys(self.observed))
+        return [id(p) for b in self.buckets for p in b.params][:len(seen)] == seen
+
     def remove_hooks(self) -> None:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+
+
+def dp_report(engine, layout: str, **extra) -> dict:
+    """What a data-parallel engine tells the run summary: its layout, the bytes it sent,
+    and the last step's communication (exposed, hidden, buckets launched early)."""
+    last = getattr(engine, "last", None)
+    return {"bucket_layout": layout, "wire_bytes_total": engine.comm.bytes_sent,
+            "steps": engine.steps_done, "last_step": asdict(last) if last else None, **extra}
 
 
 def BucketedAllReduce(params, group=None, bucket_mb: float = 25.0, overlap: bool = True,
@@ -335,7 +350,8 @@ class DDPEngine(DataParallel):
 
     def reduce_gradients(self) -> DPCommStats:
         self._micro = 0
-        return self.buckets.finish()
+        self.last = self.buckets.finish()
+        return self.last
 
     def clip_and_step(self, lr: float) -> float:
         params = [p for p in self.model.parameters() if p.grad is not None]
@@ -348,5 +364,6 @@ class DDPEngine(DataParallel):
         return float(norm)
 
     def report(self) -> dict:
-        return {"bucket_layout": self.buckets.layout(), "wire_bytes_total": self.comm.bytes_sent,
-                "steps": self.steps_done}
+        return dp_report(self, self.buckets.layout(),
+                         rebuilt=self.buckets.rebuilt,
+                         follows_ready_order=self.buckets.layout_follows_observed_order())

@@ -48,7 +48,7 @@ from torch import nn
 
 from paratrain.config import TrainConfig
 from paratrain.parallel.data import DataParallel
-from paratrain.parallel.ddp import DPCommStats, _union_inside
+from paratrain.parallel.ddp import DPCommStats, _union_inside, dp_report
 from paratrain.parallel.ddp_comm import GroupComm, Handle
 from paratrain.parallel.zero import FlatShard, ShardedAdamW, owned_segments
 
@@ -304,6 +304,7 @@ class FSDPEngine(DataParallel):
         stats = self.fs.finish()
         stats.wire_bytes = self.comm.bytes_sent - self._mark
         self._mark = self.comm.bytes_sent
+        self.last = stats
         return stats
 
     def clip_and_step(self, lr: float) -> float:
@@ -319,8 +320,7 @@ class FSDPEngine(DataParallel):
         return {n: by_id[id(q)] for n, q in self.model.named_parameters()}
 
     def report(self) -> dict:
-        return {"bucket_layout": self.fs.layout(), "wire_bytes_total": self.comm.bytes_sent,
-                "steps": self.steps_done}
+        return dp_report(self, self.fs.layout())
 
     def state_dict(self) -> dict:
         return {"shards": [u.shard for u in self.fs.units], "optim": self.opt.state_dict()}

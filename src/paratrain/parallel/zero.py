@@ -48,7 +48,7 @@ from torch import nn
 from paratrain.config import TrainConfig
 from paratrain.optim import set_lr
 from paratrain.parallel.data import DataParallel
-from paratrain.parallel.ddp import DPCommStats, GradBuckets
+from paratrain.parallel.ddp import DPCommStats, GradBuckets, dp_report
 from paratrain.parallel.ddp_comm import GroupComm
 
 log = logging.getLogger(__name__)
@@ -225,6 +225,7 @@ class ZeroEngine(DataParallel):
         self._exposed = 0.0
         stats.wire_bytes = self.comm.bytes_sent - self._mark
         self._mark = self.comm.bytes_sent
+        self.last = stats
         return stats
 
     def clip_and_step(self, lr: float) -> float:
@@ -235,8 +236,7 @@ class ZeroEngine(DataParallel):
         return self.zo.state_tensors()
 
     def report(self) -> dict:
-        return {"bucket_layout": self.zo.buckets.layout(), "wire_bytes_total": self.comm.bytes_sent,
-                "steps": self.steps_done}
+        return dp_report(self, self.zo.buckets.layout())
 
     def state_dict(self) -> dict:
         return {"model": self.model.state_dict(), "optim": self.opt.state_dict()}
