@@ -121,12 +121,38 @@ class ParallelPlan:
                 f"global batch {global_batch} is not divisible by dp*micro_batches="
                 f"{self.dp}*{self.micro_batches}={per_mb}; pick a multiple of {per_mb}",
             )
+        _require(
+            not (self.sp and model.context % self.tp),
+            f"sequence parallelism needs context ({model.context}) divisible by tp "
+            f"({self.tp}); choose a multiple of {self.tp}",
+        )
         if self.schedule == "interleaved" and self.pp > 1:
             _require(
                 self.micro_batches % self.pp == 0,
                 f"interleaved schedule needs micro_batches ({self.micro_batches}) to be a "
                 f"multiple of pp ({self.pp})",
             )
+
+    def check_runtime(self, model: ModelConfig) -> None:
+        """Combinations the paratrain runtime refuses although the systems model can price
+        them (parallel/hybrid.py says why); call before launching a training run."""
+        _require(
+            not (self.pp > 1 and model.tie_embeddings),
+            f"tied embeddings with pp={self.pp} are not supported (embedding and head live "
+            "on different stages); drop --tie-embeddings or use --pp 1",
+        )
+        _require(
+            not (self.schedule == "zb-h1" and self.pp > 1 and self.recompute != "none"),
+            f"zb-h1 with recompute={self.recompute} is not supported (the recomputed forward "
+            "would not defer weight gradients); use --recompute none or another schedule",
+        )
+        _require(
+            self.zero == 0 or (self.zero == 1 and self.tp == 1)
+            or (self.tp == 1 and self.pp == 1 and self.recompute == "none"),
+            f"zero={self.zero} with tp={self.tp}, pp={self.pp}, recompute={self.recompute}: "
+            "only ZeRO-1 with tp=1 composes with model parallelism or recompute; use --zero 0 "
+            "or --zero 1 --tp 1",
+        )
 
     def replace(self, **changes) -> ParallelPlan:
         return dataclasses.replace(self, **changes)

@@ -106,6 +106,7 @@ def train(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan | None = None
     rank, world = _rank_world()
     plan = plan or ParallelPlan(dp=world)
     plan.check(mcfg, world, tcfg.global_batch)
+    plan.check_runtime(mcfg)
     if opts.simulate_workers > 1:
         if world > 1:
             raise ValueError("--simulate-workers runs in one process; use it with --nproc 1")
@@ -201,6 +202,10 @@ def train(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan | None = None
     }
     if rank == 0 and not opts.quiet:
         print(format_report(summary["memory"]))
+        if summary["model_parallel"]:
+            from paratrain.parallel.hybrid import format_model_parallel
+
+            print(format_model_parallel(summary["model_parallel"]))
     if rank == 0 and run_dir is not None:
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         if "pipeline" in summary["model_parallel"]:  # for `paratrain viz pipeline --measured`

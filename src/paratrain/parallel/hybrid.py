@@ -56,23 +56,12 @@ from paratrain.plan import ParallelPlan
 def check_supported(model: nn.Module, cfg: TrainConfig, plan: ParallelPlan) -> None:
     """Refuse, with one line each, what MeshEngine does not do (never ignore silently)."""
     m = model.cfg
-    if plan.pp > 1 and m.tie_embeddings:
-        raise ValueError("tied embeddings with pp > 1 are not supported (embedding and head "
-                         "live on different stages); drop --tie-embeddings or use --pp 1")
-    if plan.zero not in (0, 1) or (plan.zero == 1 and plan.tp > 1):
-        raise ValueError(f"zero={plan.zero} with tp={plan.tp}, pp={plan.pp}: only ZeRO-1 with "
-                         "tp=1 composes with model parallelism here; use --zero 0 or 1")
+    plan.check_runtime(m)  # tied + pp, zb-h1 + recompute, ZeRO stages
     if plan.compress is not None:
         raise ValueError(f"--compress {plan.compress} is data-parallel only; drop it with "
                          "--tp/--pp")
     if cfg.dtype == "bfloat16":
         raise ValueError("--dtype bfloat16 is not supported with --tp/--pp yet; use float32")
-    if plan.sp and m.context % plan.tp:
-        raise ValueError(f"sequence parallelism needs context ({m.context}) divisible by "
-                         f"tp ({plan.tp}); choose a multiple of {plan.tp}")
-    if plan.schedule == "zb-h1" and plan.pp > 1 and plan.recompute != "none":
-        raise ValueError(f"zb-h1 with recompute={plan.recompute}: recomputation in backward "
-                         "would not defer weight gradients; use --recompute none or 1f1b")
     if plan.cp != 1 or plan.ep != 1:
         raise ValueError(f"cp={plan.cp}, ep={plan.ep}: context/expert parallelism are not "
                          "implemented; use 1")
@@ -275,10 +264,13 @@ class MeshEngine(Engine):
         b_mb = local_b // plan.micro_batches
         layers_on_rank = sum(len(c.blocks) for c in self.model)
         per_seq = _korthikanti(m, plan, self.dtype)
+        from paratrain.parallel.memory import predicted_activations
+
         out["activation"] = {
             "recompute": plan.recompute,
             "measured_peak_bytes_per_rank": [int(t.item()) for t in peaks],
             "formula_bytes_per_layer_per_microbatch": per_seq * b_mb,
+            "systems_model_busiest_rank_bytes": predicted_activations(m, plan, self.cfg),
             "layers_on_rank": layers_on_rank, "sequences_per_microbatch": b_mb,
         }
         if plan.tp > 1:
@@ -296,6 +288,31 @@ class MeshEngine(Engine):
                     * b_mb * m.context * m.d_model * _elem(self.dtype),
             }
         return out
+
+
+def format_model_parallel(rep: dict) -> str:
+    """A few lines for the end of a run: bubble, activations, TP bytes, each measured
+    beside its prediction."""
+    lines = []
+    if "pipeline" in rep:
+        p = rep["pipeline"]
+        lines.append(f"pipeline {p['schedule']} p={p['pp']} m={p['micro_batches']} "
+                     f"v={p['virtual_stages']}: bubble measured {p['bubble_measured']:.3f}, "
+                     f"simulated {p['bubble_simulated']:.3f}, formula {p['bubble_formula']:.3f}")
+    a = rep["activation"]
+    lines.append(f"activations (recompute {a['recompute']}): measured peak "
+                 f"{max(a['measured_peak_bytes_per_rank']) / 1e6:.3f} MB on the busiest rank; "
+                 f"systems model {a['systems_model_busiest_rank_bytes'] / 1e6:.3f} MB; "
+                 f"Korthikanti {a['formula_bytes_per_layer_per_microbatch'] / 1e6:.3f} MB per "
+                 "layer per micro-batch")
+    if "tp" in rep:
+        t = rep["tp"]
+        lines.append(f"tensor parallel (sp={t['sp']}): "
+                     f"{t['wire_bytes_per_layer_per_microbatch'] / 1e6:.4f} MB sent per layer "
+                     f"per micro-batch in {t['collectives_per_layer_per_microbatch']:.0f} "
+                     f"collectives (formula "
+                     f"{t['formula_wire_bytes_per_layer_per_microbatch'] / 1e6:.4f} MB)")
+    return "\n".join(lines)
 
 
 def _elem(dtype: torch.dtype) -> int:
