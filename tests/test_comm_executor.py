@@ -14,6 +14,7 @@ from paratrain.comm.algorithms import ALGORITHMS, build
 from paratrain.comm.cost import count
 from paratrain.comm.schedule import chunk_sizes, offsets
 from paratrain.distributed import spawn
+from paratrain.systems import collectives as sysc
 
 
 def _ints(rank: int, n: int, dtype=torch.float32, salt: int = 0) -> torch.Tensor:
@@ -36,7 +37,7 @@ def _native_all_reduce(x: torch.Tensor, op: str, p: int) -> torch.Tensor:
 
 
 def _sizes(p: int) -> list[int]:
-    return sorted({1, max(1, p - 1), 5, 64, 301})
+    return sorted({1, max(1, p - 1), 5, 12 * p, 301})
 
 
 def _check(fails: list, label: str, ours: torch.Tensor, ref: torch.Tensor, exact: bool,
@@ -224,6 +225,20 @@ def test_every_collective_matches_native_and_counts_match_schedule(p):
             esize = 4 if op != "sparse_all_gather" else 4 + 8
             assert sent == c.sent[r] * esize, (op, alg, n, r, sent, c.sent[r])
             assert recv == c.recv[r] * esize, (op, alg, n, r, recv, c.recv[r])
+    # ... and the busiest rank's executed bytes = the systems model's closed form
+    exact = {("all_reduce", "ring"), ("reduce_scatter", "ring"), ("all_gather", "ring"),
+             ("all_reduce", "naive"), ("reduce_scatter", "naive"), ("all_gather", "naive"),
+             ("all_to_all", "naive"), ("all_reduce", "tree"), ("all_reduce", "halving_doubling"),
+             ("reduce_scatter", "halving_doubling"), ("all_gather", "halving_doubling")}
+    checked = 0
+    for i, (op, alg, n, steps, _, _) in enumerate(results[0]["counts"]):
+        if (op, alg) not in exact or n % p or (alg == "halving_doubling" and p & (p - 1)):
+            continue
+        busiest = max(res["counts"][i][4] for res in results)
+        assert busiest == sysc.wire_bytes(op, alg, p, 4 * n), (op, alg, p, n)
+        assert steps == sysc.steps(op, alg, p), (op, alg, p)
+        checked += 1
+    assert checked >= 8
 
 
 def test_subgroup_uses_group_ranks():
