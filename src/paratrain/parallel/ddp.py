@@ -51,6 +51,7 @@ from paratrain.parallel.engine import CommStats
 log = logging.getLogger(__name__)
 
 MODES = ("all_reduce", "reduce_scatter")
+MAX_IN_FLIGHT = 2  # transient (ZeRO-2) buckets being reduced at once
 
 
 @dataclass
@@ -160,6 +161,8 @@ class GradBuckets:
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_ready) for p in self.params]
         self._intervals: list[tuple[float, float]] = []
         self._bytes_mark = comm.bytes_sent
+        self._launched = self._early = 0  # collectives launched this step (from hooks)
+        self._retired: list[tuple[float, float]] = []  # (launch, done) of waited ones
         self.comm_buffer_peak = 0  # bytes of flat buffers alive at once (transient mode)
 
     # ---- layout -------------------------------------------------------------------
@@ -222,6 +225,21 @@ class GradBuckets:
             b.handle = self.comm.reduce_scatter(out, b.grad, async_op=True)
             b.handle.then = self._make_accumulate(b, out)
         b.early = early
+        self._launched += 1
+        self._early += early
+        if not self.persistent:
+            self._retire_beyond(MAX_IN_FLIGHT)
+
+    def _retire_beyond(self, window: int) -> None:
+        """Transient buffers: wait for the oldest reductions until at most ``window``
+        are in flight, so at most that many full buckets exist at once (the gradient
+        memory ZeRO-2 promises), not one per bucket until backward ends."""
+        flying = sorted((b for b in self.buckets if b.handle is not None),
+                        key=lambda b: b.handle.launched_s)
+        for b in flying[:max(0, len(flying) - window)]:
+            b.handle.wait()
+            self._retired.append((b.handle.launched_s, b.handle.done_s))
+            b.handle = None
 
     def _make_accumulate(self, b: Bucket, out: torch.Tensor):
         def then():
@@ -259,13 +277,11 @@ class GradBuckets:
 
     def _finish_all(self) -> DPCommStats:
         t_end = time.perf_counter()
-        launched = sum(1 for b in self.buckets if b.handle is not None)
-        early = sum(1 for b in self.buckets if b.handle is not None and b.early)
         for b in self.buckets:
-            if b.handle is None and b.grad is not None:
+            if b.handle is None and b.grad is not None and (self.persistent or b.ready):
                 self._launch(b)
-                launched += 1
-        intervals = []
+        intervals, self._retired = self._retired, []
+        launched, early, self._launched, self._early = self._launched, self._early, 0, 0
         for b in self.buckets:
             if b.handle is not None:
                 b.handle.wait()

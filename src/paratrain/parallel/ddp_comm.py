@@ -54,13 +54,14 @@ class Handle:
     """An in-flight collective: ``wait()`` blocks until its result is in place, then runs
     the optional ``then`` callback once (e.g. copy out, free a buffer)."""
 
-    __slots__ = ("work", "then", "launched_s", "done_s")
+    __slots__ = ("work", "then", "launched_s", "done_s", "nbytes")
 
     def __init__(self, work=None, then=None) -> None:
         self.work = work
         self.then = then
         self.launched_s = time.perf_counter()
         self.done_s: float | None = None
+        self.nbytes = 0  # size of the buffer in flight, for memory accounting
 
     def is_completed(self) -> bool:
         if self.done_s is not None:

@@ -53,6 +53,7 @@ from paratrain.parallel.ddp_comm import GroupComm, Handle
 from paratrain.parallel.zero import FlatShard, ShardedAdamW, owned_segments
 
 log = logging.getLogger(__name__)
+MAX_IN_FLIGHT = 2  # units' gradient reduce-scatters in flight at once
 
 
 def default_units(model: nn.Module) -> list[list[nn.Module]]:
@@ -81,7 +82,6 @@ class Unit:
     gather: Handle | None = None
     grad_full: torch.Tensor | None = None  # (padded,) this backward's gradients
     ready: int = 0
-    reduce: list = field(default_factory=list)  # in-flight reduce-scatter handles
     index: dict = field(default_factory=dict)
 
 
@@ -122,6 +122,8 @@ class FullyShard:
                   for u in self.units if u.grad_shard is not None]
         self.adam = ShardedAdamW(shards, self.comm, cfg)
         self._fwd_order: list[Unit] = []
+        self._inflight: list[Handle] = []  # reduce-scatters launched, not yet waited
+        self._retired: list[tuple[float, float]] = []  # (launch, done) of waited ones
         self.wait_s = 0.0  # time blocked on gathers this step
         self.gathered_peak = 0  # bytes of gathered parameter + gradient buffers at once
 
@@ -186,6 +188,7 @@ class FullyShard:
             torch.empty((), dtype=self.param_dtype).element_size()
         live += sum(u.padded * u.shard.element_size() for u in self.units
                     if u.grad_full is not None)
+        live += sum(h.nbytes for h in self._inflight)  # gradients being reduce-scattered
         self.gathered_peak = max(self.gathered_peak, live)
 
     # ---- hooks ----------------------------------------------------------------------
@@ -225,8 +228,17 @@ class FullyShard:
         out = torch.empty_like(u.grad_shard)
         h = self.comm.reduce_scatter(out, u.grad_full, async_op=True)
         h.then = lambda: u.grad_shard.add_(out)
-        u.reduce.append(h)
+        h.nbytes = u.grad_full.numel() * u.grad_full.element_size()
+        self._inflight.append(h)
         u.grad_full = None  # the handle keeps the buffer alive until sent
+        # At most MAX_IN_FLIGHT units' full gradients exist at once: wait for the oldest
+        # (usually long done: it was launched one unit of backward ago).
+        while len(self._inflight) > MAX_IN_FLIGHT:
+            old = self._inflight.pop(0)
+            t0 = time.perf_counter()
+            old.wait()
+            self.wait_s += time.perf_counter() - t0
+            self._retired.append((old.launched_s, old.done_s))
 
     # ---- per micro-step / per step ----------------------------------------------------
     def end_backward(self) -> None:
@@ -242,12 +254,11 @@ class FullyShard:
 
     def finish(self) -> DPCommStats:
         t_end = time.perf_counter()
-        intervals = []
-        for u in self.units:
-            for h in u.reduce:
-                h.wait()
-                intervals.append((h.launched_s, h.done_s))
-            u.reduce = []
+        intervals, self._retired = self._retired, []
+        for h in self._inflight:
+            h.wait()
+            intervals.append((h.launched_s, h.done_s))
+        self._inflight = []
         exposed = time.perf_counter() - t_end
         payload = sum(u.padded for u in self.units) * self.master_dtype.itemsize
         stats = DPCommStats(seconds=exposed + self.wait_s, payload_bytes=payload,
