@@ -19,3 +19,41 @@ def pipeline(
 
     path = draw_pipeline(schedule, pp, micro_batches, virtual_stages, out, measured)
     print(f"wrote {path}")
+
+
+@app.command()
+def ring(
+    p: int = typer.Option(4, help="Ranks in the ring."),
+    op: str = typer.Option("all_reduce", help="all_reduce | reduce_scatter | all_gather."),
+    out: str = typer.Option("plots", help="Output directory."),
+) -> None:
+    """Frames (PNG) and a GIF of a ring collective: chunk ownership per rank per step."""
+    from paratrain.comm.algorithms import build
+    from paratrain.viz.collective_anim import draw
+
+    if op not in ("all_reduce", "reduce_scatter", "all_gather"):
+        raise ValueError(f"--op {op!r}; ring draws all_reduce, reduce_scatter or all_gather")
+    if not 2 <= p <= 16:
+        raise ValueError(f"--p {p}: draw between 2 and 16 ranks")
+    pngs, gif = draw(build(op, "ring", p, p), out, f"ring_{op}_p{p}")
+    print(f"wrote {len(pngs)} frames and {gif}")
+
+
+@app.command()
+def tree(
+    p: int = typer.Option(4, help="Ranks in the tree."),
+    algorithm: str = typer.Option("tree", help="tree (binomial) | pipelined_tree (double)."),
+    segments: int = typer.Option(4, help="Segments of the pipelined tree."),
+    out: str = typer.Option("plots", help="Output directory."),
+) -> None:
+    """Frames (PNG) and a GIF of a tree all-reduce: reduce up, broadcast down."""
+    from paratrain.comm.algorithms import build
+    from paratrain.viz.collective_anim import draw
+
+    if algorithm not in ("tree", "pipelined_tree"):
+        raise ValueError(f"--algorithm {algorithm!r}; use tree or pipelined_tree")
+    if not 2 <= p <= 16:
+        raise ValueError(f"--p {p}: draw between 2 and 16 ranks")
+    s = build("all_reduce", algorithm, p, max(p, segments), segments=segments)
+    pngs, gif = draw(s, out, f"{algorithm}_all_reduce_p{p}")
+    print(f"wrote {len(pngs)} frames and {gif}")
