@@ -117,8 +117,8 @@ def train(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan | None = None
     corpus = Corpus.load(tcfg.data, tcfg.val_fraction, mcfg.context)
     model = build_model(mcfg, tcfg, device)
     engine = build_engine(model, tcfg, plan, device, opts.simulate_workers)
-    if rank == 0 and not opts.quiet and hasattr(engine, "mesh"):
-        print(engine.mesh.layout(), flush=True)  # the (pp, dp, tp) layout of the ranks
+    if rank == 0 and not opts.quiet and hasattr(engine, "describe_layout"):
+        print(engine.describe_layout(), flush=True)  # mesh, stage split, pipeline actions
 
     start = 0
     meta = {"model": asdict(mcfg), "plan": asdict(plan), "seed": tcfg.seed,

@@ -111,6 +111,23 @@ class MeshEngine(Engine):
         self.timelines: list[list] = []
         self.act_peaks: list[int] = []
 
+    def describe_layout(self) -> str:
+        """The mesh, the stage split and the pipeline actions (printed at start, rank 0)."""
+        from paratrain.parallel.pipeline.stage import split_layers
+
+        plan = self.plan
+        lines = [self.mesh.layout()]
+        S = plan.pp * (self.schedule.virtual_stages if self.schedule else 1)
+        for k, (a, b) in enumerate(split_layers(self.mcfg, S)):
+            ends = (" + embedding" if k == 0 else "") + (" + norm, head" if k == S - 1 else "")
+            lines.append(f"  stage {k} (pp rank {k % plan.pp}, chunk {k // plan.pp}): "
+                         f"blocks [{a}, {b}){ends}")
+        lines.append(f"  tensor parallel {plan.tp}, sequence parallel {plan.sp}, "
+                     f"recompute {plan.recompute}, zero {plan.zero}")
+        if self.schedule is not None and plan.pp <= 8:
+            lines.append(self.schedule.describe())
+        return "\n".join(lines)
+
     # ---- pieces --------------------------------------------------------------------
     def _hidden_shape(self, b: int) -> tuple[int, int, int]:
         T = self.mcfg.context
