@@ -93,3 +93,17 @@ def test_bad_arguments_are_one_line_errors():
         build_schedule("interleaved", 4, 6, 2)
     with pytest.raises(ValueError, match="interleaved"):
         build_schedule("1f1b", 2, 2, 2)
+
+
+def test_stage_split_accounts_for_the_head():
+    from paratrain.config import ModelConfig
+    from paratrain.parallel.pipeline.stage import split_layers
+
+    small_vocab = ModelConfig(n_layers=8, d_model=32, n_heads=4, d_ff=64, context=16)
+    assert split_layers(small_vocab, 4) == [(0, 2), (2, 4), (4, 6), (6, 8)]
+    big_head = small_vocab.replace(vocab_size=4096)  # head ~ 4 blocks of FLOPs
+    split = split_layers(big_head, 2)
+    assert split[0][1] - split[0][0] > split[1][1] - split[1][0]  # last stage fewer blocks
+    assert all(b > a for a, b in split_layers(big_head, 8))  # every stage keeps a block
+    with pytest.raises(ValueError, match="n_layers"):
+        split_layers(small_vocab, 9)
