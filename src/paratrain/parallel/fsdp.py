@@ -15,10 +15,11 @@ Life of a unit (Zhao et al. 2023, "PyTorch FSDP"; Rajbhandari et al. 2020, ZeRO-
 
 - At rest a unit is one flat vector (its parameters in registration order, padded to a
   multiple of p) of which rank r keeps chunk r (``shard``, the FP32 master); every
-  ``p.data`` is an empty tensor.
+  parameter is a view into the unit's gathered buffer, whose storage is 0 bytes at rest.
 - Before the forward of any of its modules it is all-gathered (``p.data`` become views of
   the gathered buffer) and, while it computes, the next unit in forward order is
-  prefetched. After the forward of its last module it is freed again, and a hook is put
+  prefetched. After the forward of its last module its storage is freed (resized to 0,
+  so the views autograd saved release their memory too), and a hook is put
   on that module's output gradient: when backward reaches it, the unit is gathered again
   and the unit before it (in reverse forward order) is prefetched.
 - Each gradient is copied into the unit's flat gradient buffer as autograd produces it
@@ -78,7 +79,8 @@ class Unit:
     grad_shard: torch.Tensor | None  # (padded / p,) reduced, accumulated gradient chunk
     n_trainable: int
     has_frozen: bool
-    full: torch.Tensor | None = None  # (padded,) gathered parameters, param dtype
+    full: torch.Tensor | None = None  # (padded,) gathered parameters; 0-byte storage at rest
+    gathered: bool = False
     gather: Handle | None = None
     grad_full: torch.Tensor | None = None  # (padded,) this backward's gradients
     ready: int = 0
@@ -109,6 +111,14 @@ class FullyShard:
         self.master_dtype = self.units[0].shard.dtype
         self.param_dtype = param_dtype or self.master_dtype
         for u in self.units:
+            # Each parameter becomes, once and for all, a view into its unit's gathered
+            # buffer, whose *storage* is resized to 0 bytes at rest and refilled by each
+            # all-gather. Tensors autograd saved in forward (e.g. a weight's transpose)
+            # are views of the same storage: freeing it really frees the memory, and the
+            # re-gather before backward makes them valid again (the FSDP storage trick).
+            u.full = torch.empty(u.padded, dtype=self.param_dtype, device=u.shard.device)
+            for q, off, shape in zip(u.params, u.offsets, u.shapes, strict=True):
+                q.data = u.full[off:off + shape.numel()].view(shape)
             self._free(u)
             for m in u.modules:
                 m.register_forward_pre_hook(lambda _m, _a, u=u: self._pre_forward(u))
@@ -159,33 +169,30 @@ class FullyShard:
 
     # ---- gather / free ------------------------------------------------------------
     def _launch_gather(self, u: Unit) -> None:
-        if u.full is not None or u.gather is not None:
+        if u.gathered or u.gather is not None:
             return
-        full = torch.empty(u.padded, dtype=self.param_dtype, device=u.shard.device)
-        u.gather = self.comm.all_gather(full, u.shard.to(self.param_dtype), async_op=True)
-        u.gather_buf = full
+        u.full.untyped_storage().resize_(u.padded * u.full.element_size())
+        u.gather = self.comm.all_gather(u.full, u.shard.to(self.param_dtype), async_op=True)
 
     def _ensure(self, u: Unit) -> None:
-        if u.full is not None:
+        if u.gathered:
             return
         self._launch_gather(u)
         t0 = time.perf_counter()
         u.gather.wait()
         self.wait_s += time.perf_counter() - t0
-        u.full, u.gather, u.gather_buf = u.gather_buf, None, None
-        for q, off, shape in zip(u.params, u.offsets, u.shapes, strict=True):
-            q.data = u.full[off:off + shape.numel()].view(shape)
+        u.gather, u.gathered = None, True
         self._note_peak()
 
     def _free(self, u: Unit) -> None:
-        empty = torch.empty(0, dtype=self.param_dtype, device=u.shard.device)
-        for q in u.params:
-            q.data = empty
-        u.full = None
+        if u.gather is not None:  # prefetched but never used: let it land first
+            u.gather.wait()
+            u.gather = None
+        u.full.untyped_storage().resize_(0)
+        u.gathered = False
 
     def _note_peak(self) -> None:
-        live = sum(u.padded for u in self.units if u.full is not None) * \
-            torch.empty((), dtype=self.param_dtype).element_size()
+        live = sum(u.full.untyped_storage().nbytes() for u in self.units)
         live += sum(u.padded * u.shard.element_size() for u in self.units
                     if u.grad_full is not None)
         live += sum(h.nbytes for h in self._inflight)  # gradients being reduce-scattered
@@ -247,7 +254,7 @@ class FullyShard:
         for u in self.units:
             if u.grad_full is not None:
                 self._reduce(u)
-            if u.full is not None:
+            if u.gathered or u.gather is not None:
                 self._free(u)
             u.ready = 0
         self._fwd_order = []
