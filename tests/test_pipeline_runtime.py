@@ -4,7 +4,7 @@ pp = 2 and 4, schedules gpipe / 1f1b / interleaved / zb-h1, m = 1, 4, 8 (interle
 needs m % pp == 0, so m = 1 is refused by the plan): 3 float64 steps, losses equal to
 1e-9 relative. Interleaved runs with v = 2 (an 8-layer model at pp = 4). Recompute
 none / selective / full: identical losses, and the measured peak of saved activations
-drops. Refusals are one clear line.
+drops. Checkpoint + resume is bitwise. Refusals are one clear line.
 """
 
 from __future__ import annotations
@@ -37,13 +37,18 @@ def plans(pp: int):
             yield model, ParallelPlan(pp=pp, schedule=sched, micro_batches=m, virtual_stages=v)
 
 
-def _pp_worker(rank: int, world: int, data: str) -> dict:
+def _pp_worker(rank: int, world: int, data: str, ckpt: str) -> dict:
     out = {"runs": [], "recompute": {}, "errors": {}}
     for model, plan in plans(world):
         s = train(model, tcfg(data), plan, RunOptions(**QUIET))
         out["runs"].append((model.n_layers, plan.schedule, plan.micro_batches, s["losses"],
                             s["model_parallel"]["pipeline"]["bubble_simulated"]))
-    if world == 2:
+    if world == 2:  # resume: 2 steps, stop, resume to 4 == 4 uninterrupted steps, bitwise
+        plan = ParallelPlan(pp=2, micro_batches=2, schedule="zb-h1")
+        out["full"] = train(MODEL4, tcfg(data, 4), plan, RunOptions(**QUIET))["losses"]
+        train(MODEL4, tcfg(data, 4), plan, RunOptions(checkpoint_dir=ckpt, stop_after=2, **QUIET))
+        out["resumed"] = train(MODEL4, tcfg(data, 4), plan, RunOptions(
+            checkpoint_dir=ckpt, resume=True, **QUIET))["losses"]
         for rc in ("none", "selective", "full"):
             s = train(MODEL4, tcfg(data, 3), ParallelPlan(pp=2, micro_batches=4,
                                                           recompute=rc), RunOptions(**QUIET))
@@ -70,8 +75,8 @@ def rel(a, b) -> float:
 
 
 @pytest.mark.parametrize("pp", [2, 4])
-def test_every_schedule_matches_one_process(text_file, reference, pp):
-    results = spawn(_pp_worker, pp, text_file, timeout_s=400)
+def test_every_schedule_matches_one_process(text_file, reference, pp, tmp_path):
+    results = spawn(_pp_worker, pp, text_file, str(tmp_path / "ckpt"), timeout_s=400)
     runs = results[0]["runs"]
     assert len(runs) == 11 if pp == 2 else 10
     for layers, sched, m, losses, _ in runs:
@@ -86,6 +91,7 @@ def test_every_schedule_matches_one_process(text_file, reference, pp):
         print(f"peak saved activations per rank: none {none}, selective {sel}, full {full}")
         assert all(f < n for f, n in zip(full, none, strict=True))
         assert all(s <= n for s, n in zip(sel, none, strict=True))
+        assert results[0]["resumed"] == results[0]["full"][2:]
         errs = results[0]["errors"]
         assert "tied embeddings" in errs["tied"]
         assert "zb-h1" in errs["zb-recompute"]
