@@ -12,6 +12,7 @@ import sys
 import typer
 
 from paratrain.bench.cli import app as bench_app
+from paratrain.check_cli import register as register_check
 from paratrain.systems.cli import register as register_systems
 from paratrain.train_cli import register as register_train
 from paratrain.viz.cli import app as viz_app
@@ -24,6 +25,7 @@ app = typer.Typer(
 )
 register_train(app)
 register_systems(app)
+register_check(app)
 app.add_typer(bench_app, name="bench", help="Benchmarks: collectives, calibration.")
 app.add_typer(viz_app, name="viz", help="Draw schedules: ring, tree, pipeline.")
 

@@ -556,10 +556,23 @@ def summary_prediction(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan,
     return {"predicted": pred.to_dict(), "vs_measured": compare(pred, summary, plan)}
 
 
+def summary_row(rep: dict | None) -> tuple[str, str]:
+    """One row for the run's summary table: predicted step time, or what to do."""
+    if rep is None:
+        return "predicted s/step", "no hardware profile: run `paratrain bench calibrate`"
+    if "error" in rep:
+        return "predicted s/step", f"profile unusable: {rep['error']}"
+    c = rep["vs_measured"]["step_s"]
+    return "predicted s/step", (f"{c['predicted']:.4f}  ({100 * c['error']:+.0f}% vs "
+                                f"measured; breakdown above)")
+
+
 def format_prediction(rep: dict | None) -> str:
     """A few lines for the end of a run: predicted beside measured."""
     if rep is None:
         return CALIBRATE_HINT
+    if "error" in rep:
+        return f"prediction: skipped, the hardware profile is unusable: {rep['error']}"
     p, c = rep["predicted"], rep["vs_measured"]
     mb = 1e6
     st = c["states_bytes"]

@@ -41,6 +41,7 @@ class RunOptions:
     quiet: bool = False
     measure_peak: bool = True
     stop_after: int | None = None  # end (and checkpoint) after this step, as if interrupted
+    profile: str | None = None  # hardware profile for the prediction (default: calibrate's)
 
 
 def _rank_world() -> tuple[int, int]:
@@ -97,6 +98,17 @@ def evaluate(engine, corpus: Corpus, tcfg: TrainConfig, ctx: int) -> float:
         total += engine.eval_loss_sum(x, y)
     (total,) = engine.all_sum([total])
     return total / (tcfg.eval_batches * tcfg.global_batch * ctx)
+
+
+def _prediction(mcfg, tcfg, plan, world, summary, profile) -> dict | None:
+    """The systems model's prediction beside this run's measurement (paratrain.predict);
+    None without a hardware profile. A broken profile is reported, not fatal to a run."""
+    from paratrain.predict import summary_prediction
+
+    try:
+        return summary_prediction(mcfg, tcfg, plan, world, summary, profile)
+    except ValueError as e:
+        return {"error": str(e)}
 
 
 def train(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan | None = None,
@@ -200,12 +212,16 @@ def train(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan | None = None
         "model_parallel": engine.model_parallel_report()  # bubble, activations, TP bytes
         if hasattr(engine, "model_parallel_report") else {},
     }
+    summary["prediction"] = _prediction(mcfg, tcfg, plan, world, summary, opts.profile)
     if rank == 0 and not opts.quiet:
         print(format_report(summary["memory"]))
         if summary["model_parallel"]:
             from paratrain.parallel.hybrid import format_model_parallel
 
             print(format_model_parallel(summary["model_parallel"]))
+        from paratrain.predict import format_prediction
+
+        print(format_prediction(summary["prediction"]))
     if rank == 0 and run_dir is not None:
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         if "pipeline" in summary["model_parallel"]:  # for `paratrain viz pipeline --measured`

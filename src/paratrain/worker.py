@@ -45,6 +45,9 @@ def print_summary(s: dict, run_dir: str | None) -> None:
         ("all-reduced per rank/step", f"{s['payload_bytes_per_step'] / 1e6:.3f} MB payload, "
                                       f"{s['wire_bytes_per_step'] / 1e6:.3f} MB on the wire"),
     ]
+    from paratrain.predict import summary_row
+
+    rows.append(summary_row(s.get("prediction")))  # the systems model beside the measurement
     for k, v in rows:
         t.add_row(k, v)
     Console().print(t)

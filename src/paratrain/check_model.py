@@ -1,0 +1,205 @@
+"""Close the loop on this machine: run a grid of plans, set the prediction beside each.
+
+Why: a model that is never checked is an opinion (issue 7). ``paratrain check-model``
+first fits this machine's CPU constants once from single-process runs of the grid's model
+(:func:`paratrain.predict.fit_from_runs`: eta of small one-thread matmuls, the fixed cost
+of a block pass and of a step), saves them beside the hardware profile, then trains every
+plan of the grid for a few steps in fresh gloo processes and compares, per plan:
+
+- step time: predicted vs the median measured step (steps after the first: warm-up),
+  with the error; the median absolute error over the grid is the headline figure;
+- wire bytes per rank (data-parallel sync counted by the runtime, TP blocks' collectives):
+  exact or not;
+- model-state bytes (parameters, gradients, AdamW state) of every rank: exact or not.
+
+Before each run it samples the other runnable processes (:func:`background_load`): on a
+shared box that is part of the machine's state, and the prediction uses it (one number,
+the same physics for every plan; never a per-plan factor).
+
+Importing this module does not import torch (the CLI must start instantly).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import tempfile
+from dataclasses import asdict
+from pathlib import Path
+
+from paratrain.config import ModelConfig, TrainConfig
+from paratrain.plan import ParallelPlan
+
+# Small enough for 8 processes on 2 cores, big enough that matmuls dominate the noise.
+GRID_MODEL = ModelConfig(n_layers=4, d_model=128, n_heads=4, d_ff=384, context=128)
+GRID_BATCH = 16
+
+GRID: dict[str, ParallelPlan] = {
+    "dp2": ParallelPlan(dp=2),
+    "dp4": ParallelPlan(dp=4),
+    "dp2 zero1": ParallelPlan(dp=2, zero=1),
+    "dp2 zero3": ParallelPlan(dp=2, zero=3),
+    "dp4 zero3": ParallelPlan(dp=4, zero=3),
+    "tp2": ParallelPlan(tp=2),
+    "pp2 1f1b m4": ParallelPlan(pp=2, micro_batches=4),
+    "tp2 x pp2 m4": ParallelPlan(tp=2, pp=2, micro_batches=4),
+    "dp2 x tp2": ParallelPlan(dp=2, tp=2),
+    "dp2 x pp2 x tp2": ParallelPlan(dp=2, pp=2, tp=2, micro_batches=2),
+    "dp8": ParallelPlan(dp=8),
+}
+MINI = ("dp2", "dp2 zero1")
+
+
+def _train_worker(rank: int, world: int, mcfg: dict, tcfg: dict, plan: dict,
+                  run_dir: str) -> dict:
+    """One rank of one grid run (spawned). Rank 0 returns its summary and step times."""
+    from paratrain.train import RunOptions, train
+
+    opts = RunOptions(run_dir=run_dir if rank == 0 else None, quiet=True, measure_peak=False)
+    s = train(ModelConfig(**mcfg), TrainConfig(**tcfg), ParallelPlan(**plan), opts)
+    if rank != 0:
+        return {}
+    s = {k: v for k, v in s.items() if k != "prediction"}
+    with open(Path(run_dir) / "metrics.jsonl") as f:
+        s["step_times"] = [json.loads(line)["step_s"] for line in f]
+    return json.loads(json.dumps(s))  # plain containers for torch.load(weights_only)
+
+
+def _one_process(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan) -> float:
+    """Median step of a one-process, one-thread run (steps after the first)."""
+    import torch
+
+    from paratrain.train import RunOptions, train
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with tempfile.TemporaryDirectory() as d:
+            train(mcfg, tcfg, plan, RunOptions(run_dir=d, quiet=True, measure_peak=False))
+            with open(Path(d) / "metrics.jsonl") as f:
+                times = [json.loads(line)["step_s"] for line in f]
+    finally:
+        torch.set_num_threads(old)
+    return statistics.median(times[1:] or times)
+
+
+def fit_machine(mcfg: ModelConfig, tcfg: TrainConfig, profile: str | None,
+                save: bool = True, log=print):
+    """Fit eta and the fixed costs from three one-process runs (batch B and B/4 with one
+    micro-batch, B with four), each at the core share its background load allowed."""
+    from paratrain.predict import background_load, fit_from_runs, load_machine, save_fit
+
+    machine = load_machine(profile)
+    if machine is None:
+        raise ValueError("no hardware profile of this machine; run `paratrain bench "
+                         "calibrate` first (or pass --profile PATH)")
+    B = tcfg.global_batch
+    runs, shares = [], []
+    for gb, m in ((B, 1), (max(1, B // 4), 1), (B, 4)):
+        bg = background_load()
+        t = _one_process(mcfg, TrainConfig(**{**asdict(tcfg), "global_batch": gb}),
+                         ParallelPlan(micro_batches=m))
+        runs.append((gb, m, t))
+        shares.append(machine.replace(background=bg).share(1))
+        log(f"fit run: batch {gb}, micro-batches {m}: {t:.4f} s/step "
+            f"(background {bg:.1f} runnable)")
+    share = statistics.fmean(shares)
+    fitted = fit_from_runs(mcfg, runs, machine.hw, share)
+    shape = f"{mcfg.n_layers}x{mcfg.d_model}, ff {mcfg.d_ff}, T {mcfg.context}"
+    if save:
+        path = save_fit(fitted, profile, shape)
+        fitted = fitted.replace(source=f"fit {path}")
+        log(f"saved the CPU fit to {path}")
+    log(f"fit: eta {fitted.eta:.3f} of {fitted.core_peak / 1e9:.1f} GFLOP/s per core, "
+        f"block pass {fitted.pass_s * 1e3:.3f} ms, step {fitted.step_s * 1e3:.2f} ms")
+    return fitted
+
+
+def run_grid(names: list[str] | None = None, *, profile: str | None = None, steps: int = 6,
+             fit: bool = True, mcfg: ModelConfig = GRID_MODEL, global_batch: int = GRID_BATCH,
+             data: str | None = None, log=print) -> dict:
+    """Run the grid (or ``names`` of it); return {"records": [...], "median_abs_error",
+    "machine": {...}}."""
+    from paratrain.distributed import spawn
+    from paratrain.predict import background_load, compare, load_machine, predict
+
+    names = list(GRID) if names is None else names
+    unknown = [n for n in names if n not in GRID]
+    if unknown:
+        raise ValueError(f"unknown plan(s) {unknown}; choose from {', '.join(GRID)}")
+    if steps < 3:
+        raise ValueError(f"--steps {steps}: need at least 3 (the first is warm-up)")
+    tcfg = TrainConfig(steps=steps, global_batch=global_batch, lr=1e-3, warmup_steps=1,
+                       eval_every=0, eval_batches=1, data=data)
+    machine = fit_machine(mcfg, tcfg, profile, log=log) if fit else load_machine(profile)
+    if machine is None:
+        raise ValueError("no hardware profile of this machine; run `paratrain bench "
+                         "calibrate` first (or pass --profile PATH)")
+    records = []
+    for name in names:
+        plan = GRID[name]
+        plan.check(mcfg, plan.world_size, global_batch)
+        bg = background_load()
+        with tempfile.TemporaryDirectory(prefix="paratrain-check-") as d:
+            s = spawn(_train_worker, plan.world_size, asdict(mcfg), asdict(tcfg), asdict(plan),
+                      d, timeout_s=600)[0]
+        pred = predict(mcfg, tcfg, plan, plan.world_size, machine.replace(background=bg))
+        cmp = compare(pred, s, plan)
+        measured = statistics.median(s["step_times"][1:])
+        rec = {"plan": name, "nproc": plan.world_size, "background": bg,
+               "predicted_s": pred.step_s, "measured_s": measured,
+               "error": pred.step_s / measured - 1,
+               "measured_mean_s": s["step_s"],
+               "predicted": pred.to_dict(), "compare": cmp,
+               "wire_exact": _wire_exact(cmp), "states_exact": cmp["states_bytes"]["exact"]}
+        records.append(rec)
+        log(f"{name:<18} predicted {pred.step_s:.4f} s  measured {measured:.4f} s  "
+            f"{100 * rec['error']:+.0f}%  wire {_yes(rec['wire_exact'])}  "
+            f"states {_yes(rec['states_exact'])}  (background {bg:.1f})")
+    errs = [abs(r["error"]) for r in records]
+    return {"records": records, "median_abs_error": statistics.median(errs) if errs else None,
+            "machine": {"eta": machine.eta, "pass_s": machine.pass_s,
+                        "step_s": machine.step_s, "cores": machine.cores,
+                        "core_peak_flops": machine.core_peak, "alpha_s": machine.hw.intra_alpha,
+                        "bw_bytes_per_s": machine.hw.intra_bw, "source": machine.source},
+            "model": asdict(mcfg), "global_batch": global_batch, "steps": steps}
+
+
+def _wire_exact(cmp: dict) -> bool:
+    dp = cmp["dp_wire_bytes"]
+    ok = round(dp["predicted"]) == round(dp["measured"])
+    tp = cmp["tp_wire_bytes"]
+    if tp["measured"] is not None:
+        ok = ok and round(tp["predicted"]) == round(tp["measured"])
+    return ok
+
+
+def _yes(b: bool) -> str:
+    return "exact" if b else "DIFFERENT"
+
+
+def format_table(result: dict) -> str:
+    """Predicted vs measured per plan, the median absolute error, the exactness columns."""
+    m = result["machine"]
+    lines = [
+        f"machine: {m['cores']} cores, {m['core_peak_flops'] / 1e9:.1f} GFLOP/s peak per core, "
+        f"eta {m['eta']:.3f}, block pass {m['pass_s'] * 1e3:.3f} ms, step "
+        f"{m['step_s'] * 1e3:.2f} ms, gloo alpha {m['alpha_s'] * 1e6:.0f} us, "
+        f"{m['bw_bytes_per_s'] / 1e9:.2f} GB/s",
+        f"{'plan':<18} {'procs':>5} {'bg':>4} {'predicted s':>11} {'measured s':>10} "
+        f"{'error':>7} {'wire B/rank (DP+TP)':>20} {'wire':>9} {'states':>9}",
+    ]
+    for r in result["records"]:
+        c = r["compare"]
+        wire = c["dp_wire_bytes"]["measured"] + (c["tp_wire_bytes"]["measured"] or 0.0)
+        lines.append(f"{r['plan']:<18} {r['nproc']:>5} {r['background']:>4.1f} "
+                     f"{r['predicted_s']:>11.4f} {r['measured_s']:>10.4f} "
+                     f"{100 * r['error']:>+6.0f}% {wire:>20,.0f} {_yes(r['wire_exact']):>9} "
+                     f"{_yes(r['states_exact']):>9}")
+    mae = result["median_abs_error"]
+    n_w = sum(r["wire_exact"] for r in result["records"])
+    n_s = sum(r["states_exact"] for r in result["records"])
+    k = len(result["records"])
+    lines.append(f"median absolute error of step time: {100 * mae:.1f}% over {k} plans; "
+                 f"wire bytes exact {n_w}/{k}; model states exact on every rank {n_s}/{k}")
+    return "\n".join(lines)
