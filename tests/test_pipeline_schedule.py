@@ -32,6 +32,7 @@ def test_every_schedule_validates(p):
     for name, m, v in cases(p):
         tl = validate(build_schedule(name, p, m, v))
         assert 0.0 <= tl.bubble < 1.0
+        assert tl.fifo  # sends and receives also pair up in order between every two ranks
         if name in ("gpipe", "1f1b"):
             assert tl.bubble == pytest.approx(bubble_formula(name, p, m), abs=1e-12)
         if name == "interleaved":

@@ -163,8 +163,7 @@ class PipelineRuntime:
 
     def run(self, x_mbs: list, y_mbs: list, n_tokens_global: int, T: int) -> float:
         """One step: every action of this rank; returns this rank's loss sum."""
-        s, last = self.s, self.s.stages - 1
-        acts: tuple[Action, ...] = s.actions[self.rank]
+        acts: tuple[Action, ...] = self.s.actions[self.rank]
         recvs: dict[tuple, tuple] = {}
         sends = []
         state: dict[tuple[int, int], tuple] = {}  # (mb, chunk) -> (input, output or loss)
@@ -173,68 +172,77 @@ class PipelineRuntime:
         self.timeline = []
         zb = any(a.kind == "BI" for a in acts)
         for a in acts:
-            k = s.stage(self.rank, a.chunk)
-            key = (a.mb, a.chunk)
-            if a.kind in ("RECV_F", "RECV_B"):
-                kind = a.kind[-1]
-                buf = torch.empty(self.hidden_shape(x_mbs[a.mb].shape[0]), dtype=self.dtype,
-                                  device=self.device)
-                work = dist.irecv(buf, src=self.peer(a.peer), tag=self._tag(kind, a.mb, k))
-                recvs[(kind, a.mb, a.chunk)] = (work, buf)
-            elif a.kind == "SEND_F":
-                out = state[key][1].detach().contiguous()
-                sends.append((dist.isend(out, dst=self.peer(a.peer),
-                                         tag=self._tag("F", a.mb, k + 1)), out))
-            elif a.kind == "SEND_B":
-                g = grads_in.pop(key)
-                sends.append((dist.isend(g, dst=self.peer(a.peer),
-                                         tag=self._tag("B", a.mb, k - 1)), g))
-            elif a.kind == "F":
-                if k == 0:
-                    inp = x_mbs[a.mb]
-                else:
-                    work, inp = recvs.pop(("F", a.mb, a.chunk))
-                    work.wait()  # waiting is bubble, not compute: timed from here
-                    inp.requires_grad_(True)
-                t0 = time.perf_counter()
-                with self.meter.recording(key):
-                    if zb:
-                        with DeferWeightGrads(self.store, key):
-                            out = self.chunks[a.chunk](inp, T)
-                    else:
-                        out = self.chunks[a.chunk](inp, T)
-                    if k == last:
-                        loss = self.loss_fn(out, y_mbs[a.mb])
-                        loss_sum += float(loss.detach())
-                        out = loss / n_tokens_global
-                state[key] = (inp, out)
-                self.timeline.append(("F", a.mb, a.chunk, t0, time.perf_counter()))
-            elif a.kind in ("B", "BI"):
-                inp, out = state.pop(key)
-                if k == last:
-                    grad = None
-                else:
-                    work, grad = recvs.pop(("B", a.mb, a.chunk))
-                    work.wait()
-                t0 = time.perf_counter()
-                if a.kind == "BI":
-                    with DeferWeightGrads(self.store, key):  # recompute sees the same ops
-                        torch.autograd.backward(out, grad)
-                else:
-                    torch.autograd.backward(out, grad)
-                    self.meter.release(key)
-                if k > 0:
-                    grads_in[key] = inp.grad.contiguous()
-                self.timeline.append((a.kind, a.mb, a.chunk, t0, time.perf_counter()))
-            elif a.kind == "BW":
-                t0 = time.perf_counter()
-                self.store.flush(key)
-                self.meter.release(key)
-                self.timeline.append(("BW", a.mb, a.chunk, t0, time.perf_counter()))
-            else:
-                raise ValueError(f"unknown action {a}")
+            with torch.profiler.record_function(f"pipeline {a}"):
+                loss_sum += self._do(a, x_mbs, y_mbs, n_tokens_global, T, recvs, sends,
+                                     state, grads_in, zb)
         for work, _ in sends:
             work.wait()
+        return loss_sum
+
+    def _do(self, a: Action, x_mbs, y_mbs, n_tokens_global, T, recvs, sends, state,
+            grads_in, zb) -> float:
+        """Execute one action; return the loss sum it produced (last stage's F), else 0."""
+        s, last, loss_sum = self.s, self.s.stages - 1, 0.0
+        k = s.stage(self.rank, a.chunk)
+        key = (a.mb, a.chunk)
+        if a.kind in ("RECV_F", "RECV_B"):
+            kind = a.kind[-1]
+            buf = torch.empty(self.hidden_shape(x_mbs[a.mb].shape[0]), dtype=self.dtype,
+                              device=self.device)
+            work = dist.irecv(buf, src=self.peer(a.peer), tag=self._tag(kind, a.mb, k))
+            recvs[(kind, a.mb, a.chunk)] = (work, buf)
+        elif a.kind == "SEND_F":
+            out = state[key][1].detach().contiguous()
+            sends.append((dist.isend(out, dst=self.peer(a.peer),
+                                     tag=self._tag("F", a.mb, k + 1)), out))
+        elif a.kind == "SEND_B":
+            g = grads_in.pop(key)
+            sends.append((dist.isend(g, dst=self.peer(a.peer),
+                                     tag=self._tag("B", a.mb, k - 1)), g))
+        elif a.kind == "F":
+            if k == 0:
+                inp = x_mbs[a.mb]
+            else:
+                work, inp = recvs.pop(("F", a.mb, a.chunk))
+                work.wait()  # waiting is bubble, not compute: timed from here
+                inp.requires_grad_(True)
+            t0 = time.perf_counter()
+            with self.meter.recording(key):
+                if zb:
+                    with DeferWeightGrads(self.store, key):
+                        out = self.chunks[a.chunk](inp, T)
+                else:
+                    out = self.chunks[a.chunk](inp, T)
+                if k == last:
+                    loss = self.loss_fn(out, y_mbs[a.mb])
+                    loss_sum += float(loss.detach())
+                    out = loss / n_tokens_global
+            state[key] = (inp, out)
+            self.timeline.append(("F", a.mb, a.chunk, t0, time.perf_counter()))
+        elif a.kind in ("B", "BI"):
+            inp, out = state.pop(key)
+            if k == last:
+                grad = None
+            else:
+                work, grad = recvs.pop(("B", a.mb, a.chunk))
+                work.wait()
+            t0 = time.perf_counter()
+            if a.kind == "BI":
+                with DeferWeightGrads(self.store, key):  # recompute sees the same ops
+                    torch.autograd.backward(out, grad)
+            else:
+                torch.autograd.backward(out, grad)
+                self.meter.release(key)
+            if k > 0:
+                grads_in[key] = inp.grad.contiguous()
+            self.timeline.append((a.kind, a.mb, a.chunk, t0, time.perf_counter()))
+        elif a.kind == "BW":
+            t0 = time.perf_counter()
+            self.store.flush(key)
+            self.meter.release(key)
+            self.timeline.append(("BW", a.mb, a.chunk, t0, time.perf_counter()))
+        else:
+            raise ValueError(f"unknown action {a}")
         return loss_sum
 
     @torch.no_grad()
