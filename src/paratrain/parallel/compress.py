@@ -100,6 +100,13 @@ class CompressedDataParallel(DataParallel):
     def reduce_gradients(self) -> DPCommStats:
         return self.tk.reduce()
 
+    def describe_layout(self) -> str:
+        """Printed by the loop at the start of a run (rank 0)."""
+        tk = self.tk
+        return (f"top-{tk.k} compression: {tk.keep:,} of {tk.n:,} gradient entries per rank "
+                f"and step (values + int32 indices), all-gathered over {tk.comm.size} ranks, "
+                "error feedback on")
+
     def report(self) -> dict:
         return {"compression": self.tk.history, "wire_bytes_total": self.tk.comm.bytes_sent,
                 "steps": len(self.tk.history)}

@@ -333,8 +333,11 @@ def dp_report(engine, layout: str, **extra) -> dict:
     """What a data-parallel engine tells the run summary: its layout, the bytes it sent,
     and the last step's communication (exposed, hidden, buckets launched early)."""
     last = getattr(engine, "last", None)
+    hist = getattr(engine, "history", [])
     return {"bucket_layout": layout, "wire_bytes_total": engine.comm.bytes_sent,
-            "steps": engine.steps_done, "last_step": asdict(last) if last else None, **extra}
+            "steps": engine.steps_done, "last_step": asdict(last) if last else None,
+            "exposed_s_per_step": [h.seconds for h in hist],
+            "hidden_s_per_step": [h.hidden_s for h in hist], **extra}
 
 
 def BucketedAllReduce(params, group=None, bucket_mb: float = 25.0, overlap: bool = True,
@@ -355,7 +358,7 @@ class DDPEngine(DataParallel):
         self.micro_batches = plan.micro_batches if plan.pp == 1 else 1
         self._micro = 0
         self.steps_done = 0
-        log.info(self.buckets.layout())
+        self.history: list[DPCommStats] = []
 
     def forward_backward(self, x_BT, y_BT, n_tokens_global: int) -> float:
         self._micro += 1
@@ -367,7 +370,12 @@ class DDPEngine(DataParallel):
     def reduce_gradients(self) -> DPCommStats:
         self._micro = 0
         self.last = self.buckets.finish()
+        self.history.append(self.last)
         return self.last
+
+    def describe_layout(self) -> str:
+        """Printed by the loop at the start of a run (rank 0)."""
+        return self.buckets.layout()
 
     def clip_and_step(self, lr: float) -> float:
         params = [p for p in self.model.parameters() if p.grad is not None]

@@ -40,7 +40,6 @@ Life of a unit (Zhao et al. 2023, "PyTorch FSDP"; Rajbhandari et al. 2020, ZeRO-
 
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass, field
 
@@ -53,7 +52,6 @@ from paratrain.parallel.ddp import DPCommStats, _union_inside, dp_report
 from paratrain.parallel.ddp_comm import GroupComm, Handle
 from paratrain.parallel.zero import FlatShard, ShardedAdamW, owned_segments
 
-log = logging.getLogger(__name__)
 MAX_IN_FLIGHT = 2  # units' gradient reduce-scatters in flight at once
 
 
@@ -311,7 +309,7 @@ class FSDPEngine(DataParallel):
         self.comm = self.fs.comm
         self._mark = 0.0
         self.steps_done = 0
-        log.info(self.fs.layout())
+        self.history: list[DPCommStats] = []
 
     def forward_backward(self, x_BT, y_BT, n_tokens_global: int) -> float:
         loss = super().forward_backward(x_BT, y_BT, n_tokens_global)
@@ -323,7 +321,12 @@ class FSDPEngine(DataParallel):
         stats.wire_bytes = self.comm.bytes_sent - self._mark
         self._mark = self.comm.bytes_sent
         self.last = stats
+        self.history.append(stats)
         return stats
+
+    def describe_layout(self) -> str:
+        """Printed by the loop at the start of a run (rank 0)."""
+        return "ZeRO-3: " + self.fs.layout()
 
     def clip_and_step(self, lr: float) -> float:
         self.steps_done += 1

@@ -37,7 +37,6 @@ Layout and invariants (Rajbhandari et al. 2020, "ZeRO"):
 
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass
 
@@ -50,8 +49,6 @@ from paratrain.optim import set_lr
 from paratrain.parallel.data import DataParallel
 from paratrain.parallel.ddp import DPCommStats, GradBuckets, dp_report
 from paratrain.parallel.ddp_comm import GroupComm
-
-log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -204,7 +201,7 @@ class ZeroEngine(DataParallel):
         self._mark = 0.0
         self._exposed = 0.0
         self.steps_done = 0
-        log.info(self.zo.buckets.layout())
+        self.history: list[DPCommStats] = []
 
     def forward_backward(self, x_BT, y_BT, n_tokens_global: int) -> float:
         self._micro += 1
@@ -226,7 +223,12 @@ class ZeroEngine(DataParallel):
         stats.wire_bytes = self.comm.bytes_sent - self._mark
         self._mark = self.comm.bytes_sent
         self.last = stats
+        self.history.append(stats)
         return stats
+
+    def describe_layout(self) -> str:
+        """Printed by the loop at the start of a run (rank 0)."""
+        return f"ZeRO-{self.zo.stage}: " + self.zo.buckets.layout()
 
     def clip_and_step(self, lr: float) -> float:
         self.steps_done += 1
