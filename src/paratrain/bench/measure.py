@@ -4,6 +4,7 @@ fit. Imported inside command bodies (it imports torch)."""
 
 from __future__ import annotations
 
+import statistics
 import time
 
 import torch
@@ -66,16 +67,19 @@ def ping_pong(rank: int, sizes: list[int], iters: int = 20) -> list[float]:
         if rank > 1:
             out.append(0.0)
             continue
+        ts = []
         for i in range(iters + 3):
-            if i == 3:
-                t = time.perf_counter()
+            t = time.perf_counter()
             if rank == 0:
                 dist.send(buf, 1)
                 dist.recv(buf, 1)
             else:
                 dist.recv(buf, 0)
                 dist.send(buf, 0)
-        out.append((time.perf_counter() - t) / iters / 2)
+            if i >= 3:  # after warm-up
+                ts.append(time.perf_counter() - t)
+        # median: robust to an iteration where another process held the core
+        out.append(statistics.median(ts) / 2)
     dist.barrier()
     return out
 
