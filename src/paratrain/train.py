@@ -130,7 +130,7 @@ def train(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan | None = None
     model = build_model(mcfg, tcfg, device)
     engine = build_engine(model, tcfg, plan, device, opts.simulate_workers)
     if rank == 0 and not opts.quiet and hasattr(engine, "describe_layout"):
-        print(engine.describe_layout(), flush=True)  # mesh, stage split, pipeline actions
+        print(engine.describe_layout(), flush=True)  # mesh / stages / buckets chosen
 
     start = 0
     meta = {"model": asdict(mcfg), "plan": asdict(plan), "seed": tcfg.seed,

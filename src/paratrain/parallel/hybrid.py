@@ -8,9 +8,9 @@ Transforms are applied to the plain, identically seeded model in one documented 
 2. **tensor / sequence** (:mod:`.tensor`, :mod:`.sequence`): each kept chunk is sharded
    over the tp group (each rank slices its shard from the full weights);
 3. **recompute** (:mod:`.recompute`): none / selective / full per block;
-4. **data / ZeRO**: gradients are summed over the dp group — a plain all-reduce per
-   gradient, or ZeRO-1 (:class:`paratrain.parallel.zero.ZeroOptimizer` on the dp group,
-   ``tp == 1``).
+4. **data / ZeRO**: gradients are summed over the dp group — bucketed all-reduce
+   (:func:`paratrain.parallel.ddp.BucketedAllReduce`, once after the pipeline), or
+   ZeRO-1 (:class:`paratrain.parallel.zero.ZeroOptimizer` on the dp group, ``tp == 1``).
 
 Invariants:
 
@@ -88,7 +88,15 @@ class MeshEngine(Engine):
         super().__init__(container, cfg, device)
         # 4. data / ZeRO
         self.dp_rank, self.dp_size = mesh.index("dp"), mesh.size("dp")
-        self.zo = None
+        self.zo = self.buckets = None
+        if plan.zero == 0 and self.dp_size > 1:
+            from paratrain.parallel.ddp import BucketedAllReduce
+
+            # flat buckets, reduced once after the whole pipeline (every micro-batch's
+            # backward, deferred weight gradients included, has accumulated into them)
+            self.buckets = BucketedAllReduce(list(container.parameters()), mesh.group("dp"),
+                                             plan.bucket_mb, False, plan.collectives)
+            self.buckets.set_sync(False)
         if plan.zero == 1 and self.dp_size > 1:
             from paratrain.parallel.zero import ZeroOptimizer
 
@@ -186,16 +194,8 @@ class MeshEngine(Engine):
                     dist.all_reduce(p.grad, group=self.mesh.group("tp"))
         payload = wire = 0
         if self.dp_size > 1:
-            if self.zo is not None:
-                st = self.zo.finish()
-                payload, wire = st.payload_bytes, st.wire_bytes
-            else:
-                g = self.mesh.group("dp")
-                for p in self.model.parameters():
-                    if p.grad is not None:
-                        dist.all_reduce(p.grad, group=g)
-                        payload += p.grad.numel() * p.grad.element_size()
-                wire = 2.0 * (self.dp_size - 1) / self.dp_size * payload
+            st = (self.zo or self.buckets).finish()
+            payload, wire = st.payload_bytes, st.wire_bytes
         return CommStats(time.perf_counter() - t0, payload, wire)
 
     def all_sum(self, values: list[float]) -> list[float]:
@@ -235,7 +235,10 @@ class MeshEngine(Engine):
                 p.grad.mul_(coef)
         set_lr(self.opt, lr)
         self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
+        if self.buckets is not None:
+            self.buckets.zero_grad()  # .grad are views into the flat buckets: keep them
+        else:
+            self.opt.zero_grad(set_to_none=True)
         return norm
 
     # ---- measurements --------------------------------------------------------------
