@@ -53,6 +53,7 @@ def test_simulator_results_and_traffic(case, p, n, seed, data):
     if op == "all_to_all" or alg == "naive":
         p = min(p, 64)  # p x p blocks / p-1 sequential whole vectors: keep it small
     root = data.draw(st.integers(0, p - 1)) if op in ("broadcast", "reduce") else 0
+    g = data.draw(st.sampled_from([d for d in range(1, min(p, 64) + 1) if p % d == 0]))
     x = _inputs(p, n, seed)
     if op == "all_gather":
         cs, of = chunk_sizes(n, p), offsets(chunk_sizes(n, p))
@@ -60,9 +61,10 @@ def test_simulator_results_and_traffic(case, p, n, seed, data):
         inputs = [x[0][of[r]:of[r] + cs[r]] for r in range(p)]
     else:
         inputs = list(x)
-    outs, res = simulate_collective(op, alg, inputs, root=root, segments=5)
+    outs, res = simulate_collective(op, alg, inputs, root=root, segments=5, gpus_per_node=g)
     assert _expected_ok(op, p, n, x, outs, root)
-    c = count(build(op, alg, p, len(x[0]) if op != "all_gather" else n, root=root, segments=5))
+    c = count(build(op, alg, p, len(x[0]) if op != "all_gather" else n, root=root, segments=5,
+                    gpus_per_node=g))
     assert (res.steps, res.sent, res.recv) == (c.steps, c.sent, c.recv)
     assert sum(c.sent) == sum(c.recv)
 
@@ -143,3 +145,16 @@ def test_simulator_at_a_thousand_ranks(alg, p):
     assert _expected_ok("all_reduce", p, 37, x, outs, 0)
     c = count(build("all_reduce", alg, p, 37))
     assert (res.sent, res.recv) == (c.sent, c.recv)
+
+
+@pytest.mark.parametrize("p,g", [(4, 2), (8, 2), (8, 4), (16, 4), (64, 8), (6, 3), (4, 8)])
+def test_hierarchical_equals_closed_form_with_two_links(p, g):
+    n = p * 50
+    s = build("all_reduce", "hierarchical", p, n, gpus_per_node=g)
+    assert s.steps == sysc.steps("all_reduce", "hierarchical", p, gpus_per_node=g)
+    assert max(count(s).sent) * 4 == sysc.wire_bytes("all_reduce", "hierarchical", p, 4 * n,
+                                                      gpus_per_node=g)
+    links = {"intra_alpha_s": 1e-6, "intra_bw_bytes_per_s": 300e9}
+    ours = time_s(s, 5e-6, 25e9, gpus_per_node=g, **links)
+    assert ours == pytest.approx(sysc.time_s("all_reduce", "hierarchical", p, 4 * n, 5e-6, 25e9,
+                                             gpus_per_node=g, **links), rel=1e-12)

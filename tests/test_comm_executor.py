@@ -147,6 +147,11 @@ def _parity_worker(rank: int, world: int) -> dict:
         _check(fails, f"mean/{alg} randn out-of-place", y, _native_all_reduce(x, "mean", p),
                exact=False)
         _check(fails, f"out-of-place/{alg} left the input alone", x, _randn(rank, 101), True)
+    # hierarchical across two "nodes" (p even): intra ring, inter ring, intra ring
+    if p % 2 == 0 and p > 2:
+        x = _ints(rank, 45)
+        y = api.all_reduce(x.clone(), algorithm="hierarchical", gpus_per_node=2, piece_bytes=8)
+        _check(fails, "hierarchical g=2", y, _native_all_reduce(x, "sum", p), exact=True)
     # in-place all-gather (input is our own slice of output) and reduce-scatter
     n = 3 * p + 1
     sizes, offs = chunk_sizes(n, p), offsets(chunk_sizes(n, p))

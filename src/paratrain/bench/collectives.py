@@ -176,6 +176,7 @@ def bench_worker(rank: int, world: int, cfg: BenchConfig) -> dict:
             algs = [a for a in algs if a != "naive"]  # same schedule as pairwise
         algs = [a for a in algs if not (a == "halving_doubling" and op != "all_reduce"
                                          and world & (world - 1))]
+        algs = [a for a in algs if not (a == "hierarchical" and world % min(world, 8))]
         impls = [("native", None)] + [("ours", a) for a in algs]
         for nbytes in cfg.sizes:
             n = _count(op, nbytes, world)

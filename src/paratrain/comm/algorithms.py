@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from paratrain.comm import direct, halving_doubling, ring, tree
+from paratrain.comm import direct, halving_doubling, hierarchical, ring, tree
 from paratrain.comm.schedule import Schedule
 
 #: op -> algorithms, the first being the default.
 ALGORITHMS: dict[str, tuple[str, ...]] = {
-    "all_reduce": ("ring", "naive", "tree", "pipelined_tree", "halving_doubling"),
+    "all_reduce": ("ring", "naive", "tree", "pipelined_tree", "halving_doubling",
+                   "hierarchical"),
     "reduce_scatter": ("ring", "naive", "halving_doubling"),
     "all_gather": ("ring", "naive", "halving_doubling"),
     "broadcast": ("tree", "ring", "naive"),
@@ -30,11 +31,12 @@ def default_segments(n: int) -> int:
 
 
 def build(op: str, algorithm: str | None, p: int, n: int, *, root: int = 0,
-          segments: int | None = None) -> Schedule:
+          segments: int | None = None, gpus_per_node: int = 8) -> Schedule:
     """The schedule of ``op`` by ``algorithm`` among ``p`` ranks over ``n`` elements.
 
     ``root`` is used by broadcast and reduce; ``segments`` by pipelined algorithms (see
-    :data:`SEGMENTED`). Schedules are cached: build is cheap to call per collective.
+    :data:`SEGMENTED`); ``gpus_per_node`` by hierarchical (ranks per node; the default
+    matches paratrain.systems.collectives). Schedules are cached: cheap to call.
     """
     if op not in ALGORITHMS:
         raise ValueError(f"op={op!r} is unknown; use one of {tuple(ALGORITHMS)}")
@@ -58,11 +60,20 @@ def build(op: str, algorithm: str | None, p: int, n: int, *, root: int = 0,
         segments = None
     if op not in ("broadcast", "reduce"):
         root = 0
-    return _build(op, algorithm, p, n, root, segments)
+    if algorithm == "hierarchical":
+        if gpus_per_node < 1:
+            raise ValueError(f"gpus_per_node={gpus_per_node}; a node has >= 1 rank")
+        if p % min(p, gpus_per_node):
+            raise ValueError(f"hierarchical needs p={p} to be a multiple of "
+                             f"gpus_per_node={gpus_per_node}; use ring")
+    else:
+        gpus_per_node = 0
+    return _build(op, algorithm, p, n, root, segments, gpus_per_node)
 
 
 @lru_cache(maxsize=256)
-def _build(op: str, algorithm: str, p: int, n: int, root: int, segments: int | None) -> Schedule:
+def _build(op: str, algorithm: str, p: int, n: int, root: int, segments: int | None,
+           gpus_per_node: int) -> Schedule:
     makers = {
         ("all_reduce", "ring"): lambda: ring.ring_all_reduce(p, n),
         ("all_reduce", "naive"): lambda: direct.naive_all_reduce(p, n),
@@ -70,6 +81,8 @@ def _build(op: str, algorithm: str, p: int, n: int, root: int, segments: int | N
         ("all_reduce", "pipelined_tree"): lambda: tree.pipelined_tree_all_reduce(p, n, segments),
         ("all_reduce", "halving_doubling"):
             lambda: halving_doubling.halving_doubling_all_reduce(p, n),
+        ("all_reduce", "hierarchical"):
+            lambda: hierarchical.hierarchical_all_reduce(p, n, gpus_per_node),
         ("reduce_scatter", "ring"): lambda: ring.ring_reduce_scatter(p, n),
         ("reduce_scatter", "naive"): lambda: direct.naive_reduce_scatter(p, n),
         ("all_gather", "ring"): lambda: ring.ring_all_gather(p, n),

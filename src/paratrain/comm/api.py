@@ -3,7 +3,10 @@
 Every function takes ``group`` (None: the default group; any sub-group of a mesh works,
 ranks such as ``src``/``dst`` are *group* ranks), ``algorithm`` (see
 :data:`paratrain.comm.algorithms.ALGORITHMS`), ``async_op`` and an optional ``stats``
-(:class:`CommStats`) that accumulates steps and bytes per (op, algorithm).
+(:class:`CommStats`) that accumulates steps and bytes per (op, algorithm). Keywords
+passed on to the executor: ``piece_bytes`` (pipeline piece, default 1 MiB),
+``timeout_s`` (per wait, default 120), ``segments`` (pipelined schedules) and
+``gpus_per_node`` (hierarchical).
 
 Asynchrony and overlap: ``async_op=True`` queues the collective on this process's single
 communication thread and returns a :class:`Handle` at once. That thread is a FIFO, like
@@ -111,12 +114,13 @@ def _flat(t: torch.Tensor, name: str) -> torch.Tensor:
 
 
 def _run(op, algorithm, n, planes, group, reduce_op, async_op, stats, result, *, root=0,
-         segments=None, piece_bytes=None, timeout_s=None, after=None):
+         segments=None, piece_bytes=None, timeout_s=None, after=None, gpus_per_node=8):
     p = dist.get_world_size(group)
     if (op, algorithm) in SEGMENTED and segments is None:
         nbytes = n * planes[0][0].element_size()
         segments = max(1, min(n, 64, max(2, nbytes // SEGMENT_BYTES)))
-    sched = build(op, algorithm, p, n, root=root, segments=segments)
+    sched = build(op, algorithm, p, n, root=root, segments=segments,
+                  gpus_per_node=gpus_per_node)
 
     def go():
         s = execute(sched, planes, group=group, reduce_op=reduce_op,

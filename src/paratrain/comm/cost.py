@@ -60,7 +60,9 @@ def _count(schedule: Schedule) -> Counts:
 
 
 def time_s(schedule: Schedule, alpha_s: float, bw_bytes_per_s: float, elem_bytes: int = 4,
-           model: str = "rounds") -> float:
+           model: str = "rounds", *, gpus_per_node: int | None = None,
+           intra_alpha_s: float | None = None,
+           intra_bw_bytes_per_s: float | None = None) -> float:
     """Alpha-beta time of ``schedule``.
 
     ``model="simple"``: steps x alpha + (max bytes any rank sends or receives) / bw, the
@@ -72,6 +74,11 @@ def time_s(schedule: Schedule, alpha_s: float, bw_bytes_per_s: float, elem_bytes
     """
     if alpha_s < 0 or bw_bytes_per_s <= 0:
         raise ValueError(f"alpha_s={alpha_s}, bw={bw_bytes_per_s}: need alpha >= 0, bw > 0")
+    if gpus_per_node is not None:
+        return _two_links(schedule, alpha_s, bw_bytes_per_s, elem_bytes, gpus_per_node,
+                          alpha_s if intra_alpha_s is None else intra_alpha_s,
+                          bw_bytes_per_s if intra_bw_bytes_per_s is None
+                          else intra_bw_bytes_per_s)
     c = count(schedule)
     if model == "simple":
         most = max(max(c.sent, default=0), max(c.recv, default=0))
@@ -79,3 +86,24 @@ def time_s(schedule: Schedule, alpha_s: float, bw_bytes_per_s: float, elem_bytes
     if model == "rounds":
         return sum(alpha_s + load * elem_bytes / bw_bytes_per_s for load in c.round_load)
     raise ValueError(f"model={model!r}; use 'rounds' or 'simple'")
+
+
+def _two_links(s: Schedule, alpha: float, bw: float, elem: int, g: int, ia: float,
+               ib: float) -> float:
+    """Rounds model with two links: ranks r // g share a node and its faster link; a
+    round lasts as long as its slower part (``alpha``/``bw``: between nodes)."""
+    total = 0.0
+    for rnd in s.rounds:
+        load: dict[tuple[bool, str, int], int] = {}
+        for t in rnd:
+            intra = t.src // g == t.dst // g
+            k = s.seg_sizes[t.seg]
+            load[(intra, "s", t.src)] = load.get((intra, "s", t.src), 0) + k
+            load[(intra, "r", t.dst)] = load.get((intra, "r", t.dst), 0) + k
+        part = 0.0
+        for intra, a, b in ((True, ia, ib), (False, alpha, bw)):
+            most = max((v for key, v in load.items() if key[0] == intra), default=None)
+            if most is not None:
+                part = max(part, a + most * elem / b)
+        total += part
+    return total

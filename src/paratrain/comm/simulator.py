@@ -83,7 +83,8 @@ def simulate(schedule: Schedule, state: np.ndarray, reduce: str = "sum") -> SimR
 
 
 def simulate_collective(op: str, algorithm: str | None, inputs: np.ndarray, *, root: int = 0,
-                        segments: int | None = None, reduce: str = "sum"):
+                        segments: int | None = None, reduce: str = "sum",
+                        gpus_per_node: int = 8):
     """Run one collective on per-rank ``inputs`` and return (outputs, SimResult).
 
     ``inputs[r]`` is rank r's input: the vector (all_reduce, reduce_scatter, broadcast,
@@ -97,7 +98,7 @@ def simulate_collective(op: str, algorithm: str | None, inputs: np.ndarray, *, r
         n = sum(len(x) for x in inputs)
     else:
         n = len(inputs[0])
-    s = build(op, algorithm, p, n, root=root, segments=segments)
+    s = build(op, algorithm, p, n, root=root, segments=segments, gpus_per_node=gpus_per_node)
     if op == "all_to_all":
         # virtual buffer: p x p blocks; rank r starts with its row (r, *) = its input
         sizes = chunk_sizes(n, p)
