@@ -25,6 +25,15 @@ def build_engine(model: nn.Module, cfg: TrainConfig, plan: ParallelPlan,
     if plan.compress is not None and plan.zero != 0:
         raise ValueError(f"--compress {plan.compress} works with --zero 0 only (compressed "
                          f"gradients are all-gathered, not reduce-scattered); drop one")
+    if plan.tp > 1 or plan.pp > 1 or plan.recompute != "none":
+        # Model parallelism (issue 6): pipeline split, tensor/sequence, recompute, then
+        # data/ZeRO-1 over the mesh's dp axis, in that order (parallel/hybrid.py).
+        if simulate_workers > 1:
+            raise ValueError("--simulate-workers is data-parallel only; drop it with "
+                             "--tp/--pp/--recompute")
+        from paratrain.parallel.hybrid import MeshEngine
+
+        return MeshEngine(model, cfg, plan, device)
     if simulate_workers > 1:
         if plan.compress is not None:
             raise ValueError("--compress needs real workers; drop --simulate-workers")
