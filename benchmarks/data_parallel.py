@@ -8,7 +8,9 @@ Pairs, on the same model, global batch and world size (2 ranks, gloo, 1 thread e
   (``torch.nn.parallel.DistributedDataParallel``), both with 4 MB buckets;
 - ``paratrain-zero3`` (FSDP units: embedding, each block, head) vs ``torch-fsdp2``
   (``torch.distributed.fsdp.fully_shard`` on each block, then on the root);
-- ``paratrain-ddp-sync`` (overlap off) to show the exposed communication overlap hides.
+- ``paratrain-ddp-sync`` (overlap off) to show the exposed communication overlap hides;
+- ``one-process-2-threads``: the whole batch in one process with 2 intra-op threads, the
+  bar data parallelism on 2 cores has to approach.
 
 Every run is a fresh pair of processes (so peak RSS belongs to one implementation), and
 the implementations alternate round by round (so drifting machine load hits all alike).
@@ -35,7 +37,8 @@ from paratrain.config import ModelConfig, TrainConfig
 from paratrain.distributed import spawn
 
 MODEL = ModelConfig(n_layers=4, d_model=256, n_heads=8, d_ff=688, context=128)  # 3.29 M
-IMPLS = ("paratrain-ddp", "torch-ddp", "paratrain-zero3", "torch-fsdp2", "paratrain-ddp-sync")
+IMPLS = ("paratrain-ddp", "torch-ddp", "paratrain-zero3", "torch-fsdp2", "paratrain-ddp-sync",
+         "one-process-2-threads")
 BUCKET_MB = 4.0
 
 
@@ -53,7 +56,8 @@ def _paratrain(impl: str, tcfg: TrainConfig):
     from paratrain.train import build_model
 
     zero = 3 if impl == "paratrain-zero3" else 0
-    plan = ParallelPlan(dp=2, zero=zero, bucket_mb=BUCKET_MB,
+    world = 1 if impl == "one-process-2-threads" else 2
+    plan = ParallelPlan(dp=world, zero=zero, bucket_mb=BUCKET_MB,
                         overlap=impl != "paratrain-ddp-sync")
     model = build_model(MODEL, tcfg, torch.device("cpu"))
     engine = build_engine(model, tcfg, plan, torch.device("cpu"))
@@ -104,7 +108,9 @@ def _torch(impl: str, tcfg: TrainConfig):
 
 def _worker(rank: int, world: int, impl: str, steps: int, warmup: int, batch: int) -> dict:
     tcfg = TrainConfig(steps=steps + warmup, global_batch=batch, lr=1e-3, warmup_steps=1)
-    make = _paratrain if impl.startswith("paratrain") else _torch
+    if impl == "one-process-2-threads":
+        torch.set_num_threads(2)
+    make = _torch if impl.startswith("torch") else _paratrain
     step = make(impl, tcfg)
     tokens = batch * MODEL.context
     times, exposed = [], []
@@ -118,6 +124,8 @@ def _worker(rank: int, world: int, impl: str, steps: int, warmup: int, batch: in
             times.append(dt)
             if e is not None:
                 exposed.append(e)
+    if world == 1:
+        exposed = []
     return {"step_s": statistics.median(times),
             "exposed_comm_s": statistics.median(exposed) if exposed else None,
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
@@ -140,7 +148,8 @@ def main() -> None:
     for rnd in range(a.rounds):
         order = impls[rnd % len(impls):] + impls[:rnd % len(impls)]
         for impl in order:
-            res = spawn(_worker, 2, impl, a.steps, a.warmup, a.batch)
+            world = 1 if impl == "one-process-2-threads" else 2
+            res = spawn(_worker, world, impl, a.steps, a.warmup, a.batch)
             step_s = max(r["step_s"] for r in res)
             exposed = [r["exposed_comm_s"] for r in res]
             rec = {"impl": impl, "round": rnd, "step_s": step_s,
@@ -162,7 +171,8 @@ def main() -> None:
         ex = f"{r['exposed']:.4f}" if r["exposed"] is not None else "-"
         print(f"{impl:<20} {r['step_s']:8.4f} {tokens / r['step_s']:9.0f} {r['rss']:12.1f} "
               f"{ex:>15}")
-    for ours, theirs in (("paratrain-ddp", "torch-ddp"), ("paratrain-zero3", "torch-fsdp2")):
+    for ours, theirs in (("paratrain-ddp", "torch-ddp"), ("paratrain-zero3", "torch-fsdp2"),
+                         ("paratrain-ddp", "one-process-2-threads")):
         if ours in rows and theirs in rows:
             print(f"{ours} / {theirs}: tokens/s ratio "
                   f"{rows[theirs]['step_s'] / rows[ours]['step_s']:.3f}, peak RSS ratio "
