@@ -12,9 +12,10 @@ plan of the grid for a few steps in fresh gloo processes and compares, per plan:
   exact or not;
 - model-state bytes (parameters, gradients, AdamW state) of every rank: exact or not.
 
-Before each run it samples the other runnable processes (:func:`background_load`): on a
-shared box that is part of the machine's state, and the prediction uses it (one number,
-the same physics for every plan; never a per-plan factor).
+While each run trains, a thread samples the other sessions' runnable threads
+(:func:`paratrain.predict.sample_other_sessions`): on a shared box the cores this run gets
+are part of the machine's state, and the prediction uses them through the scheduler's
+fair split between sessions (the same physics for every plan; never a per-plan factor).
 
 Importing this module does not import torch (the CLI must start instantly).
 """
@@ -24,6 +25,7 @@ from __future__ import annotations
 import json
 import statistics
 import tempfile
+import time
 from dataclasses import asdict
 from pathlib import Path
 
@@ -56,9 +58,12 @@ def _train_worker(rank: int, world: int, mcfg: dict, tcfg: dict, plan: dict,
     from paratrain.train import RunOptions, train
 
     opts = RunOptions(run_dir=run_dir if rank == 0 else None, quiet=True, measure_peak=False)
+    c0, w0 = time.process_time(), time.perf_counter()
     s = train(ModelConfig(**mcfg), TrainConfig(**tcfg), ParallelPlan(**plan), opts)
+    got = (time.process_time() - c0) / (time.perf_counter() - w0)  # core share, diagnostic
     if rank != 0:
         return {}
+    s["cpu_share_rank0"] = got
     s = {k: v for k, v in s.items() if k != "prediction"}
     with open(Path(run_dir) / "metrics.jsonl") as f:
         s["step_times"] = [json.loads(line)["step_s"] for line in f]
@@ -66,7 +71,8 @@ def _train_worker(rank: int, world: int, mcfg: dict, tcfg: dict, plan: dict,
 
 
 def _one_process(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan) -> float:
-    """Median step of a one-process, one-thread run (steps after the first)."""
+    """Seconds per step of a one-process, one-thread run on a whole core: the median step
+    (after the first) times the CPU time / wall time this process got while training."""
     import torch
 
     from paratrain.train import RunOptions, train
@@ -75,44 +81,83 @@ def _one_process(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan) -> fl
     torch.set_num_threads(1)
     try:
         with tempfile.TemporaryDirectory() as d:
+            c0, w0 = time.process_time(), time.perf_counter()
             train(mcfg, tcfg, plan, RunOptions(run_dir=d, quiet=True, measure_peak=False))
+            got = (time.process_time() - c0) / (time.perf_counter() - w0)
             with open(Path(d) / "metrics.jsonl") as f:
                 times = [json.loads(line)["step_s"] for line in f]
     finally:
         torch.set_num_threads(old)
-    return statistics.median(times[1:] or times)
+    return statistics.median(times[1:] or times) * min(1.0, got)
+
+
+def _thread_peak() -> float:
+    """One thread's fp32 matmul FLOP/s now (best of short bursts: robust to time-sharing)."""
+    import torch
+
+    from paratrain.perf import matmul_peak_flops
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return max(matmul_peak_flops(torch.float32, n=512, seconds=0.5) for _ in range(2))
+    finally:
+        torch.set_num_threads(old)
 
 
 def fit_machine(mcfg: ModelConfig, tcfg: TrainConfig, profile: str | None,
                 save: bool = True, log=print):
     """Fit eta and the fixed costs from three one-process runs (batch B and B/4 with one
-    micro-batch, B with four), each at the core share its background load allowed."""
-    from paratrain.predict import background_load, fit_from_runs, load_machine, save_fit
+    micro-batch, B with four), on CPU time, against one thread's matmul peak."""
+    from paratrain.predict import fit_from_runs, load_machine, save_fit
 
     machine = load_machine(profile)
     if machine is None:
         raise ValueError("no hardware profile of this machine; run `paratrain bench "
                          "calibrate` first (or pass --profile PATH)")
+    peak = _thread_peak()
     B = tcfg.global_batch
-    runs, shares = [], []
+    runs = []
     for gb, m in ((B, 1), (max(1, B // 4), 1), (B, 4)):
-        bg = background_load()
         t = _one_process(mcfg, TrainConfig(**{**asdict(tcfg), "global_batch": gb}),
                          ParallelPlan(micro_batches=m))
         runs.append((gb, m, t))
-        shares.append(machine.replace(background=bg).share(1))
-        log(f"fit run: batch {gb}, micro-batches {m}: {t:.4f} s/step "
-            f"(background {bg:.1f} runnable)")
-    share = statistics.fmean(shares)
-    fitted = fit_from_runs(mcfg, runs, machine.hw, share)
+        log(f"fit run: batch {gb}, micro-batches {m}: {t:.4f} CPU s/step")
+    fitted = fit_from_runs(mcfg, runs, machine.hw, peak)
     shape = f"{mcfg.n_layers}x{mcfg.d_model}, ff {mcfg.d_ff}, T {mcfg.context}"
     if save:
         path = save_fit(fitted, profile, shape)
         fitted = fitted.replace(source=f"fit {path}")
         log(f"saved the CPU fit to {path}")
-    log(f"fit: eta {fitted.eta:.3f} of {fitted.core_peak / 1e9:.1f} GFLOP/s per core, "
+    log(f"fit: eta {fitted.eta:.3f} of {peak / 1e9:.1f} GFLOP/s (one thread), "
         f"block pass {fitted.pass_s * 1e3:.3f} ms, step {fitted.step_s * 1e3:.2f} ms")
     return fitted
+
+
+class _Sampler:
+    """Samples the other sessions' runnable threads in a thread while a run trains."""
+
+    def __init__(self, interval_s: float = 0.1) -> None:
+        import threading
+
+        self.samples: list[tuple[int, ...]] = []
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._loop, args=(interval_s,), daemon=True)
+
+    def _loop(self, interval_s: float) -> None:
+        from paratrain.predict import sample_other_sessions
+
+        while not self._stop.is_set():
+            self.samples += sample_other_sessions(samples=1)
+            self._stop.wait(interval_s)
+
+    def __enter__(self) -> _Sampler:
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._t.join()
 
 
 def run_grid(names: list[str] | None = None, *, profile: str | None = None, steps: int = 6,
@@ -121,7 +166,7 @@ def run_grid(names: list[str] | None = None, *, profile: str | None = None, step
     """Run the grid (or ``names`` of it); return {"records": [...], "median_abs_error",
     "machine": {...}}."""
     from paratrain.distributed import spawn
-    from paratrain.predict import background_load, compare, load_machine, predict
+    from paratrain.predict import compare, load_machine, predict
 
     names = list(GRID) if names is None else names
     unknown = [n for n in names if n not in GRID]
@@ -139,28 +184,31 @@ def run_grid(names: list[str] | None = None, *, profile: str | None = None, step
     for name in names:
         plan = GRID[name]
         plan.check(mcfg, plan.world_size, global_batch)
-        bg = background_load()
-        with tempfile.TemporaryDirectory(prefix="paratrain-check-") as d:
+        with tempfile.TemporaryDirectory(prefix="paratrain-check-") as d, _Sampler() as smp:
             s = spawn(_train_worker, plan.world_size, asdict(mcfg), asdict(tcfg), asdict(plan),
                       d, timeout_s=600)[0]
-        pred = predict(mcfg, tcfg, plan, plan.world_size, machine.replace(background=bg))
+        others = tuple(smp.samples)
+        pred = predict(mcfg, tcfg, plan, plan.world_size, machine.replace(others=others))
         cmp = compare(pred, s, plan)
         measured = statistics.median(s["step_times"][1:])
-        rec = {"plan": name, "nproc": plan.world_size, "background": bg,
+        m_now = machine.replace(others=others)
+        rec = {"plan": name, "nproc": plan.world_size, "other_sessions": m_now.other_sessions,
+               "other_threads": m_now.other_threads, "share": pred.share,
                "predicted_s": pred.step_s, "measured_s": measured,
                "error": pred.step_s / measured - 1,
-               "measured_mean_s": s["step_s"],
+               "measured_mean_s": s["step_s"], "cpu_share_rank0": s["cpu_share_rank0"],
                "predicted": pred.to_dict(), "compare": cmp,
                "wire_exact": _wire_exact(cmp), "states_exact": cmp["states_bytes"]["exact"]}
         records.append(rec)
         log(f"{name:<18} predicted {pred.step_s:.4f} s  measured {measured:.4f} s  "
             f"{100 * rec['error']:+.0f}%  wire {_yes(rec['wire_exact'])}  "
-            f"states {_yes(rec['states_exact'])}  (background {bg:.1f})")
+            f"states {_yes(rec['states_exact'])}  (core per rank: predicted {pred.share:.2f}, "
+            f"rank 0 got {s['cpu_share_rank0']:.2f})")
     errs = [abs(r["error"]) for r in records]
     return {"records": records, "median_abs_error": statistics.median(errs) if errs else None,
             "machine": {"eta": machine.eta, "pass_s": machine.pass_s,
                         "step_s": machine.step_s, "cores": machine.cores,
-                        "core_peak_flops": machine.core_peak, "alpha_s": machine.hw.intra_alpha,
+                        "thread_peak_flops": machine.thread_peak, "alpha_s": machine.hw.intra_alpha,
                         "bw_bytes_per_s": machine.hw.intra_bw, "source": machine.source},
             "model": asdict(mcfg), "global_batch": global_batch, "steps": steps}
 
@@ -182,17 +230,17 @@ def format_table(result: dict) -> str:
     """Predicted vs measured per plan, the median absolute error, the exactness columns."""
     m = result["machine"]
     lines = [
-        f"machine: {m['cores']} cores, {m['core_peak_flops'] / 1e9:.1f} GFLOP/s peak per core, "
+        f"machine: {m['cores']} cores, {m['thread_peak_flops'] / 1e9:.1f} GFLOP/s one-thread peak, "
         f"eta {m['eta']:.3f}, block pass {m['pass_s'] * 1e3:.3f} ms, step "
         f"{m['step_s'] * 1e3:.2f} ms, gloo alpha {m['alpha_s'] * 1e6:.0f} us, "
         f"{m['bw_bytes_per_s'] / 1e9:.2f} GB/s",
-        f"{'plan':<18} {'procs':>5} {'bg':>4} {'predicted s':>11} {'measured s':>10} "
+        f"{'plan':<18} {'procs':>5} {'core':>5} {'predicted s':>11} {'measured s':>10} "
         f"{'error':>7} {'wire B/rank (DP+TP)':>20} {'wire':>9} {'states':>9}",
     ]
     for r in result["records"]:
         c = r["compare"]
         wire = c["dp_wire_bytes"]["measured"] + (c["tp_wire_bytes"]["measured"] or 0.0)
-        lines.append(f"{r['plan']:<18} {r['nproc']:>5} {r['background']:>4.1f} "
+        lines.append(f"{r['plan']:<18} {r['nproc']:>5} {r['share']:>5.2f} "
                      f"{r['predicted_s']:>11.4f} {r['measured_s']:>10.4f} "
                      f"{100 * r['error']:>+6.0f}% {wire:>20,.0f} {_yes(r['wire_exact']):>9} "
                      f"{_yes(r['states_exact']):>9}")

@@ -7,19 +7,24 @@ exactly. Everything it says is in the open, in :attr:`Prediction.notes`.
 
 What is special here, and how it is priced:
 
-- **Ranks are processes with one thread each, sharing the cores.** With ``n`` ranks and
-  ``b`` other runnable processes on ``C`` cores a fair scheduler gives each rank
-  ``share = min(1, C / (n + b))`` of a core, so its FLOP/s and its fixed costs stretch by
-  ``1 / share`` (``C`` is the profile's ``gpus_per_node``, which ``bench calibrate``
-  sets to the core count; ``b`` is 0 unless measured, see :func:`background_load`).
-- **Small matmuls on one CPU thread are not a GPU's.** Two numbers are fitted once from
-  single-process runs of the same model (:func:`fit_from_runs`; ``check-model`` does
-  it and saves them beside the profile): ``eta``, the achieved fraction of one core's
-  share of the profile's matmul peak (``peak_flops / gpus_per_node``), and
-  ``pass_s``, the fixed cost of one block's forward + backward for one micro-batch
-  (Python and autograd dispatch: tens of small kernels that do not shrink with the
-  batch), plus ``step_s``, the fixed cost of a step (optimizer, clip, data). Without a
-  fit, ``eta`` is the profile's and the fixed costs are 0, and the note says so.
+- **Ranks are processes with one thread each, sharing the cores.** Linux schedules
+  fairly between *sessions* first (autogroups, ``/proc/sys/kernel/sched_autogroup_enabled``)
+  and then between the threads of a session. So ``C`` cores are water-filled between the
+  active sessions, each capped at its runnable threads; this run's session (n ranks) gets
+  ``c`` cores and each rank ``share = c / n`` of one (:func:`waterfill`). Alone on the box
+  that is ``min(1, C / n)``; on a box shared with three colleagues' jobs it is about
+  ``C / 4`` for the whole run, however many ranks it has. ``C`` is the profile's
+  ``gpus_per_node`` (``bench calibrate`` writes the core count); the other sessions'
+  runnable threads are sampled from /proc (:func:`sample_other_sessions`).
+- **Small matmuls on one CPU thread are not a GPU's.** Fitted once from three
+  single-process runs of the same model (:func:`fit_from_runs`; ``check-model`` does it
+  and saves the result beside the profile), on CPU time so another session's load does not
+  leak in: ``eta``, the achieved fraction of one thread's matmul peak (measured then, with
+  :func:`paratrain.perf.matmul_peak_flops`: a calibration taken under load can understate
+  it), ``pass_s``, the fixed cost of one block's forward + backward for one micro-batch
+  (Python and autograd dispatch of tens of small kernels, which does not shrink with the
+  batch), and ``step_s``, the fixed cost of a step (optimizer, clip, data). Without a
+  fit, ``eta`` and the peak are the profile's and the fixed costs 0, and a note says so.
 - **gloo over loopback**: alpha and bandwidth from the profile, priced per collective
   call with :func:`paratrain.systems.collectives.time_s` (ring), so a ZeRO-3 run pays
   one latency chain per unit and a TP run one per block region.
@@ -43,6 +48,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -65,16 +71,17 @@ CALIBRATE_HINT = ("prediction: no hardware profile of this machine; run `paratra
 class MachineModel:
     """This machine as the prediction sees it: the profile plus the CPU fit.
 
-    ``eta`` is relative to one core's share of the profile's peak; ``pass_s`` and
-    ``step_s`` are the fixed costs of a block pass and of a step on a free core;
-    ``background`` the other runnable processes competing for the cores.
+    ``eta`` is relative to ``thread_peak`` (one thread's matmul FLOP/s); ``pass_s`` and
+    ``step_s`` are the fixed costs of a block pass and of a step on a whole core;
+    ``others`` the runnable threads of each other active session, one tuple per sample.
     """
 
     hw: Hardware
     eta: float
+    thread_peak: float
     pass_s: float = 0.0
     step_s: float = 0.0
-    background: float = 0.0
+    others: tuple[tuple[int, ...], ...] = ()
     fitted: bool = False
     source: str = "profile"
 
@@ -83,18 +90,80 @@ class MachineModel:
         return self.hw.gpus_per_node
 
     @property
-    def core_peak(self) -> float:
-        """One core's share of the profile's matmul peak (FLOP/s)."""
-        return self.hw.peak_flops / self.cores
+    def other_threads(self) -> float:
+        """Mean runnable threads of other sessions (for the record)."""
+        return sum(map(sum, self.others)) / len(self.others) if self.others else 0.0
+
+    @property
+    def other_sessions(self) -> float:
+        return sum(map(len, self.others)) / len(self.others) if self.others else 0.0
 
     def share(self, nproc: int) -> float:
-        """Fraction of a core each of ``nproc`` one-thread ranks gets (fair scheduler)."""
-        return min(1.0, self.cores / (nproc + self.background))
+        """Fraction of a core each of ``nproc`` one-thread ranks gets: the session's
+        water-filled cores over its ranks, averaged over the samples of the others."""
+        samples = self.others or ((),)
+        return sum(waterfill(self.cores, nproc, o) for o in samples) / len(samples)
 
     def replace(self, **changes) -> MachineModel:
         d = {f: getattr(self, f) for f in self.__dataclass_fields__}
         d.update(changes)
         return MachineModel(**d)
+
+
+def waterfill(cores: float, nproc: int, others: tuple[int, ...]) -> float:
+    """Per-rank core share when ``cores`` are split fairly between sessions (each capped
+    at its runnable threads): ours has ``nproc`` ranks, the others ``others`` threads."""
+    demands = sorted([*others, nproc])
+    left, k = float(cores), len(demands)
+    for d in demands:
+        fair = left / k
+        give = min(d, fair)
+        if d == nproc:
+            return min(1.0, give / nproc)
+        left -= give
+        k -= 1
+    return min(1.0, cores / nproc)
+
+
+def sample_other_sessions(samples: int = 10, interval_s: float = 0.02
+                          ) -> tuple[tuple[int, ...], ...]:
+    """Runnable threads of every other session (autogroup) with any, per sample, from
+    /proc; empty where /proc or autogroups are missing (then the box counts as free)."""
+    def group(pid: str) -> str | None:
+        try:
+            with open(f"/proc/{pid}/autogroup") as f:
+                return f.read().split()[0]
+        except (OSError, IndexError):
+            return None
+
+    mine = group("self")
+    if mine is None:
+        return ()
+    out = []
+    for i in range(samples):
+        counts: dict[str, int] = {}
+        for pid in os.listdir("/proc"):
+            if not pid.isdigit():
+                continue
+            try:
+                tids = os.listdir(f"/proc/{pid}/task")
+            except OSError:
+                continue
+            running = 0
+            for tid in tids:
+                try:
+                    with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                        running += f.read().rsplit(")", 1)[1].split()[0] == "R"
+                except (OSError, IndexError):
+                    continue
+            if running:
+                g = group(pid)
+                if g is not None and g != mine:
+                    counts[g] = counts.get(g, 0) + running
+        out.append(tuple(sorted(counts.values())))
+        if i + 1 < samples:
+            time.sleep(interval_s)
+    return tuple(out)
 
 
 def fit_path(profile: Path) -> Path:
@@ -109,36 +178,22 @@ def load_machine(profile: str | Path | None = None) -> MachineModel | None:
         return None
     hw = load_hardware(str(path))
     fp = fit_path(path)
-    if fp.is_file():
-        fit = json.loads(fp.read_text())
-        return MachineModel(hw, fit["eta"], fit["pass_s"], fit["step_s"], fitted=True,
-                            source=f"fit {fp} ({fit.get('fitted_on', '?')})")
-    return MachineModel(hw, hw.eta, source=f"profile {path} (eta {hw.eta:g}, no CPU fit: "
-                                           "run `paratrain check-model` to fit one)")
+    fit = json.loads(fp.read_text()) if fp.is_file() else {}
+    if {"eta", "thread_peak", "pass_s", "step_s"} <= set(fit):  # else none or stale: ignored
+        return MachineModel(hw, fit["eta"], fit["thread_peak"], fit["pass_s"], fit["step_s"],
+                            fitted=True, source=f"fit {fp} ({fit.get('fitted_on', '?')})")
+    return MachineModel(hw, hw.eta, hw.peak_flops / hw.gpus_per_node,
+                        source=f"profile {path} (eta {hw.eta:g}, no CPU fit: run "
+                               "`paratrain check-model` to fit one)")
 
 
 def save_fit(m: MachineModel, profile: str | Path | None, fitted_on: str) -> Path:
     path = fit_path(Path(profile or DEFAULT_PROFILE))
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"eta": m.eta, "pass_s": m.pass_s, "step_s": m.step_s,
-                                "fitted_on": fitted_on,
+    path.write_text(json.dumps({"eta": m.eta, "thread_peak": m.thread_peak, "pass_s": m.pass_s,
+                                "step_s": m.step_s, "fitted_on": fitted_on,
                                 "date": time.strftime("%Y-%m-%d %H:%M:%S")}, indent=1))
     return path
-
-
-def background_load(samples: int = 10, interval_s: float = 0.05) -> float:
-    """Other runnable threads right now: the mean of /proc/loadavg's running count, less
-    the one reading it (0 where /proc is missing). Time-sharing is physics here: with
-    three colleagues' jobs on two cores, a rank gets a fraction of one."""
-    vals = []
-    for _ in range(samples):
-        try:
-            with open("/proc/loadavg") as f:
-                vals.append(int(f.read().split()[3].split("/")[0]) - 1)
-        except (OSError, ValueError, IndexError):
-            return 0.0
-        time.sleep(interval_s)
-    return max(0.0, sum(vals) / len(vals))
 
 
 # ---- exact per-rank layout ------------------------------------------------------------------
@@ -349,15 +404,17 @@ def predict(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan, world: int
     hw = machine.hw
     notes: list[str] = []
     share = machine.share(world)
-    rate = machine.eta * machine.core_peak * share
+    rate = machine.eta * machine.thread_peak * share
     pass_s, fixed_s = machine.pass_s / share, machine.step_s / share
     e = ELEMENT_BYTES[tcfg.dtype]
     m = plan.micro_batches
     seqs_mb = tcfg.global_batch / plan.dp / m
     tokens_mb = seqs_mb * mcfg.context
     if share < 1:
-        notes.append(f"{world} ranks + {machine.background:.1f} other runnable on "
-                     f"{machine.cores} cores: each rank gets {share:.2f} of a core")
+        notes.append(f"{world} ranks on {machine.cores} cores beside "
+                     f"{machine.other_sessions:.1f} other busy sessions "
+                     f"({machine.other_threads:.1f} runnable threads): each rank gets "
+                     f"{share:.2f} of a core")
     if not machine.fitted:
         notes.append("no CPU fit: eta from the profile, fixed costs 0 (run paratrain "
                      "check-model)")
@@ -446,13 +503,12 @@ def predict(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan, world: int
 
 # ---- fitting eta and the fixed costs from single-process runs -------------------------------
 def fit_from_runs(mcfg: ModelConfig, runs: list[tuple[int, int, float]], hw: Hardware,
-                  share: float = 1.0) -> MachineModel:
+                  thread_peak: float) -> MachineModel:
     """Least squares t = F / R + units x pass_s + step_s over one-process runs.
 
-    ``runs``: (global_batch, micro_batches, measured seconds per step) of the same model.
-    F is the step's FLOPs, units = micro_batches x (blocks + 1). Needs runs that differ
-    in both batch and micro-batches (at least 3). ``share``: the core fraction the runs
-    had (background load), so the fit describes a free core.
+    ``runs``: (global_batch, micro_batches, seconds per step on a whole core: CPU time)
+    of the same model. F is the step's FLOPs, units = micro_batches x (blocks + 1). Needs
+    runs that differ in both batch and micro-batches (at least 3). eta = R / thread_peak.
     """
     if len(runs) < 3:
         raise ValueError(f"{len(runs)} runs cannot fit 3 parameters; pass at least 3")
@@ -461,14 +517,12 @@ def fit_from_runs(mcfg: ModelConfig, runs: list[tuple[int, int, float]], hw: Har
         f = mcfg.n_layers * _flops_block(mcfg, gb * mcfg.context, 1) + \
             gb * mcfg.context * 6.0 * mcfg.d_model * mcfg.vocab_size
         rows.append((f, m * (mcfg.n_layers + 1), 1.0))
-        ts.append(t * share)
-    coef = _nnls3(rows, ts)
-    inv_r, pass_s, step_s = coef
+        ts.append(t)
+    inv_r, pass_s, step_s = _nnls3(rows, ts)
     if inv_r <= 0:
         raise ValueError("the fit found no FLOP-proportional time; use larger batches")
-    core_peak = hw.peak_flops / hw.gpus_per_node
-    eta = min(1.0, 1.0 / inv_r / core_peak)
-    return MachineModel(hw, eta, pass_s, step_s, fitted=True, source="fit")
+    return MachineModel(hw, 1.0 / inv_r / thread_peak, thread_peak, pass_s, step_s,
+                        fitted=True, source="fit")
 
 
 def _solve3(a: list[list[float]], b: list[float]) -> list[float] | None:
@@ -548,10 +602,12 @@ def compare(pred: Prediction, summary: dict, plan: ParallelPlan) -> dict:
 
 def summary_prediction(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan, world: int,
                        summary: dict, profile: str | Path | None = None) -> dict | None:
-    """``summary["prediction"]`` for a finished run, or None without a profile."""
+    """``summary["prediction"]`` for a finished run, or None without a profile. The other
+    sessions' load is sampled now, at the end of the run (a proxy for during it)."""
     machine = load_machine(profile)
     if machine is None:
         return None
+    machine = machine.replace(others=sample_other_sessions(samples=5))
     pred = predict(mcfg, tcfg, plan, world, machine)
     return {"predicted": pred.to_dict(), "vs_measured": compare(pred, summary, plan)}
 
