@@ -26,7 +26,8 @@ def main() -> None:
     args = ap.parse_args()
     sizes = bc.sizes_pow2(bc.parse_bytes(args.min_bytes), bc.parse_bytes(args.max_bytes))
     piece = bc.parse_bytes(args.piece_bytes) if args.piece_bytes else None
-    print(f"{'p':>2} {'size':>6} {'native busbw':>12} {'ours busbw':>10} {'ratio':>6}  (GB/s)")
+    print(f"{'p':>2} {'size':>6} {'native busbw':>12} {'ours busbw':>10} {'ratio':>6} "
+          f"{'best-block ratio':>16}  (GB/s; median blocks)")
     for p in (int(x) for x in args.nprocs.split(",")):
         cfg = bc.BenchConfig(("all_reduce",), tuple(sizes), ("ring",), args.iters, args.warmup,
                              args.repeats, piece, check=True)
@@ -37,7 +38,8 @@ def main() -> None:
                 continue
             n = nat[r["bytes"]]
             print(f"{p:>2} {r['bytes'] >> 20:>4}Mi {n['busbw_gbps']:>12.3f} "
-                  f"{r['busbw_gbps']:>10.3f} {n['time_us'] / r['time_us']:>6.2f}"
+                  f"{r['busbw_gbps']:>10.3f} {n['time_us'] / r['time_us']:>6.2f} "
+                  f"{n['time_best_us'] / r['time_best_us']:>16.2f}"
                   f"{'' if r['wrong'] == 0 else '  WRONG'}")
         print(f"   limits: memcpy {limits['memcpy_bw'] / 1e9:.2f} GB/s (1 thread), "
               f"loopback p2p {limits['tcp_bw'] / 1e9:.2f} GB/s")
