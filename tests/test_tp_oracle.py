@@ -6,7 +6,9 @@ agree to 1e-12 relative — only the order of additions in the reductions differ
 plain MHA, GQA (kv heads split with their query heads), an uneven vocabulary (131 rows
 over 4 ranks: 33, 33, 33, 32) with tied embeddings.
 End-to-end: 10 training steps match the single process to 1e-9 relative in float64 and
-1e-5 in float32 (AdamW's division by sqrt(v) amplifies rounding), with and without SP.
+1e-5 in float32 (AdamW's division by sqrt(v) amplifies rounding), with and without SP;
+the bytes each rank sends per layer equal the formula (4 all-reduces, or 4 all-gathers
+and 4 reduce-scatters with SP).
 """
 
 from __future__ import annotations
@@ -98,9 +100,10 @@ def _tp_worker(rank: int, world: int, data: str) -> dict:
             out["unit"][(name, sp)] = unit_parity(mcfg, sp, rank, world)
     for sp in (False, True):
         for dtype in ("float64", "float32"):
-            out["losses"][(sp, dtype)] = train(MODEL, tcfg(data, dtype),
-                                               ParallelPlan(tp=world, sp=sp),
-                                               RunOptions(**QUIET))["losses"]
+            s = train(MODEL, tcfg(data, dtype), ParallelPlan(tp=world, sp=sp),
+                      RunOptions(**QUIET))
+            out["losses"][(sp, dtype)] = s["losses"]
+            out["bytes"] = out.get("bytes", []) + [s["model_parallel"]["tp"]]
     return out
 
 
@@ -117,6 +120,10 @@ def test_tensor_parallel_matches_one_process(text_file, reference, world):
         for (name, sp), errs in res["unit"].items():
             print(f"tp={world} rank {rank} {name} sp={sp}: {errs}")
             assert max(errs.values()) < 1e-12, (name, sp, errs)
+    for b in results[0]["bytes"]:  # counted by the collectives == Korthikanti's count
+        assert b["wire_bytes_per_layer_per_microbatch"] == pytest.approx(
+            b["formula_wire_bytes_per_layer_per_microbatch"])
+        assert b["collectives_per_layer_per_microbatch"] == (8 if b["sp"] else 4)
     for (sp, dtype), losses in results[0]["losses"].items():
         for r in results[1:]:
             assert r["losses"][(sp, dtype)] == losses

@@ -49,7 +49,11 @@ from paratrain.parallel.pipeline.runtime import ActivationMeter, PipelineRuntime
 from paratrain.parallel.pipeline.schedule import bubble_formula, build_schedule, simulate
 from paratrain.parallel.pipeline.stage import build_chunks
 from paratrain.parallel.recompute import apply_recompute
-from paratrain.parallel.tensor import apply_tensor_parallel, vocab_parallel_cross_entropy
+from paratrain.parallel.tensor import (
+    apply_tensor_parallel,
+    tp_wire_bytes_per_layer,
+    vocab_parallel_cross_entropy,
+)
 from paratrain.plan import ParallelPlan
 
 
@@ -294,8 +298,9 @@ class MeshEngine(Engine):
             "layers_on_rank": layers_on_rank, "sequences_per_microbatch": b_mb,
         }
         if plan.tp > 1:
-            steps = max(1, len(self.act_peaks))
-            mbs = plan.micro_batches * steps  # forward+backward passes of each block
+            # forward + backward passes of each block: one per call without a pipeline
+            # (the loop accumulates micro-batches), m per step with one
+            mbs = max(1, len(self.act_peaks)) * (plan.micro_batches if plan.pp > 1 else 1)
             st_blk = self.tp_states
             layers = max(1, layers_on_rank)
             out["tp"] = {
@@ -304,8 +309,8 @@ class MeshEngine(Engine):
                     sum(st.blocks.wire_bytes for st in st_blk) / layers / mbs,
                 "collectives_per_layer_per_microbatch":
                     sum(st.blocks.calls for st in st_blk) / layers / mbs,
-                "formula_wire_bytes_per_layer_per_microbatch": 4 * 2.0 * (plan.tp - 1) / plan.tp
-                    * b_mb * m.context * m.d_model * _elem(self.dtype),
+                "formula_wire_bytes_per_layer_per_microbatch": tp_wire_bytes_per_layer(
+                    b_mb, m.context, m.d_model, _elem(self.dtype), plan.tp, plan.recompute),
             }
         return out
 
