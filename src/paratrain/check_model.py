@@ -66,13 +66,15 @@ def _train_worker(rank: int, world: int, mcfg: dict, tcfg: dict, plan: dict,
     s["cpu_share_rank0"] = got
     s = {k: v for k, v in s.items() if k != "prediction"}
     with open(Path(run_dir) / "metrics.jsonl") as f:
-        s["step_times"] = [json.loads(line)["step_s"] for line in f]
+        recs = [json.loads(line) for line in f]
+    s["step_times"] = [r["step_s"] for r in recs]
+    s["cpu_times"] = [r.get("cpu_s", float("nan")) for r in recs]
     return json.loads(json.dumps(s))  # plain containers for torch.load(weights_only)
 
 
 def _one_process(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan) -> float:
-    """Seconds per step of a one-process, one-thread run on a whole core: the median step
-    (after the first) times the CPU time / wall time this process got while training."""
+    """Seconds per step of a one-process, one-thread run on a whole core: the median CPU
+    time of a step (after the first), so the other sessions' load does not leak in."""
     import torch
 
     from paratrain.train import RunOptions, train
@@ -81,26 +83,31 @@ def _one_process(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan) -> fl
     torch.set_num_threads(1)
     try:
         with tempfile.TemporaryDirectory() as d:
-            c0, w0 = time.process_time(), time.perf_counter()
             train(mcfg, tcfg, plan, RunOptions(run_dir=d, quiet=True, measure_peak=False))
-            got = (time.process_time() - c0) / (time.perf_counter() - w0)
             with open(Path(d) / "metrics.jsonl") as f:
-                times = [json.loads(line)["step_s"] for line in f]
+                cpu = [json.loads(line)["cpu_s"] for line in f]
     finally:
         torch.set_num_threads(old)
-    return statistics.median(times[1:] or times) * min(1.0, got)
+    return statistics.median(cpu[1:] or cpu)
 
 
-def _thread_peak() -> float:
-    """One thread's fp32 matmul FLOP/s now (best of short bursts: robust to time-sharing)."""
+def _thread_peak(n: int = 512, reps: int = 8) -> float:
+    """One thread's fp32 matmul FLOP/s on CPU time (best of 3 bursts), so that other
+    sessions' load, which steals wall time, does not lower it."""
     import torch
-
-    from paratrain.perf import matmul_peak_flops
 
     old = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return max(matmul_peak_flops(torch.float32, n=512, seconds=0.5) for _ in range(2))
+        a, b = torch.randn(n, n), torch.randn(n, n)
+        a @ b
+        best = 0.0
+        for _ in range(3):
+            c0 = time.process_time()
+            for _ in range(reps):
+                a @ b
+            best = max(best, reps * 2 * n**3 / max(time.process_time() - c0, 1e-9))
+        return best
     finally:
         torch.set_num_threads(old)
 
@@ -197,13 +204,18 @@ def run_grid(names: list[str] | None = None, *, profile: str | None = None, step
                "predicted_s": pred.step_s, "measured_s": measured,
                "error": pred.step_s / measured - 1,
                "measured_mean_s": s["step_s"], "cpu_share_rank0": s["cpu_share_rank0"],
+               "cpu_rank0_s": {"predicted": pred.cpu_rank0_s,
+                               "measured": statistics.median(s["cpu_times"][1:])},
+               "critical_path_s": pred.critical_path_s,
+               "session_bound_s": pred.session_work_s / pred.session_cores,
                "predicted": pred.to_dict(), "compare": cmp,
                "wire_exact": _wire_exact(cmp), "states_exact": cmp["states_bytes"]["exact"]}
         records.append(rec)
         log(f"{name:<18} predicted {pred.step_s:.4f} s  measured {measured:.4f} s  "
             f"{100 * rec['error']:+.0f}%  wire {_yes(rec['wire_exact'])}  "
             f"states {_yes(rec['states_exact'])}  (core per rank: predicted {pred.share:.2f}, "
-            f"rank 0 got {s['cpu_share_rank0']:.2f})")
+            f"rank 0 got {s['cpu_share_rank0']:.2f}; rank 0 CPU s/step predicted "
+            f"{pred.cpu_rank0_s:.3f}, measured {rec['cpu_rank0_s']['measured']:.3f})")
     errs = [abs(r["error"]) for r in records]
     return {"records": records, "median_abs_error": statistics.median(errs) if errs else None,
             "machine": {"eta": machine.eta, "pass_s": machine.pass_s,

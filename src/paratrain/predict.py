@@ -29,12 +29,16 @@ What is special here, and how it is priced:
   call with :func:`paratrain.systems.collectives.time_s` (ring), so a ZeRO-3 run pays
   one latency chain per unit and a TP run one per block region.
 
-Step time (the critical path, the slowest rank): pipeline stages s with per-micro-batch
+Step time is the larger of two bounds. The critical path on free cores: pipeline stages
+s with per-micro-batch
 time t_s run m micro-batches in ``sum_s t_s + (m - 1) max_s t_s`` (fill + steady state;
 for equal stages this is DESIGN.md's bubble (p-1)/(m+p-1)); TP collectives sit inside
 every block (exposed); the pipeline's point-to-point sends cost alpha + bytes/bw each;
 the data-parallel sync is exposed except for buckets that finish while backward still
-runs (a model that fits one bucket hides nothing).
+runs (a model that fits one bucket hides nothing). And the session's CPU work per step
+(every rank's compute, fixed costs and loopback copies) over the cores it gets: when
+ranks outnumber those cores, a rank waiting in a collective or a pipeline bubble hands its
+core to another, so waits are hidden and the work sets the pace.
 
 Bytes are counted exactly, per rank, from the runtime's layout: the stage split
 (:func:`paratrain.parallel.pipeline.stage.split_layers`), tensor shards (heads, SwiGLU
@@ -343,8 +347,8 @@ def dp_payload_bytes(mcfg: ModelConfig, plan: ParallelPlan, tcfg: TrainConfig, r
 class Prediction:
     """One step of one run on this machine (seconds, bytes; per rank unless named)."""
 
-    step_s: float
-    compute_s: float  # matmul FLOPs at eta x share, summed along the critical path
+    step_s: float  # max(critical path, session CPU work / session cores)
+    compute_s: float  # matmul FLOPs at eta, summed along the critical path (free cores)
     overhead_s: float  # fixed per-pass and per-step costs along the critical path
     bubble_s: float  # pipeline fill/drain: part of compute + overhead above
     tp_comm_s: float
@@ -352,6 +356,10 @@ class Prediction:
     dp_comm_s: float  # the data-parallel sync, total
     dp_exposed_s: float  # of which not hidden under backward
     share: float  # fraction of a core per rank
+    critical_path_s: float  # the step if every rank had a core of its own
+    session_work_s: float  # CPU seconds all ranks spend per step (compute + copies)
+    session_cores: float  # cores the run's session gets (water-filled between sessions)
+    cpu_rank0_s: float  # CPU seconds rank 0 spends per step
     dp_wire_bytes: float  # rank 0, per step
     tp_wire_bytes: float  # rank 0, blocks' collectives per step
     pp_wire_bytes: float  # rank 0, point-to-point sends per step
@@ -404,8 +412,8 @@ def predict(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan, world: int
     hw = machine.hw
     notes: list[str] = []
     share = machine.share(world)
-    rate = machine.eta * machine.thread_peak * share
-    pass_s, fixed_s = machine.pass_s / share, machine.step_s / share
+    rate = machine.eta * machine.thread_peak  # the critical path is priced on free cores
+    pass_s, fixed_s = machine.pass_s, machine.step_s
     e = ELEMENT_BYTES[tcfg.dtype]
     m = plan.micro_batches
     seqs_mb = tcfg.global_batch / plan.dp / m
@@ -492,12 +500,30 @@ def predict(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan, world: int
             hidden = min(dp_s * (1 - pieces[-1] / sum(pieces)), bwd)
         dp_exposed = dp_s - hidden
 
-    step = flop_s + overhead_s + tp_s + pp_s + dp_exposed
+    crit = flop_s + overhead_s + tp_s + pp_s + dp_exposed
+    # CPU work of the whole session per step: every rank's compute and fixed costs, and
+    # the loopback copies of what it sends (kernel memcpy at the transport's bandwidth).
+    wire_of = {s_: 0.0 for s_ in range(plan.pp)}
+    wire_of[0] = dp_wire + tp_wire + pp_wire
+    for s_ in range(1, plan.pp):  # later stages: DP of their own shard, same TP, PP both ways
+        lay_s = rank_layout(mcfg, plan, s_ * plan.dp * plan.tp)
+        dp_s_wire = dp_wire * lay_s.params / lay0.params if lay0.params else 0.0
+        sends = (0 if lay_s.last else 1) + (0 if lay_s.first else 1)
+        wire_of[s_] = dp_s_wire + tp_wire * lay_s.blocks / max(1, lay0.blocks) + \
+            (m * v * sends * act / (plan.tp if plan.sp else 1) if plan.pp > 1 else 0.0)
+    cpu = [m * (stages[i][0] + stages[i][1]) + fixed_s + wire_of[i] / bw
+           for i in range(plan.pp)]
+    work = plan.dp * plan.tp * sum(cpu)
+    cores = share * world
+    step = max(crit, work / cores)
+    if work / cores > crit:
+        notes.append(f"CPU-bound: the session's {work:.3f} CPU s per step on {cores:.2f} "
+                     f"cores take longer than the critical path ({crit:.3f} s)")
     from paratrain.parallel.memory import predicted_activations, predicted_states
 
     sys_states = sum(predicted_states(mcfg, plan, tcfg).values())
     return Prediction(step, flop_s, overhead_s, bubble_s, tp_s, pp_s, dp_s, dp_exposed, share,
-                      dp_wire, tp_wire, pp_wire, states, sys_states,
+                      crit, work, cores, cpu[0], dp_wire, tp_wire, pp_wire, states, sys_states,
                       predicted_activations(mcfg, plan, tcfg), machine.source, notes)
 
 

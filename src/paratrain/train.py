@@ -156,7 +156,7 @@ def train(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan | None = None
 
     end = tcfg.steps if opts.stop_after is None else min(tcfg.steps, opts.stop_after)
     for step in range(start, end):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()  # wall; this process's CPU
         x, y = corpus.batch(tcfg.seed, step, tcfg.global_batch, mcfg.context,
                             engine.dp_rank, engine.dp_size)
         loss_sum = 0.0
@@ -180,7 +180,8 @@ def train(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan | None = None
         payload, wire = comm.payload_bytes, comm.wire_bytes
         rec = {"step": step, "loss": loss, "lr": lr, "grad_norm": gnorm,
                "tokens_per_s": tokens / dt, "step_s": dt, "compute_s": dt - comm.seconds,
-               "comm_s": comm.seconds, "mfu": model_flops / dt / (peak * world)}
+               "comm_s": comm.seconds, "mfu": model_flops / dt / (peak * world),
+               "cpu_s": time.process_time() - c0}
         last = step == end - 1
         if (tcfg.eval_every and (step + 1) % tcfg.eval_every == 0) or last:
             val_loss = evaluate(engine, corpus, tcfg, mcfg.context)
