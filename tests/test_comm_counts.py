@@ -75,7 +75,7 @@ EXACT = [("all_reduce", "ring"), ("reduce_scatter", "ring"), ("all_gather", "rin
          ("broadcast", "naive"), ("reduce", "naive"), ("all_to_all", "naive"),
          ("all_reduce", "tree"), ("broadcast", "tree"), ("reduce", "tree"),
          ("all_reduce", "halving_doubling"), ("reduce_scatter", "halving_doubling"),
-         ("all_gather", "halving_doubling")]
+         ("all_gather", "halving_doubling"), ("broadcast", "halving_doubling")]
 
 
 @pytest.mark.parametrize("op,alg", EXACT)
@@ -184,3 +184,16 @@ def test_halving_doubling_any_p_equals_closed_form(p):
     assert max(count(s).sent) * 4 == sysc.wire_bytes("all_reduce", "halving_doubling", p, 4 * n)
     assert time_s(s, 1e-5, 1e9) == pytest.approx(
         sysc.time_s("all_reduce", "halving_doubling", p, 4 * n, 1e-5, 1e9), rel=1e-12)
+
+
+@pytest.mark.parametrize("p", [2, 4, 8, 64])
+def test_reduce_by_halving_doubling_against_closed_form(p):
+    """Same steps and time; the busiest sender (rank p/2: its reduce-scatter share, then
+    half the vector in the gather) sends less than the closed form's 2(p-1)/p x n."""
+    n = p * 64
+    s = build("reduce", "halving_doubling", p, n)
+    assert s.steps == sysc.steps("reduce", "halving_doubling", p)
+    assert max(count(s).sent) == (p - 1) * 64 + n // 2
+    assert max(count(s).recv) * 4 == sysc.wire_bytes("reduce", "halving_doubling", p, 4 * n)
+    assert time_s(s, 1e-5, 1e9) == pytest.approx(
+        sysc.time_s("reduce", "halving_doubling", p, 4 * n, 1e-5, 1e9), rel=1e-12)

@@ -13,8 +13,8 @@ ALGORITHMS: dict[str, tuple[str, ...]] = {
                    "hierarchical"),
     "reduce_scatter": ("ring", "naive", "halving_doubling"),
     "all_gather": ("ring", "naive", "halving_doubling"),
-    "broadcast": ("tree", "ring", "naive"),
-    "reduce": ("tree", "ring", "naive"),
+    "broadcast": ("tree", "ring", "naive", "halving_doubling"),
+    "reduce": ("tree", "ring", "naive", "halving_doubling"),
     "all_to_all": ("pairwise", "naive"),  # naive: the same pairwise exchange
     "sparse_all_gather": ("ring",),
 }
@@ -90,6 +90,10 @@ def _build(op: str, algorithm: str, p: int, n: int, root: int, segments: int | N
         ("broadcast", "tree"): lambda: tree.binomial_broadcast(p, n, root),
         ("broadcast", "ring"): lambda: ring.chain_broadcast(p, n, segments, root),
         ("broadcast", "naive"): lambda: direct.naive_broadcast(p, n, root),
+        ("broadcast", "halving_doubling"):
+            lambda: halving_doubling.scatter_allgather_broadcast(p, n, root),
+        ("reduce", "halving_doubling"):
+            lambda: halving_doubling.reduce_scatter_gather_reduce(p, n, root),
         ("reduce", "tree"): lambda: tree.binomial_reduce(p, n, root),
         ("reduce", "ring"): lambda: ring.chain_reduce(p, n, segments, root),
         ("reduce", "naive"): lambda: direct.naive_reduce(p, n, root),

@@ -79,3 +79,41 @@ def doubling_all_gather(p: int, n: int) -> Schedule:
     k = p.bit_length() - 1
     return Schedule("all_gather", "halving_doubling", p, n, chunk_sizes(n, p),
                     _rounds(p)[k:])
+
+
+def _relative(p: int, root: int, rounds) -> tuple[tuple[Transfer, ...], ...]:
+    """Rounds written for root 0, renumbered so that ``root`` plays rank 0."""
+    return tuple(tuple(Transfer((t.src + root) % p, (t.dst + root) % p, t.seg, t.op)
+                       for t in rnd) for rnd in rounds)
+
+
+def scatter_allgather_broadcast(p: int, n: int, root: int = 0) -> Schedule:
+    """Broadcast for long vectors (van de Geijn; p a power of two): the root scatters the
+    chunks by recursive halving (log2 p steps), then a recursive-doubling all-gather
+    (log2 p steps). The root sends 2(p-1)/p of the vector instead of log2 p vectors."""
+    k = p.bit_length() - 1
+    scatter = []
+    d = p // 2
+    while d:
+        # relative rank v holding chunks [v, v + 2d) hands [v + d, v + 2d) to v + d
+        scatter.append(tuple(Transfer(v, v + d, s, COPY)
+                             for v in range(0, p, 2 * d) for s in range(v + d, v + 2 * d)))
+        d //= 2
+    rounds = _relative(p, root, tuple(scatter) + _rounds(p)[k:])
+    return Schedule("broadcast", "halving_doubling", p, n, chunk_sizes(n, p), rounds, root=root)
+
+
+def reduce_scatter_gather_reduce(p: int, n: int, root: int = 0) -> Schedule:
+    """Reduce for long vectors (Rabenseifner; p a power of two): recursive-halving
+    reduce-scatter (log2 p steps), then a binomial gather of the reduced chunks into the
+    root (log2 p steps). The root receives 2(p-1)/p of the vector."""
+    k = p.bit_length() - 1
+    gather = []
+    d = 1
+    while d < p:
+        # relative rank v owning chunks [v, v + d) hands them to v - d
+        gather.append(tuple(Transfer(v, v - d, s, COPY)
+                            for v in range(d, p, 2 * d) for s in range(v, v + d)))
+        d *= 2
+    rounds = _relative(p, root, _rounds(p)[:k] + tuple(gather))
+    return Schedule("reduce", "halving_doubling", p, n, chunk_sizes(n, p), rounds, root=root)
