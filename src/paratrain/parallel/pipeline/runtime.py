@@ -20,8 +20,10 @@ Note (why this cannot deadlock on gloo). Sends are never waited on until the who
 is done, so a rank only ever blocks in ``wait()`` of a receive, and that receive's
 producer is an earlier compute action of another rank in the validated schedule
 (:func:`~.schedule.validate` executes the lists under exactly these semantics and
-rejects cycles). Receives are posted just before their consumer — after every send the
-rank issued earlier — so no rank posts a receive before a send it must make first.
+rejects cycles). Posting an ``irecv`` never blocks, so the runtime posts the receives of
+the *next* compute action before running the current one (their transfer overlaps it);
+the wait still happens only right before the consumer, so the order of blocking points
+is exactly the validated one.
 Messages are matched by tag (kind, micro-batch, receiving virtual stage), so several
 in-flight messages between the same two ranks cannot be confused; on the world group
 different (dp, tp) pipelines use disjoint rank pairs. At the end of the step all sends
@@ -45,7 +47,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from paratrain.parallel.pipeline.schedule import Action, Schedule
+from paratrain.parallel.pipeline.schedule import COMPUTE, Action, Schedule
 
 
 # ---- zero-bubble: deferring weight gradients ---------------------------------------
@@ -171,10 +173,24 @@ class PipelineRuntime:
         loss_sum = 0.0
         self.timeline = []
         zb = any(a.kind == "BI" for a in acts)
-        for a in acts:
-            with torch.profiler.record_function(f"pipeline {a}"):
-                loss_sum += self._do(a, x_mbs, y_mbs, n_tokens_global, T, recvs, sends,
-                                     state, grads_in, zb)
+        posted: set[int] = set()
+
+        def do(i: int) -> float:
+            with torch.profiler.record_function(f"pipeline {acts[i]}"):
+                return self._do(acts[i], x_mbs, y_mbs, n_tokens_global, T, recvs, sends,
+                                state, grads_in, zb)
+
+        for i, a in enumerate(acts):
+            if i in posted:
+                continue
+            if a.kind in COMPUTE:  # prefetch: the next compute action's receives go up
+                for q in range(i + 1, len(acts)):  # now, so they arrive during this one
+                    if acts[q].kind in COMPUTE:
+                        break
+                    if acts[q].kind.startswith("RECV"):
+                        do(q)
+                        posted.add(q)
+            loss_sum += do(i)
         for work, _ in sends:
             work.wait()
         return loss_sum
