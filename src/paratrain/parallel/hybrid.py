@@ -246,6 +246,11 @@ class MeshEngine(Engine):
         return norm
 
     # ---- measurements --------------------------------------------------------------
+    def activation_peak_bytes(self) -> int:
+        """Peak bytes saved for backward on this rank over a step (in-flight micro-batches
+        of the pipeline included), steps after the first."""
+        return max(self.act_peaks[1:] or self.act_peaks or [0])
+
     def model_parallel_report(self) -> dict:
         """Measured beside predicted (collective over the world: every rank calls it).
 
