@@ -173,13 +173,26 @@ def _odd_worker(rank: int, world: int, data: str) -> dict:
     return out if rank == 0 else {}
 
 
+@pytest.fixture
+def one_thread():
+    """Tiny matmuls: one intra-op thread, like each spawned rank (and no spinning
+    OpenMP threads fighting the workers for the machine's cores)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def reference(text_file):
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
     ref = {d: run_engine(MODEL, tcfg(text_file, d), None) for d in ("float64", "float32")}
     ref["bfloat16"] = train(MODEL, tcfg(text_file, "bfloat16"), None,
                             RunOptions(**QUIET))["losses"]
     for name, mcfg, prep in ODD_CASES:
         ref[name] = run_engine(mcfg, tcfg(text_file, "float64", steps=5), None, prep)
+    torch.set_num_threads(before)
     return ref
 
 
@@ -267,7 +280,7 @@ def test_odd_cases_on_four_ranks(text_file, reference):
             assert param_rel(params, reference[name][1]) < 1e-9, f"{name} zero={z}"
 
 
-def test_simulated_workers_with_every_zero_stage_equal_stage_0(text_file):
+def test_simulated_workers_with_every_zero_stage_equal_stage_0(text_file, one_thread):
     """--simulate-workers runs the unsharded arithmetic for every stage (sharding over
     simulated workers would change where, not what): the trajectories are identical."""
     t = tcfg(text_file, "float64", steps=3)
@@ -276,7 +289,7 @@ def test_simulated_workers_with_every_zero_stage_equal_stage_0(text_file):
     assert all(r == runs[0] for r in runs)
 
 
-def test_plan_features_that_do_not_compose_are_refused(text_file):
+def test_plan_features_that_do_not_compose_are_refused(text_file, one_thread):
     t = tcfg(text_file, "float32", steps=1)
     with pytest.raises(ValueError, match="--zero 0 only"):
         train(MODEL, t, ParallelPlan(zero=2, compress="topk:8"), RunOptions(**QUIET))
