@@ -29,7 +29,7 @@ def collectives(
     factor: int = typer.Option(2, help="Size multiplier between rows."),
     iters: int = typer.Option(20, help="Timed iterations per block."),
     warmup: int = typer.Option(5, help="Untimed iterations first."),
-    repeats: int = typer.Option(2, help="Timed blocks, ours and native interleaved; median."),
+    repeats: int = typer.Option(1, help="Rounds of --iters timed iterations (median of all)."),
     piece_bytes: str = typer.Option(None, help="Our pipeline piece size (default 1M)."),
     check: bool = typer.Option(True, help="Count wrong elements (outside the timed loop)."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON records instead."),
