@@ -1,0 +1,51 @@
+"""`paratrain check-model` end to end on a 2-plan mini grid (real gloo, tiny model): the
+JSON has one record per plan with predicted and measured step times and exact bytes. The
+accuracy itself is a benchmark's business (benchmarks/check_model.py), not a test's."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from paratrain.check_model import format_table
+from paratrain.cli import main
+
+TINY = ["--layers", "2", "--d-model", "32", "--d-ff", "64", "--context", "16",
+        "--global-batch", "8", "--steps", "3"]
+
+
+@pytest.fixture
+def profile(tmp_path):
+    path = tmp_path / "hardware.toml"
+    path.write_text('name = "test-box"\npeak_flops = 4e9\nhbm_bytes = 8e9\nhbm_bw = 1e10\n'
+                    'gpus_per_node = 2\nintra_bw = 1e9\nintra_alpha = 1e-4\n'
+                    'inter_bw = 1e9\ninter_alpha = 1e-4\n')
+    return str(path)
+
+
+def test_mini_grid_json(profile, text_file, capsys):
+    code = main(["check-model", "--plans", "mini", "--no-fit", "--profile", profile,
+                 "--data", text_file, "--json", *TINY])
+    assert code == 0
+    out = json.loads(capsys.readouterr().out)
+    recs = out["records"]
+    assert [r["plan"] for r in recs] == ["dp2", "dp2 zero1"]
+    for r in recs:
+        assert r["nproc"] == 2
+        assert r["predicted_s"] > 0 and r["measured_s"] > 0
+        assert r["error"] == pytest.approx(r["predicted_s"] / r["measured_s"] - 1)
+        assert r["wire_exact"] and r["states_exact"]
+        assert 0 < r["share"] <= 1
+    errs = [abs(r["error"]) for r in recs]
+    assert out["median_abs_error"] == pytest.approx(sum(errs) / 2)
+    text = format_table(out)
+    assert "median absolute error of step time" in text
+    assert "wire bytes exact 2/2; model states exact on every rank 2/2" in text
+
+
+def test_refusals(profile, capsys, tmp_path):
+    assert main(["check-model", "--plans", "dp3", "--profile", profile]) == 2
+    assert "unknown plan" in capsys.readouterr().err
+    assert main(["check-model", "--plans", "dp2", "--profile", str(tmp_path / "none.toml")]) == 2
+    assert "paratrain bench calibrate" in capsys.readouterr().err
