@@ -9,6 +9,9 @@ How one round runs on gloo (the default path):
    its place (or copy it), and meanwhile gloo's I/O threads are moving pieces q+1.. of
    this round and pieces of the next round. That is the segmented pipeline gloo's own
    ring uses; it hides the reduction behind the wire.
+3. Forwarding: when the next round re-sends exactly what a receive delivers (the ring:
+   the chunk just reduced travels on), each piece goes out as soon as it is final, so
+   the pipeline does not drain at round boundaries.
 
 Deadlock avoidance: gloo's send is a rendezvous (it completes only once the peer posted
 the matching receive), so a blocking send followed by a receive deadlocks as soon as two
