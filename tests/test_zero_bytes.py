@@ -36,6 +36,13 @@ def _worker(rank: int, world: int, data: str) -> dict:
             s = train(mcfg, t, plan, RunOptions(quiet=True, measure_peak=False))
             out[(name, z)] = {k: s[k] for k in ("memory", "payload_bytes_per_step",
                                                 "wire_bytes_per_step", "dp")}
+    t2 = TrainConfig(steps=3, global_batch=8, lr=1e-3, warmup_steps=1, eval_every=0,
+                     eval_batches=1, dtype="float32", data=data)
+    for z in (0, 1, 2, 3):  # accumulation: ZeRO-2/3 reduce every micro-batch
+        plan = ParallelPlan(dp=world, zero=z, bucket_mb=BUCKET_MB, collectives="ours",
+                            micro_batches=2)
+        s = train(MODEL, t2, plan, RunOptions(quiet=True, measure_peak=False))
+        out[("accum", z)] = {k: s[k] for k in ("payload_bytes_per_step", "wire_bytes_per_step")}
     return out if rank == 0 else {}
 
 
@@ -86,6 +93,20 @@ def test_wire_bytes_per_step_equal_the_ring_formulas(runs):
                 f"{name} d={d} zero={z}"
             n_bytes = 4 * {"model": MODEL, "odd": ODD}[name].num_params()
             assert n_bytes <= payload < n_bytes + 4 * 64 * d  # padding only
+
+
+def test_wire_bytes_with_two_micro_batches_follow_the_systems_model(runs):
+    """m = 2: ZeRO 0/1 still send one all-reduce's worth (no communication on the
+    first micro-step); ZeRO-2 reduce-scatters each micro-batch, (m+1)(p-1)/p; ZeRO-3
+    gathers and reduces per micro-batch, 3m(p-1)/p."""
+    d, out = runs
+    for z, factor in ((0, 2), (1, 2), (2, 3), (3, 6)):
+        r = out[("accum", z)]
+        payload = r["payload_bytes_per_step"]
+        assert dp_sync_wire_bytes(payload, d, z, 2) == pytest.approx(factor * (d - 1) / d *
+                                                                     payload)
+        assert r["wire_bytes_per_step"] == pytest.approx(factor * (d - 1) / d * payload,
+                                                         rel=1e-12), f"d={d} zero={z}"
 
 
 def test_zero_shrinks_measured_memory_in_the_right_order(runs):
