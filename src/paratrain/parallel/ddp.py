@@ -32,6 +32,9 @@ How it works (after PyTorch's reducer, Li et al. 2020, "PyTorch Distributed"):
 - Exposed communication is the wall time ``finish`` waits after backward ended; hidden
   communication is the part of the in-flight intervals (launch to observed completion)
   that lay inside backward.
+- Transient buffers (ZeRO-2, ``persistent=False``): at most ``MAX_IN_FLIGHT`` buckets
+  are being reduced at once; launching another first waits for the oldest, so the full
+  gradient buffers are released during backward, not all at its end.
 """
 
 from __future__ import annotations
@@ -83,7 +86,9 @@ class Bucket:
     """Parameters sharing one flat gradient buffer of ``padded`` elements.
 
     ``offsets[i]`` is where ``params[i]`` starts; elements ``[numel, padded)`` are zero
-    padding so that reduce-scatter can cut the buffer into ``p`` equal chunks.
+    padding to a multiple of the group size ``p``, so that reduce-scatter cuts the buffer
+    into ``p`` equal chunks and every rank of a ring all-reduce sends exactly
+    2(p-1)/p of it.
     """
 
     params: list[nn.Parameter]
