@@ -109,7 +109,8 @@ class ActivationMeter:
     counted once), per (micro-batch, chunk), and the peak of their sum over a step."""
 
     def __init__(self, params) -> None:
-        self.param_ptrs = {p.data_ptr() for p in params}
+        # storages, not data pointers: parameters may be views into flat buffers (ZeRO)
+        self.param_ptrs = {p.untyped_storage().data_ptr() for p in params}
         self.live: dict = {}
         self.current = 0
         self.peak = 0
