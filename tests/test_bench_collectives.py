@@ -52,7 +52,7 @@ def test_bench_calibrate_writes_a_loadable_profile(tmp_path, capsys):
                "--factor", "32", "--iters", "2", "--algorithms", "ring,tree", "--out", str(path)])
     assert rc == 0
     out = capsys.readouterr().out
-    assert "ping-pong" in out and "predicted" in out
+    assert "ping-pong" in out and "pred(us)" in out and "meas/pred" in out
     hw = load_hardware(str(path))
     assert hw.peak_flops > 0 and hw.intra_bw > 0 and hw.eta == 1.0
     assert hw.topology == "switch" and hw.hbm_bytes > 1e8
