@@ -3,7 +3,7 @@
 Public API (composable: any list of module groups, e.g. one pipeline stage's blocks,
 any group, e.g. a mesh's ``dp`` axis)::
 
-    fs = FullyShard(units, group, cfg, impl="native", param_dtype=None)
+    fs = FullyShard(units, group, cfg, impl="native", param_dtype=None, reduce_dtype=None)
          # units: list of module lists in forward order, e.g. default_units(model)
     loss.backward(); fs.end_backward()     # per micro-step
     stats = fs.finish()                     # wait for the last reduce-scatters
@@ -31,8 +31,9 @@ Life of a unit (Zhao et al. 2023, "PyTorch FSDP"; Rajbhandari et al. 2020, ZeRO-
 - Wire bytes per step and micro-batch: all-gather (p-1)/p twice + reduce-scatter
   (p-1)/p = 3(p-1)/p x payload.
 - Mixed precision: ``param_dtype`` (BF16 under ``--dtype bfloat16``) is what is gathered
-  and computed with; gradients are reduced and the update is done in the FP32 master
-  dtype of the shards.
+  and computed with; gradients are reduce-scattered in ``reduce_dtype`` (default: the
+  master dtype, FP32; BF16 halves those bytes at some accuracy) and the update is done
+  in the FP32 master dtype of the shards.
 - A parameter shared by two units (tied embeddings) is refused by :class:`FullyShard`;
   :func:`default_units` merges the embedding and the head into one root unit instead,
   gathered from the embedding's forward to the head's and again for the whole backward.
@@ -89,7 +90,8 @@ class FullyShard:
     """ZeRO-3 over ``units`` (module lists in forward order) on ``group``."""
 
     def __init__(self, units: list[list[nn.Module]], group, cfg: TrainConfig,
-                 impl: str = "native", param_dtype: torch.dtype | None = None) -> None:
+                 impl: str = "native", param_dtype: torch.dtype | None = None,
+                 reduce_dtype: torch.dtype | None = None) -> None:
         self.comm = GroupComm(group, impl)
         p, r = self.comm.size, self.comm.rank
         owner: dict[int, int] = {}
@@ -108,6 +110,7 @@ class FullyShard:
             self.units.append(self._make_unit(f"unit{i}", mods, params, p, r))
         self.master_dtype = self.units[0].shard.dtype
         self.param_dtype = param_dtype or self.master_dtype
+        self.reduce_dtype = reduce_dtype or self.master_dtype
         for u in self.units:
             # Each parameter becomes, once and for all, a view into its unit's gathered
             # buffer, whose *storage* is resized to 0 bytes at rest and refilled by each
@@ -218,7 +221,7 @@ class FullyShard:
 
     def _on_grad(self, u: Unit, q: nn.Parameter) -> None:
         if u.grad_full is None:
-            u.grad_full = torch.zeros(u.padded, dtype=self.master_dtype, device=u.shard.device)
+            u.grad_full = torch.zeros(u.padded, dtype=self.reduce_dtype, device=u.shard.device)
             self._note_peak()
         off = u.offsets[u.index[id(q)]]
         u.grad_full[off:off + q.numel()].add_(q.grad.reshape(-1))
@@ -230,7 +233,7 @@ class FullyShard:
                 self._free(u)
 
     def _reduce(self, u: Unit) -> None:
-        out = torch.empty_like(u.grad_shard)
+        out = torch.empty_like(u.grad_shard, dtype=self.reduce_dtype)
         h = self.comm.reduce_scatter(out, u.grad_full, async_op=True)
         h.then = lambda: u.grad_shard.add_(out)
         h.nbytes = u.grad_full.numel() * u.grad_full.element_size()
@@ -265,7 +268,7 @@ class FullyShard:
             intervals.append((h.launched_s, h.done_s))
         self._inflight = []
         exposed = time.perf_counter() - t_end
-        payload = sum(u.padded for u in self.units) * self.master_dtype.itemsize
+        payload = sum(u.padded for u in self.units) * self.reduce_dtype.itemsize
         stats = DPCommStats(seconds=exposed + self.wait_s, payload_bytes=payload,
                             hidden_s=_union_inside(intervals, t_end),
                             buckets=len(intervals))
