@@ -52,7 +52,9 @@ def test_dp2_step_by_hand():
     crit = flops / 0.5e9 + 5e-3 + p.dp_comm_s
     assert p.critical_path_s == pytest.approx(crit)
     assert p.share == 1.0
-    assert p.session_work_s == pytest.approx(2 * (flops / 0.5e9 + 5e-3 + 4 * n / 1e9))
+    # every rank: compute, fixed costs, its bytes sent (and two 8-byte all-reduces: the
+    # loss and the gradient norm) at the transport's bandwidth (no measured CPU costs here)
+    assert p.session_work_s == pytest.approx(2 * (flops / 0.5e9 + 5e-3 + (4 * n + 16) / 1e9))
     assert p.step_s == pytest.approx(crit)  # free cores: the critical path sets the pace
 
 

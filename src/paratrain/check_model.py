@@ -112,10 +112,46 @@ def _thread_peak(n: int = 512, reps: int = 8) -> float:
         torch.set_num_threads(old)
 
 
+def _coll_cpu_worker(rank: int, world: int) -> list[tuple[int, float]]:
+    """CPU seconds per all-reduce call of this rank at two sizes (best of 3 blocks)."""
+    import torch
+    import torch.distributed as dist
+
+    out = []
+    for nbytes, iters in ((4096, 100), (1 << 20, 20)):
+        x = torch.zeros(nbytes // 4)
+        for _ in range(5):
+            dist.all_reduce(x)
+        best = float("inf")
+        for _ in range(3):
+            dist.barrier()
+            c0 = time.process_time()
+            for _ in range(iters):
+                dist.all_reduce(x)
+            best = min(best, (time.process_time() - c0) / iters)
+        out.append((nbytes, best))
+    return out
+
+
+def collective_cpu(log=print) -> tuple[float, float]:
+    """(CPU s per ring step, CPU s per byte sent) of gloo on this machine: 2 ranks, an
+    all-reduce of 4 KiB and of 1 MiB (2 steps; each rank sends the vector once)."""
+    from paratrain.distributed import spawn
+
+    res = spawn(_coll_cpu_worker, 2)
+    (n0, t0), (n1, t1) = [(n, sum(r[i][1] for r in res) / 2) for i, (n, _) in
+                          enumerate(res[0])]
+    per_byte = max(0.0, (t1 - t0) / (n1 - n0))
+    per_step = max(0.0, (t0 - n0 * per_byte) / 2)
+    log(f"gloo CPU: {per_step * 1e6:.1f} us per ring step, {per_byte * 1e9:.3f} ns per byte")
+    return per_step, per_byte
+
+
 def fit_machine(mcfg: ModelConfig, tcfg: TrainConfig, profile: str | None,
                 save: bool = True, log=print):
     """Fit eta and the fixed costs from three one-process runs (batch B and B/4 with one
-    micro-batch, B with four), on CPU time, against one thread's matmul peak."""
+    micro-batch, B with four), on CPU time, against one thread's matmul peak; measure the
+    CPU a collective costs (:func:`collective_cpu`)."""
     from paratrain.predict import fit_from_runs, load_machine, save_fit
 
     machine = load_machine(profile)
@@ -130,7 +166,9 @@ def fit_machine(mcfg: ModelConfig, tcfg: TrainConfig, profile: str | None,
                          ParallelPlan(micro_batches=m))
         runs.append((gb, m, t))
         log(f"fit run: batch {gb}, micro-batches {m}: {t:.4f} CPU s/step")
-    fitted = fit_from_runs(mcfg, runs, machine.hw, peak)
+    step_cpu, byte_cpu = collective_cpu(log)
+    fitted = fit_from_runs(mcfg, runs, machine.hw, peak).replace(
+        coll_step_cpu_s=step_cpu, coll_byte_cpu_s=byte_cpu)
     shape = f"{mcfg.n_layers}x{mcfg.d_model}, ff {mcfg.d_ff}, T {mcfg.context}"
     if save:
         path = save_fit(fitted, profile, shape)

@@ -86,6 +86,8 @@ class MachineModel:
     pass_s: float = 0.0
     step_s: float = 0.0
     others: tuple[tuple[int, ...], ...] = ()
+    coll_step_cpu_s: float = 0.0  # CPU a rank spends per collective step (gloo, loopback)
+    coll_byte_cpu_s: float = 0.0  # CPU per byte it sends (0: priced as bytes / intra_bw)
     fitted: bool = False
     source: str = "profile"
 
@@ -185,7 +187,9 @@ def load_machine(profile: str | Path | None = None) -> MachineModel | None:
     fit = json.loads(fp.read_text()) if fp.is_file() else {}
     if {"eta", "thread_peak", "pass_s", "step_s"} <= set(fit):  # else none or stale: ignored
         return MachineModel(hw, fit["eta"], fit["thread_peak"], fit["pass_s"], fit["step_s"],
-                            fitted=True, source=f"fit {fp} ({fit.get('fitted_on', '?')})")
+                            coll_step_cpu_s=fit.get("coll_step_cpu_s", 0.0),
+                            coll_byte_cpu_s=fit.get("coll_byte_cpu_s", 0.0), fitted=True,
+                            source=f"fit {fp} ({fit.get('fitted_on', '?')})")
     return MachineModel(hw, hw.eta, hw.peak_flops / hw.gpus_per_node,
                         source=f"profile {path} (eta {hw.eta:g}, no CPU fit: run "
                                "`paratrain check-model` to fit one)")
@@ -195,7 +199,8 @@ def save_fit(m: MachineModel, profile: str | Path | None, fitted_on: str) -> Pat
     path = fit_path(Path(profile or DEFAULT_PROFILE))
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"eta": m.eta, "thread_peak": m.thread_peak, "pass_s": m.pass_s,
-                                "step_s": m.step_s, "fitted_on": fitted_on,
+                                "step_s": m.step_s, "coll_step_cpu_s": m.coll_step_cpu_s,
+                                "coll_byte_cpu_s": m.coll_byte_cpu_s, "fitted_on": fitted_on,
                                 "date": time.strftime("%Y-%m-%d %H:%M:%S")}, indent=1))
     return path
 
@@ -404,6 +409,66 @@ def _stage_mb_time(mcfg: ModelConfig, plan: ParallelPlan, lay: RankLayout, token
     return f / rate, passes * pass_s
 
 
+def _dp_calls(mcfg: ModelConfig, plan: ParallelPlan, lay: RankLayout, e: int
+              ) -> list[tuple[str, float, int]]:
+    """(op, full bytes, calls per step) of a rank's data-parallel sync: per bucket (DDP,
+    ZeRO-1/2), per gradient tensor (mesh engine), or per unit and micro-batch (ZeRO-3)."""
+    p, m = plan.dp, plan.micro_batches if plan.pp == 1 else 1
+    mesh = plan.tp > 1 or plan.pp > 1 or plan.recompute != "none"
+    cap = int(plan.bucket_mb * 1024 * 1024)
+    if plan.zero == 3:
+        units = [e * _pad(u, p) for u in _fsdp_units(mcfg, lay.param_sizes)]
+        return [c for n in units for c in (("all_gather", n, 2 * m), ("reduce_scatter", n, m))]
+    if mesh and plan.zero == 0:  # one all-reduce per gradient tensor, after backward
+        return [("all_reduce", e * n, 1) for n in lay.param_sizes]
+    buckets = [e * _pad(b, p) for b in _pack(list(reversed(lay.param_sizes)), e, cap)]
+    if plan.zero == 0:
+        return [("all_reduce", n, 1) for n in buckets]
+    rs = m if plan.zero == 2 else 1
+    return [c for n in buckets for c in (("reduce_scatter", n, rs), ("all_gather", n, 1))]
+
+
+def _tp_calls(mcfg: ModelConfig, plan: ParallelPlan, lay: RankLayout, act: float,
+              seqs_mb: float) -> list[tuple[str, float, int]]:
+    """TP collectives per step: 4 per block, 1 at the embedding, 1 + 3 small at the head,
+    per micro-batch (all-gather + reduce-scatter under SP: the same steps and bytes)."""
+    if plan.tp == 1:
+        return []
+    m = plan.micro_batches
+    big = 4 * lay.blocks + int(lay.first) + int(lay.last)
+    out = [("all_reduce", act, m * big)]
+    if lay.last:
+        out.append(("all_reduce", seqs_mb * mcfg.context * 4, 3 * m))
+    return out
+
+
+def _pp_calls(plan: ParallelPlan, lay: RankLayout, act: float, v: int
+              ) -> list[tuple[str, float, int]]:
+    """Point-to-point operations per step: each micro-batch sends (and receives) an
+    activation forward and a gradient back at every inner stage boundary."""
+    if plan.pp == 1:
+        return []
+    hop = act / (plan.tp if plan.sp else 1)
+    ends = (0 if lay.last else 1) + (0 if lay.first else 1)
+    return [("p2p", hop, 2 * plan.micro_batches * v * ends)]
+
+
+def _comm_cpu(machine: MachineModel, plan: ParallelPlan, axis: str,
+              calls: list[tuple[str, float, int]]) -> float:
+    """CPU seconds a rank spends in ``calls``: ring steps x the measured CPU per step plus
+    the bytes it sends x the CPU per byte (or bytes / the transport's bandwidth)."""
+    p = plan.world_size if axis == "world" else getattr(plan, axis)
+    per_byte = machine.coll_byte_cpu_s or 1.0 / machine.hw.intra_bw
+    total = 0.0
+    for op, n, k in calls:
+        if op == "p2p":
+            steps, wire = 1, n
+        else:
+            steps, wire = coll.steps(op, "ring", p), coll.wire_bytes(op, "ring", p, n)
+        total += k * (steps * machine.coll_step_cpu_s + wire * per_byte)
+    return total
+
+
 def predict(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan, world: int,
             machine: MachineModel) -> Prediction:
     """Price one step of ``plan`` on ``world`` one-thread ranks of this machine."""
@@ -468,51 +533,34 @@ def predict(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan, world: int
     # ---- data parallel --------------------------------------------------------------------
     dp_s = dp_exposed = dp_wire = 0.0
     states = [rank_state_bytes(mcfg, plan, tcfg, r) for r in range(world)]
+    mesh = plan.tp > 1 or plan.pp > 1 or plan.recompute != "none"
     if plan.dp > 1:
-        p = plan.dp
         payload = dp_payload_bytes(mcfg, plan, tcfg, 0)
-        dp_wire = dp_sync_wire_bytes(payload, p, plan.zero, m if plan.pp == 1 else 1)
-        cap = int(plan.bucket_mb * 1024 * 1024)
-        mesh = plan.tp > 1 or plan.pp > 1 or plan.recompute != "none"
-        if plan.zero == 3:
-            pieces = [e * _pad(u, p) for u in _fsdp_units(mcfg, lay0.param_sizes)]
-        elif mesh and plan.zero == 0:  # one all-reduce per gradient tensor, after backward
-            pieces = [e * n for n in lay0.param_sizes]
-        else:
-            pieces = [e * _pad(b, p)
-                      for b in _pack(list(reversed(lay0.param_sizes)), e, cap)]
-
-        def t(op: str, n: float) -> float:
-            return coll.time_s(op, "ring", p, n, a, bw)
-
-        if plan.zero == 0:
-            dp_s = sum(t("all_reduce", n) for n in pieces)
-        elif plan.zero in (1, 2):
-            rs = sum(t("reduce_scatter", n) for n in pieces)
-            dp_s = (m if plan.zero == 2 else 1) * rs + sum(t("all_gather", n) for n in pieces)
-        else:
-            dp_s = m * sum(2 * t("all_gather", n) + t("reduce_scatter", n) for n in pieces)
+        dp_wire = dp_sync_wire_bytes(payload, plan.dp, plan.zero, m if plan.pp == 1 else 1)
+        calls = _dp_calls(mcfg, plan, lay0, e)
+        dp_s = sum(k * coll.time_s(op, "ring", plan.dp, n, a, bw) for op, n, k in calls)
         # Buckets that fill before backward ends can hide under it; the last cannot, and a
         # mesh run or overlap off reduces after backward. ZeRO-3 gathers sit in the path.
         hidden = 0.0
-        if plan.overlap and not mesh and plan.zero in (0, 1, 2) and len(pieces) > 1:
-            bwd = (2 / 3) * stages[0][0]
-            hidden = min(dp_s * (1 - pieces[-1] / sum(pieces)), bwd)
+        last = calls[-1][1]
+        total = sum(n for _, n, _ in calls)
+        if plan.overlap and not mesh and plan.zero in (0, 1, 2) and len(calls) > 1:
+            hidden = min(dp_s * (1 - last / total), (2 / 3) * stages[0][0])
         dp_exposed = dp_s - hidden
 
     crit = flop_s + overhead_s + tp_s + pp_s + dp_exposed
     # CPU work of the whole session per step: every rank's compute and fixed costs, and
-    # the loopback copies of what it sends (kernel memcpy at the transport's bandwidth).
-    wire_of = {s_: 0.0 for s_ in range(plan.pp)}
-    wire_of[0] = dp_wire + tp_wire + pp_wire
-    for s_ in range(1, plan.pp):  # later stages: DP of their own shard, same TP, PP both ways
-        lay_s = rank_layout(mcfg, plan, s_ * plan.dp * plan.tp)
-        dp_s_wire = dp_wire * lay_s.params / lay0.params if lay0.params else 0.0
-        sends = (0 if lay_s.last else 1) + (0 if lay_s.first else 1)
-        wire_of[s_] = dp_s_wire + tp_wire * lay_s.blocks / max(1, lay0.blocks) + \
-            (m * v * sends * act / (plan.tp if plan.sp else 1) if plan.pp > 1 else 0.0)
-    cpu = [m * (stages[i][0] + stages[i][1]) + fixed_s + wire_of[i] / bw
-           for i in range(plan.pp)]
+    # the CPU its collectives and sends cost (per ring step and per byte sent, measured).
+    cpu = []
+    for i in range(plan.pp):
+        lay_s = rank_layout(mcfg, plan, i * plan.dp * plan.tp)
+        c = m * (stages[i][0] + stages[i][1]) + fixed_s
+        c += _comm_cpu(machine, plan, "tp", _tp_calls(mcfg, plan, lay_s, act, seqs_mb))
+        c += _comm_cpu(machine, plan, "pp", _pp_calls(plan, lay_s, act, v))
+        if plan.dp > 1:
+            c += _comm_cpu(machine, plan, "dp", _dp_calls(mcfg, plan, lay_s, e))
+        c += _comm_cpu(machine, plan, "world", [("all_reduce", 8.0, 2)])  # loss, grad norm
+        cpu.append(c)
     work = plan.dp * plan.tp * sum(cpu)
     cores = share * world
     step = max(crit, work / cores)
