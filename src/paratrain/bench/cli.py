@@ -30,7 +30,7 @@ def collectives(
     iters: int = typer.Option(20, help="Timed iterations per block."),
     warmup: int = typer.Option(5, help="Untimed iterations first."),
     repeats: int = typer.Option(1, help="Rounds of --iters timed iterations (median of all)."),
-    piece_bytes: str = typer.Option(None, help="Our pipeline piece size (default 1M)."),
+    piece_bytes: str = typer.Option(None, help="Our pipeline piece size (default 4M)."),
     check: bool = typer.Option(True, help="Count wrong elements (outside the timed loop)."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON records instead."),
 ) -> None:

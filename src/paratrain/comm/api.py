@@ -4,7 +4,7 @@ Every function takes ``group`` (None: the default group; any sub-group of a mesh
 ranks such as ``src``/``dst`` are *group* ranks), ``algorithm`` (see
 :data:`paratrain.comm.algorithms.ALGORITHMS`), ``async_op`` and an optional ``stats``
 (:class:`CommStats`) that accumulates steps and bytes per (op, algorithm). Keywords
-passed on to the executor: ``piece_bytes`` (pipeline piece, default 1 MiB),
+passed on to the executor: ``piece_bytes`` (pipeline piece, default 4 MiB),
 ``timeout_s`` (per wait, default 120), ``segments`` (pipelined schedules) and
 ``gpus_per_node`` (hierarchical).
 

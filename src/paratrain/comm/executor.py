@@ -43,7 +43,7 @@ import torch.distributed as dist
 
 from paratrain.comm.schedule import REDUCE, Schedule, chunk_sizes, offsets
 
-DEFAULT_PIECE_BYTES = 1 << 20
+DEFAULT_PIECE_BYTES = 4 << 20  # measured: fewer, larger pieces win on a busy 2-core host
 REDUCE_OPS = ("sum", "mean", "max", "min")
 
 
@@ -76,6 +76,7 @@ class _Msg:
     reduce: bool
     segs: tuple[int, ...]
     scratch: int = -1  # offset in the round's receive buffer; -1: received in place
+    late: bool = False  # posted after the previous round is done (not during it)
 
 
 @dataclass(frozen=True)
@@ -133,16 +134,24 @@ def plan(s: Schedule, rank: int) -> tuple[_Round, ...]:
     got = [{t.seg for t in rcv} for _, rcv in per]
     rounds = []
     for j, (snd, rcv) in enumerate(per):
-        # A copy may land in place only if nothing else touches those segments while the
-        # receive is outstanding: it is posted during round j-1 and must not overwrite
-        # what rounds j-1 or j still send, nor race round j-1's writes.
-        busy = sent[j] | (sent[j - 1] | got[j - 1] if j else set())
+        # Where a copy lands: in place and posted early (during round j-1) if nothing
+        # touches those segments meanwhile; in place but posted LATE (after round j-1 is
+        # done and its sends of them completed) if round j-1 still sends or writes them;
+        # through the receive buffer only if round j itself sends them (its sends read
+        # the state from before the round). Reductions always go through the buffer.
+        before = sent[j - 1] | got[j - 1] if j else set()
         recvs, used = [], 0
-        for m in _messages(s, rank, rcv, sending=False):
-            if m.reduce or busy.intersection(m.segs):
-                m = _Msg(m.peer, m.where, m.offset, m.length, m.reduce, m.segs, used)
-                used += m.length
-            recvs.append(m)
+        msgs = _messages(s, rank, rcv, sending=False)
+        late_peers = {m.peer for m in msgs if not m.reduce and not sent[j].intersection(m.segs)
+                      and before.intersection(m.segs)}
+        for m in msgs:
+            scratch = -1
+            if m.reduce or sent[j].intersection(m.segs):
+                scratch, used = used, used + m.length
+            # all of a late peer's receives of the round go late: posting order per peer
+            # is what pairs messages, so it must stay the schedule's order
+            recvs.append(_Msg(m.peer, m.where, m.offset, m.length, m.reduce, m.segs, scratch,
+                              m.peer in late_peers))
         rounds.append(_Round(tuple(_messages(s, rank, snd, sending=True)), tuple(recvs), used))
     for j in range(len(rounds) - 1):
         rounds[j] = _with_forwarding(rounds[j], rounds[j + 1])
@@ -267,9 +276,11 @@ class _Run:
                 f"(op, algorithm, size or root differ) or a peer failed ({e})") from None
 
     # -- gloo: post early, pipeline by pieces --------------------------------------------
-    def _post_recvs(self, j: int) -> None:
-        works = []
+    def _post_recvs(self, j: int, late: bool = False) -> None:
+        works = self.recv_works.setdefault(j, [])
         for m in self.rounds[j].recvs:
+            if m.late != late:
+                continue
             if m.scratch < 0:
                 self._wait_sends(m.segs)  # in-place copy: earlier sends of it must be done
             for plane in range(len(self.planes)):
@@ -277,7 +288,6 @@ class _Run:
                     t = self._recv_target(j, m, plane, off, k)
                     works.append((m, plane, off, k,
                                   dist.irecv(t, self.glob[m.peer], group=self.group)))
-        self.recv_works[j] = works
 
     def _send_piece(self, m: _Msg, plane: int, off: int, k: int) -> None:
         v = self._buf(plane, m.where)[m.offset + off:m.offset + off + k]
@@ -338,6 +348,7 @@ class _Run:
                 self._post_recvs(j + 1)  # early: the peer's next sends find them posted
             self._finish_recvs(j)
             if j + 1 < n:
+                self._post_recvs(j + 1, late=True)  # in place, now that round j is done
                 self._post_sends(j + 1)  # after round j: they read its results
         for g in list(self.pending):
             self._wait_sends((g,))
