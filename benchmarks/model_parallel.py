@@ -8,7 +8,10 @@
 2. Runtime overhead per pipeline action: the same model and micro-batches run in one
    process (gradient accumulation, no p2p) take T1 per step; a perfect p-stage pipeline
    would take T1 / p / (1 - bubble_simulated); the measured step time above that,
-   divided by the compute actions per rank (2m, or 3m for zb-h1), is the overhead.
+   divided by the compute actions per rank (2m, or 3m for zb-h1), is the overhead
+   ("ms/action"). "runtime ms" is measured directly: per compute action, the part of
+   the step a rank spent neither computing nor blocked in a receive (posting sends and
+   receives, bookkeeping), the worst rank.
 3. Step time of (dp, tp, pp) = (2, 2, 2) vs pure data parallelism on 8 processes.
 
 Each configuration runs in fresh gloo processes (one thread each), on CPU. On a machine
@@ -69,7 +72,7 @@ def main() -> None:
     records.append({"impl": "1 process, 8 micro-batches", **one})
     print(f"one process, 8 accumulated micro-batches: {one['step_s']:.4f} s/step")
     print(f"{'schedule':<16} {'measured':>9} {'simulated':>9} {'formula':>8} "
-          f"{'s/step':>8} {'ideal':>8} {'ms/action':>9}")
+          f"{'s/step':>8} {'ideal':>8} {'ms/action':>9} {'runtime ms':>10}")
     for sched, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1)):
         plan = ParallelPlan(pp=4, micro_batches=8, schedule=sched, virtual_stages=v)
         r = run(4, plan, args.steps, args.data)
@@ -79,7 +82,8 @@ def main() -> None:
         over = (r["step_s"] - ideal) / actions
         name = f"{sched} v={v}" if v > 1 else sched
         print(f"{name:<16} {p['bubble_measured']:9.3f} {p['bubble_simulated']:9.3f} "
-              f"{p['bubble_formula']:8.3f} {r['step_s']:8.4f} {ideal:8.4f} {1e3 * over:9.2f}")
+              f"{p['bubble_formula']:8.3f} {r['step_s']:8.4f} {ideal:8.4f} {1e3 * over:9.2f} "
+              f"{1e3 * max(p['runtime_overhead_s_per_action_per_rank']):10.2f}")
         records.append({"impl": f"pp4 {name}", "ideal_step_s": ideal,
                         "overhead_s_per_action": over, **r})
     if not args.skip_3d:

@@ -121,6 +121,7 @@ class MeshEngine(Engine):
                 chunks, self.schedule, self.pp_rank, lambda r: mesh.peer("pp", r),
                 self._loss_sum, self._hidden_shape, self.dtype, device, self.meter)
         self.timelines: list[list] = []
+        self.overheads: list[float] = []  # runtime seconds per compute action, per step
         self.act_peaks: list[int] = []
 
     def describe_layout(self) -> str:
@@ -170,6 +171,8 @@ class MeshEngine(Engine):
                              f"micro_batches={m}; use a global batch multiple of dp*{m}")
         loss = self.runtime.run(list(x_BT.chunk(m)), list(y_BT.chunk(m)), n_tokens_global, T)
         self.timelines.append(list(self.runtime.timeline))
+        n = sum(1 for _ in self.runtime.timeline)
+        self.overheads.append(self.runtime.overhead_s() / max(1, n))
         self.act_peaks.append(self.meter.peak)
         return loss
 
@@ -268,6 +271,8 @@ class MeshEngine(Engine):
             gathered = [None] * world
             mine = self.timelines if self.mesh.index("tp") == 0 and self.dp_rank == 0 else None
             dist.all_gather_object(gathered, mine)
+            over = [None] * world
+            dist.all_gather_object(over, statistics.median(self.overheads[1:] or self.overheads))
             stages = [gathered[_rank_for(self.mesh, r)] for r in range(plan.pp)]
             bubbles = [_bubble([st[i] for st in stages]) for i in range(len(stages[0]))]
             v = self.schedule.virtual_stages
@@ -279,6 +284,7 @@ class MeshEngine(Engine):
                 "bubble_measured_per_step": bubbles,
                 "bubble_simulated": simulate(self.schedule).bubble,
                 "bubble_formula": bubble_formula(plan.schedule, plan.pp, plan.micro_batches, v),
+                "runtime_overhead_s_per_action_per_rank": over,
                 "timeline": [[[k, mb, c, a - t_first, b - t_first] for k, mb, c, a, b in st[-1]]
                              for st in stages],
             }
@@ -326,9 +332,12 @@ def format_model_parallel(rep: dict) -> str:
     lines = []
     if "pipeline" in rep:
         p = rep["pipeline"]
+        over_ms = 1e3 * max(p["runtime_overhead_s_per_action_per_rank"])
         lines.append(f"pipeline {p['schedule']} p={p['pp']} m={p['micro_batches']} "
                      f"v={p['virtual_stages']}: bubble measured {p['bubble_measured']:.3f}, "
-                     f"simulated {p['bubble_simulated']:.3f}, formula {p['bubble_formula']:.3f}")
+                     f"simulated {p['bubble_simulated']:.3f}, formula {p['bubble_formula']:.3f}; "
+                     f"runtime overhead {over_ms:.3f} ms per action (neither computing nor "
+                     "waiting)")
     a = rep["activation"]
     lines.append(f"activations (recompute {a['recompute']}): measured peak "
                  f"{max(a['measured_peak_bytes_per_rank']) / 1e6:.3f} MB on the busiest rank; "

@@ -173,6 +173,8 @@ class PipelineRuntime:
         grads_in: dict[tuple[int, int], torch.Tensor] = {}
         loss_sum = 0.0
         self.timeline = []
+        self.wait_s = 0.0  # blocked in receives (the bubble as this rank sees it)
+        t_start = time.perf_counter()
         zb = any(a.kind == "BI" for a in acts)
         posted: set[int] = set()
 
@@ -192,9 +194,18 @@ class PipelineRuntime:
                         do(q)
                         posted.add(q)
             loss_sum += do(i)
+        t_sends = time.perf_counter()
         for work, _ in sends:
             work.wait()
+        self.wait_s += time.perf_counter() - t_sends
+        self.wall_s = time.perf_counter() - t_start
         return loss_sum
+
+    def overhead_s(self) -> float:
+        """Last step's time neither computing nor waiting: the runtime's own cost
+        (posting sends and receives, bookkeeping, hooks)."""
+        busy = sum(b - a for _, _, _, a, b in self.timeline)
+        return self.wall_s - busy - self.wait_s
 
     def _do(self, a: Action, x_mbs, y_mbs, n_tokens_global, T, recvs, sends, state,
             grads_in, zb) -> float:
@@ -221,7 +232,9 @@ class PipelineRuntime:
                 inp = x_mbs[a.mb]
             else:
                 work, inp = recvs.pop(("F", a.mb, a.chunk))
+                tw = time.perf_counter()
                 work.wait()  # waiting is bubble, not compute: timed from here
+                self.wait_s += time.perf_counter() - tw
                 inp.requires_grad_(True)
             t0 = time.perf_counter()
             with self.meter.recording(key):
@@ -242,7 +255,9 @@ class PipelineRuntime:
                 grad = None
             else:
                 work, grad = recvs.pop(("B", a.mb, a.chunk))
+                tw = time.perf_counter()
                 work.wait()
+                self.wait_s += time.perf_counter() - tw
             t0 = time.perf_counter()
             if a.kind == "BI":
                 with DeferWeightGrads(self.store, key):  # recompute sees the same ops
