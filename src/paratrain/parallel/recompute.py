@@ -14,8 +14,9 @@ its forward collectives during backward; every tp rank reruns them in the same o
 
 Accounting: non-reentrant checkpoint keeps its inputs alive outside autograd's saved
 tensors, so the full-recompute wrapper passes the block input through
-:class:`_KeepInput` (identity both ways) which saves it for backward: the saved-tensor
-meter of :mod:`paratrain.parallel.hybrid` then sees exactly what is held.
+:class:`_KeepInput` (identity both ways), which saves it for backward: the saved-tensor
+meter (:class:`paratrain.parallel.pipeline.runtime.ActivationMeter`) then sees exactly
+what is held.
 """
 
 from __future__ import annotations
