@@ -182,7 +182,7 @@ def fit_machine(mcfg: ModelConfig, tcfg: TrainConfig, profile: str | None,
 class _Sampler:
     """Samples the other sessions' runnable threads in a thread while a run trains."""
 
-    def __init__(self, interval_s: float = 0.1) -> None:
+    def __init__(self, interval_s: float = 0.25) -> None:
         import threading
 
         self.samples: list[tuple[int, ...]] = []

@@ -712,6 +712,9 @@ def format_prediction(rep: dict | None) -> str:
         f"prediction ({p['machine']}; {p['share']:.2f} core per rank)",
         f"  step s      predicted {p['step_s']:.4f}  measured {c['step_s']['measured']:.4f}"
         f"  ({100 * c['step_s']['error']:+.0f}%)",
+        f"  bounds      critical path {p['critical_path_s']:.4f} s; session CPU work "
+        f"{p['session_work_s']:.4f} s on {p['session_cores']:.2f} cores = "
+        f"{p['session_work_s'] / p['session_cores']:.4f} s; rank 0 CPU {p['cpu_rank0_s']:.4f} s",
         f"  compute s   predicted {c['compute_s']['predicted']:.4f} (FLOPs "
         f"{p['compute_s']:.4f}, fixed {p['overhead_s']:.4f}, bubble {p['bubble_s']:.4f}, "
         f"TP {p['tp_comm_s']:.4f}, PP {p['pp_comm_s']:.4f})  measured "
