@@ -25,9 +25,10 @@ def build_engine(model: nn.Module, cfg: TrainConfig, plan: ParallelPlan,
     if plan.compress is not None and plan.zero != 0:
         raise ValueError(f"--compress {plan.compress} works with --zero 0 only (compressed "
                          f"gradients are all-gathered, not reduce-scattered); drop one")
-    if plan.tp > 1 or plan.pp > 1 or plan.recompute != "none":
+    if plan.tp > 1 or plan.pp > 1 or plan.recompute != "none" or plan.cp > 1 or plan.ep > 1:
         # Model parallelism (issue 6): pipeline split, tensor/sequence, recompute, then
-        # data/ZeRO-1 over the mesh's dp axis, in that order (parallel/hybrid.py).
+        # data/ZeRO-1 over the mesh's dp axis, in that order (parallel/hybrid.py); it
+        # refuses the reserved cp/ep axes with one line rather than ignoring them.
         if simulate_workers > 1:
             raise ValueError("--simulate-workers is data-parallel only; drop it with "
                              "--tp/--pp/--recompute")
