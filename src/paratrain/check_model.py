@@ -10,7 +10,10 @@ plan of the grid for a few steps in fresh gloo processes and compares, per plan:
   with the error; the median absolute error over the grid is the headline figure;
 - wire bytes per rank (data-parallel sync counted by the runtime, TP blocks' collectives):
   exact or not;
-- model-state bytes (parameters, gradients, AdamW state) of every rank: exact or not.
+- model-state bytes (parameters, gradients, AdamW state) of every rank: exact or not;
+- rank 0's CPU seconds per step, predicted (its compute, fixed costs and collectives on a
+  whole core) vs measured (``cpu_s`` in the run's metrics): the work model, checked
+  independently of how many cores the other sessions leave to this run.
 
 While each run trains, a thread samples the other sessions' runnable threads
 (:func:`paratrain.predict.sample_other_sessions`): on a shared box the cores this run gets
