@@ -151,6 +151,11 @@ def _parity_worker(rank: int, world: int) -> dict:
         _check(fails, f"mean/{alg} randn out-of-place", y, _native_all_reduce(x, "mean", p),
                exact=False)
         _check(fails, f"out-of-place/{alg} left the input alone", x, _randn(rank, 101), True)
+    # long messages: copies that wait for the previous round land in place, posted late
+    for alg in ("ring", "tree", "halving_doubling"):
+        x = _ints(rank, 600_001)
+        y = api.all_reduce(x.clone(), algorithm=alg)
+        _check(fails, f"long {alg}", y, _native_all_reduce(x, "sum", p), exact=True)
     # hierarchical across two "nodes" (p even): intra ring, inter ring, intra ring
     if p % 2 == 0 and p > 2:
         x = _ints(rank, 45)

@@ -124,9 +124,16 @@ def _messages(s: Schedule, rank: int, transfers, sending: bool) -> list[_Msg]:
     return out
 
 
-def plan(s: Schedule, rank: int) -> tuple[_Round, ...]:
-    """This rank's messages per round, with receive-buffer offsets (memoised)."""
-    key = ("plan", rank)
+LATE_MIN_ELEMS = 1 << 18
+
+
+def plan(s: Schedule, rank: int, late_min_elems: int = LATE_MIN_ELEMS) -> tuple[_Round, ...]:
+    """This rank's messages per round, with receive-buffer offsets (memoised).
+
+    ``late_min_elems``: a copy that must wait for the previous round lands in place only
+    if it is at least this long; a shorter one goes through the receive buffer, posted
+    early: an extra copy of a few KiB costs less than a late receive's rendezvous."""
+    key = ("plan", rank, late_min_elems)
     if key in s._memo:
         return s._memo[key]
     per = s.rank_rounds(rank)
@@ -143,10 +150,11 @@ def plan(s: Schedule, rank: int) -> tuple[_Round, ...]:
         recvs, used = [], 0
         msgs = _messages(s, rank, rcv, sending=False)
         late_peers = {m.peer for m in msgs if not m.reduce and not sent[j].intersection(m.segs)
-                      and before.intersection(m.segs)}
+                      and before.intersection(m.segs) and m.length >= late_min_elems}
         for m in msgs:
             scratch = -1
-            if m.reduce or sent[j].intersection(m.segs):
+            if (m.reduce or sent[j].intersection(m.segs)
+                    or (before.intersection(m.segs) and m.peer not in late_peers)):
                 scratch, used = used, used + m.length
             # all of a late peer's receives of the round go late: posting order per peer
             # is what pairs messages, so it must stay the schedule's order
