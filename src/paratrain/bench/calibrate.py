@@ -2,7 +2,8 @@
 
 Measured: the transport's alpha (latency) and beta (1 / bandwidth) from a ping-pong
 between two ranks, the same two fitted from a native all-reduce sweep
-(t = 2(p-1) alpha + 2(p-1)/p n / bw), one-thread memory copy bandwidth, and fp32 matmul
+(t = 2(p-1) alpha + 2(p-1)/p n / bw; alpha from the messages <= 4 KiB, beta from those
+>= 1 MiB), one-thread memory copy bandwidth, and fp32 matmul
 FLOP/s on one thread and on all. The profile holds exactly the keys
 ``paratrain.systems.hardware.load_hardware`` reads; ``peak_flops`` is the measured matmul
 rate, so ``eta`` is 1.0. Then every all-reduce algorithm is timed and set beside the
@@ -62,13 +63,14 @@ def calibrate_worker(rank: int, world: int, sizes: list[int], iters: int,
 
 def fit(sizes: list[int], per_rank: list[dict], p: int) -> dict:
     """alpha and bandwidth from the ping-pong and from the native all-reduce sweep."""
-    from paratrain.bench.measure import fit_alpha_beta
+    from paratrain.bench.measure import fit_two_regimes
 
     pp = per_rank[0]["ping_pong"]
-    a_pp, b_pp = fit_alpha_beta([float(s) for s in sizes], pp)
+    a_pp, b_pp = fit_two_regimes([float(s) for s in sizes], pp)
     native = [statistics.fmean(r["native"][i] for r in per_rank) for i in range(len(sizes))]
     xs = [2 * (p - 1) / p * s for s in sizes]
-    a_ar, b_ar = fit_alpha_beta(xs, native)
+    a_ar, b_ar = fit_two_regimes(xs, native, small=4096 * 2 * (p - 1) / p,
+                                 large=(1 << 20) * 2 * (p - 1) / p)
     return {"alpha_pp": a_pp, "bw_pp": 1 / b_pp, "alpha_ar": a_ar / (2 * (p - 1)),
             "bw_ar": 1 / b_ar, "native": native}
 

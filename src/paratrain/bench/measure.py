@@ -95,3 +95,21 @@ def fit_alpha_beta(xs: list[float], ts: list[float]) -> tuple[float, float]:
     b = max(b, 1e-30)
     a = max(0.0, mt - b * mx)
     return a, b
+
+
+def fit_two_regimes(xs: list[float], ts: list[float], small: float = 4096,
+                    large: float = 1 << 20) -> tuple[float, float]:
+    """(a, b) of t = a + b x, with the latency a from the small points (x <= small:
+    median time) and b from the large ones (x >= large: median of (t - a) / x).
+
+    A least-squares line through all points is dominated by the large sizes, and one
+    preempted large transfer can turn its intercept negative or into milliseconds; the
+    two regimes are what alpha and beta mean. Falls back to least squares when either
+    regime has no point."""
+    lo = [t for x, t in zip(xs, ts, strict=True) if x <= small]
+    hi = [(x, t) for x, t in zip(xs, ts, strict=True) if x >= large]
+    if not lo or not hi:
+        return fit_alpha_beta(xs, ts)
+    a = statistics.median(lo)
+    b = statistics.median(max(t - a, 1e-12) / x for x, t in hi)
+    return a, b
