@@ -298,6 +298,11 @@ def _pad(n: int, p: int) -> int:
     return -(-n // p) * p
 
 
+def _topk_keep(plan: ParallelPlan, n: int) -> int:
+    """Gradient entries top-k compression keeps: 1 in k (at least one)."""
+    return max(1, n // int(plan.compress.partition(":")[2]))
+
+
 def _owned(n: int, p: int, r: int) -> int:
     """Real (not padding) elements in chunk r of a flat buffer of n padded to p."""
     s = -(-n // p)
@@ -314,7 +319,7 @@ def rank_state_bytes(mcfg: ModelConfig, plan: ParallelPlan, tcfg: TrainConfig, r
     world = plan.world_size
     cap = int(plan.bucket_mb * 1024 * 1024)
     mesh = plan.tp > 1 or plan.pp > 1 or plan.recompute != "none"
-    if world == 1 or p == 1 or (mesh and plan.zero == 0):
+    if world == 1 or p == 1 or (mesh and plan.zero == 0) or plan.compress is not None:
         return {"params": e * n, "grads": e * n, "optimizer": 2 * e * n}
     if plan.zero == 3:
         units = _fsdp_units(mcfg, lay.param_sizes)
@@ -339,6 +344,8 @@ def dp_payload_bytes(mcfg: ModelConfig, plan: ParallelPlan, tcfg: TrainConfig, r
     mesh = plan.tp > 1 or plan.pp > 1 or plan.recompute != "none"
     if p == 1:
         return 0
+    if plan.compress is not None:  # top-k values and int32 indices (parallel/compress.py)
+        return _topk_keep(plan, lay.params) * (e + 4)
     if mesh and plan.zero == 0:
         return e * lay.params
     if plan.zero == 3:
@@ -390,19 +397,26 @@ class Prediction:
         return d
 
 
-def _flops_block(mcfg: ModelConfig, tokens: float, tp: int) -> float:
+def _flops_block(mcfg: ModelConfig, tokens: float, tp: int, recompute: str = "none"
+                 ) -> float:
     """Forward + backward FLOPs of one block on ``tokens`` tokens, one tensor shard:
-    6 x matmul params + attention scores and values 12 H Q T (PaLM, appendix B)."""
+    6 x matmul params + attention scores and values 12 H Q T (PaLM, appendix B); full
+    recomputation adds a forward (1/3), selective the attention's forward."""
     d, hd = mcfg.d_model, mcfg.head_dim
     mat = (2 * mcfg.n_heads * hd * d + 2 * mcfg.kv_heads * hd * d + 3 * mcfg.d_ff * d) / tp
     attn = 12.0 * mcfg.n_heads * hd * mcfg.context / tp
-    return tokens * (6.0 * mat + attn)
+    f = 6.0 * mat + attn
+    if recompute == "full":
+        f *= 4 / 3
+    elif recompute == "selective":
+        f += attn / 3
+    return tokens * f
 
 
 def _stage_mb_time(mcfg: ModelConfig, plan: ParallelPlan, lay: RankLayout, tokens_mb: float,
                    rate: float, pass_s: float) -> tuple[float, float]:
     """(FLOP seconds, fixed seconds) of one micro-batch's forward + backward on a rank."""
-    f = lay.blocks * _flops_block(mcfg, tokens_mb, plan.tp)
+    f = lay.blocks * _flops_block(mcfg, tokens_mb, plan.tp, plan.recompute)
     if lay.last:
         f += tokens_mb * 6.0 * mcfg.d_model * mcfg.vocab_size / plan.tp  # the head
     passes = lay.blocks + (1 if (lay.first or lay.last) else 0)
@@ -421,6 +435,9 @@ def _dp_calls(mcfg: ModelConfig, plan: ParallelPlan, lay: RankLayout, e: int
         return [c for n in units for c in (("all_gather", n, 2 * m), ("reduce_scatter", n, m))]
     if mesh and plan.zero == 0:  # one all-reduce per gradient tensor, after backward
         return [("all_reduce", e * n, 1) for n in lay.param_sizes]
+    if plan.compress is not None:  # values and indices all-gathered: p pieces of each
+        keep = _topk_keep(plan, lay.params)
+        return [("all_gather", p * keep * e, 1), ("all_gather", p * keep * 4, 1)]
     buckets = [e * _pad(b, p) for b in _pack(list(reversed(lay.param_sizes)), e, cap)]
     if plan.zero == 0:
         return [("all_reduce", n, 1) for n in buckets]
@@ -435,7 +452,11 @@ def _tp_calls(mcfg: ModelConfig, plan: ParallelPlan, lay: RankLayout, act: float
     if plan.tp == 1:
         return []
     m = plan.micro_batches
-    big = 4 * lay.blocks + int(lay.first) + int(lay.last)
+    # Full recompute reruns a block's forward in backward, but torch's non-reentrant
+    # checkpoint stops once the last saved tensor is rebuilt: the attention output's
+    # all-reduce is repeated, the MLP output's (nothing after it is saved) is not.
+    fwd_again = lay.blocks if plan.recompute == "full" else 0
+    big = 4 * lay.blocks + fwd_again + int(lay.first) + int(lay.last)
     out = [("all_reduce", act, m * big)]
     if lay.last:
         out.append(("all_reduce", seqs_mb * mcfg.context * 4, 3 * m))
@@ -520,7 +541,9 @@ def predict(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan, world: int
     lay0 = rank_layout(mcfg, plan, 0)
     tp_wire = 0.0
     if plan.tp > 1:
-        tp_wire = m * 4 * lay0.blocks * coll.wire_bytes("all_reduce", "ring", plan.tp, act)
+        per_block = 5 if plan.recompute == "full" else 4  # see _tp_calls
+        tp_wire = m * per_block * lay0.blocks * coll.wire_bytes("all_reduce", "ring", plan.tp,
+                                                                act)
 
     # ---- pipeline point-to-point ------------------------------------------------------------
     pp_s = pp_wire = 0.0
@@ -536,7 +559,8 @@ def predict(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan, world: int
     mesh = plan.tp > 1 or plan.pp > 1 or plan.recompute != "none"
     if plan.dp > 1:
         payload = dp_payload_bytes(mcfg, plan, tcfg, 0)
-        dp_wire = dp_sync_wire_bytes(payload, plan.dp, plan.zero, m if plan.pp == 1 else 1)
+        dp_wire = dp_sync_wire_bytes(payload, plan.dp, plan.zero, m if plan.pp == 1 else 1) \
+            if plan.compress is None else coll.compressed_wire_bytes(plan.dp, payload)
         calls = _dp_calls(mcfg, plan, lay0, e)
         dp_s = sum(k * coll.time_s(op, "ring", plan.dp, n, a, bw) for op, n, k in calls)
         # Buckets that fill before backward ends can hide under it; the last cannot, and a
