@@ -4,10 +4,13 @@ pp = 2 and 4, schedules gpipe / 1f1b / interleaved / zb-h1, m = 1, 4, 8 (interle
 needs m % pp == 0, so m = 1 is refused by the plan): 3 float64 steps, losses equal to
 1e-9 relative. Interleaved runs with v = 2 (an 8-layer model at pp = 4). Recompute
 none / selective / full: identical losses, and the measured peak of saved activations
-drops. Checkpoint + resume is bitwise. Refusals are one clear line.
+drops. Checkpoint + resume is bitwise. bf16 autocast (zb-h1, deferred weight
+gradients in bf16) within 5e-3 over 5 steps. Refusals are one clear line.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 
@@ -49,6 +52,9 @@ def _pp_worker(rank: int, world: int, data: str, ckpt: str) -> dict:
         train(MODEL4, tcfg(data, 4), plan, RunOptions(checkpoint_dir=ckpt, stop_after=2, **QUIET))
         out["resumed"] = train(MODEL4, tcfg(data, 4), plan, RunOptions(
             checkpoint_dir=ckpt, resume=True, **QUIET))["losses"]
+        out["bf16"] = train(MODEL4, dataclasses.replace(tcfg(data, 5), dtype="bfloat16"),
+                            ParallelPlan(pp=2, micro_batches=4, schedule="zb-h1"),
+                            RunOptions(**QUIET))["losses"]
         for rc in ("none", "selective", "full"):
             s = train(MODEL4, tcfg(data, 3), ParallelPlan(pp=2, micro_batches=4,
                                                           recompute=rc), RunOptions(**QUIET))
@@ -66,8 +72,11 @@ def _pp_worker(rank: int, world: int, data: str, ckpt: str) -> dict:
 
 @pytest.fixture(scope="module")
 def reference(text_file):
-    return {n: train(m, tcfg(text_file), None, RunOptions(**QUIET))["losses"]
-            for n, m in ((4, MODEL4), (8, MODEL8))}
+    ref = {n: train(m, tcfg(text_file), None, RunOptions(**QUIET))["losses"]
+           for n, m in ((4, MODEL4), (8, MODEL8))}
+    ref["bf16"] = train(MODEL4, dataclasses.replace(tcfg(text_file, 5), dtype="bfloat16"), None,
+                        RunOptions(**QUIET))["losses"]
+    return ref
 
 
 def rel(a, b) -> float:
@@ -92,6 +101,9 @@ def test_every_schedule_matches_one_process(text_file, reference, pp, tmp_path):
         assert all(f < n for f, n in zip(full, none, strict=True))
         assert all(s <= n for s, n in zip(sel, none, strict=True))
         assert results[0]["resumed"] == results[0]["full"][2:]
+        d = rel(results[0]["bf16"], reference["bf16"])
+        print(f"pp=2 zb-h1 bf16: 5-step max rel loss diff {d:.2e}")
+        assert d <= 5e-3
         errs = results[0]["errors"]
         assert "tied embeddings" in errs["tied"]
         assert "zb-h1" in errs["zb-recompute"]

@@ -64,8 +64,6 @@ def check_supported(model: nn.Module, cfg: TrainConfig, plan: ParallelPlan) -> N
     if plan.compress is not None:
         raise ValueError(f"--compress {plan.compress} is data-parallel only; drop it with "
                          "--tp/--pp")
-    if cfg.dtype == "bfloat16":
-        raise ValueError("--dtype bfloat16 is not supported with --tp/--pp yet; use float32")
     if plan.cp != 1 or plan.ep != 1:
         raise ValueError(f"cp={plan.cp}, ep={plan.ep}: context/expert parallelism are not "
                          "implemented; use 1")
@@ -119,7 +117,8 @@ class MeshEngine(Engine):
             self.schedule = build_schedule(plan.schedule, plan.pp, plan.micro_batches, v)
             self.runtime = PipelineRuntime(
                 chunks, self.schedule, self.pp_rank, lambda r: mesh.peer("pp", r),
-                self._loss_sum, self._hidden_shape, self.dtype, device, self.meter)
+                self._loss_sum, self._hidden_shape, self.dtype, device, self.meter,
+                self.autocast)
         self.timelines: list[list] = []
         self.overheads: list[float] = []  # runtime seconds per compute action, per step
         self.act_peaks: list[int] = []
@@ -142,6 +141,11 @@ class MeshEngine(Engine):
         return "\n".join(lines)
 
     # ---- pieces --------------------------------------------------------------------
+    def _amp(self):
+        """bf16 autocast from the fp32 weights under --dtype bfloat16 (as Engine does);
+        hidden states between stages stay fp32 (the residual stream is fp32)."""
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast)
+
     def _hidden_shape(self, b: int) -> tuple[int, int, int]:
         T = self.mcfg.context
         return (b, T // self.plan.tp if self.plan.sp else T, self.mcfg.d_model)
@@ -160,7 +164,9 @@ class MeshEngine(Engine):
         self.meter.reset()
         if self.runtime is None:
             with self.meter.recording(0):
-                loss = self._loss_sum(self.model[0](x_BT, T), y_BT)
+                with self._amp():
+                    logits = self.model[0](x_BT, T)
+                loss = self._loss_sum(logits, y_BT)
             (loss / n_tokens_global).backward()
             self.meter.release(0)
             self.act_peaks.append(self.meter.peak)
@@ -184,7 +190,9 @@ class MeshEngine(Engine):
         try:
             x_BT, y_BT = x_BT.to(self.device), y_BT.to(self.device)
             if self.runtime is None:
-                return float(self._loss_sum(self.model[0](x_BT, x_BT.shape[1]), y_BT))
+                with self._amp():
+                    logits = self.model[0](x_BT, x_BT.shape[1])
+                return float(self._loss_sum(logits, y_BT))
             return self.runtime.forward_only(x_BT, y_BT, x_BT.shape[1])
         finally:
             self.model.train()
@@ -321,7 +329,8 @@ class MeshEngine(Engine):
                 "collectives_per_layer_per_microbatch":
                     sum(st.blocks.calls for st in st_blk) / layers / mbs,
                 "formula_wire_bytes_per_layer_per_microbatch": tp_wire_bytes_per_layer(
-                    b_mb, m.context, m.d_model, _elem(self.dtype), plan.tp, plan.recompute),
+                    b_mb, m.context, m.d_model, plan.tp, 2 if self.autocast else
+                    _elem(self.dtype), _elem(self.dtype), plan.recompute),
             }
         return out
 

@@ -63,7 +63,8 @@ class WeightGradStore:
     @torch.no_grad()
     def flush(self, key) -> None:
         for w, x_NI, g_NO in self.pending.pop(key, []):
-            gw = g_NO.reshape(-1, g_NO.shape[-1]).t() @ x_NI.reshape(-1, x_NI.shape[-1])
+            gw = (g_NO.reshape(-1, g_NO.shape[-1]).t() @ x_NI.reshape(-1, x_NI.shape[-1]))
+            gw = gw.to(w.dtype)  # computed in the compute dtype, kept in the master's
             if w.grad is None:
                 w.grad = gw
             else:
@@ -71,20 +72,23 @@ class WeightGradStore:
 
 
 class _LinearDeferW(torch.autograd.Function):
+    """y = x W^T whose backward returns dx only and stashes (x, dy) for BW. ``w`` is the
+    weight used (under autocast, already cast to the compute dtype); ``param`` the
+    Parameter whose ``.grad`` BW accumulates into (a saved tensor may come back as
+    another object, e.g. through saved-tensor hooks, so it travels on ctx)."""
+
     @staticmethod
-    def forward(ctx, x, w, store, key):
-        ctx.save_for_backward(x)
-        # the Parameter object itself (a saved tensor may come back as another object,
-        # e.g. through saved-tensor hooks, and .grad must land on the real parameter)
-        ctx.w, ctx.store, ctx.key = w, store, key
+    def forward(ctx, x, w, store, key, param):
+        ctx.save_for_backward(x, w)
+        ctx.param, ctx.store, ctx.key = param, store, key
         return F.linear(x, w)
 
     @staticmethod
     def backward(ctx, g):
-        (x,), w = ctx.saved_tensors, ctx.w
-        ctx.store.put(ctx.key, w, x, g)
+        x, w = ctx.saved_tensors
+        ctx.store.put(ctx.key, ctx.param, x, g)
         gx = g @ w if ctx.needs_input_grad[0] else None
-        return gx, None, None, None
+        return gx, None, None, None, None
 
 
 class DeferWeightGrads(TorchFunctionMode):
@@ -99,7 +103,12 @@ class DeferWeightGrads(TorchFunctionMode):
         bias = args[2] if len(args) > 2 else kwargs.get("bias")
         if func is F.linear and bias is None and len(args) >= 2 \
                 and isinstance(args[1], torch.nn.Parameter) and args[1].requires_grad:
-            return _LinearDeferW.apply(args[0], args[1], self.store, self.key)
+            x, w = args[0], args[1]
+            dev = x.device.type
+            if torch.is_autocast_enabled(dev):  # cast as autocast would, before the mode
+                dt = torch.get_autocast_dtype(dev)
+                x, w = x.to(dt), w.to(dt)
+            return _LinearDeferW.apply(x, w, self.store, self.key, args[1])
         return func(*args, **kwargs)
 
 
@@ -149,7 +158,7 @@ class PipelineRuntime:
 
     def __init__(self, chunks, schedule: Schedule, rank: int, peer: Callable[[int], int],
                  loss_fn: Callable, hidden_shape: Callable[[int], tuple], dtype: torch.dtype,
-                 device: torch.device, meter: ActivationMeter) -> None:
+                 device: torch.device, meter: ActivationMeter, autocast: bool = False) -> None:
         self.chunks = chunks
         self.s = schedule
         self.rank = rank
@@ -158,8 +167,12 @@ class PipelineRuntime:
         self.hidden_shape = hidden_shape  # micro-batch size -> (b, T', D)
         self.dtype, self.device = dtype, device
         self.meter = meter
+        self.autocast = autocast  # bf16 compute from fp32 weights (as Engine does)
         self.store = WeightGradStore()
         self.timeline: list[tuple[str, int, int, float, float]] = []
+
+    def _amp(self):
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast)
 
     def _tag(self, kind: str, mb: int, stage: int) -> int:
         return ((0 if kind == "F" else 1) * self.s.stages + stage) * self.s.micro_batches + mb
@@ -238,11 +251,12 @@ class PipelineRuntime:
                 inp.requires_grad_(True)
             t0 = time.perf_counter()
             with self.meter.recording(key):
-                if zb:
-                    with DeferWeightGrads(self.store, key):
+                with self._amp():
+                    if zb:
+                        with DeferWeightGrads(self.store, key):
+                            out = self.chunks[a.chunk](inp, T)
+                    else:
                         out = self.chunks[a.chunk](inp, T)
-                else:
-                    out = self.chunks[a.chunk](inp, T)
                 if k == last:
                     loss = self.loss_fn(out, y_mbs[a.mb])
                     loss_sum += float(loss.detach())
@@ -291,7 +305,8 @@ class PipelineRuntime:
                 inp = torch.empty(self.hidden_shape(x_BT.shape[0]), dtype=self.dtype,
                                   device=self.device)
                 dist.recv(inp, src=self.peer(s.locate(k - 1)[0]), tag=self._tag("F", 0, k))
-            out = chunk(inp, T)
+            with self._amp():
+                out = chunk(inp, T)
             if k == last:
                 loss_sum += float(self.loss_fn(out, y_BT))
             else:
