@@ -25,7 +25,9 @@ Life of a unit (Zhao et al. 2023, "PyTorch FSDP"; Rajbhandari et al. 2020, ZeRO-
 - Each gradient is copied into the unit's flat gradient buffer as autograd produces it
   (``p.grad`` released); when all trainable parameters of the unit have theirs, the
   buffer is reduce-scattered asynchronously into the owned chunk (which accumulates
-  over micro-steps; every micro-step reduces) and the gathered parameters are freed. A
+  over micro-steps; every micro-step reduces) and the gathered parameters are freed.
+  The owned gradient chunk exists from a step's first reduction to its optimizer step
+  only (like ``zero_grad(set_to_none=True)``), so forward runs without it. A
   unit holding a frozen parameter is freed at the end of backward instead (a frozen
   parameter's last use is not signalled by a gradient).
 - Wire bytes per step and micro-batch: all-gather (p-1)/p twice + reduce-scatter
@@ -127,11 +129,13 @@ class FullyShard:
             for q in u.params:
                 if q.requires_grad:
                     q.register_post_accumulate_grad_hook(lambda q, u=u: self._on_grad(u, q))
-        shards = [FlatShard(u.shard, u.grad_shard,
-                            owned_segments(u.params, u.offsets, r * (u.padded // p),
-                                           (r + 1) * (u.padded // p), u.shapes))
-                  for u in self.units if u.grad_shard is not None]
-        self.adam = ShardedAdamW(shards, self.comm, cfg)
+        self._flat_shards = {id(u): FlatShard(u.shard, None,
+                                              owned_segments(u.params, u.offsets,
+                                                             r * (u.padded // p),
+                                                             (r + 1) * (u.padded // p),
+                                                             u.shapes))
+                             for u in self.units if u.n_trainable}
+        self.adam = ShardedAdamW(list(self._flat_shards.values()), self.comm, cfg)
         self._fwd_order: list[Unit] = []
         self._inflight: list[Handle] = []  # reduce-scatters launched, not yet waited
         self._retired: list[tuple[float, float]] = []  # (launch, done) of waited ones
@@ -152,8 +156,7 @@ class FullyShard:
             flat[off:off + q.numel()].copy_(q.reshape(-1))
         trainable = sum(q.requires_grad for q in params)
         shard = flat[r * s:(r + 1) * s].clone()
-        grad_shard = torch.zeros_like(shard) if trainable else None
-        u = Unit(name, mods, params, offsets, n, padded, shard, grad_shard, trainable,
+        u = Unit(name, mods, params, offsets, n, padded, shard, None, trainable,
                  trainable < len(params))
         u.index = {id(q): i for i, q in enumerate(params)}
         u.shapes = [q.shape for q in params]
@@ -233,9 +236,9 @@ class FullyShard:
                 self._free(u)
 
     def _reduce(self, u: Unit) -> None:
-        out = torch.empty_like(u.grad_shard, dtype=self.reduce_dtype)
+        out = torch.empty_like(u.shard, dtype=self.reduce_dtype)
         h = self.comm.reduce_scatter(out, u.grad_full, async_op=True)
-        h.then = lambda: u.grad_shard.add_(out)
+        h.then = lambda: self._accumulate(u, out)
         h.nbytes = u.grad_full.numel() * u.grad_full.element_size()
         self._inflight.append(h)
         u.grad_full = None  # the handle keeps the buffer alive until sent
@@ -247,6 +250,14 @@ class FullyShard:
             old.wait()
             self.wait_s += time.perf_counter() - t0
             self._retired.append((old.launched_s, old.done_s))
+
+    def _accumulate(self, u: Unit, out: torch.Tensor) -> None:
+        """The reduced chunk becomes (or is added to) the unit's gradient shard, which
+        exists only from the first reduction of a step to the optimizer step."""
+        if u.grad_shard is None:
+            u.grad_shard = out.to(self.master_dtype)
+        else:
+            u.grad_shard.add_(out)
 
     # ---- per micro-step / per step ----------------------------------------------------
     def end_backward(self) -> None:
@@ -276,10 +287,15 @@ class FullyShard:
         return stats
 
     def step(self, lr: float) -> float:
-        norm = self.adam.clip_and_step(lr)
         for u in self.units:
-            if u.grad_shard is not None:
-                u.grad_shard.zero_()
+            if u.n_trainable:
+                self._flat_shards[id(u)].grad = u.grad_shard
+        norm = self.adam.clip_and_step(lr)
+        for u in self.units:  # gradient shards are freed until the next backward
+            u.grad_shard = None
+            if u.n_trainable:
+                self._flat_shards[id(u)].grad = None
+        self.adam.bind_grads()
         return norm
 
     @torch.no_grad()

@@ -57,7 +57,7 @@ class FlatShard:
     ``segments``: (start, end, decays) per parameter piece inside the chunk."""
 
     master: torch.Tensor
-    grad: torch.Tensor
+    grad: torch.Tensor | None
     segments: list[tuple[int, int, bool]]
 
 
@@ -85,34 +85,46 @@ class ShardedAdamW:
         self.comm = comm
         self.cfg = cfg
         decay, no_decay = [], []
+        self._segs: list[tuple[nn.Parameter, FlatShard, int, int]] = []
         for s in shards:
             for a, b, dec in s.segments:
                 p = nn.Parameter(s.master[a:b])
-                p.grad = s.grad[a:b]
+                self._segs.append((p, s, a, b))
                 (decay if dec else no_decay).append(p)
+        self.bind_grads()
         self.opt = torch.optim.AdamW(
             [{"params": decay, "weight_decay": cfg.weight_decay},
              {"params": no_decay, "weight_decay": 0.0}],
             lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8, foreach=False)
+
+    def bind_grads(self) -> None:
+        """Point each segment's ``.grad`` at its shard's current gradient chunk (None
+        when the shard has none: the segment is skipped, as torch skips grad-less
+        parameters). Shards whose gradient is allocated per step (FSDP) call this."""
+        for p, s, a, b in self._segs:
+            p.grad = None if s.grad is None else s.grad[a:b]
 
     @torch.no_grad()
     def global_norm(self) -> torch.Tensor:
         """sqrt of the sum over ranks of the owned chunks' squared gradients."""
         sq = torch.zeros((), dtype=torch.float64)
         for s in self.shards:
-            sq += s.grad.double().pow(2).sum().cpu()
+            if s.grad is not None:
+                sq += s.grad.double().pow(2).sum().cpu()
         if self.comm.size > 1:  # a scalar: native, and not counted as gradient traffic
-            sq = sq.to(self.shards[0].grad.device) if self.shards else sq
+            sq = sq.to(self.shards[0].master.device) if self.shards else sq
             dist.all_reduce(sq, group=self.comm.group)
         return sq.sqrt()
 
     @torch.no_grad()
     def clip_and_step(self, lr: float) -> float:
+        self.bind_grads()
         norm = self.global_norm()
         if self.cfg.grad_clip > 0:
             coef = min(1.0, self.cfg.grad_clip / (float(norm) + 1e-6))
             for s in self.shards:
-                s.grad.mul_(coef)
+                if s.grad is not None:
+                    s.grad.mul_(coef)
         set_lr(self.opt, lr)
         self.opt.step()
         return float(norm)
