@@ -15,7 +15,8 @@ Pairs, on the same model, global batch and world size (2 ranks, gloo, 1 thread e
 Every run is a fresh pair of processes (so peak RSS belongs to one implementation), and
 the implementations alternate round by round (so drifting machine load hits all alike).
 Each run takes ``--warmup`` untimed steps, then ``--steps`` timed ones; the table shows
-medians over rounds of the per-run median step time. All runs share one optimizer recipe
+medians over rounds of the per-run median step time (the slower rank's), and of the
+per-run peak RSS (the larger rank's). All runs share one optimizer recipe
 (AdamW, foreach=False, clip 1.0) and the loss normalised by the global token count.
 
 Records (``--json``): impl, round, step_s, tokens_per_s, peak_rss_mb (per rank),
@@ -163,7 +164,7 @@ def main() -> None:
         rs = [r for r in records if r["impl"] == impl]
         ex = [r["exposed_comm_s"] for r in rs if r["exposed_comm_s"] is not None]
         rows[impl] = {"step_s": statistics.median(r["step_s"] for r in rs),
-                      "rss": max(max(r["peak_rss_mb"]) for r in rs),
+                      "rss": statistics.median(max(r["peak_rss_mb"]) for r in rs),
                       "exposed": statistics.median(ex) if ex else None}
     print(f"\n{'impl':<20} {'s/step':>8} {'tokens/s':>9} {'peak RSS MB':>12} "
           f"{'exposed comm s':>15}")
