@@ -133,6 +133,10 @@ def _worker(rank: int, world: int, data: str, profile: str) -> list:
             s = train(mcfg, t, plan, RunOptions(quiet=True, measure_peak=False,
                                                 profile=profile))
             out.append((name, z, s["prediction"]))
+    for name, plan in (("topk", ParallelPlan(dp=world, compress="topk:16")),
+                       ("tp-full", ParallelPlan(tp=world, recompute="full"))):
+        s = train(MODEL, t, plan, RunOptions(quiet=True, measure_peak=False, profile=profile))
+        out.append((name, 0, s["prediction"]))
     s = train(MODEL, t, ParallelPlan(dp=world), RunOptions(
         quiet=True, measure_peak=False, profile=profile + ".missing"))
     out.append(("none", 0, s["prediction"]))
@@ -145,7 +149,7 @@ def runs(text_file, tmp_path_factory):
 
 
 def test_states_and_wire_bytes_predicted_equal_measured(runs):
-    for name, z, rep in runs[:-1]:
+    for name, z, rep in runs[:-3]:
         c = rep["vs_measured"]
         st = c["states_bytes"]
         assert len(st["measured_per_rank"]) == 2
@@ -169,6 +173,18 @@ def test_padding_to_the_data_parallel_size_is_counted():
     st = [rank_state_bytes(ODD, ParallelPlan(dp=4, zero=1), t, r) for r in range(4)]
     assert st[0]["params"] == 4 * (n + 2)
     assert sum(x["optimizer"] for x in st) == 8 * n
+
+
+def test_topk_and_recomputed_tp_bytes_exact(runs):
+    """Top-k: values + int32 indices all-gathered, (p-1) x payload; TP with full
+    recompute: 5 all-reduces per block (checkpoint's recomputation stops early)."""
+    got = {name: rep["vs_measured"] for name, _, rep in runs[-3:-1]}
+    topk = got["topk"]["dp_wire_bytes"]
+    assert topk["predicted"] == topk["measured"] == (MODEL.num_params() // 16) * 8
+    tp = got["tp-full"]["tp_wire_bytes"]
+    act = 8 * 16 * 32 * 4  # 8 sequences x 16 tokens x d_model 32, fp32; ring at p=2 sends it once
+    assert tp["exact"] and tp["predicted"] == 2 * 5 * act  # 2 blocks
+    assert got["tp-full"]["states_bytes"]["exact"]
 
 
 def test_run_without_profile_has_no_prediction(runs):
