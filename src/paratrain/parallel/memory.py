@@ -23,7 +23,8 @@ How it measures (not the formula):
   (``comm_buffer_peak``: ZeRO-2 gradient buckets, ZeRO-3 gathered units) plus any
   persistent ones it lists.
 - Activations: a ``saved_tensors_hooks`` pack hook records the storage of every tensor
-  autograd saves for backward during one forward, parameters excluded; the peak is
+  autograd saves for backward during one forward, parameters and views of them
+  excluded; the peak is
   the total at the end of forward (when the graph is largest).
 
 The prediction is :func:`paratrain.systems.memory.model_states` with the precision of
@@ -75,7 +76,9 @@ class ActivationMeter:
         self.states = measure_states(engine)
 
     def _pack(self, t: torch.Tensor):
-        if not isinstance(t, nn.Parameter) and t.numel():
+        # parameters and views of them (a weight's transpose) are not activations
+        if not isinstance(t, nn.Parameter) and not isinstance(t._base, nn.Parameter) \
+                and t.numel():
             s = t.untyped_storage()
             self._seen[(s.data_ptr(), t.device)] = s.nbytes()
         return t
