@@ -63,6 +63,7 @@ def test_nproc_1_runs_in_process(tmp_path, text_file):
     (["--dtype", "float16"], "dtype='float16'"),
     (["--resume"], "--resume needs --checkpoint-dir"),
     (["--simulate-workers", "4"], "add --nproc 1"),
+    (["--pp", "2", "--tie-embeddings"], "tied embeddings with pp=2"),
 ])
 def test_bad_input_is_one_line_and_exit_2(capsys, args, fragment):
     base = [a for a in TINY if a != "--global-batch" and a != "8"] if "--global-batch" in args \

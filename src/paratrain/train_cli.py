@@ -113,6 +113,7 @@ def register(app: typer.Typer) -> None:
                  collectives=collectives),
             nproc)
         plan.check(mcfg, nproc, tcfg.global_batch)
+        plan.check_runtime(mcfg)
         if simulate_workers > 1 and nproc > 1:
             raise ValueError("--simulate-workers runs in one process; add --nproc 1")
         if tcfg.data is not None and not Path(tcfg.data).exists():
