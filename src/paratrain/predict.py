@@ -707,6 +707,11 @@ def summary_prediction(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan,
         return None
     machine = machine.replace(others=sample_other_sessions(samples=5))
     pred = predict(mcfg, tcfg, plan, world, machine)
+    import torch
+
+    if torch.get_num_threads() > 1:  # the model prices one-thread ranks (workers set 1)
+        pred.notes.append(f"this process ran {torch.get_num_threads()} intra-op threads; the "
+                          "prediction prices one thread per rank")
     return {"predicted": pred.to_dict(), "vs_measured": compare(pred, summary, plan)}
 
 
