@@ -102,13 +102,23 @@ def evaluate(engine, corpus: Corpus, tcfg: TrainConfig, ctx: int) -> float:
 
 def _prediction(mcfg, tcfg, plan, world, summary, profile) -> dict | None:
     """The systems model's prediction beside this run's measurement (paratrain.predict);
-    None without a hardware profile. A broken profile is reported, not fatal to a run."""
+    None without a hardware profile. A broken profile is reported, not fatal to a run.
+    Rank 0 computes it (it samples the machine's load) and sends it to every rank, so
+    the summary stays the same everywhere."""
     from paratrain.predict import summary_prediction
 
-    try:
-        return summary_prediction(mcfg, tcfg, plan, world, summary, profile)
-    except ValueError as e:
-        return {"error": str(e)}
+    rank, _ = _rank_world()
+    rep = None
+    if rank == 0:
+        try:
+            rep = summary_prediction(mcfg, tcfg, plan, world, summary, profile)
+        except ValueError as e:
+            rep = {"error": str(e)}
+    if world > 1:
+        box = [rep]
+        dist.broadcast_object_list(box, src=0)
+        rep = box[0]
+    return rep
 
 
 def train(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan | None = None,
