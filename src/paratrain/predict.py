@@ -423,16 +423,19 @@ def _stage_mb_time(mcfg: ModelConfig, plan: ParallelPlan, lay: RankLayout, token
     return f / rate, passes * pass_s
 
 
-def _dp_calls(mcfg: ModelConfig, plan: ParallelPlan, lay: RankLayout, e: int
-              ) -> list[tuple[str, float, int]]:
+def _dp_calls(mcfg: ModelConfig, plan: ParallelPlan, lay: RankLayout, e: int,
+              gather_e: int | None = None) -> list[tuple[str, float, int]]:
     """(op, full bytes, calls per step) of a rank's data-parallel sync: per bucket (DDP,
-    ZeRO-1/2), per gradient tensor (mesh engine), or per unit and micro-batch (ZeRO-3)."""
+    ZeRO-1/2), per gradient tensor (mesh engine), or per unit and micro-batch (ZeRO-3,
+    whose gathers move ``gather_e``-byte elements: 2 when it computes in bf16)."""
     p, m = plan.dp, plan.micro_batches if plan.pp == 1 else 1
     mesh = plan.tp > 1 or plan.pp > 1 or plan.recompute != "none"
     cap = int(plan.bucket_mb * 1024 * 1024)
     if plan.zero == 3:
-        units = [e * _pad(u, p) for u in _fsdp_units(mcfg, lay.param_sizes)]
-        return [c for n in units for c in (("all_gather", n, 2 * m), ("reduce_scatter", n, m))]
+        g = e if gather_e is None else gather_e
+        units = [_pad(u, p) for u in _fsdp_units(mcfg, lay.param_sizes)]
+        return [c for n in units for c in (("all_gather", g * n, 2 * m),
+                                           ("reduce_scatter", e * n, m))]
     if mesh and plan.zero == 0:  # one all-reduce per gradient tensor, after backward
         return [("all_reduce", e * n, 1) for n in lay.param_sizes]
     if plan.compress is not None:  # values and indices all-gathered: p pieces of each
@@ -446,18 +449,21 @@ def _dp_calls(mcfg: ModelConfig, plan: ParallelPlan, lay: RankLayout, e: int
 
 
 def _tp_calls(mcfg: ModelConfig, plan: ParallelPlan, lay: RankLayout, act: float,
-              seqs_mb: float) -> list[tuple[str, float, int]]:
-    """TP collectives per step: 4 per block, 1 at the embedding, 1 + 3 small at the head,
-    per micro-batch (all-gather + reduce-scatter under SP: the same steps and bytes)."""
+              seqs_mb: float, act_fwd: float | None = None) -> list[tuple[str, float, int]]:
+    """TP collectives per step: 4 per block (2 forward exits of ``act_fwd`` bytes: bf16
+    under autocast; 2 backward entries of ``act``), 1 at the embedding, 1 + 3 small at
+    the head, per micro-batch (all-gather + reduce-scatter under SP: the same steps and
+    bytes)."""
     if plan.tp == 1:
         return []
     m = plan.micro_batches
+    act_fwd = act if act_fwd is None else act_fwd
     # Full recompute reruns a block's forward in backward, but torch's non-reentrant
     # checkpoint stops once the last saved tensor is rebuilt: the attention output's
     # all-reduce is repeated, the MLP output's (nothing after it is saved) is not.
-    fwd_again = lay.blocks if plan.recompute == "full" else 0
-    big = 4 * lay.blocks + fwd_again + int(lay.first) + int(lay.last)
-    out = [("all_reduce", act, m * big)]
+    fwd = (3 if plan.recompute == "full" else 2) * lay.blocks
+    out = [("all_reduce", act_fwd, m * fwd),
+           ("all_reduce", act, m * (2 * lay.blocks + int(lay.first) + int(lay.last)))]
     if lay.last:
         out.append(("all_reduce", seqs_mb * mcfg.context * 4, 3 * m))
     return out
@@ -516,16 +522,14 @@ def predict(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan, world: int
     # ---- per stage and micro-batch: FLOPs, fixed costs, TP collectives (in every block) --
     a, bw = hw.intra_alpha, hw.intra_bw
     act = seqs_mb * mcfg.context * mcfg.d_model * e
-    per_ar = coll.time_s("all_reduce", "ring", plan.tp, act, a, bw) if plan.tp > 1 else 0.0
-    small = coll.time_s("all_reduce", "ring", plan.tp, seqs_mb * mcfg.context * 4, a, bw) \
-        if plan.tp > 1 else 0.0
+    act_fwd = act / 2 if tcfg.dtype == "bfloat16" else act  # TP exits in the autocast dtype
     stages = []  # (flop_s, fixed_s, tp_s) per micro-batch
     for s in range(plan.pp):
         lay = rank_layout(mcfg, plan, s * plan.dp * plan.tp)
         f, fx = _stage_mb_time(mcfg, plan, lay, tokens_mb, rate, pass_s)
-        # 4 per block (2 forward, 2 backward), 1 at the embedding, 1 + 3 small at the head
-        n_ar = 4 * lay.blocks + int(lay.first) + int(lay.last)
-        stages.append((f, fx, n_ar * per_ar + (3 * small if lay.last else 0.0)))
+        tp_t = sum(k * coll.time_s(op, "ring", plan.tp, n, a, bw)
+                   for op, n, k in _tp_calls(mcfg, plan, lay, act, seqs_mb, act_fwd)) / m
+        stages.append((f, fx, tp_t))
     per_stage = [sum(x) for x in stages]
     v = plan.virtual_stages if plan.schedule == "interleaved" and plan.pp > 1 else 1
     slow = max(range(plan.pp), key=lambda i: per_stage[i])
@@ -541,9 +545,9 @@ def predict(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan, world: int
     lay0 = rank_layout(mcfg, plan, 0)
     tp_wire = 0.0
     if plan.tp > 1:
-        per_block = 5 if plan.recompute == "full" else 4  # see _tp_calls
-        tp_wire = m * per_block * lay0.blocks * coll.wire_bytes("all_reduce", "ring", plan.tp,
-                                                                act)
+        n_fwd = 3 if plan.recompute == "full" else 2  # see _tp_calls
+        per_block = n_fwd * act_fwd + 2 * act
+        tp_wire = m * lay0.blocks * coll.wire_bytes("all_reduce", "ring", plan.tp, per_block)
 
     # ---- pipeline point-to-point ------------------------------------------------------------
     pp_s = pp_wire = 0.0
@@ -559,9 +563,12 @@ def predict(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan, world: int
     mesh = plan.tp > 1 or plan.pp > 1 or plan.recompute != "none"
     if plan.dp > 1:
         payload = dp_payload_bytes(mcfg, plan, tcfg, 0)
+        gather_e = 2 if tcfg.dtype == "bfloat16" else e  # ZeRO-3 gathers what it computes in
+        calls = _dp_calls(mcfg, plan, lay0, e, gather_e)
         dp_wire = dp_sync_wire_bytes(payload, plan.dp, plan.zero, m if plan.pp == 1 else 1) \
             if plan.compress is None else coll.compressed_wire_bytes(plan.dp, payload)
-        calls = _dp_calls(mcfg, plan, lay0, e)
+        if plan.zero == 3 and gather_e != e:  # the systems formula assumes one dtype
+            dp_wire = sum(k * coll.wire_bytes(op, "ring", plan.dp, n) for op, n, k in calls)
         dp_s = sum(k * coll.time_s(op, "ring", plan.dp, n, a, bw) for op, n, k in calls)
         # Buckets that fill before backward ends can hide under it; the last cannot, and a
         # mesh run or overlap off reduces after backward. ZeRO-3 gathers sit in the path.
@@ -579,10 +586,12 @@ def predict(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan, world: int
     for i in range(plan.pp):
         lay_s = rank_layout(mcfg, plan, i * plan.dp * plan.tp)
         c = m * (stages[i][0] + stages[i][1]) + fixed_s
-        c += _comm_cpu(machine, plan, "tp", _tp_calls(mcfg, plan, lay_s, act, seqs_mb))
+        c += _comm_cpu(machine, plan, "tp", _tp_calls(mcfg, plan, lay_s, act, seqs_mb,
+                                                      act_fwd))
         c += _comm_cpu(machine, plan, "pp", _pp_calls(plan, lay_s, act, v))
         if plan.dp > 1:
-            c += _comm_cpu(machine, plan, "dp", _dp_calls(mcfg, plan, lay_s, e))
+            c += _comm_cpu(machine, plan, "dp", _dp_calls(
+                mcfg, plan, lay_s, e, 2 if tcfg.dtype == "bfloat16" else e))
         c += _comm_cpu(machine, plan, "world", [("all_reduce", 8.0, 2)])  # loss, grad norm
         cpu.append(c)
     work = plan.dp * plan.tp * sum(cpu)
