@@ -157,6 +157,11 @@ def _flat(op: str, algorithm: str, p: int, n: float, segments: int | None = None
              "broadcast": 2 * L, "reduce": 2 * L, "all_to_all": L}[op]
     wire = {"all_reduce": 2 * f * n, "reduce_scatter": f * n, "all_gather": f * n,
             "broadcast": 2 * f * n, "reduce": 2 * f * n, "all_to_all": L * n / 2}[op]
+    if op == "reduce" and p > 1:
+        # reduce-scatter, then a binomial gather to the root: the busiest *sender* (the
+        # root's last partner) sends f n + n/2; the root *receives* 2 f n, which is what
+        # bounds the time.
+        return steps, f * n + n / 2, wire
     return steps, wire, wire
 
 
