@@ -241,19 +241,26 @@ def test_every_stage_overlap_accumulation_and_collective_matches_one_process(two
 
 
 def test_float32_stages_match_one_process(two, reference):
+    worst = 0.0
     for z, o, m, c in F32:
         losses, params = two[("float32", z, o, m, c)]
-        assert rel(losses, reference["float32"][0]) < 1e-4, f"zero={z}"
+        r = rel(losses, reference["float32"][0])
+        assert r < 1e-4, f"zero={z}"
         assert param_rel(params, reference["float32"][1]) < 1e-3, f"zero={z}"
+        worst = max(worst, r)
+    print(f"largest float32 loss relative difference: {worst:.2e}")
 
 
 def test_bfloat16_compute_with_fp32_master_matches_within_5e_3(two, reference):
     """Stages 0-2 autocast from FP32 weights like the single process; ZeRO-3 gathers
     BF16 parameters (half the all-gather bytes) and reduces in FP32, so its residual
     stream is BF16: measured differences are ~1.4e-3 relative; the bound is 5e-3."""
+    worst = 0.0
     for z in (0, 1, 2, 3):
         r = two[("bfloat16", z)]
+        worst = max(worst, rel(r["losses"], reference["bfloat16"]))
         assert rel(r["losses"], reference["bfloat16"]) < 5e-3, f"zero={z}"
+    print(f"largest bfloat16 loss relative difference: {worst:.2e}")
     z3 = two[("bfloat16", 3)]  # two bf16 all-gathers + one fp32 reduce-scatter
     assert z3["wire_bytes_per_step"] == pytest.approx(0.5 * (2 * 0.5 + 1) *
                                                       z3["payload_bytes_per_step"])
