@@ -6,10 +6,8 @@ from __future__ import annotations
 
 import pytest
 
+from paratrain.comm import algorithms, cost
 from paratrain.systems import collectives as coll
-
-algorithms = pytest.importorskip("paratrain.comm.algorithms")
-cost = pytest.importorskip("paratrain.comm.cost")
 
 N = 2**4 * 3**2 * 5 * 7 * 11 * 13 * 17  # divisible by every piece count used below
 
@@ -22,15 +20,16 @@ def _cases():
             segs = (1, 2, 7, 8) if (op, alg) in algorithms.SEGMENTED else (None,)
             for p in (1, 2, 3, 5, 8, 12, 16, 17):
                 for seg in segs:
+                    try:  # only the schedules paratrain.comm builds (it refuses the rest)
+                        algorithms.build(op, alg, p, 64, segments=seg)
+                    except ValueError:
+                        continue
                     yield op, alg, p, seg
 
 
 @pytest.mark.parametrize("op, alg, p, seg", list(_cases()))
 def test_formulas_equal_executed_schedules(op, alg, p, seg):
-    try:
-        sched = algorithms.build(op, alg, p, N, segments=seg)
-    except ValueError:
-        pytest.skip("no such schedule")
+    sched = algorithms.build(op, alg, p, N, segments=seg)
     counts = cost.count(sched)
     mine = "naive" if alg == "pairwise" else alg  # pairwise = direct exchange
     assert coll.steps(op, mine, p, segments=seg) == counts.steps
