@@ -19,3 +19,15 @@ def text_file(tmp_path_factory) -> str:
     path = tmp_path_factory.mktemp("data") / "corpus.txt"
     path.write_text("\n".join(parts))
     return str(path)
+
+
+@pytest.fixture(scope="session")
+def paratrain_exe() -> str:
+    """The installed console script, beside this interpreter (no PATH or shim needed)."""
+    import shutil
+    import sys
+
+    here = Path(sys.executable).with_name("paratrain")
+    exe = str(here) if here.exists() else shutil.which("paratrain")
+    assert exe, "the paratrain console script is not installed; run pip install -e '.[dev]'"
+    return exe

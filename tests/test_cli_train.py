@@ -15,10 +15,10 @@ TINY = ["--layers", "2", "--d-model", "32", "--heads", "4", "--d-ff", "64",
         "--context", "32", "--global-batch", "8", "--quiet"]
 
 
-def test_train_steps_5_with_defaults_through_torchrun(tmp_path):
+def test_train_steps_5_with_defaults_through_torchrun(tmp_path, paratrain_exe):
     """README's main job, shortened: 2 workers, default model and corpus."""
     run = tmp_path / "run"
-    r = subprocess.run(["paratrain", "train", "--steps", "5", "--run-dir", str(run)],
+    r = subprocess.run([paratrain_exe, "train", "--steps", "5", "--run-dir", str(run)],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "validation loss" in r.stdout and "unigram baseline" in r.stdout
@@ -74,8 +74,8 @@ def test_bad_input_is_one_line_and_exit_2(capsys, args, fragment):
     assert fragment in err and len(err.splitlines()) == 1, err
 
 
-def test_bad_input_exit_code_from_the_console_script():
-    r = subprocess.run(["paratrain", "train", "--global-batch", "7"], capture_output=True,
+def test_bad_input_exit_code_from_the_console_script(paratrain_exe):
+    r = subprocess.run([paratrain_exe, "train", "--global-batch", "7"], capture_output=True,
                        text=True, timeout=60, env={**os.environ, "COLUMNS": "200"})
     assert r.returncode == 2
     assert r.stderr.strip().startswith("error: global batch 7 is not divisible")

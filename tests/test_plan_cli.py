@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -89,12 +88,10 @@ def test_bad_inputs_exit_2_with_one_line(args, msg, capsys):
     assert err.startswith("error: ") and msg in err and "\n" not in err
 
 
-def test_console_script_is_fast_and_exits_2_on_bad_names():
-    t0 = time.perf_counter()
-    r = subprocess.run(["paratrain", "plan"], capture_output=True, text=True, timeout=60)
+def test_console_script_prints_the_reference_and_exits_2_on_bad_names(paratrain_exe):
+    r = subprocess.run([paratrain_exe, "plan"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and "47.3 %" in r.stdout
-    assert time.perf_counter() - t0 < 5  # well under a second when the machine is idle
-    r = subprocess.run(["paratrain", "plan", "--model", "nope"], capture_output=True,
+    r = subprocess.run([paratrain_exe, "plan", "--model", "nope"], capture_output=True,
                        text=True, timeout=60)
     assert r.returncode == 2 and r.stderr.strip().startswith("error: unknown model 'nope'")
 
