@@ -46,7 +46,6 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import nn
 
-from paratrain.optim import set_lr
 from paratrain.parallel.data import DataParallel
 from paratrain.parallel.ddp_comm import GroupComm, Handle
 from paratrain.parallel.engine import CommStats
@@ -382,15 +381,10 @@ class DDPEngine(DataParallel):
         """Printed by the loop at the start of a run (rank 0)."""
         return self.buckets.layout()
 
-    def clip_and_step(self, lr: float) -> float:
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        clip = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
-        norm = torch.nn.utils.clip_grad_norm_(params, clip, foreach=False)
-        set_lr(self.opt, lr)
-        self.opt.step()
+    def zero_grad(self) -> None:
+        """Gradients are views into the buckets: zero them there, and count the step."""
         self.buckets.zero_grad()
         self.steps_done += 1
-        return float(norm)
 
     def report(self) -> dict:
         return dp_report(self, self.buckets.layout(),

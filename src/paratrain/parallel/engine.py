@@ -89,8 +89,12 @@ class Engine:
         norm = torch.nn.utils.clip_grad_norm_(params, clip, foreach=False)
         set_lr(self.opt, lr)
         self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
+        self.zero_grad()
         return float(norm)
+
+    def zero_grad(self) -> None:
+        """Drop this step's gradients (engines that own gradient storage override it)."""
+        self.opt.zero_grad(set_to_none=True)
 
     # ---- checkpoints: this rank's share of the state -------------------------------
     def state_dict(self) -> dict:
