@@ -35,7 +35,7 @@ def _stdlib_files() -> list[Path]:
 
 
 def _cache_dir() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "paratrain"
+    return Path.home() / ".cache" / "paratrain"  # beside the calibration profile
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
