@@ -344,6 +344,16 @@ def dp_report(engine, layout: str, **extra) -> dict:
             "hidden_s_per_step": [h.hidden_s for h in hist], **extra}
 
 
+def record_step(engine, stats: DPCommStats) -> DPCommStats:
+    """Bill ``stats`` with the bytes ``engine.comm`` sent since the last step and keep it
+    as the engine's last step and in its history."""
+    stats.wire_bytes = engine.comm.bytes_sent - engine._mark
+    engine._mark = engine.comm.bytes_sent
+    engine.last = stats
+    engine.history.append(stats)
+    return stats
+
+
 def BucketedAllReduce(params, group=None, bucket_mb: float = 25.0, overlap: bool = True,
                       impl: str = "native") -> GradBuckets:
     """DDP's reducer on ``group``: summed gradients in ``p.grad`` after ``finish()``."""

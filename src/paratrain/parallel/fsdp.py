@@ -51,7 +51,7 @@ from torch import nn
 
 from paratrain.config import TrainConfig
 from paratrain.parallel.data import DataParallel
-from paratrain.parallel.ddp import DPCommStats, _union_inside, dp_report
+from paratrain.parallel.ddp import DPCommStats, _union_inside, dp_report, record_step
 from paratrain.parallel.ddp_comm import GroupComm, Handle
 from paratrain.parallel.zero import FlatShard, ShardedAdamW, owned_segments
 
@@ -336,12 +336,7 @@ class FSDPEngine(DataParallel):
         return loss
 
     def reduce_gradients(self) -> DPCommStats:
-        stats = self.fs.finish()
-        stats.wire_bytes = self.comm.bytes_sent - self._mark
-        self._mark = self.comm.bytes_sent
-        self.last = stats
-        self.history.append(stats)
-        return stats
+        return record_step(self, self.fs.finish())
 
     def describe_layout(self) -> str:
         """Printed by the loop at the start of a run (rank 0)."""

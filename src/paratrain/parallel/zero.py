@@ -47,7 +47,7 @@ from torch import nn
 from paratrain.config import TrainConfig
 from paratrain.optim import set_lr
 from paratrain.parallel.data import DataParallel
-from paratrain.parallel.ddp import DPCommStats, GradBuckets, dp_report
+from paratrain.parallel.ddp import DPCommStats, GradBuckets, dp_report, record_step
 from paratrain.parallel.ddp_comm import GroupComm
 
 
@@ -232,11 +232,7 @@ class ZeroEngine(DataParallel):
         # the previous step's parameter all-gather belongs to this step's bill
         stats.seconds += self._exposed + self.zo.gather_s
         self._exposed = 0.0
-        stats.wire_bytes = self.comm.bytes_sent - self._mark
-        self._mark = self.comm.bytes_sent
-        self.last = stats
-        self.history.append(stats)
-        return stats
+        return record_step(self, stats)
 
     def describe_layout(self) -> str:
         """Printed by the loop at the start of a run (rank 0)."""

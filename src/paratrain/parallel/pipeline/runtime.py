@@ -132,8 +132,8 @@ class ActivationMeter:
             try:
                 ptr = t.untyped_storage().data_ptr()
                 size = t.untyped_storage().nbytes()
-            except (RuntimeError, NotImplementedError):
-                return t
+            except (RuntimeError, NotImplementedError):  # no plain storage (e.g. sparse)
+                return t  # nothing to count; autograd keeps it as is
             if ptr not in seen and ptr not in self.param_ptrs:
                 seen.add(ptr)
                 self.live[key] += size
