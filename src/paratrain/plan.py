@@ -135,7 +135,7 @@ class ParallelPlan:
 
     def check_runtime(self, model: ModelConfig) -> None:
         """Combinations the paratrain runtime refuses although the systems model can price
-        them (parallel/hybrid.py says why); call before launching a training run."""
+        them (parallel/mesh_engine.py says why); call before launching a training run."""
         _require(
             not (self.pp > 1 and model.tie_embeddings),
             f"tied embeddings with pp={self.pp} are not supported (embedding and head live "
@@ -147,11 +147,14 @@ class ParallelPlan:
             "would not defer weight gradients); use --recompute none or another schedule",
         )
         _require(
-            self.zero == 0 or (self.zero == 1 and self.tp == 1)
-            or (self.tp == 1 and self.pp == 1 and self.recompute == "none"),
-            f"zero={self.zero} with tp={self.tp}, pp={self.pp}, recompute={self.recompute}: "
-            "only ZeRO-1 with tp=1 composes with model parallelism or recompute; use --zero 0 "
-            "or --zero 1 --tp 1",
+            self.compress is None or self.zero == 0,
+            f"--compress {self.compress} works with --zero 0 only (compressed gradients are "
+            "all-gathered, not reduce-scattered); drop one",
+        )
+        _require(
+            self.cp == 1 and self.ep == 1,
+            f"cp={self.cp}, ep={self.ep}: context and expert parallelism are reserved mesh "
+            "axes, not implemented yet; use --cp 1 --ep 1",
         )
 
     def replace(self, **changes) -> ParallelPlan:

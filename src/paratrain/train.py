@@ -229,7 +229,7 @@ def train(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan | None = None
     if rank == 0 and not opts.quiet:
         print(format_report(summary["memory"]))
         if summary["model_parallel"]:
-            from paratrain.parallel.hybrid import format_model_parallel
+            from paratrain.parallel.mesh_report import format_model_parallel
 
             print(format_model_parallel(summary["model_parallel"]))
         from paratrain.predict import format_prediction

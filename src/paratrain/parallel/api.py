@@ -15,44 +15,26 @@ def build_engine(model: nn.Module, cfg: TrainConfig, plan: ParallelPlan,
                  device: torch.device, simulate_workers: int = 1) -> Engine:
     """Apply the plan to ``model`` (in place) and return the engine that trains it.
 
-    Data parallelism (issue 5): ``zero`` 0 -> bucketed, overlapped all-reduce
-    (:mod:`ddp`); 1/2 -> sharded optimizer state / gradients (:mod:`zero`); 3 -> FSDP
-    units (:mod:`fsdp`); ``compress`` -> top-k with error feedback (:mod:`compress`,
-    zero 0 only). One process (or ``--simulate-workers``): sharding over one rank is the
-    unsharded arithmetic, so every stage runs as the plain engine (numerically the same;
-    tested).
+    One process: the plain :class:`Engine` (sharding over one rank is the unsharded
+    arithmetic), or :class:`SimulatedWorkers` for ``--simulate-workers``. Several
+    processes: :class:`~paratrain.parallel.mesh_engine.MeshEngine`, whatever the layout
+    — pipeline split, tensor/sequence, recompute, then data parallelism / ZeRO /
+    compression on the dp axis, in that order. A pure data-parallel run is the same
+    engine with tp = pp = 1.
     """
-    if plan.compress is not None and plan.zero != 0:
-        raise ValueError(f"--compress {plan.compress} works with --zero 0 only (compressed "
-                         f"gradients are all-gathered, not reduce-scattered); drop one")
-    if plan.tp > 1 or plan.pp > 1 or plan.recompute != "none" or plan.cp > 1 or plan.ep > 1:
-        # Model parallelism (issue 6): pipeline split, tensor/sequence, recompute, then
-        # data/ZeRO-1 over the mesh's dp axis, in that order (parallel/hybrid.py); it
-        # refuses the reserved cp/ep axes with one line rather than ignoring them.
-        if simulate_workers > 1:
-            raise ValueError("--simulate-workers is data-parallel only; drop it with "
-                             "--tp/--pp/--recompute")
-        from paratrain.parallel.hybrid import MeshEngine
+    plan.check_runtime(model.cfg)
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    if simulate_workers > 1:
+        if plan.tp > 1 or plan.pp > 1 or plan.recompute != "none" or plan.compress:
+            raise ValueError("--simulate-workers is plain data parallelism in one process; "
+                             "drop it with --tp/--pp/--recompute/--compress")
+        return SimulatedWorkers(model, cfg, device, simulate_workers)
+    if world > 1:
+        from paratrain.parallel.mesh_engine import MeshEngine
 
         return MeshEngine(model, cfg, plan, device)
-    if simulate_workers > 1:
-        if plan.compress is not None:
-            raise ValueError("--compress needs real workers; drop --simulate-workers")
-        return SimulatedWorkers(model, cfg, device, simulate_workers)
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        if plan.compress is not None:
-            from paratrain.parallel.compress import CompressedDataParallel
+    if plan.recompute != "none":
+        from paratrain.parallel.recompute import apply_recompute
 
-            return CompressedDataParallel(model, cfg, device, plan)
-        if plan.zero == 3:
-            from paratrain.parallel.fsdp import FSDPEngine
-
-            return FSDPEngine(model, cfg, device, plan)
-        if plan.zero in (1, 2):
-            from paratrain.parallel.zero import ZeroEngine
-
-            return ZeroEngine(model, cfg, device, plan)
-        from paratrain.parallel.ddp import DDPEngine
-
-        return DDPEngine(model, cfg, device, plan)
+        apply_recompute(model.blocks, plan.recompute)
     return Engine(model, cfg, device)

@@ -5,7 +5,7 @@ Public API (composable: any parameter list, any group)::
     tk = TopKCompressor(params, group, k=16, impl="native")
     stats = tk.reduce()        # after backward: p.grad <- sum over ranks of the sparse picks
 
-    CompressedDataParallel(model, cfg, device, plan, group=None)   # the Engine
+The dp-axis transform (:mod:`.data_axis`) uses it for ``--zero 0 --compress topk:K``.
 
 Each rank adds its carried residual to its gradient, keeps the ``n // k`` entries of
 largest magnitude (values and int32 indices) and carries the rest into the next step
@@ -23,7 +23,6 @@ import time
 
 import torch
 
-from paratrain.parallel.data import DataParallel
 from paratrain.parallel.ddp import DPCommStats
 from paratrain.parallel.ddp_comm import GroupComm
 
@@ -87,33 +86,3 @@ class TopKCompressor:
                  self.k, payload, wire, wire / payload, dense_wire)
         return DPCommStats(seconds=time.perf_counter() - t0, payload_bytes=payload,
                            wire_bytes=wire)
-
-
-class CompressedDataParallel(DataParallel):
-    """Data parallel with top-k compressed, all-gathered gradients (after backward)."""
-
-    def __init__(self, model, cfg, device, plan, group=None) -> None:
-        super().__init__(model, cfg, device, group)
-        self.tk = TopKCompressor(model.parameters(), group, parse_topk(plan.compress),
-                                 plan.collectives)
-
-    def reduce_gradients(self) -> DPCommStats:
-        return self.tk.reduce()
-
-    def describe_layout(self) -> str:
-        """Printed by the loop at the start of a run (rank 0)."""
-        tk = self.tk
-        return (f"top-{tk.k} compression: {tk.keep:,} of {tk.n:,} gradient entries per rank "
-                f"and step (values + int32 indices), all-gathered over {tk.comm.size} ranks, "
-                "error feedback on")
-
-    def report(self) -> dict:
-        return {"compression": self.tk.history, "wire_bytes_total": self.tk.comm.bytes_sent,
-                "steps": len(self.tk.history)}
-
-    def state_tensors(self) -> dict[str, list[torch.Tensor]]:
-        return {"params": list(self.model.parameters()),
-                "grads": [p.grad for p in self.model.parameters() if p.grad is not None],
-                "optimizer": [t for st in self.opt.state.values() for t in st.values()
-                              if torch.is_tensor(t) and t.dim() > 0],
-                "comm_buffers": [self.tk.residual]}

@@ -11,7 +11,6 @@ axis and one pipeline stage's possibly tensor-sharded parameters)::
     ... clip, optimizer.step() ...
     buckets.zero_grad()                 # zero the flat buffers (and rebuild once, below)
 
-    DDPEngine(model, cfg, device, plan, group=None)  # the Engine the plan selects for zero=0
 
 How it works (after PyTorch's reducer, Li et al. 2020, "PyTorch Distributed"):
 
@@ -41,12 +40,11 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from paratrain.parallel.data import DataParallel
 from paratrain.parallel.ddp_comm import GroupComm, Handle
 from paratrain.parallel.engine import CommStats
 
@@ -63,6 +61,14 @@ class DPCommStats(CommStats):
     hidden_s: float = 0.0  # communication that ran while backward was still computing
     buckets: int = 0  # collectives launched for this step
     launched_early: int = 0  # of which launched from backward hooks
+
+    def merge(self, other: DPCommStats) -> DPCommStats:
+        """Two reducers' stats of one step as one (times and counts add)."""
+        return DPCommStats(self.seconds + other.seconds,
+                           self.payload_bytes + other.payload_bytes,
+                           self.wire_bytes + other.wire_bytes, self.hidden_s + other.hidden_s,
+                           self.buckets + other.buckets,
+                           self.launched_early + other.launched_early)
 
 
 def _union_inside(intervals: list[tuple[float, float]], end: float) -> float:
@@ -273,6 +279,14 @@ class GradBuckets:
             return self._finish_all()
         return None
 
+    def launch_all(self) -> None:
+        """Launch every bucket not yet in flight (a pipeline chunk whose backward is
+        over for all micro-batches: its reduction overlaps the rest of the step)."""
+        if self.overlap:
+            for b in self.buckets:
+                if b.handle is None and b.grad is not None:
+                    self._launch(b, early=True)
+
     def finish(self) -> DPCommStats:
         """After the last micro-step's backward: reduce whatever is not yet in flight,
         wait for all, and report exposed vs hidden time and bytes."""
@@ -333,70 +347,7 @@ class GradBuckets:
         self._hooks = []
 
 
-def dp_report(engine, layout: str, **extra) -> dict:
-    """What a data-parallel engine tells the run summary: its layout, the bytes it sent,
-    and the last step's communication (exposed, hidden, buckets launched early)."""
-    last = getattr(engine, "last", None)
-    hist = getattr(engine, "history", [])
-    return {"bucket_layout": layout, "wire_bytes_total": engine.comm.bytes_sent,
-            "steps": engine.steps_done, "last_step": asdict(last) if last else None,
-            "exposed_s_per_step": [h.seconds for h in hist],
-            "hidden_s_per_step": [h.hidden_s for h in hist], **extra}
-
-
-def record_step(engine, stats: DPCommStats) -> DPCommStats:
-    """Bill ``stats`` with the bytes ``engine.comm`` sent since the last step and keep it
-    as the engine's last step and in its history."""
-    stats.wire_bytes = engine.comm.bytes_sent - engine._mark
-    engine._mark = engine.comm.bytes_sent
-    engine.last = stats
-    engine.history.append(stats)
-    return stats
-
-
 def BucketedAllReduce(params, group=None, bucket_mb: float = 25.0, overlap: bool = True,
                       impl: str = "native") -> GradBuckets:
     """DDP's reducer on ``group``: summed gradients in ``p.grad`` after ``finish()``."""
     return GradBuckets(params, GroupComm(group, impl), bucket_mb, overlap, "all_reduce")
-
-
-class DDPEngine(DataParallel):
-    """``--zero 0``: bucketed, overlapped all-reduce; accumulation without communication
-    on all but the last micro-step (counted against ``plan.micro_batches``)."""
-
-    def __init__(self, model, cfg, device, plan, group=None) -> None:
-        super().__init__(model, cfg, device, group)
-        self.comm = GroupComm(group, plan.collectives)
-        self.buckets = GradBuckets(model.parameters(), self.comm, plan.bucket_mb,
-                                   plan.overlap, "all_reduce")
-        self.micro_batches = plan.micro_batches if plan.pp == 1 else 1
-        self._micro = 0
-        self.steps_done = 0
-        self.history: list[DPCommStats] = []
-
-    def forward_backward(self, x_BT, y_BT, n_tokens_global: int) -> float:
-        self._micro += 1
-        self.buckets.set_sync(self._micro >= self.micro_batches)
-        loss = super().forward_backward(x_BT, y_BT, n_tokens_global)
-        self.buckets.end_backward()
-        return loss
-
-    def reduce_gradients(self) -> DPCommStats:
-        self._micro = 0
-        self.last = self.buckets.finish()
-        self.history.append(self.last)
-        return self.last
-
-    def describe_layout(self) -> str:
-        """Printed by the loop at the start of a run (rank 0)."""
-        return self.buckets.layout()
-
-    def zero_grad(self) -> None:
-        """Gradients are views into the buckets: zero them there, and count the step."""
-        self.buckets.zero_grad()
-        self.steps_done += 1
-
-    def report(self) -> dict:
-        return dp_report(self, self.buckets.layout(),
-                         rebuilt=self.buckets.rebuilt,
-                         follows_ready_order=self.buckets.layout_follows_observed_order())

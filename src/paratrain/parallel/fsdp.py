@@ -3,13 +3,13 @@
 Public API (composable: any list of module groups, e.g. one pipeline stage's blocks,
 any group, e.g. a mesh's ``dp`` axis)::
 
-    fs = FullyShard(units, group, cfg, impl="native", param_dtype=None, reduce_dtype=None)
+    fs = FullyShard(units, group, cfg, impl="native", param_dtype=None, reduce_dtype=None,
+                    overlap=True, deferred=False, unit_chunks=None, counted=...)
          # units: list of module lists in forward order, e.g. default_units(model)
-    loss.backward(); fs.end_backward()     # per micro-step
+    loss.backward(); fs.end_backward()     # per micro-step (no pipeline)
+    fs.launch_chunk(c)                      # pipeline: chunk c's backward is over
     stats = fs.finish()                     # wait for the last reduce-scatters
-    norm = fs.step(lr)                      # global-norm clip, AdamW on the owned shards
-
-    FSDPEngine(model, cfg, device, plan, group=None)   # the Engine for --zero 3
+    fs.prepare_step(); fs.adam.local_sq(); fs.adam.scale(coef); fs.step(lr)
 
 Life of a unit (Zhao et al. 2023, "PyTorch FSDP"; Rajbhandari et al. 2020, ZeRO-3):
 
@@ -36,6 +36,16 @@ Life of a unit (Zhao et al. 2023, "PyTorch FSDP"; Rajbhandari et al. 2020, ZeRO-
   and computed with; gradients are reduce-scattered in ``reduce_dtype`` (default: the
   master dtype, FP32; BF16 halves those bytes at some accuracy) and the update is done
   in the FP32 master dtype of the shards.
+- Under a pipeline (``deferred``, FSDP2's ``reshard_after_forward=False`` with gradient
+  sync on the last micro-batch only, as torchtitan runs FSDP x PP): a unit is gathered
+  at its first forward of the step and stays gathered; gradients accumulate over the
+  micro-batches in the unit's flat buffer; when the chunk's last backward is done
+  (:meth:`launch_chunk`) each unit is reduce-scattered once and freed. Wire bytes per
+  step: 2(p-1)/p x payload whatever the micro-batch count (resharding after every
+  forward would pay 3(p-1)/p per micro-batch instead); the price is that a stage holds
+  its full parameters and gradients during the step (reported as communication
+  buffers), 1/p of them at rest.
+- ``overlap=False``: no prefetch, and each reduce-scatter is waited for at once.
 - A parameter shared by two units (tied embeddings) is refused by :class:`FullyShard`;
   :func:`default_units` merges the embedding and the head into one root unit instead,
   gathered from the embedding's forward to the head's and again for the whole backward.
@@ -50,8 +60,7 @@ import torch
 from torch import nn
 
 from paratrain.config import TrainConfig
-from paratrain.parallel.data import DataParallel
-from paratrain.parallel.ddp import DPCommStats, _union_inside, dp_report, record_step
+from paratrain.parallel.ddp import DPCommStats, _union_inside
 from paratrain.parallel.ddp_comm import GroupComm, Handle
 from paratrain.parallel.zero import FlatShard, ShardedAdamW, owned_segments
 
@@ -59,13 +68,15 @@ MAX_IN_FLIGHT = 2  # units' gradient reduce-scatters in flight at once
 
 
 def default_units(model: nn.Module) -> list[list[nn.Module]]:
-    """The Decoder's units in forward order: embedding, each block, (final norm, head);
-    with tied embeddings the embedding joins the head's unit (one root unit, first)."""
-    emb, head = [model.tok_emb], [model.norm, model.head]
+    """The units of a Decoder or a pipeline chunk (same attribute names, absent parts
+    None) in forward order: embedding, each block, (final norm, head); with tied
+    embeddings the embedding joins the head's unit (one root unit, first)."""
+    emb = [model.tok_emb] if model.tok_emb is not None else []
+    head = [model.norm, model.head] if model.head is not None else []
     blocks = [[b] for b in model.blocks]
-    if model.head.weight is model.tok_emb.weight:
+    if emb and head and model.head.weight is model.tok_emb.weight:
         return [emb + head, *blocks]
-    return [emb, *blocks, head]
+    return [u for u in (emb, *blocks, head) if u]
 
 
 @dataclass
@@ -86,6 +97,7 @@ class Unit:
     grad_full: torch.Tensor | None = None  # (padded,) this backward's gradients
     ready: int = 0
     index: dict = field(default_factory=dict)
+    chunk: int = 0  # the pipeline chunk (virtual stage of this rank) the unit belongs to
 
 
 class FullyShard:
@@ -93,8 +105,12 @@ class FullyShard:
 
     def __init__(self, units: list[list[nn.Module]], group, cfg: TrainConfig,
                  impl: str = "native", param_dtype: torch.dtype | None = None,
-                 reduce_dtype: torch.dtype | None = None) -> None:
+                 reduce_dtype: torch.dtype | None = None, overlap: bool = True,
+                 deferred: bool = False, unit_chunks: list[int] | None = None,
+                 counted=lambda q: True) -> None:
         self.comm = GroupComm(group, impl)
+        self.overlap, self.deferred = overlap, deferred
+        unit_chunks = unit_chunks or [0] * len(units)
         p, r = self.comm.size, self.comm.rank
         owner: dict[int, int] = {}
         self.units: list[Unit] = []
@@ -110,6 +126,7 @@ class FullyShard:
                         owner[id(q)] = i
                         params.append(q)
             self.units.append(self._make_unit(f"unit{i}", mods, params, p, r))
+            self.units[-1].chunk = unit_chunks[i]
         self.master_dtype = self.units[0].shard.dtype
         self.param_dtype = param_dtype or self.master_dtype
         self.reduce_dtype = reduce_dtype or self.master_dtype
@@ -133,9 +150,9 @@ class FullyShard:
                                               owned_segments(u.params, u.offsets,
                                                              r * (u.padded // p),
                                                              (r + 1) * (u.padded // p),
-                                                             u.shapes))
+                                                             u.shapes, counted))
                              for u in self.units if u.n_trainable}
-        self.adam = ShardedAdamW(list(self._flat_shards.values()), self.comm, cfg)
+        self.adam = ShardedAdamW(list(self._flat_shards.values()), cfg)
         self._fwd_order: list[Unit] = []
         self._inflight: list[Handle] = []  # reduce-scatters launched, not yet waited
         self._retired: list[tuple[float, float]] = []  # (launch, done) of waited ones
@@ -163,8 +180,11 @@ class FullyShard:
         return u
 
     def layout(self) -> str:
+        how = ("gathered once per step, reduced per chunk" if self.deferred else
+               "gathered per forward and backward")
         lines = [f"{len(self.units)} FSDP units over {self.comm.size} ranks "
-                 f"(gather dtype {self.param_dtype}, prefetch 1 ahead):"]
+                 f"(gather dtype {self.param_dtype}, {how}, prefetch "
+                 f"{'1 ahead' if self.overlap else 'off'}):"]
         for u in self.units:
             kinds = ", ".join(type(m).__name__ for m in u.modules)
             lines.append(f"  {u.name}: [{kinds}] {len(u.params)} params, {u.numel} elements, "
@@ -205,12 +225,15 @@ class FullyShard:
     # ---- hooks ----------------------------------------------------------------------
     def _pre_forward(self, u: Unit) -> None:
         self._ensure(u)
-        i = self.units.index(u)
-        if i + 1 < len(self.units):
+        i = self.units.index(u)  # prefetch the next unit of the same chunk
+        if self.overlap and i + 1 < len(self.units) and self.units[i + 1].chunk == u.chunk:
             self._launch_gather(self.units[i + 1])
 
     def _post_forward(self, u: Unit, out) -> None:
-        if torch.is_grad_enabled() and torch.is_tensor(out) and out.requires_grad:
+        training = torch.is_grad_enabled() and torch.is_tensor(out) and out.requires_grad
+        if training and self.deferred:
+            return  # stays gathered until its chunk is reduced
+        if training:
             self._fwd_order.append(u)
             out.register_hook(lambda _g, u=u: self._pre_backward(u))
         self._free(u)
@@ -219,10 +242,13 @@ class FullyShard:
         self._ensure(u)
         order = self._fwd_order[::-1]
         i = order.index(u)
-        if i + 1 < len(order) and order[i + 1].ready < order[i + 1].n_trainable:
+        if self.overlap and i + 1 < len(order) \
+                and order[i + 1].ready < order[i + 1].n_trainable:
             self._launch_gather(order[i + 1])
 
     def _on_grad(self, u: Unit, q: nn.Parameter) -> None:
+        if q.grad is None:  # a deferred weight gradient (zero bubble): swept later
+            return
         if u.grad_full is None:
             u.grad_full = torch.zeros(u.padded, dtype=self.reduce_dtype, device=u.shard.device)
             self._note_peak()
@@ -230,10 +256,33 @@ class FullyShard:
         u.grad_full[off:off + q.numel()].add_(q.grad.reshape(-1))
         q.grad = None
         u.ready += 1
-        if u.ready == u.n_trainable:
+        if u.ready == u.n_trainable and not self.deferred:
             self._reduce(u)
             if not u.has_frozen:
                 self._free(u)
+
+    def _sweep(self, u: Unit) -> None:
+        """Gradients assigned without autograd's accumulation (the zero-bubble
+        schedule's deferred weight gradients) join the unit's flat buffer."""
+        for q in u.params:
+            if q.requires_grad and q.grad is not None:
+                self._on_grad(u, q)
+
+    def launch_chunk(self, c: int) -> None:
+        """Pipeline: chunk ``c``'s backward is over for every micro-batch; reduce its
+        units now (overlapping the rest of the step) and free their parameters."""
+        if self.overlap:
+            for u in self.units:
+                if u.chunk == c:
+                    self._close(u)
+
+    def _close(self, u: Unit) -> None:
+        self._sweep(u)
+        if u.grad_full is not None:
+            self._reduce(u)
+        if u.gathered or u.gather is not None:
+            self._free(u)
+        u.ready = 0
 
     def _reduce(self, u: Unit) -> None:
         out = torch.empty_like(u.shard, dtype=self.reduce_dtype)
@@ -242,9 +291,15 @@ class FullyShard:
         h.nbytes = u.grad_full.numel() * u.grad_full.element_size()
         self._inflight.append(h)
         u.grad_full = None  # the handle keeps the buffer alive until sent
+        if not self.overlap:
+            self._retire(0)
+            return
         # At most MAX_IN_FLIGHT units' full gradients exist at once: wait for the oldest
         # (usually long done: it was launched one unit of backward ago).
-        while len(self._inflight) > MAX_IN_FLIGHT:
+        self._retire(MAX_IN_FLIGHT)
+
+    def _retire(self, window: int) -> None:
+        while len(self._inflight) > window:
             old = self._inflight.pop(0)
             t0 = time.perf_counter()
             old.wait()
@@ -272,6 +327,9 @@ class FullyShard:
         self._fwd_order = []
 
     def finish(self) -> DPCommStats:
+        if self.deferred:
+            for u in self.units:
+                self._close(u)
         t_end = time.perf_counter()
         intervals, self._retired = self._retired, []
         for h in self._inflight:
@@ -286,17 +344,22 @@ class FullyShard:
         self.wait_s = 0.0
         return stats
 
-    def step(self, lr: float) -> float:
+    def prepare_step(self) -> None:
+        """Show the optimizer this step's reduced gradient shards."""
         for u in self.units:
             if u.n_trainable:
                 self._flat_shards[id(u)].grad = u.grad_shard
-        norm = self.adam.clip_and_step(lr)
-        for u in self.units:  # gradient shards are freed until the next backward
+        self.adam.bind_grads()
+
+    def step(self, lr: float) -> None:
+        """AdamW on the owned shards (already clipped), then free the gradient shards
+        until the next backward."""
+        self.adam.step(lr)
+        for u in self.units:
             u.grad_shard = None
             if u.n_trainable:
                 self._flat_shards[id(u)].grad = None
         self.adam.bind_grads()
-        return norm
 
     @torch.no_grad()
     def full_parameters(self) -> dict[int, torch.Tensor]:
@@ -314,54 +377,3 @@ class FullyShard:
         return {"params": [u.shard for u in self.units],
                 "grads": [u.grad_shard for u in self.units if u.grad_shard is not None],
                 "optimizer": self.adam.state_tensors()}
-
-
-class FSDPEngine(DataParallel):
-    """``--zero 3`` on the data-parallel group, units from :func:`default_units`."""
-
-    def __init__(self, model, cfg, device, plan, group=None) -> None:
-        super().__init__(model, cfg, device, group)
-        pdt = torch.bfloat16 if cfg.dtype == "bfloat16" else None
-        self.fs = FullyShard(default_units(model), group, cfg, plan.collectives, pdt)
-        self.autocast = self.autocast and pdt is None
-        self.opt = self.fs.adam.opt
-        self.comm = self.fs.comm
-        self._mark = 0.0
-        self.steps_done = 0
-        self.history: list[DPCommStats] = []
-
-    def forward_backward(self, x_BT, y_BT, n_tokens_global: int) -> float:
-        loss = super().forward_backward(x_BT, y_BT, n_tokens_global)
-        self.fs.end_backward()
-        return loss
-
-    def reduce_gradients(self) -> DPCommStats:
-        return record_step(self, self.fs.finish())
-
-    def describe_layout(self) -> str:
-        """Printed by the loop at the start of a run (rank 0)."""
-        return "ZeRO-3: " + self.fs.layout()
-
-    def clip_and_step(self, lr: float) -> float:
-        self.steps_done += 1
-        return self.fs.step(lr)
-
-    def state_tensors(self) -> dict[str, list[torch.Tensor]]:
-        return self.fs.state_tensors()
-
-    def full_parameters(self) -> dict[str, torch.Tensor]:
-        """Name -> full parameter value (collective)."""
-        by_id = self.fs.full_parameters()
-        return {n: by_id[id(q)] for n, q in self.model.named_parameters()}
-
-    def report(self) -> dict:
-        return dp_report(self, self.fs.layout())
-
-    def state_dict(self) -> dict:
-        return {"shards": [u.shard for u in self.fs.units], "optim": self.opt.state_dict()}
-
-    @torch.no_grad()
-    def load_state_dict(self, state: dict) -> None:
-        for u, s in zip(self.fs.units, state["shards"], strict=True):
-            u.shard.copy_(s)
-        self.opt.load_state_dict(state["optim"])

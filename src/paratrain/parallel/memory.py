@@ -106,15 +106,7 @@ def measure_states(engine) -> dict[str, int]:
                             if torch.is_tensor(t) and t.dim() > 0]}
     out = {k: storage_bytes(st.get(k, [])) for k in ("params", "grads", "optimizer")}
     out["comm_buffers"] = storage_bytes(st.get("comm_buffers", []))
-    for holder in (engine, getattr(engine, "fs", None), getattr(engine, "zo", None)):
-        if holder is None:
-            continue
-        peak = getattr(holder, "gathered_peak", None)
-        buckets = getattr(holder, "buckets", None)
-        if peak is None and buckets is not None:
-            peak = getattr(buckets, "comm_buffer_peak", None)
-        if peak:
-            out["comm_buffers"] += int(peak)
+    out["comm_buffers"] += int(getattr(engine, "comm_buffer_peak", 0) or 0)
     return out
 
 

@@ -41,28 +41,28 @@ import time
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from paratrain.config import TrainConfig
 from paratrain.optim import set_lr
-from paratrain.parallel.data import DataParallel
-from paratrain.parallel.ddp import DPCommStats, GradBuckets, dp_report, record_step
+from paratrain.parallel.ddp import DPCommStats, GradBuckets
 from paratrain.parallel.ddp_comm import GroupComm
 
 
 @dataclass
 class FlatShard:
     """One owned chunk: ``master_S`` (updated in place), ``grad_S`` (reduced gradient),
-    ``segments``: (start, end, decays) per parameter piece inside the chunk."""
+    ``segments``: (start, end, decays, counted) per parameter piece inside the chunk;
+    ``counted`` is False for a piece another rank also holds (a tensor-parallel
+    replicated norm gain on tp rank > 0), which the global norm must count once."""
 
     master: torch.Tensor
     grad: torch.Tensor | None
-    segments: list[tuple[int, int, bool]]
+    segments: list[tuple[int, int, bool, bool]]
 
 
-def owned_segments(params, offsets, lo: int, hi: int,
-                   shapes=None) -> list[tuple[int, int, bool]]:
+def owned_segments(params, offsets, lo: int, hi: int, shapes=None,
+                   counted=lambda p: True) -> list[tuple[int, int, bool, bool]]:
     """Pieces of ``params`` (at ``offsets`` in a flat buffer) inside [lo, hi), relative to
     ``lo``; matrices decay, vectors do not (as :func:`paratrain.optim.param_groups`).
     ``shapes`` overrides the parameters' own (FSDP frees them at rest)."""
@@ -71,25 +71,28 @@ def owned_segments(params, offsets, lo: int, hi: int,
     for p, off, shape in zip(params, offsets, shapes, strict=True):
         a, b = max(off, lo), min(off + shape.numel(), hi)
         if a < b and p.requires_grad:
-            out.append((a - lo, b - lo, len(shape) >= 2))
+            out.append((a - lo, b - lo, len(shape) >= 2, counted(p)))
     return out
 
 
 class ShardedAdamW:
     """AdamW over owned flat chunks. Each segment becomes an ``nn.Parameter`` aliasing
     the master chunk, with a gradient aliasing the reduced chunk, so torch's own
-    (per-tensor, foreach=False) AdamW does elementwise exactly what it does unsharded."""
+    (per-tensor, foreach=False) AdamW does elementwise exactly what it does unsharded.
 
-    def __init__(self, shards: list[FlatShard], comm: GroupComm, cfg: TrainConfig) -> None:
+    The global gradient norm spans more than this group (tensor and pipeline shards
+    live on other ranks), so this class only gives its share, :meth:`local_sq`; the
+    engine sums the shares over the world and clips with :meth:`scale`."""
+
+    def __init__(self, shards: list[FlatShard], cfg: TrainConfig) -> None:
         self.shards = shards
-        self.comm = comm
         self.cfg = cfg
         decay, no_decay = [], []
-        self._segs: list[tuple[nn.Parameter, FlatShard, int, int]] = []
+        self._segs: list[tuple[nn.Parameter, FlatShard, int, int, bool]] = []
         for s in shards:
-            for a, b, dec in s.segments:
+            for a, b, dec, counted in s.segments:
                 p = nn.Parameter(s.master[a:b])
-                self._segs.append((p, s, a, b))
+                self._segs.append((p, s, a, b, counted))
                 (decay if dec else no_decay).append(p)
         self.bind_grads()
         self.opt = torch.optim.AdamW(
@@ -101,33 +104,29 @@ class ShardedAdamW:
         """Point each segment's ``.grad`` at its shard's current gradient chunk (None
         when the shard has none: the segment is skipped, as torch skips grad-less
         parameters). Shards whose gradient is allocated per step (FSDP) call this."""
-        for p, s, a, b in self._segs:
+        for p, s, a, b, _ in self._segs:
             p.grad = None if s.grad is None else s.grad[a:b]
 
     @torch.no_grad()
-    def global_norm(self) -> torch.Tensor:
-        """sqrt of the sum over ranks of the owned chunks' squared gradients."""
+    def local_sq(self) -> torch.Tensor:
+        """Sum of squares (float64) of the owned, counted gradient pieces."""
         sq = torch.zeros((), dtype=torch.float64)
-        for s in self.shards:
-            if s.grad is not None:
-                sq += s.grad.double().pow(2).sum().cpu()
-        if self.comm.size > 1:  # a scalar: native, and not counted as gradient traffic
-            sq = sq.to(self.shards[0].master.device) if self.shards else sq
-            dist.all_reduce(sq, group=self.comm.group)
-        return sq.sqrt()
+        for p, _, _, _, counted in self._segs:
+            if counted and p.grad is not None:
+                sq += p.grad.double().pow(2).sum().cpu()
+        return sq
 
     @torch.no_grad()
-    def clip_and_step(self, lr: float) -> float:
-        self.bind_grads()
-        norm = self.global_norm()
-        if self.cfg.grad_clip > 0:
-            coef = min(1.0, self.cfg.grad_clip / (float(norm) + 1e-6))
+    def scale(self, coef: float) -> None:
+        if coef != 1.0:
             for s in self.shards:
                 if s.grad is not None:
                     s.grad.mul_(coef)
+
+    @torch.no_grad()
+    def step(self, lr: float) -> None:
         set_lr(self.opt, lr)
         self.opt.step()
-        return float(norm)
 
     def state_tensors(self) -> list[torch.Tensor]:
         return [t for st in self.opt.state.values() for t in st.values()
@@ -135,22 +134,36 @@ class ShardedAdamW:
 
 
 class ZeroOptimizer:
-    """ZeRO-1/2 for ``params`` on ``group``: flat parameter buckets, bucketed
-    reduce-scatter overlapped with backward, sharded AdamW, all-gather of parameters."""
+    """ZeRO-1/2 on ``group`` for ``param_lists`` (one list per pipeline chunk; each gets
+    its own buckets, so a chunk can be reduced as soon as its backward is over): flat
+    parameter buckets, bucketed reduce-scatter overlapped with backward, one sharded
+    AdamW over every owned chunk, all-gather of parameters after the update.
 
-    def __init__(self, params, group, stage: int, cfg: TrainConfig, bucket_mb: float = 25.0,
-                 overlap: bool = True, impl: str = "native") -> None:
+    ``deferred`` (under a pipeline): nothing is sent from backward hooks; gradients
+    accumulate over the step's micro-batches in full flat buffers and each chunk is
+    reduce-scattered once, by :meth:`launch_chunk`, when its last backward is done.
+    ZeRO-2 then keeps ZeRO-1's gradient buffers (as Megatron-LM's distributed optimizer
+    does under pipelining; DeepSpeed refuses ZeRO-2 with pipelining): reduce-scattering
+    every micro-batch instead would multiply the gradient traffic by the micro-batch
+    count. The systems model prices it so (:mod:`paratrain.layout`)."""
+
+    def __init__(self, param_lists, group, stage: int, cfg: TrainConfig,
+                 bucket_mb: float = 25.0, overlap: bool = True, impl: str = "native",
+                 counted=lambda p: True, deferred: bool = False) -> None:
         if stage not in (1, 2):
             raise ValueError(f"ZeroOptimizer handles stages 1 and 2, not {stage}; "
                              "use FullyShard for stage 3")
         self.stage = stage
         self.comm = GroupComm(group, impl)
-        self.buckets = GradBuckets(params, self.comm, bucket_mb, overlap, "reduce_scatter",
-                                   persistent=stage == 1, rebuild=False)
+        self.deferred = deferred
+        persistent = stage == 1 or deferred
+        self.chunks = [GradBuckets(ps, self.comm, bucket_mb, overlap, "reduce_scatter",
+                                   persistent=persistent, rebuild=False)
+                       for ps in param_lists]
         p, r = self.comm.size, self.comm.rank
         shards = []
         self.flats: list[torch.Tensor] = []
-        for b in self.buckets.buckets:
+        for b in (b for gb in self.chunks for b in gb.buckets):
             flat = torch.zeros(b.padded, dtype=b.params[0].dtype, device=b.params[0].device)
             with torch.no_grad():
                 for q, off in zip(b.params, b.offsets, strict=True):
@@ -159,27 +172,43 @@ class ZeroOptimizer:
             self.flats.append(flat)
             s = b.padded // p
             shards.append(FlatShard(flat[r * s:(r + 1) * s], b.grad_shard,
-                                    owned_segments(b.params, b.offsets, r * s, (r + 1) * s)))
-        self.adam = ShardedAdamW(shards, self.comm, cfg)
+                                    owned_segments(b.params, b.offsets, r * s, (r + 1) * s,
+                                                   counted=counted)))
+        self.adam = ShardedAdamW(shards, cfg)
         self.gather_s = 0.0
 
     def set_sync(self, sync: bool) -> None:
-        self.buckets.set_sync(sync)
+        for gb in self.chunks:
+            gb.set_sync(sync)
 
-    def end_backward(self) -> DPCommStats | None:
-        """After each backward: stage 2 finishes its reduce-scatters every micro-step."""
-        if self.stage == 2 and not self.buckets.sync:
-            return self.buckets.finish()
-        self.buckets.end_backward()
-        return None
+    def end_backward(self, last: bool) -> DPCommStats | None:
+        """After each backward (no pipeline): stage 2 finishes its reduce-scatters on
+        every micro-step but the last (its transient buffers must be sent before the
+        next backward refills them; the last is finished with the step)."""
+        out = None
+        for gb in self.chunks:
+            if self.stage == 2 and not last:
+                st = gb.finish()
+                out = st if out is None else out.merge(st)
+            else:
+                gb.end_backward()
+        return out
+
+    def launch_chunk(self, c: int) -> None:
+        """Pipeline: chunk ``c``'s backward is over for every micro-batch: send it."""
+        self.chunks[c].launch_all()
 
     def finish(self) -> DPCommStats:
-        return self.buckets.finish()
+        stats = None
+        for gb in self.chunks:
+            st = gb.finish()
+            stats = st if stats is None else stats.merge(st)
+        return stats
 
     @torch.no_grad()
-    def step(self, lr: float) -> float:
-        """Clip by the global norm, update the owned chunks, all-gather the parameters."""
-        norm = self.adam.clip_and_step(lr)
+    def step(self, lr: float) -> None:
+        """Update the owned chunks (already clipped), all-gather the parameters."""
+        self.adam.step(lr)
         t0 = time.perf_counter()
         p, r = self.comm.size, self.comm.rank
         handles = []
@@ -189,64 +218,12 @@ class ZeroOptimizer:
         for h in handles:
             h.wait()
         self.gather_s = time.perf_counter() - t0
-        self.buckets.zero_grad()
-        return norm
+        for gb in self.chunks:
+            gb.zero_grad()
 
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:
-        grads = [b.grad for b in self.buckets.buckets if b.grad is not None]
-        grads += [b.grad_shard for b in self.buckets.buckets]
+        buckets = [b for gb in self.chunks for b in gb.buckets]
+        grads = [b.grad for b in buckets if b.grad is not None]
+        grads += [b.grad_shard for b in buckets]
         return {"params": list(self.flats), "grads": grads,
                 "optimizer": self.adam.state_tensors()}
-
-
-class ZeroEngine(DataParallel):
-    """``--zero 1`` / ``--zero 2`` on the data-parallel group."""
-
-    def __init__(self, model, cfg, device, plan, group=None) -> None:
-        super().__init__(model, cfg, device, group)
-        self.zo = ZeroOptimizer(model.parameters(), group, plan.zero, cfg, plan.bucket_mb,
-                                plan.overlap, plan.collectives)
-        self.opt = self.zo.adam.opt  # what checkpoints and set_lr see
-        self.comm = self.zo.comm
-        self.micro_batches = plan.micro_batches if plan.pp == 1 else 1
-        self._micro = 0
-        self._mark = 0.0
-        self._exposed = 0.0
-        self.steps_done = 0
-        self.history: list[DPCommStats] = []
-
-    def forward_backward(self, x_BT, y_BT, n_tokens_global: int) -> float:
-        self._micro += 1
-        last = self._micro >= self.micro_batches
-        self.zo.set_sync(last or self.zo.stage == 2)
-        loss = super().forward_backward(x_BT, y_BT, n_tokens_global)
-        if not last and self.zo.stage == 2:
-            self._exposed += self.zo.buckets.finish().seconds
-        else:
-            self.zo.buckets.end_backward()
-        return loss
-
-    def reduce_gradients(self) -> DPCommStats:
-        self._micro = 0
-        stats = self.zo.finish()
-        # the previous step's parameter all-gather belongs to this step's bill
-        stats.seconds += self._exposed + self.zo.gather_s
-        self._exposed = 0.0
-        return record_step(self, stats)
-
-    def describe_layout(self) -> str:
-        """Printed by the loop at the start of a run (rank 0)."""
-        return f"ZeRO-{self.zo.stage}: " + self.zo.buckets.layout()
-
-    def clip_and_step(self, lr: float) -> float:
-        self.steps_done += 1
-        return self.zo.step(lr)
-
-    def state_tensors(self) -> dict[str, list[torch.Tensor]]:
-        return self.zo.state_tensors()
-
-    def report(self) -> dict:
-        return dp_report(self, self.zo.buckets.layout())
-
-    def state_dict(self) -> dict:
-        return {"model": self.model.state_dict(), "optim": self.opt.state_dict()}

@@ -129,6 +129,8 @@ class ActivationMeter:
         self.live[key] = 0
 
         def pack(t: torch.Tensor):
+            if isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter):
+                return t  # a weight (FSDP re-gathers into new storage: check the type too)
             try:
                 ptr = t.untyped_storage().data_ptr()
                 size = t.untyped_storage().nbytes()
@@ -158,7 +160,8 @@ class PipelineRuntime:
 
     def __init__(self, chunks, schedule: Schedule, rank: int, peer: Callable[[int], int],
                  loss_fn: Callable, hidden_shape: Callable[[int], tuple], dtype: torch.dtype,
-                 device: torch.device, meter: ActivationMeter, autocast: bool = False) -> None:
+                 device: torch.device, meter: ActivationMeter, autocast: bool = False,
+                 on_chunk_done: Callable[[int], None] | None = None) -> None:
         self.chunks = chunks
         self.s = schedule
         self.rank = rank
@@ -170,6 +173,12 @@ class PipelineRuntime:
         self.autocast = autocast  # bf16 compute from fp32 weights (as Engine does)
         self.store = WeightGradStore()
         self.timeline: list[tuple[str, int, int, float, float]] = []
+        # after the last gradient-producing action of each chunk, ``on_chunk_done(c)``
+        # (the data-parallel reduction of that chunk may start: its gradients are final)
+        self.on_chunk_done = on_chunk_done
+        acts = schedule.actions[rank]
+        self.last_grad_action = {a.chunk: i for i, a in enumerate(acts)
+                                 if a.kind in ("B", "BI", "BW")}
 
     def _amp(self):
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast)
@@ -207,6 +216,8 @@ class PipelineRuntime:
                         do(q)
                         posted.add(q)
             loss_sum += do(i)
+            if self.on_chunk_done is not None and self.last_grad_action.get(a.chunk) == i:
+                self.on_chunk_done(a.chunk)
         t_sends = time.perf_counter()
         for work, _ in sends:
             work.wait()

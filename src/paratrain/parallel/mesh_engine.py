@@ -1,0 +1,267 @@
+"""MeshEngine: every multi-process run, any (pp, dp, tp) layout, one code path.
+
+Transforms are applied to the plain, identically seeded model in one documented order
+(docs/design.md; torchtitan's ``parallelize`` does the same):
+
+1. **pipeline split** (:mod:`.pipeline.stage`): this rank keeps the chunks of its
+   pipeline index (v of them when interleaved), balanced by compute; without a
+   pipeline, one chunk holds the whole model;
+2. **tensor / sequence** (:mod:`.tensor`, :mod:`.sequence`): each kept chunk is sharded
+   over the tp group (each rank slices its shard from the full weights);
+3. **recompute** (:mod:`.recompute`): none / selective / full per block;
+4. **data / ZeRO** (:mod:`.data_axis`): DDP buckets, ZeRO-1/2, FSDP units or top-k
+   compression over the dp group, on whatever parameters steps 1-3 left on this rank.
+
+Invariants:
+
+- The loss is normalised once: every micro-batch's loss *sum* is divided by the global
+  token count before backward; the pipeline, TP and DP only ever *sum* gradients.
+- TP-sharded parameters are disjoint across tp ranks; TP-replicated ones (norm gains,
+  tagged ``tp_replicated``) hold identical gradients without SP. With SP each rank's
+  gradient is a partial sum over its sequence slice: a hook on the parameter
+  all-reduces it over tp *before* it is accumulated (:func:`sum_partial_grads_over_tp`),
+  so every data-parallel reducer — including ZeRO-2/3, which take gradients away during
+  backward — sees the full gradient (Megatron-LM all-reduces them after backward; this
+  is the same sum, d_model elements per norm and micro-batch).
+- The global gradient norm is the sum of squares of each rank's *owned unique*
+  gradient: replicated norm gains on tp rank 0 only, data replicas on dp rank 0 only
+  (or each dp rank's ZeRO shard), pipeline stages are disjoint; one all-reduce over
+  the world.
+- ``all_sum`` counts each data replica's loss once: tp rank 0 of the last stage holds it.
+
+Tied embeddings with pp > 1 are refused: the tie would span two ranks (embedding on the
+first stage, head on the last) and need an extra all-reduce of the two copies' grads;
+with pp == 1 the tie is kept, also under TP (both are sharded by the same vocab rows).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from paratrain.config import TrainConfig
+from paratrain.parallel.data_axis import DataAxis
+from paratrain.parallel.engine import CommStats, Engine, token_loss_sum
+from paratrain.parallel.mesh import Mesh
+from paratrain.parallel.pipeline.runtime import ActivationMeter, PipelineRuntime
+from paratrain.parallel.pipeline.schedule import build_schedule
+from paratrain.parallel.pipeline.stage import build_chunks
+from paratrain.parallel.recompute import apply_recompute
+from paratrain.parallel.tensor import apply_tensor_parallel, vocab_parallel_cross_entropy
+from paratrain.plan import ParallelPlan
+
+
+def sum_partial_grads_over_tp(chunks: list[nn.Module], group) -> None:
+    """SP: all-reduce each replicated parameter's gradient over tp as it is produced."""
+    def hook(g: torch.Tensor) -> torch.Tensor:
+        g = g.clone()
+        dist.all_reduce(g, group=group)
+        return g
+
+    for c in chunks:
+        for p in c.parameters():
+            if getattr(p, "tp_replicated", False):
+                p.register_hook(hook)
+
+
+class MeshEngine(Engine):
+    """The engine of every multi-process run (see the module docstring)."""
+
+    def __init__(self, model: nn.Module, cfg: TrainConfig, plan: ParallelPlan,
+                 device: torch.device) -> None:
+        plan.check_runtime(model.cfg)
+        self.plan, self.cfg, self.device = plan, cfg, device
+        self.mcfg = model.cfg
+        self.mesh = mesh = Mesh.from_plan(plan, device_type=device.type)
+        v = plan.virtual_stages if plan.schedule == "interleaved" else 1
+        self.pp_rank, self.tp_rank = mesh.index("pp"), mesh.index("tp")
+        # 1. pipeline split; 2. tensor/sequence; 3. recompute
+        chunks = build_chunks(model, plan.pp, v, self.pp_rank)
+        self.tp_states = [apply_tensor_parallel(c, mesh, plan) for c in chunks]
+        if plan.sp:
+            sum_partial_grads_over_tp(chunks, mesh.group("tp"))
+        for c in chunks:
+            apply_recompute(c.blocks, plan.recompute)
+        self.model = nn.ModuleList(chunks)
+        # 4. data / ZeRO on the dp axis. bf16 under ZeRO-3 without tp/pp: units are
+        # gathered in bf16 and computed without autocast (the pure-FSDP recipe).
+        self.autocast = cfg.dtype == "bfloat16"
+        pdt = torch.bfloat16 if self.autocast and plan.zero == 3 and plan.tp == 1 \
+            and plan.pp == 1 else None
+        self.data = DataAxis(chunks, mesh.group("dp"), mesh.size("dp"), plan, cfg,
+                             self._counted, pdt)
+        self.autocast = self.autocast and pdt is None
+        self.opt = self.data.opt
+        self.dp_rank, self.dp_size = mesh.index("dp"), mesh.size("dp")
+        self._micro = 0
+        self.micro_batches = plan.micro_batches if plan.pp == 1 else 1
+        self.meter = ActivationMeter(self.model.parameters())
+        self.dtype = next(self.model.parameters()).dtype
+        self.schedule = self.runtime = None
+        if plan.pp > 1:
+            self.schedule = build_schedule(plan.schedule, plan.pp, plan.micro_batches, v)
+            self.runtime = PipelineRuntime(
+                chunks, self.schedule, self.pp_rank, lambda r: mesh.peer("pp", r),
+                self._loss_sum, self._hidden_shape, self.dtype, device, self.meter,
+                self.autocast, on_chunk_done=self.data.chunk_done)
+        self.timelines: list[list] = []
+        self.overheads: list[float] = []  # runtime seconds per compute action, per step
+        self.act_peaks: list[int] = []
+
+    def _counted(self, p: nn.Parameter) -> bool:
+        """Whether this rank counts ``p`` in the global norm (replicas: tp rank 0)."""
+        return self.tp_rank == 0 or not getattr(p, "tp_replicated", False)
+
+    def describe_layout(self) -> str:
+        """The mesh, the stage split, the pipeline actions and the dp reducer (printed
+        at start, rank 0)."""
+        from paratrain.parallel.pipeline.stage import split_layers
+
+        plan = self.plan
+        lines = [self.mesh.layout()]
+        S = plan.pp * (self.schedule.virtual_stages if self.schedule else 1)
+        for k, (a, b) in enumerate(split_layers(self.mcfg, S)):
+            ends = (" + embedding" if k == 0 else "") + (" + norm, head" if k == S - 1 else "")
+            lines.append(f"  stage {k} (pp rank {k % plan.pp}, chunk {k // plan.pp}): "
+                         f"blocks [{a}, {b}){ends}")
+        lines.append(f"  tensor parallel {plan.tp}, sequence parallel {plan.sp}, "
+                     f"recompute {plan.recompute}, zero {plan.zero}, "
+                     f"overlap {'on' if plan.overlap else 'off'}")
+        if self.schedule is not None and plan.pp <= 8:
+            lines.append(self.schedule.describe())
+        lines.append(self.data.describe())
+        return "\n".join(lines)
+
+    # ---- pieces --------------------------------------------------------------------
+    def _amp(self):
+        """bf16 autocast from the fp32 weights under --dtype bfloat16 (as Engine does);
+        hidden states between stages stay fp32 (the residual stream is fp32)."""
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast)
+
+    def _hidden_shape(self, b: int) -> tuple[int, int, int]:
+        T = self.mcfg.context
+        return (b, T // self.plan.tp if self.plan.sp else T, self.mcfg.d_model)
+
+    def _loss_sum(self, logits_BTv: torch.Tensor, y_BT: torch.Tensor) -> torch.Tensor:
+        st = self.tp_states[-1]
+        if self.plan.tp > 1:
+            return vocab_parallel_cross_entropy(logits_BTv, y_BT.to(self.device),
+                                                st.vocab_start, st.vocab_end, st.edges)
+        return token_loss_sum(logits_BTv, y_BT.to(self.device))
+
+    # ---- forward / backward ----------------------------------------------------------
+    def forward_backward(self, x_BT, y_BT, n_tokens_global: int) -> float:
+        x_BT, y_BT = x_BT.to(self.device), y_BT.to(self.device)
+        T = x_BT.shape[1]
+        self.meter.reset()
+        if self.runtime is None:
+            self._micro += 1
+            self.data.before_backward(self._micro >= self.micro_batches)
+            with self.meter.recording(0):
+                with self._amp():
+                    logits = self.model[0](x_BT, T)
+                loss = self._loss_sum(logits, y_BT)
+            (loss / n_tokens_global).backward()
+            self.meter.release(0)
+            self.data.after_backward()
+            self.act_peaks.append(self.meter.peak)
+            return float(loss.detach())
+        m = self.plan.micro_batches
+        if x_BT.shape[0] % m:
+            raise ValueError(f"local batch {x_BT.shape[0]} is not divisible by "
+                             f"micro_batches={m}; use a global batch multiple of dp*{m}")
+        loss = self.runtime.run(list(x_BT.chunk(m)), list(y_BT.chunk(m)), n_tokens_global, T)
+        self.timelines.append(list(self.runtime.timeline))
+        n = sum(1 for _ in self.runtime.timeline)
+        self.overheads.append(self.runtime.overhead_s() / max(1, n))
+        self.act_peaks.append(self.meter.peak)
+        return loss
+
+    @torch.no_grad()
+    def eval_loss_sum(self, x_BT, y_BT) -> float:
+        self.model.eval()
+        counts = [(c.wire_bytes, c.payload_bytes, c.calls) for st in self.tp_states
+                  for c in (st.blocks, st.edges)]  # evaluation traffic is not training's
+        try:
+            x_BT, y_BT = x_BT.to(self.device), y_BT.to(self.device)
+            if self.runtime is None:
+                with self._amp():
+                    logits = self.model[0](x_BT, x_BT.shape[1])
+                return float(self._loss_sum(logits, y_BT))
+            return self.runtime.forward_only(x_BT, y_BT, x_BT.shape[1])
+        finally:
+            self.model.train()
+            comms = [c for st in self.tp_states for c in (st.blocks, st.edges)]
+            for c, (w, p, n) in zip(comms, counts, strict=True):
+                c.wire_bytes, c.payload_bytes, c.calls = w, p, n
+
+    # ---- communication and update --------------------------------------------------
+    def reduce_gradients(self) -> CommStats:
+        t0 = time.perf_counter()
+        self._micro = 0
+        stats = self.data.finish()
+        if self.data.kind == "none":
+            stats.seconds = time.perf_counter() - t0
+        return stats
+
+    def all_sum(self, values: list[float]) -> list[float]:
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        if self.tp_rank != 0:
+            t.zero_()
+        if dist.is_initialized():
+            dist.all_reduce(t)
+        return t.tolist()
+
+    @torch.no_grad()
+    def clip_and_step(self, lr: float) -> float:
+        """Global-norm clipping over the whole mesh, then each reducer's update."""
+        sq = self.data.local_sq().to(self.device)
+        if dist.is_initialized():
+            dist.all_reduce(sq)
+        norm = math.sqrt(float(sq))
+        clip = self.cfg.grad_clip
+        self.data.scale(min(1.0, clip / (norm + 1e-6)) if clip > 0 else 1.0)
+        self.data.step(lr)
+        return norm
+
+    def zero_grad(self) -> None:
+        """Gradients are released by the reducer's step (kept as bucket views)."""
+
+    # ---- checkpoints, memory, reports -------------------------------------------------
+    def state_dict(self) -> dict:
+        return self.data.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.data.load_state_dict(state)
+
+    def state_tensors(self) -> dict[str, list[torch.Tensor]]:
+        return self.data.state_tensors()
+
+    @property
+    def comm_buffer_peak(self) -> int:
+        return self.data.comm_buffer_peak
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        """Name -> this rank's full (unsharded by ZeRO) value of each parameter it holds
+        (collective under ZeRO-3). Names are the plain model's when there is one chunk."""
+        by_id = self.data.full_parameters()
+        prefix = "0." if len(self.model) == 1 else ""
+        return {n.removeprefix(prefix): by_id[id(q)]
+                for n, q in self.model.named_parameters()}
+
+    def report(self) -> dict:
+        return self.data.report()
+
+    def activation_peak_bytes(self) -> int:
+        """Peak bytes saved for backward on this rank over a step (in-flight micro-batches
+        of the pipeline included), steps after the first."""
+        return max(self.act_peaks[1:] or self.act_peaks or [0])
+
+    def model_parallel_report(self) -> dict:
+        from paratrain.parallel.mesh_report import model_parallel_report
+
+        return model_parallel_report(self)
