@@ -72,7 +72,7 @@ def generation(hw_key: str) -> str:
 
 def load_params(path: str | Path | None = None) -> Params:
     """Fitted parameters (default: the shipped ``data/fitted.toml``)."""
-    import tomllib
+    from paratrain.systems._toml import tomllib
 
     p = Path(path) if path else FITTED
     if not p.is_file():
