@@ -2,6 +2,7 @@
 
 - Python 3.10 is declared supported, so ``tomllib`` (3.11+) may only be imported under a
   ``sys.version_info`` guard; inside :mod:`paratrain.systems` only ``_toml.py`` does it.
+- The systems model never imports the plots: the dependency runs viz -> systems only.
 """
 
 from __future__ import annotations
@@ -50,3 +51,10 @@ def test_systems_reads_toml_through_one_helper():
               if p.name != "_toml.py"
               for name, n, _ in _imports(tree) if name.split(".")[0] in ("tomllib", "tomli")]
     assert not others, f"import tomllib from paratrain.systems._toml instead: {others}"
+
+
+def test_systems_never_imports_viz():
+    bad = [f"{p.relative_to(SRC)}:{n.lineno} imports {name}" for p, tree in _modules(SYSTEMS)
+           for name, n, _ in _imports(tree)
+           if name == "paratrain.viz" or name.startswith("paratrain.viz.")]
+    assert not bad, f"systems/ must not depend on viz/ (viz -> systems only): {bad}"
