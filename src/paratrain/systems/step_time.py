@@ -249,7 +249,8 @@ def step_time(model: ModelConfig, plan: ParallelPlan, hw: Hardware, tokens_per_s
             dp_comm += mb * (2 * t_ag + t_rs)
             dp_exposed += mb * (max(0.0, t_ag - fwd) + max(0.0, t_ag + t_rs - bwd))
 
-    layers = stage_layers(m.n_layers, plan.pp)
+    layers = stage_layers(m.n_layers, plan.pp, model=m, virtual_stages=plan.virtual_stages,
+                          seq_len=seq_len)  # the runtime's busiest pipeline rank
     act_bytes = batch.micro_batch * batch.local_seq * m.d_model * prec.act_bytes
 
     # ---- tensor parallel -----------------------------------------------------------------
