@@ -27,7 +27,9 @@ about 2/3 of its compute (``overlap_fraction``); ZeRO-2/3 reduce-scatters under 
 micro-batch's backward, their all-gathers under a forward (the other 1/3). What does
 not fit is exposed. Tensor, pipeline and expert communication is counted as exposed.
 Pipeline bubble: (p-1)/m of the compute for GPipe and 1F1B (a fraction (p-1)/(m+p-1) of
-the step), divided by v for interleaving, by 3 for ZB-H1 (Qi et al. 2023).
+the step), divided by v for interleaving, by 3 for ZB-H1 with m >= p (Qi et al. 2023);
+one closed form, :func:`paratrain.parallel.pipeline.schedule.bubble_over_compute`
+(torch-free), equal to the simulated schedule the runtime runs.
 
 MFU = model FLOPs / (step time x GPUs x peak); HFU uses hardware FLOPs.
 """
@@ -37,6 +39,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from paratrain.config import ModelConfig
+from paratrain.parallel.pipeline.schedule import bubble_formula, bubble_over_compute
 from paratrain.plan import ParallelPlan
 from paratrain.systems import collectives as coll
 from paratrain.systems.hardware import Hardware
@@ -48,23 +51,10 @@ OVERLAP_FRACTION = 2 / 3  # backward's share of compute (2 of 6N per token)
 
 
 def bubble_fraction(schedule: str, pp: int, m: int, v: int = 1) -> float:
-    """Idle fraction of a pipeline step: (p-1)/(m+p-1) for GPipe and 1F1B (Huang et al.
-    2019; Narayanan et al. 2021); interleaving with v chunks divides the bubble by v;
-    ZB-H1 by about 3 (Qi et al. 2023, with equal F, B, W times)."""
-    b = bubble_over_compute(schedule, pp, m, v)
-    return b / (1 + b)
-
-
-def bubble_over_compute(schedule: str, pp: int, m: int, v: int = 1) -> float:
-    """Bubble time divided by the ideal (bubble-free) compute time."""
-    if pp == 1:
-        return 0.0
-    b = (pp - 1) / m
-    if schedule == "interleaved":
-        return b / v
-    if schedule == "zb-h1":
-        return b / 3
-    return b
+    """Idle fraction of a pipeline step: the schedule module's closed form
+    (:func:`paratrain.parallel.pipeline.schedule.bubble_formula`), which equals the
+    simulated bubble of the schedule the runtime executes."""
+    return bubble_formula(schedule, pp, m, v)
 
 
 def dp_sync_wire_bytes(payload_bytes: float, p: int, zero: int, micro_batches: int = 1
