@@ -15,7 +15,8 @@ slowest link its group spans (:mod:`paratrain.systems.layout`):
   (:func:`dp_sync_wire_bytes`).
 - tensor parallel (Shoeybi et al. 2019): 2 all-reduces of the layer's activations in
   forward and 2 in backward per layer and micro-batch (with sequence parallelism: the
-  same bytes as all-gathers + reduce-scatters); full recomputation repeats the forward's.
+  same bytes as all-gathers + reduce-scatters); full recomputation repeats the attention
+  exit's only, 5 per layer (:mod:`paratrain.systems.tp_bytes`, the runtime's own count).
 - pipeline: one point-to-point activation send forward and one gradient back per micro-batch
   and virtual stage (scatter/gather optimisation: 1/tp of it per rank, Narayanan et al. 2021).
 - context parallel (ring attention, Liu et al. 2023): K and V pass around the cp ring,
@@ -46,6 +47,7 @@ from paratrain.systems.hardware import Hardware
 from paratrain.systems.layout import group_link, span, split_batch, stage_layers
 from paratrain.systems.memory import Precision, params_per_gpu, recipe
 from paratrain.systems.models import as_shape
+from paratrain.systems.tp_bytes import tp_forward_backward, tp_wire_bytes_per_layer
 
 OVERLAP_FRACTION = 2 / 3  # backward's share of compute (2 of 6N per token)
 
@@ -247,10 +249,11 @@ def step_time(model: ModelConfig, plan: ParallelPlan, hw: Hardware, tokens_per_s
     tp_comm = tp_wire = 0.0
     if plan.tp > 1:
         a, bw = group_link(plan, "tp", hw)
-        n_ar = 4 + (2 if plan.recompute == "full" else 0)
-        count = mb * layers * n_ar
+        count = mb * layers * sum(tp_forward_backward(plan.recompute))
         tp_comm = count * coll.time_s("all_reduce", "ring", plan.tp, act_bytes, a, bw)
-        tp_wire = count * coll.wire_bytes("all_reduce", "ring", plan.tp, act_bytes)
+        tp_wire = mb * layers * tp_wire_bytes_per_layer(
+            batch.micro_batch, batch.local_seq, m.d_model, plan.tp, prec.act_bytes,
+            prec.act_bytes, plan.recompute)
 
     # ---- pipeline point-to-point -------------------------------------------------------------
     pp_comm = 0.0
