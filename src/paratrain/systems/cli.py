@@ -75,11 +75,11 @@ def plan(
                                                        "(overrides --tokens)."),
     calibrated: bool = typer.Option(False, "--calibrated", help="Use the parameters fitted "
                                     "on published runs (paratrain validate) instead of "
-                                    "DESIGN.md's eta 0.473 and flat ring."),
+                                    "docs/design.md's eta 0.473 and flat ring."),
 ) -> PlanOutput:
     """Price a parallel plan: memory per GPU, wire bytes, step time, MFU (no GPU needed).
 
-    With no flags: DESIGN.md's reference example, LLaMA 2 7B on 64 H100.
+    With no flags: docs/design.md's reference example, LLaMA 2 7B on 64 H100.
     """
     from paratrain.plan import ParallelPlan
     from paratrain.systems.hardware import load_hardware
@@ -184,7 +184,7 @@ def validate(
                                               "(TOML)."),
     params: str | None = typer.Option(None, help="Fitted parameters to use (default: the "
                                                  "shipped data/fitted.toml)."),
-    unfitted: bool = typer.Option(False, "--unfitted", help="Use DESIGN.md's raw model "
+    unfitted: bool = typer.Option(False, "--unfitted", help="Use docs/design.md's raw model "
                                                             "(catalogue eta, flat ring)."),
     holdout: str = typer.Option(",".join(_holdout_default()),
                                 help="With --fit: comma-separated row ids kept out of the fit."),

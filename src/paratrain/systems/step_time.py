@@ -158,7 +158,7 @@ class StepTime:
 def _dp_algorithm(name: str, p: int, per_node: int, crosses_nodes: bool) -> tuple[str, int]:
     """(algorithm, ranks per node) for the data-parallel sync.
 
-    ``ring`` is DESIGN.md's flat ring at the slowest link. ``auto`` goes hierarchical
+    ``ring`` is docs/design.md's flat ring at the slowest link. ``auto`` goes hierarchical
     (intra-node, then inter-node on 1/g of the payload) when the group crosses nodes with
     several ranks in each; g is rounded down to a divisor of p.
     """
@@ -188,11 +188,11 @@ def step_time(model: ModelConfig, plan: ParallelPlan, hw: Hardware, tokens_per_s
               overhead_width: float = 0.0) -> StepTime:
     """Predict one optimizer step of ``plan`` on ``plan.world_size`` GPUs of ``hw``.
 
-    ``dp_algorithm``: "ring" (DESIGN.md's reference), "auto" (hierarchical across nodes),
+    ``dp_algorithm``: "ring" (docs/design.md's reference), "auto" (hierarchical across nodes),
     or any algorithm of :mod:`paratrain.systems.collectives`. ``overhead_width`` (h0)
     prices the memory-bound, non-matmul work of a layer (norms, activations, softmax,
     optimizer): it scales with s b h while matmuls scale with s b h^2, so compute time is
-    multiplied by (1 + h0 / d_model); 0 (the default, DESIGN.md's model) ignores it.
+    multiplied by (1 + h0 / d_model); 0 (the default, docs/design.md's model) ignores it.
     """
     m = as_shape(model)
     prec = recipe(precision) if isinstance(precision, str) else precision
