@@ -16,6 +16,7 @@ from paratrain.check_cli import register as register_check
 from paratrain.systems.cli import register as register_systems
 from paratrain.train_cli import register as register_train
 from paratrain.viz.cli import app as viz_app
+from paratrain.viz.plan_plots import write_plan_output
 
 app = typer.Typer(
     help="Train decoder LMs with every classic form of parallelism; price any plan at scale.",
@@ -24,7 +25,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 register_train(app)
-register_systems(app)
+register_systems(app, plotter=write_plan_output)  # viz -> systems, never back
 register_check(app)
 app.add_typer(bench_app, name="bench", help="Benchmarks: collectives, calibration.")
 app.add_typer(viz_app, name="viz", help="Draw schedules: ring, tree, pipeline.")

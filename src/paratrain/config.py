@@ -92,7 +92,7 @@ class ModelConfig:
     def flops_per_token(self, seq_len: int | None = None) -> float:
         """Model FLOPs per token for forward + backward: 6N + 12 L H Q T (PaLM, app. B).
 
-        N counts all parameters (embedding included, as in DESIGN.md's reference figures);
+        N counts all parameters (embedding included, as in docs/design.md's reference figures);
         H is the number of heads, Q the head dimension, T the sequence length.
         """
         t = self.context if seq_len is None else seq_len

@@ -1,5 +1,5 @@
 """The parallel plan: one small frozen value, executed by the runtime, priced by the
-systems model, drawn by the plots (DESIGN.md, "a plan is data").
+systems model, drawn by the plots (docs/design.md, "Plans are values").
 
 Pure Python (no torch import).
 """

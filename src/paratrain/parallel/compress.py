@@ -12,7 +12,7 @@ largest magnitude (values and int32 indices) and carries the rest into the next 
 (error feedback: Seide et al. 2014; Stich et al. 2018, "Sparsified SGD with memory").
 Different ranks pick different indices, so the picks cannot be summed on the way as a
 ring all-reduce does: they are all-gathered, and every rank sends (p-1) x its payload,
-which grows with p, against the dense ring's 2(p-1)/p x the dense gradient (DESIGN.md).
+which grows with p, against the dense ring's 2(p-1)/p x the dense gradient (docs/design.md).
 Each step's payload, wire bytes and the dense ring's bytes are kept in ``history``.
 """
 

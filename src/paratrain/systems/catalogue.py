@@ -8,14 +8,10 @@ A catalogue is a TOML file of tables, one per entry, each with a ``name`` and op
 from __future__ import annotations
 
 import json
-import sys
 from functools import cache
 from pathlib import Path
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
+from paratrain.systems._toml import tomllib
 
 DATA_DIR = Path(__file__).parent / "data"
 

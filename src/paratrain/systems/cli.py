@@ -1,15 +1,38 @@
-"""`paratrain plan` (and, later, `paratrain validate`).
+"""`paratrain plan` and `paratrain validate`.
 
 Importing this module must not import torch or the systems model's heavier parts: the
 commands import what they need inside their bodies. Bad names or layouts raise
 ``ValueError``; ``paratrain.cli.main`` prints it as one line and exits with code 2.
+
+The systems model draws nothing itself (the dependency runs viz -> systems only): `plan`
+returns a :class:`PlanOutput`, and :func:`register` wraps the command with a ``plotter``
+that the top-level CLI passes in (:func:`paratrain.viz.plan_plots.write_plan_output`),
+which writes the charts when ``--plot DIR`` is given.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, NamedTuple
+
 import typer
 
 DEFAULT_TOKENS = 1_048_576
+
+
+class PlanOutput(NamedTuple):
+    """What `paratrain plan` priced, for a plotter: ``kind`` "report" (``data`` is
+    :func:`paratrain.systems.report.build_report`'s dict) or "search" (``data`` is a
+    :class:`paratrain.systems.search.SearchResult`), with a chart title."""
+
+    kind: str
+    data: Any
+    title: str
+
+
+Plotter = Callable[[PlanOutput, str], list[Path]]
 
 
 def _holdout_default() -> tuple[str, ...]:
@@ -52,11 +75,11 @@ def plan(
                                                        "(overrides --tokens)."),
     calibrated: bool = typer.Option(False, "--calibrated", help="Use the parameters fitted "
                                     "on published runs (paratrain validate) instead of "
-                                    "DESIGN.md's eta 0.473 and flat ring."),
-) -> None:
+                                    "docs/design.md's eta 0.473 and flat ring."),
+) -> PlanOutput:
     """Price a parallel plan: memory per GPU, wire bytes, step time, MFU (no GPU needed).
 
-    With no flags: DESIGN.md's reference example, LLaMA 2 7B on 64 H100.
+    With no flags: docs/design.md's reference example, LLaMA 2 7B on 64 H100.
     """
     from paratrain.plan import ParallelPlan
     from paratrain.systems.hardware import load_hardware
@@ -78,8 +101,7 @@ def plan(
     if global_batch is not None:
         tokens = global_batch * seq_len
     if search:
-        _search(m, hw, gpus, tokens, seq_len, top, eta, json_out, plot, step_kwargs)
-        return
+        return _search(m, hw, gpus, tokens, seq_len, top, eta, json_out, plot, step_kwargs)
     if dp is None:
         rest = tp * pp * cp
         if rest < 1 or gpus % rest:
@@ -104,15 +126,11 @@ def plan(
         print(json.dumps(rep, indent=2))
     else:
         render(rep)
-    if plot:
-        from paratrain.viz.plan_plots import write_plan_plots
-
-        for path in write_plan_plots(rep, plot):
-            if not json_out:
-                print(f"wrote {path}")
+    return PlanOutput("report", rep, f"{m.name} on {gpus} x {hw.name}")
 
 
-def _search(m, hw, gpus, tokens, seq_len, top, eta, json_out, plot, step_kwargs) -> None:
+def _search(m, hw, gpus, tokens, seq_len, top, eta, json_out, plot, step_kwargs
+            ) -> PlanOutput:
     from paratrain.systems.search import candidate_record, explain, render_search, search
 
     if top < 1:
@@ -133,12 +151,26 @@ def _search(m, hw, gpus, tokens, seq_len, top, eta, json_out, plot, step_kwargs)
     else:
         render_search(res, lines, f"{m.name} on {gpus} x {hw.name}, {tokens:,} tokens/step, "
                                   f"sequence {seq_len}: fastest layouts that fit")
-    if plot:
-        from paratrain.viz.plan_plots import plot_pareto
+    return PlanOutput("search", res, f"{m.name} on {gpus} x {hw.name}")
 
-        path = plot_pareto(res, plot, f"{m.name} on {gpus} x {hw.name}")
-        if not json_out:
-            print(f"wrote {path}")
+
+def with_plots(command: Callable[..., PlanOutput], plotter: Plotter) -> Callable[..., None]:
+    """``command`` (same options, for typer) that then hands its result to ``plotter``
+    when ``--plot DIR`` is given, printing each file written unless ``--json``."""
+    @functools.wraps(command)
+    def run(*args, **kwargs) -> None:
+        out = command(*args, **kwargs)
+        plot = kwargs.get("plot")
+        if plot:
+            for path in plotter(out, plot):
+                if not kwargs.get("json_out"):
+                    print(f"wrote {path}")
+
+    return run
+
+
+def _no_plotter(out: PlanOutput, out_dir: str) -> list[Path]:
+    raise ValueError("--plot needs the plotting package; run through `paratrain plan`")
 
 
 def validate(
@@ -152,7 +184,7 @@ def validate(
                                               "(TOML)."),
     params: str | None = typer.Option(None, help="Fitted parameters to use (default: the "
                                                  "shipped data/fitted.toml)."),
-    unfitted: bool = typer.Option(False, "--unfitted", help="Use DESIGN.md's raw model "
+    unfitted: bool = typer.Option(False, "--unfitted", help="Use docs/design.md's raw model "
                                                             "(catalogue eta, flat ring)."),
     holdout: str = typer.Option(",".join(_holdout_default()),
                                 help="With --fit: comma-separated row ids kept out of the fit."),
@@ -170,7 +202,8 @@ def validate(
         render_validate(res)
 
 
-def register(app: typer.Typer) -> None:
-    """Add the systems-model commands to the top-level app."""
-    app.command("plan")(plan)
+def register(app: typer.Typer, plotter: Plotter | None = None) -> None:
+    """Add the systems-model commands to the top-level app; ``plotter`` draws `plan
+    --plot` (without one, ``--plot`` is refused)."""
+    app.command("plan")(with_plots(plan, plotter or _no_plotter))
     app.command("validate")(validate)

@@ -15,7 +15,7 @@ bytes that cross the bottleneck port one after another. For ring, halving-doubli
 pipelined algorithms that equals the wire bytes; for the naive star and the naive binary
 tree it is more, because a root receives (or a level forwards) the whole vector in
 sequence: the naive binary-tree all-reduce moves the whole payload on each of its
-2 log2(p) levels (DESIGN.md: 3.2 s for 13.5 GB among 64 GPUs at 50 GB/s).
+2 log2(p) levels (docs/design.md: 3.2 s for 13.5 GB among 64 GPUs at 50 GB/s).
 
 Pipelined algorithms (ring broadcast/reduce as a chain, pipelined_tree) take an optional
 ``segments`` S: the step count then includes the pipeline's fill, exactly as the
@@ -252,5 +252,5 @@ def topk_payload_bytes(n_values: int, k: int, value_bytes: int = 2,
 
 def compressed_wire_bytes(p: int, piece_bytes: float) -> float:
     """Sparse (top-k) payloads cannot be summed on the way, so they go by all-gather:
-    each rank sends (p - 1) x its own piece, growing with p (DESIGN.md)."""
+    each rank sends (p - 1) x its own piece, growing with p (docs/design.md)."""
     return wire_bytes("all_gather", "ring", p, p * piece_bytes)

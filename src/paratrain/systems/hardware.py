@@ -21,7 +21,7 @@ class Hardware:
     intra_* is the link inside a node (NVLink, ICI), inter_* the network between nodes;
     bandwidths are bytes/s per direction per GPU, alphas the latency of one collective
     step in seconds. ``eta`` is the achieved fraction of ``peak_flops`` on large matrix
-    multiplies (0.473: DESIGN.md's fitted H100 figure).
+    multiplies (0.473: docs/design.md's fitted H100 figure).
     """
 
     name: str

@@ -7,11 +7,12 @@ neighbours are furthest apart. Expert-parallel groups are ``ep`` consecutive dat
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
+from paratrain.config import ModelConfig
 from paratrain.plan import ParallelPlan
 from paratrain.systems.hardware import Hardware
+from paratrain.systems.stages import rank_blocks, stage_costs
 
 
 def span(size: int, stride: int) -> int:
@@ -72,6 +73,16 @@ def split_batch(tokens_per_step: int, seq_len: int, plan: ParallelPlan) -> Batch
                  seq_len // plan.cp)
 
 
-def stage_layers(n_layers: int, pp: int) -> int:
-    """Layers on the busiest pipeline stage."""
-    return math.ceil(n_layers / pp)
+def stage_layers(n_layers: int, pp: int, *, model: ModelConfig | None = None,
+                 virtual_stages: int = 1, seq_len: int | None = None) -> int:
+    """Blocks on the busiest pipeline rank, from the runtime's own split
+    (:func:`paratrain.systems.stages.split_layers`, costs at ``seq_len``). Without a
+    ``model`` the blocks are split with equal costs and a free head, which gives
+    ceil(n_layers / pp) for one chunk per rank."""
+    if model is None:
+        return max(rank_blocks(n_layers, pp, virtual_stages, 1.0, 0.0))
+    if model.n_layers != n_layers:
+        raise ValueError(f"n_layers={n_layers} but the model has {model.n_layers}; "
+                         "pass model.n_layers")
+    block, _, head = stage_costs(model, seq_len)
+    return max(rank_blocks(n_layers, pp, virtual_stages, block, head))

@@ -1,8 +1,8 @@
 """The `paratrain plan` report: one dict of numbers (for --json) and rich tables of it.
 
-The default arguments are DESIGN.md's worked example (LLaMA 2 7B, 64 H100,
+The default arguments are docs/design.md's worked example (LLaMA 2 7B, 64 H100,
 1,048,576 tokens per step, sequence 4096), and the tables show each of its reference
-figures at the precision DESIGN.md prints.
+figures at the precision docs/design.md prints.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ stage 0-3, recomputation none/selective/full. Sequence parallelism is always on 
 tp > 1: it moves the same bytes as tensor parallelism alone (all-gather + reduce-scatter
 = all-reduce) and divides the remaining activations by tp, so it dominates.
 
-The winner is explained in the rules of thumb of DESIGN.md: tensor parallel inside a node,
+The winner is explained in the rules of thumb of docs/design.md: tensor parallel inside a node,
 pipeline or FSDP across nodes until the model fits, data parallel for the rest, gradient
 accumulation when the batch is small.
 """

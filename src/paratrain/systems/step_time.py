@@ -15,7 +15,8 @@ slowest link its group spans (:mod:`paratrain.systems.layout`):
   (:func:`dp_sync_wire_bytes`).
 - tensor parallel (Shoeybi et al. 2019): 2 all-reduces of the layer's activations in
   forward and 2 in backward per layer and micro-batch (with sequence parallelism: the
-  same bytes as all-gathers + reduce-scatters); full recomputation repeats the forward's.
+  same bytes as all-gathers + reduce-scatters); full recomputation repeats the attention
+  exit's only, 5 per layer (:mod:`paratrain.systems.tp_bytes`, the runtime's own count).
 - pipeline: one point-to-point activation send forward and one gradient back per micro-batch
   and virtual stage (scatter/gather optimisation: 1/tp of it per rank, Narayanan et al. 2021).
 - context parallel (ring attention, Liu et al. 2023): K and V pass around the cp ring,
@@ -27,7 +28,9 @@ about 2/3 of its compute (``overlap_fraction``); ZeRO-2/3 reduce-scatters under 
 micro-batch's backward, their all-gathers under a forward (the other 1/3). What does
 not fit is exposed. Tensor, pipeline and expert communication is counted as exposed.
 Pipeline bubble: (p-1)/m of the compute for GPipe and 1F1B (a fraction (p-1)/(m+p-1) of
-the step), divided by v for interleaving, by 3 for ZB-H1 (Qi et al. 2023).
+the step), divided by v for interleaving, by 3 for ZB-H1 with m >= p (Qi et al. 2023);
+one closed form, :func:`paratrain.parallel.pipeline.schedule.bubble_over_compute`
+(torch-free), equal to the simulated schedule the runtime runs.
 
 MFU = model FLOPs / (step time x GPUs x peak); HFU uses hardware FLOPs.
 """
@@ -37,34 +40,23 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from paratrain.config import ModelConfig
+from paratrain.parallel.pipeline.schedule import bubble_formula, bubble_over_compute
 from paratrain.plan import ParallelPlan
 from paratrain.systems import collectives as coll
 from paratrain.systems.hardware import Hardware
 from paratrain.systems.layout import group_link, span, split_batch, stage_layers
 from paratrain.systems.memory import Precision, params_per_gpu, recipe
 from paratrain.systems.models import as_shape
+from paratrain.systems.tp_bytes import tp_forward_backward, tp_wire_bytes_per_layer
 
 OVERLAP_FRACTION = 2 / 3  # backward's share of compute (2 of 6N per token)
 
 
 def bubble_fraction(schedule: str, pp: int, m: int, v: int = 1) -> float:
-    """Idle fraction of a pipeline step: (p-1)/(m+p-1) for GPipe and 1F1B (Huang et al.
-    2019; Narayanan et al. 2021); interleaving with v chunks divides the bubble by v;
-    ZB-H1 by about 3 (Qi et al. 2023, with equal F, B, W times)."""
-    b = bubble_over_compute(schedule, pp, m, v)
-    return b / (1 + b)
-
-
-def bubble_over_compute(schedule: str, pp: int, m: int, v: int = 1) -> float:
-    """Bubble time divided by the ideal (bubble-free) compute time."""
-    if pp == 1:
-        return 0.0
-    b = (pp - 1) / m
-    if schedule == "interleaved":
-        return b / v
-    if schedule == "zb-h1":
-        return b / 3
-    return b
+    """Idle fraction of a pipeline step: the schedule module's closed form
+    (:func:`paratrain.parallel.pipeline.schedule.bubble_formula`), which equals the
+    simulated bubble of the schedule the runtime executes."""
+    return bubble_formula(schedule, pp, m, v)
 
 
 def dp_sync_wire_bytes(payload_bytes: float, p: int, zero: int, micro_batches: int = 1
@@ -166,7 +158,7 @@ class StepTime:
 def _dp_algorithm(name: str, p: int, per_node: int, crosses_nodes: bool) -> tuple[str, int]:
     """(algorithm, ranks per node) for the data-parallel sync.
 
-    ``ring`` is DESIGN.md's flat ring at the slowest link. ``auto`` goes hierarchical
+    ``ring`` is docs/design.md's flat ring at the slowest link. ``auto`` goes hierarchical
     (intra-node, then inter-node on 1/g of the payload) when the group crosses nodes with
     several ranks in each; g is rounded down to a divisor of p.
     """
@@ -196,11 +188,11 @@ def step_time(model: ModelConfig, plan: ParallelPlan, hw: Hardware, tokens_per_s
               overhead_width: float = 0.0) -> StepTime:
     """Predict one optimizer step of ``plan`` on ``plan.world_size`` GPUs of ``hw``.
 
-    ``dp_algorithm``: "ring" (DESIGN.md's reference), "auto" (hierarchical across nodes),
+    ``dp_algorithm``: "ring" (docs/design.md's reference), "auto" (hierarchical across nodes),
     or any algorithm of :mod:`paratrain.systems.collectives`. ``overhead_width`` (h0)
     prices the memory-bound, non-matmul work of a layer (norms, activations, softmax,
     optimizer): it scales with s b h while matmuls scale with s b h^2, so compute time is
-    multiplied by (1 + h0 / d_model); 0 (the default, DESIGN.md's model) ignores it.
+    multiplied by (1 + h0 / d_model); 0 (the default, docs/design.md's model) ignores it.
     """
     m = as_shape(model)
     prec = recipe(precision) if isinstance(precision, str) else precision
@@ -249,17 +241,19 @@ def step_time(model: ModelConfig, plan: ParallelPlan, hw: Hardware, tokens_per_s
             dp_comm += mb * (2 * t_ag + t_rs)
             dp_exposed += mb * (max(0.0, t_ag - fwd) + max(0.0, t_ag + t_rs - bwd))
 
-    layers = stage_layers(m.n_layers, plan.pp)
+    layers = stage_layers(m.n_layers, plan.pp, model=m, virtual_stages=plan.virtual_stages,
+                          seq_len=seq_len)  # the runtime's busiest pipeline rank
     act_bytes = batch.micro_batch * batch.local_seq * m.d_model * prec.act_bytes
 
     # ---- tensor parallel -----------------------------------------------------------------
     tp_comm = tp_wire = 0.0
     if plan.tp > 1:
         a, bw = group_link(plan, "tp", hw)
-        n_ar = 4 + (2 if plan.recompute == "full" else 0)
-        count = mb * layers * n_ar
+        count = mb * layers * sum(tp_forward_backward(plan.recompute))
         tp_comm = count * coll.time_s("all_reduce", "ring", plan.tp, act_bytes, a, bw)
-        tp_wire = count * coll.wire_bytes("all_reduce", "ring", plan.tp, act_bytes)
+        tp_wire = mb * layers * tp_wire_bytes_per_layer(
+            batch.micro_batch, batch.local_seq, m.d_model, plan.tp, prec.act_bytes,
+            prec.act_bytes, plan.recompute)
 
     # ---- pipeline point-to-point -------------------------------------------------------------
     pp_comm = 0.0

@@ -102,6 +102,15 @@ def write_plan_plots(rep: dict, out_dir: str | Path) -> list[Path]:
     return [plot_memory(rep, d / "memory.png"), plot_step_time(rep, d / "step_time.png")]
 
 
+def write_plan_output(out, out_dir: str | Path) -> list[Path]:
+    """The charts of one `paratrain plan` result (``out`` is a
+    :class:`paratrain.systems.cli.PlanOutput`): memory and step time for a priced plan,
+    the Pareto front for a search."""
+    if out.kind == "search":
+        return [plot_pareto(out.data, out_dir, out.title)]
+    return write_plan_plots(out.data, out_dir)
+
+
 def plot_pareto(result, out_dir: str | Path, title: str) -> Path:
     """Step time vs memory per GPU of every fitting layout of a search, Pareto front marked
     (``result`` is a :class:`paratrain.systems.search.SearchResult`)."""

@@ -361,10 +361,33 @@ def validate(s: Schedule) -> Timeline:
     return simulate(s)
 
 
+def _idle_busy(name: str, p: int, m: int, v: int) -> tuple[float, float]:
+    """(idle, busy) time of one rank over a step, in a common unit (F:B = 1:2,
+    communication free): the one closed form behind :func:`bubble_formula` and
+    :func:`bubble_over_compute`."""
+    if name not in SCHEDULES:
+        raise ValueError(f"schedule={name!r} is unknown; choose one of {', '.join(SCHEDULES)}")
+    if name == "interleaved":  # Narayanan et al. 2021: the ramp shrinks to 1/v
+        return p - 1, v * m
+    if name == "zb-h1":  # in units of F = BI = BW (Qi et al. 2023, sec. 3)
+        # m >= p: the paper's (p-1) F-times of ramp. m < p: the deferred weight gradients
+        # cannot fill it; the step lasts 2(p+m)-1 F-times, 3m of them busy.
+        return p - 1 + max(0, p - m), 3 * m
+    return p - 1, m  # gpipe, 1f1b (Huang et al. 2019; Narayanan et al. 2021)
+
+
 def bubble_formula(name: str, p: int, m: int, v: int = 1) -> float:
-    """The textbook bubble fraction of the step (F:B = 1:2, communication free)."""
-    if name in ("gpipe", "1f1b"):
-        return (p - 1) / (m + p - 1)
-    if name == "interleaved":
-        return (p - 1) / (v * m + p - 1)
-    return (p - 1) / (3 * m + p - 1)  # zb-h1 with F = BI = BW (Qi et al. 2023, sec. 3)
+    """Idle fraction of the step, closed form: (p-1)/(m+p-1) for GPipe and 1F1B,
+    (p-1)/(vm+p-1) interleaved, (p-1)/(3m+p-1) for ZB-H1 with m >= p and
+    (2p-m-1)/(2p+2m-1) with m < p. Equals :func:`simulate`'s bubble of
+    :func:`build_schedule` (``tests/test_systems_bubble.py``, every case up to 16)."""
+    idle, busy = _idle_busy(name, p, m, v)
+    return idle / (idle + busy)
+
+
+def bubble_over_compute(name: str, p: int, m: int, v: int = 1) -> float:
+    """Bubble time divided by the ideal (bubble-free) compute time: (p-1)/m for GPipe and
+    1F1B, divided by v interleaved, by 3 for ZB-H1 with m >= p (same closed form as
+    :func:`bubble_formula`; the systems model scales compute time by it)."""
+    idle, busy = _idle_busy(name, p, m, v)
+    return idle / busy

@@ -7,12 +7,11 @@ absent), so the tensor-parallel transform shards a chunk exactly as it shards a 
 :class:`~paratrain.model.Decoder`, and it runs the same composition
 ``head(norm(blocks(embed(idx))))`` restricted to its slice.
 
-Balance (Narayanan et al. 2021 balance layers; the ends are not free): each block costs
-its training FLOPs per token, ``6 * layer_params + 12 * d_model * T`` (PaLM, appendix B);
-the head costs ``6 * V * d_model`` and is added to the last stage; the embedding lookup
-costs no FLOPs (its parameters are memory, not compute). The contiguous split that
-minimises the most expensive stage is found by dynamic programming; every stage gets at
-least one block (``ParallelPlan.check`` refuses more stages than layers).
+Where the cuts go is decided by :func:`paratrain.systems.stages.split_layers` (torch-free,
+re-exported here): blocks cost their training FLOPs, the head is added to the last stage,
+and the contiguous split minimising the most expensive stage is chosen, every stage
+keeping at least one block (``ParallelPlan.check`` refuses more stages than layers). The
+systems model prices the busiest pipeline rank of that same split.
 """
 
 from __future__ import annotations
@@ -20,43 +19,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from paratrain.config import ModelConfig
+from paratrain.systems.stages import split_layers, stage_costs
 
-
-def stage_costs(cfg: ModelConfig) -> tuple[float, float, float]:
-    """(per block, embedding, head) training FLOPs per token."""
-    block = 6.0 * cfg.layer_params() + 12.0 * cfg.d_model * cfg.context
-    return block, 0.0, 6.0 * cfg.vocab_size * cfg.d_model
-
-
-def split_layers(cfg: ModelConfig, stages: int) -> list[tuple[int, int]]:
-    """Contiguous [start, end) block ranges for ``stages`` virtual stages, min-max cost."""
-    n = cfg.n_layers
-    if not 1 <= stages <= n:
-        raise ValueError(f"{stages} pipeline stages for {n} layers: each stage needs a "
-                         "block; use pp*virtual_stages <= n_layers")
-    block, emb, head = stage_costs(cfg)
-
-    def cost(s: int, a: int, b: int) -> float:
-        return (b - a) * block + (emb if s == 0 else 0.0) + (head if s == stages - 1 else 0.0)
-
-    inf = float("inf")
-    # best[s][j]: min over splits of blocks [0, j) into stages 0..s-1 of the max stage cost
-    best = [[inf] * (n + 1) for _ in range(stages + 1)]
-    cut = [[0] * (n + 1) for _ in range(stages + 1)]
-    best[0][0] = 0.0
-    for s in range(1, stages + 1):
-        for j in range(s, n + 1):
-            for i in range(s - 1, j):
-                c = max(best[s - 1][i], cost(s - 1, i, j))
-                if c < best[s][j] - 1e-9:
-                    best[s][j], cut[s][j] = c, i
-    out, j = [], n
-    for s in range(stages, 0, -1):
-        i = cut[s][j]
-        out.append((i, j))
-        j = i
-    return out[::-1]
+__all__ = ["StageChunk", "build_chunks", "split_layers", "stage_costs"]
 
 
 class StageChunk(nn.Module):

@@ -1,0 +1,222 @@
+"""The published-runs table (``data/calibration.csv``): reading it and turning rows into
+priceable cases.
+
+Each row gives a model shape, an accelerator and count, the layout (TP/PP/DP/CP/EP,
+virtual stages, micro-batch size, sharding, recomputation), the batch, and what was
+reported: MFU, HFU or TFLOP/s per GPU. :func:`row_to_case` builds the model shape,
+hardware, :class:`~paratrain.plan.ParallelPlan` and batch of one row, or raises
+:class:`Skip` with the reason the model cannot price it (kept as a skipped
+:class:`Record`). Preference when a row reports several metrics: mfu, then hfu, then
+tflops.
+"""
+
+from __future__ import annotations
+
+import csv
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from paratrain.plan import ParallelPlan
+from paratrain.systems.catalogue import DATA_DIR
+from paratrain.systems.hardware import Hardware, load_hardware
+from paratrain.systems.layout import split_batch
+from paratrain.systems.models import ModelShape
+
+DEFAULT_RUNS = DATA_DIR / "calibration.csv"
+
+
+class Skip(Exception):
+    """A row the model cannot price; the message is the reason."""
+
+
+@dataclass(frozen=True)
+class Case:
+    """One priceable row."""
+
+    id: str
+    source: str
+    hw_key: str
+    hw: Hardware
+    model: ModelShape
+    plan: ParallelPlan
+    tokens: int
+    seq_len: int
+    metric: str  # mfu, hfu or tflops
+    tflops_kind: str  # model or hardware (for tflops)
+    reported: float  # fraction for mfu/hfu, TFLOP/s for tflops
+
+
+@dataclass(frozen=True)
+class Record:
+    id: str
+    source: str
+    metric: str | None
+    reported: float | None
+    predicted: float | None
+    skipped_reason: str | None = None
+
+    @property
+    def error(self) -> float | None:
+        return None if self.predicted is None else self.predicted - self.reported
+
+    @property
+    def abs_pct_error(self) -> float | None:
+        return None if self.predicted is None else abs(self.error) / abs(self.reported) * 100
+
+    def as_dict(self) -> dict:
+        return {"id": self.id, "source": self.source, "metric": self.metric,
+                "reported": self.reported, "predicted": self.predicted, "error": self.error,
+                "abs_pct_error": self.abs_pct_error, "skipped_reason": self.skipped_reason}
+
+
+def read_runs(path: str | Path | None = None) -> list[dict]:
+    p = Path(path) if path else DEFAULT_RUNS
+    if not p.is_file():
+        raise ValueError(f"runs table {str(p)!r} does not exist; pass an existing CSV")
+    with p.open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    if not rows or "id" not in rows[0]:
+        raise ValueError(f"{p} has no 'id' column; use the columns of calibration.csv")
+    return rows
+
+
+def _num(row: dict, key: str, kind=float):
+    v = (row.get(key) or "").strip()
+    if not v:
+        return None
+    try:
+        x = float(v)
+    except ValueError:
+        return None
+    return int(x) if kind is int and x == int(x) else (None if kind is int else x)
+
+
+def source_key(row: dict) -> str:
+    s = (row.get("source") or "unknown").strip()
+    return s.split(",")[0].split(" (")[0].strip()[:40] or "unknown"
+
+
+def _hardware(name: str) -> tuple[str, Hardware]:
+    from paratrain.systems.catalogue import lookup
+
+    candidates = [name, name.split("(")[0].strip()]
+    low = name.lower()
+    for key in ("a100", "h100", "h800", "h200", "b200", "v100", "mi300x", "tpu v4", "tpu v5p"):
+        if key in low:
+            candidates.append(key.replace(" ", "-"))
+    for c in candidates:
+        if not c:
+            continue
+        try:
+            key, _ = lookup(c, "hardware.toml", "hardware")
+        except ValueError:
+            continue
+        return key, load_hardware(key)
+    raise Skip(f"accelerator {name!r} is not in the hardware catalogue")
+
+
+def _zero(text: str) -> int:
+    t = text.lower()
+    if "zero-3" in t or "2d sharding" in t or ("fsdp" in t and "not resharded" not in t):
+        return 3
+    if "zero-2" in t or "fsdp" in t:
+        return 2
+    if "zero-1" in t or "distributed optimizer" in t:
+        return 1
+    return 0
+
+
+def _recompute(text: str) -> str:
+    t = text.lower().strip()
+    if not t or t.startswith("none") or t.startswith("no "):
+        return "none"
+    if "selective" in t:
+        return "selective"
+    if any(k in t for k in ("full", "checkpoint", "rematerial", "recomput")):
+        return "full"
+    return "none"
+
+
+def row_to_case(row: dict) -> Case:
+    """Turn one CSV row into a priceable case, or raise Skip with the reason."""
+    rid = row.get("id", "?")
+    L, h, heads = _num(row, "layers", int), _num(row, "hidden", int), _num(row, "heads", int)
+    if not (L and h and heads):
+        raise Skip("model shape incomplete (layers, hidden, heads)")
+    seq = _num(row, "seq_len", int)
+    if not seq:
+        raise Skip("no seq_len")
+    gpus = _num(row, "num_accel", int)
+    if not gpus:
+        raise Skip("no num_accel")
+    ffn = _num(row, "ffn_hidden", int)
+    notes = row.get("notes") or ""
+    hd = re.search(r"head dim (\d+)", notes)
+    kv = _num(row, "kv_heads", int)
+    mlp = "gelu" if ffn == 4 * h else "swiglu"
+    try:
+        model = ModelShape(
+            name=row.get("model") or rid, n_layers=L, d_model=h, n_heads=heads,
+            n_kv_heads=kv if kv and kv != heads else None, d_ff=ffn or 4 * h,
+            vocab_size=_num(row, "vocab", int) or 51200, context=seq, mlp=mlp,
+            head_size=int(hd.group(1)) if hd else None,
+            tie_embeddings="palm" in (row.get("model") or "").lower())
+    except ValueError as e:
+        raise Skip(f"model shape invalid: {e}") from None
+    hw_key, hw = _hardware(row.get("accelerator") or "")
+    tp, pp = _num(row, "TP", int) or 1, _num(row, "PP", int) or 1
+    cp, ep = _num(row, "CP", int) or 1, _num(row, "EP", int) or 1
+    dp = _num(row, "DP", int) or gpus // (tp * pp * cp)
+    if tp * pp * dp * cp != gpus:
+        raise Skip(f"TP*PP*DP*CP = {tp * pp * dp * cp} != num_accel {gpus}")
+    tokens = _num(row, "tokens_per_step", int)
+    seqs = _num(row, "global_batch_seqs", int)
+    if not tokens and seqs:
+        tokens = seqs * seq
+    if not tokens:
+        raise Skip("no batch size (tokens_per_step or global_batch_seqs)")
+    seqs = tokens // seq
+    if seqs % dp:
+        raise Skip(f"{seqs} sequences do not split over DP {dp}")
+    per_replica = seqs // dp
+    mbs = _num(row, "microbatch", int) or (1 if pp > 1 else per_replica)
+    if per_replica % mbs:
+        raise Skip(f"micro-batch {mbs} does not divide {per_replica} sequences per replica")
+    m = per_replica // mbs
+    v = _num(row, "vpp", int) or (2 if "interleaved" in notes.lower() else 1)
+    sched = "interleaved" if pp > 1 and v > 1 and m % pp == 0 and pp * v <= L else "1f1b"
+    if sched != "interleaved":
+        v = 1
+    try:
+        plan = ParallelPlan(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep if dp % ep == 0 else 1,
+                            zero=_zero(row.get("zero_or_fsdp") or ""), sp=tp > 1,
+                            micro_batches=m, schedule=sched, virtual_stages=v,
+                            recompute=_recompute(row.get("recompute") or ""))
+        split_batch(tokens, seq, plan)
+    except ValueError as e:
+        raise Skip(f"layout invalid: {e}") from None
+    if pp > L:
+        raise Skip(f"PP {pp} exceeds layers {L}")
+    mfu, hfu = _num(row, "mfu_pct"), _num(row, "hfu_pct")
+    tfl = _num(row, "tflops_per_accel_reported")
+    kind = "hardware" if "hardware" in (row.get("tflops_kind") or "").lower() else "model"
+    if mfu:
+        metric, rep = "mfu", mfu / 100
+    elif hfu:
+        metric, rep = "hfu", hfu / 100
+    elif tfl:
+        metric, rep = "tflops", tfl
+    else:
+        raise Skip("reports none of MFU, HFU or TFLOP/s per accelerator")
+    return Case(rid, source_key(row), hw_key, hw, model, plan, tokens, seq, metric, kind, rep)
+
+
+def cases_and_skips(rows: list[dict]) -> tuple[list[Case], list[Record]]:
+    cases, skips = [], []
+    for row in rows:
+        try:
+            cases.append(row_to_case(row))
+        except Skip as e:
+            skips.append(Record(row.get("id", "?"), source_key(row), None, None, None, str(e)))
+    return cases, skips

@@ -1,0 +1,33 @@
+"""The design notes live in the repository: every docs/*.md a source file cites exists, and
+sources cite docs/design.md / docs/style.md rather than files outside the repository."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+# Being rewritten by another change; drop each name once its citation moves to docs/.
+PENDING = {"src/paratrain/parallel/hybrid.py", "src/paratrain/predict.py"}
+
+
+def _sources():
+    for p in sorted((ROOT / "src").rglob("*")):
+        if p.suffix in (".py", ".toml") and p.is_file():
+            yield p, p.read_text()
+
+
+def test_cited_docs_exist():
+    cited = {m for _, text in _sources() for m in re.findall(r"docs/[\w.-]+\.md", text)}
+    cited |= set(re.findall(r"docs/[\w.-]+\.md", (ROOT / "README.md").read_text()))
+    assert {"docs/design.md", "docs/style.md"} <= cited
+    missing = sorted(c for c in cited if not (ROOT / c).is_file())
+    assert not missing, missing
+
+
+def test_no_citation_of_files_outside_the_repository():
+    bad = [f"{p.relative_to(ROOT)}:{i}" for p, text in _sources()
+           if str(p.relative_to(ROOT)) not in PENDING
+           for i, line in enumerate(text.splitlines(), 1)
+           if re.search(r"(?<![\w/])(DESIGN|STYLE)\.md", line)]
+    assert not bad, f"cite docs/design.md or docs/style.md instead: {bad}"

@@ -1,0 +1,58 @@
+"""One bubble formula: the closed form in ``parallel/pipeline/schedule.py`` equals the
+simulation of the very schedule the runtime executes, for every (schedule, p, m, v) up to
+16 that the builder accepts, and the systems model's step time uses that closed form."""
+
+from __future__ import annotations
+
+import pytest
+
+from paratrain.parallel.pipeline.schedule import (
+    SCHEDULES,
+    bubble_formula,
+    bubble_over_compute,
+    build_schedule,
+    simulate,
+)
+from paratrain.systems import step_time as st
+
+TOL = 1e-12  # the simulator adds unit (or 1/v) durations: only rounding separates them
+
+
+def _accepted(p: int):
+    for name in SCHEDULES:
+        for m in range(1, 17):
+            for v in (range(1, 17) if name == "interleaved" else (1,)):
+                try:
+                    yield name, m, v, build_schedule(name, p, m, v)
+                except ValueError:  # interleaved with m % p != 0
+                    continue
+
+
+@pytest.mark.parametrize("p", range(1, 17))
+def test_closed_form_equals_the_simulated_schedule(p):
+    for name, m, v, sched in _accepted(p):
+        sim = simulate(sched).bubble
+        assert sim == pytest.approx(bubble_formula(name, p, m, v), abs=TOL), (name, p, m, v)
+        b = bubble_over_compute(name, p, m, v)
+        assert b / (1 + b) == pytest.approx(sim, abs=TOL)
+        if name == "zb-h1" and m < p:
+            # Qi et al.'s (p-1)/(3m+p-1) assumes m >= p: with fewer micro-batches than
+            # stages the deferred weight gradients cannot fill the ramp (the last
+            # micro-batch's forward still needs p-1 hops and its input gradient p-1 back),
+            # so the step lasts 2(p+m)-1 forward times: more bubble than the paper's figure,
+            # still less than 1F1B's.
+            paper = (p - 1) / (3 * m + p - 1)
+            assert paper < sim < bubble_formula("1f1b", p, m)
+            assert sim == pytest.approx((2 * p - m - 1) / (2 * p + 2 * m - 1), abs=TOL)
+
+
+def test_step_time_prices_the_same_bubble():
+    for name, p, m, v in (("1f1b", 4, 8, 1), ("interleaved", 4, 8, 2), ("zb-h1", 8, 4, 1),
+                          ("zb-h1", 4, 8, 1), ("gpipe", 1, 3, 1)):
+        assert st.bubble_fraction(name, p, m, v) == bubble_formula(name, p, m, v)
+        assert st.bubble_over_compute(name, p, m, v) == bubble_over_compute(name, p, m, v)
+
+
+def test_unknown_schedule_is_one_line_error():
+    with pytest.raises(ValueError, match="unknown"):
+        bubble_formula("pipedream", 4, 8)

@@ -1,0 +1,48 @@
+"""TP collectives per block: one torch-free count (systems/tp_bytes.py) that the systems
+model uses and that equals the runtime's (parallel/tensor.py), full recomputation
+included (5 all-reduce-sized transfers per block, not 6)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from paratrain.plan import ParallelPlan
+from paratrain.systems.hardware import load_hardware
+from paratrain.systems.models import load_model
+from paratrain.systems.step_time import step_time
+from paratrain.systems.tp_bytes import tp_collectives_per_layer, tp_wire_bytes_per_layer
+
+
+def test_counts_per_block():
+    assert tp_collectives_per_layer(False, "none") == {"all_reduce": 4}
+    assert tp_collectives_per_layer(False, "selective") == {"all_reduce": 4}
+    # non-reentrant checkpointing stops once the MLP's saved tensors are back: the
+    # recomputed forward repeats the attention exit's all-reduce only
+    assert tp_collectives_per_layer(False, "full") == {"all_reduce": 5}
+    assert tp_collectives_per_layer(True, "none") == {"all_gather": 4, "reduce_scatter": 4}
+    assert tp_collectives_per_layer(True, "full") == {"all_gather": 5, "reduce_scatter": 5}
+
+
+def test_same_formula_as_the_runtime():
+    from paratrain.parallel.tensor import tp_wire_bytes_per_layer as runtime
+
+    for b, s, d, t, fe, be, rc in itertools.product((1, 3), (16, 4096), (32, 4096),
+                                                    (2, 4, 8), (2, 4), (2, 4),
+                                                    ("none", "selective", "full")):
+        assert tp_wire_bytes_per_layer(b, s, d, t, fe, be, rc) == runtime(b, s, d, t, fe, be, rc)
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_step_time_counts_five_transfers_under_full_recompute(sp):
+    m, hw = load_model("llama2-7b"), load_hardware("h100")
+    kw = dict(tp=8, dp=8, sp=sp, micro_batches=2)
+    none = step_time(m, ParallelPlan(**kw), hw, 2**20, 4096)
+    full = step_time(m, ParallelPlan(**kw, recompute="full"), hw, 2**20, 4096)
+    assert full.tp_wire_bytes == pytest.approx(none.tp_wire_bytes * 5 / 4, rel=1e-12)
+    assert full.tp_comm_s == pytest.approx(none.tp_comm_s * 5 / 4, rel=1e-12)
+    act = 16 * 4096 * 4096 * 2  # 16 sequences per micro-batch per dp rank, bf16
+    per_layer = tp_wire_bytes_per_layer(16, 4096, 4096, 8, 2, 2, "full")
+    assert full.tp_wire_bytes == pytest.approx(2 * 32 * per_layer, rel=1e-12)
+    assert per_layer == pytest.approx(5 * 2 * 7 / 8 * act, rel=1e-12)
