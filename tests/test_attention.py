@@ -180,3 +180,43 @@ def test_plan_attention_flag(capsys):
     assert eager - flash == pytest.approx(32 * 4 * 2 * 32 * (4096 * 4096 - 4096))
     assert main(["plan", "--attention", "fused"]) == 2
     assert "attention='fused'" in capsys.readouterr().err
+
+
+# ---- the train command and the runtime's prediction ------------------------------------
+def test_train_flag_and_toml_set_the_attention(tmp_path, capsys):
+    from paratrain.cli import main
+    from paratrain.train_cli import resolve
+
+    toml = tmp_path / "run.toml"
+    toml.write_text('[model]\nattention = "eager"\n')
+    assert resolve(str(toml), {}, {}, {}, 1)[0].attention == "eager"
+    assert resolve(str(toml), {"attention": "sdpa"}, {}, {}, 1)[0].attention == "sdpa"
+    assert resolve(None, {}, {}, {}, 1)[0].attention == "sdpa"
+    assert main(["train", "--nproc", "1", "--attention", "flash"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "attention='flash'" in err and len(err.splitlines()) == 1
+
+
+def test_runtime_prediction_uses_the_kernel_and_element_size():
+    from paratrain.config import TrainConfig
+    from paratrain.parallel.memory import predicted_activations
+    from paratrain.plan import ParallelPlan
+
+    cfg = MEASURE_CFGS[0]
+    tcfg = TrainConfig(dtype="float64", global_batch=4)
+    plan = ParallelPlan()
+    for attention, kind in (("sdpa", "flash"), ("eager", "eager")):
+        c = cfg.replace(attention=attention)
+        assert predicted_activations(c, plan, tcfg) == \
+            4 * c.n_layers * block_activation_bytes(c, T, attention=kind, element_bytes=8)
+
+
+def test_train_runs_with_eager_attention(tmp_path, text_file):
+    from paratrain.cli import main
+
+    code = main(["train", "--nproc", "1", "--steps", "2", "--data", text_file, "--run-dir",
+                 str(tmp_path), "--attention", "eager", "--layers", "2", "--d-model", "32",
+                 "--heads", "4", "--kv-heads", "2", "--d-ff", "64", "--context", "32",
+                 "--global-batch", "8", "--quiet"])
+    assert code == 0
+    assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 2
