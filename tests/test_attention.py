@@ -220,3 +220,47 @@ def test_train_runs_with_eager_attention(tmp_path, text_file):
                  "--global-batch", "8", "--quiet"])
     assert code == 0
     assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 2
+
+
+# ---- tensor and sequence parallelism: the same count on each of 2 gloo ranks ----------
+def _tp_saved(cfg: ModelConfig, plan) -> int:
+    from paratrain.parallel.mesh import Mesh
+    from paratrain.parallel.tensor import apply_tensor_parallel
+
+    torch.manual_seed(0)
+    model = Decoder(cfg).double()
+    apply_tensor_parallel(model, Mesh.from_plan(plan), plan)
+    apply_recompute(model.blocks, plan.recompute)
+    idx = torch.randint(0, 256, (B, T), generator=torch.Generator().manual_seed(2))
+    meter = ActivationMeter()
+    with meter.watch(True):
+        model(idx)
+    return meter.peak_bytes
+
+
+def _tp_worker(rank: int, world: int) -> list:
+    from paratrain.plan import ParallelPlan
+
+    out = []
+    for attention in ("sdpa", "eager"):
+        cfg = MEASURE_CFGS[1].replace(attention=attention)
+        for sp in (False, True):
+            for rc in ("none", "selective", "full"):
+                plan = ParallelPlan(tp=world, sp=sp, recompute=rc)
+                measured = (_tp_saved(cfg.replace(n_layers=4), plan)
+                            - _tp_saved(cfg.replace(n_layers=2), plan)) / 2
+                predicted = B * block_activation_bytes(
+                    cfg, T, tp=world, sp=sp, recompute=rc, element_bytes=8,
+                    attention="flash" if attention == "sdpa" else "eager")
+                out.append((attention, sp, rc, measured, predicted))
+    return out
+
+
+def test_tensor_and_sequence_parallel_saved_bytes_match_the_formula():
+    from paratrain.distributed import spawn
+
+    for rank_rows in spawn(_tp_worker, 2, timeout_s=300):
+        for attention, sp, rc, measured, predicted in rank_rows:
+            print(f"tp=2 sp={sp} {attention} {rc}: measured {measured:.0f}, "
+                  f"formula {predicted:.0f}")
+            assert measured == pytest.approx(predicted, rel=0.05), (attention, sp, rc)
