@@ -13,8 +13,8 @@ from paratrain.cli import app
 README = (Path(__file__).parents[1] / "README.md").read_text()
 
 TRAIN_FLAGS = {
-    "--bucket-mb", "--checkpoint-dir", "--checkpoint-every", "--collectives", "--compress",
-    "--config", "--context", "--d-ff", "--d-model", "--data", "--dp", "--dtype",
+    "--attention", "--bucket-mb", "--checkpoint-dir", "--checkpoint-every", "--collectives",
+    "--compress", "--config", "--context", "--d-ff", "--d-model", "--data", "--dp", "--dtype",
     "--eval-every", "--global-batch", "--heads", "--kv-heads", "--layers", "--lr",
     "--micro-batches", "--nproc", "--overlap", "--pp", "--quiet", "--recompute", "--resume",
     "--run-dir", "--schedule", "--seed", "--simulate-workers", "--sp", "--steps",

@@ -18,6 +18,9 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 
+ATTENTION = ("sdpa", "eager")
+
+
 def _require(ok: bool, msg: str) -> None:
     if not ok:
         raise ValueError(msg)
@@ -27,7 +30,11 @@ def _require(ok: bool, msg: str) -> None:
 class ModelConfig:
     """Shape of a LLaMA-style decoder (RMSNorm, RoPE, SwiGLU, GQA).
 
-    ``d_ff`` is the SwiGLU hidden width (three matrices: gate, up, down).
+    ``d_ff`` is the SwiGLU hidden width (three matrices: gate, up, down). ``attention``
+    picks the kernel: ``sdpa`` (PyTorch's fused scaled_dot_product_attention, which keeps
+    no s x s scores for backward) or ``eager`` (softmax(QK^T / sqrt(E) + mask) V written
+    out, which keeps the a x s x s probabilities; the reference the fused kernel is
+    checked against, and what Korthikanti et al. 2022's 5 a s / h term describes).
     """
 
     n_layers: int = 4
@@ -40,6 +47,7 @@ class ModelConfig:
     tie_embeddings: bool = False
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
+    attention: str = "sdpa"
 
     def __post_init__(self) -> None:
         for name in ("n_layers", "d_model", "n_heads", "d_ff", "vocab_size", "context"):
@@ -62,6 +70,11 @@ class ModelConfig:
             self.head_dim % 2 == 0,
             f"head dimension {self.head_dim} (d_model/n_heads) must be even for RoPE; "
             "change d_model or n_heads",
+        )
+        _require(
+            self.attention in ATTENTION,
+            f"attention={self.attention!r} is unknown; choose sdpa or eager "
+            "(pass e.g. --attention sdpa)",
         )
 
     @property

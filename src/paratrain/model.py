@@ -7,6 +7,10 @@ model in place. Two conventions make that possible:
 - Attention reads its head count from its projections' output width
   (``wq.out_features // head_dim``), so a tensor-parallel transform that shards the
   projections by heads needs no change here.
+- ``cfg.attention`` picks the attention kernel: ``sdpa`` (fused; keeps q, k, v, the
+  output and one log-sum-exp per row for backward) or ``eager`` (the textbook formula;
+  keeps the a x T x T probabilities). They agree to rounding; the systems model prices
+  the bytes each keeps (:func:`paratrain.systems.memory.block_activation_bytes`).
 - :meth:`Decoder.forward` is the composition ``head(blocks(embed(idx)))``, and each part
   is callable alone, so a pipeline stage can run any contiguous slice of it.
 
@@ -51,10 +55,26 @@ def apply_rope(x_BTHE: torch.Tensor, cos_TE: torch.Tensor, sin_TE: torch.Tensor)
     return torch.stack((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1).flatten(-2)
 
 
+def eager_attention(q_BHTE: torch.Tensor, k_BHTE: torch.Tensor,
+                    v_BHTE: torch.Tensor) -> torch.Tensor:
+    """softmax(Q K^T / sqrt(E) + causal mask) V, written out (Vaswani et al. 2017).
+
+    Autograd keeps q and k (for the score matmul), the probabilities P_BHTT (softmax's
+    backward needs only its output) and v. The mask is added rather than filled in, so
+    it is not kept; the scaled scores before the softmax are not kept either.
+    """
+    T, E = q_BHTE.shape[-2], q_BHTE.shape[-1]
+    mask_TT = torch.full((T, T), float("-inf"), dtype=q_BHTE.dtype,
+                         device=q_BHTE.device).triu(1)
+    s_BHTT = q_BHTE @ k_BHTE.transpose(-2, -1) / math.sqrt(E) + mask_TT
+    return s_BHTT.softmax(dim=-1) @ v_BHTE
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.head_dim = cfg.head_dim
+        self.kernel = cfg.attention
         d, e = cfg.d_model, cfg.head_dim
         self.wq = nn.Linear(d, cfg.n_heads * e, bias=False)
         self.wk = nn.Linear(d, cfg.kv_heads * e, bias=False)
@@ -68,7 +88,10 @@ class Attention(nn.Module):
         if rep > 1:  # grouped-query attention: each kv head serves `rep` query heads
             k = k.repeat_interleave(rep, dim=1)
             v = v.repeat_interleave(rep, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if self.kernel == "eager":
+            y = eager_attention(q, k, v)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return y.transpose(1, 2).flatten(2)
 
     def forward(self, x_BTD, cos, sin) -> torch.Tensor:

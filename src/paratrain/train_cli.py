@@ -63,6 +63,7 @@ def register(app: typer.Typer) -> None:
         d_ff: Annotated[int | None, Opt(help="SwiGLU hidden width.")] = None,
         context: Annotated[int | None, Opt(help="Sequence length.")] = None,
         tie_embeddings: Annotated[bool | None, Opt(help="Tie input/output embeddings.")] = None,
+        attention: Annotated[str | None, Opt(help="sdpa (fused) | eager (keeps scores).")] = None,
         # training
         steps: Annotated[int | None, Opt(help="Optimizer steps.")] = None,
         global_batch: Annotated[int | None, Opt(help="Windows per step, all workers.")] = None,
@@ -103,7 +104,8 @@ def register(app: typer.Typer) -> None:
         mcfg, tcfg, plan = resolve(
             config,
             dict(n_layers=layers, d_model=d_model, n_heads=heads, n_kv_heads=kv_heads,
-                 d_ff=d_ff, context=context, tie_embeddings=tie_embeddings),
+                 d_ff=d_ff, context=context, tie_embeddings=tie_embeddings,
+                 attention=attention),
             dict(steps=steps, global_batch=global_batch, lr=lr, warmup_steps=warmup_steps,
                  seed=seed, dtype=dtype, eval_every=eval_every, data=data,
                  checkpoint_every=checkpoint_every),

@@ -30,8 +30,9 @@ How it measures (not the formula):
 The prediction is :func:`paratrain.systems.memory.model_states` with the precision of
 the run (``fp32-adam``: 4 + 4 + 8 bytes per parameter; float64 doubles it; under
 ``--dtype bfloat16`` paratrain keeps FP32 weights and computes under autocast, so it is
-also ``fp32-adam``), and the Korthikanti activation formula scaled from its 16-bit
-elements to the run's element size.
+also ``fp32-adam``), and :func:`paratrain.systems.memory.block_activation_bytes` (exact
+for this model's block, sdpa or eager, at the run's element size) times the layers and
+micro-batches in flight.
 """
 
 from __future__ import annotations
@@ -122,10 +123,14 @@ def predicted_states(mcfg: ModelConfig, plan: ParallelPlan, tcfg: TrainConfig) -
 
 
 def predicted_activations(mcfg: ModelConfig, plan: ParallelPlan, tcfg: TrainConfig) -> float:
+    """The systems model's saved-activation bytes on the busiest rank for this run: the
+    model's kernel (sdpa is a fused kernel, priced as ``flash``) at its element size."""
     from paratrain.systems.memory import activation_bytes
 
     tokens = tcfg.global_batch * mcfg.context
-    return activation_bytes(mcfg, plan, tokens, mcfg.context) * ELEMENT_BYTES[tcfg.dtype] / 2
+    attention = "eager" if mcfg.attention == "eager" else "flash"
+    return activation_bytes(mcfg, plan, tokens, mcfg.context, attention,
+                            ELEMENT_BYTES[tcfg.dtype])
 
 
 def memory_report(engine, mcfg: ModelConfig, plan: ParallelPlan, tcfg: TrainConfig,

@@ -65,7 +65,10 @@ class TPComm:
         out = x_TBD.new_empty((x_TBD.shape[0] * self.size,) + tuple(x_TBD.shape[1:]))
         self._count(out.numel() * out.element_size(), 1.0)
         _gather0(out, x_TBD, self.group)
-        return out.transpose(0, 1)
+        # contiguous once here: a (B, T, D) view of the (T, B, D) buffer would make each
+        # column-parallel linear (wq, wk, wv; w_gate, w_up) copy it and keep its own copy
+        # for backward, 3 + 2 full-T tensors per layer where one each is enough
+        return out.transpose(0, 1).contiguous()
 
     def scatter_T(self, x_BTD: torch.Tensor) -> torch.Tensor:
         """(B, T, ...) partial sums on each rank -> (B, T/t, ...) slices of the sum."""

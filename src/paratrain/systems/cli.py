@@ -60,6 +60,8 @@ def plan(
     schedule: str = typer.Option("1f1b", help="gpipe, 1f1b, interleaved or zb-h1."),
     virtual_stages: int = typer.Option(1, help="Chunks per stage (interleaved schedule)."),
     recompute: str = typer.Option("none", help="none, selective or full."),
+    attention: str = typer.Option("flash", help="flash (a fused kernel: keeps no s x s "
+                                                "scores) or eager (keeps them)."),
     overlap: bool = typer.Option(True, "--overlap/--no-overlap",
                                  help="Overlap gradient sync with backward."),
     eta: float | None = typer.Option(None, help="Matmul efficiency (default: the "
@@ -83,9 +85,13 @@ def plan(
     """
     from paratrain.plan import ParallelPlan
     from paratrain.systems.hardware import load_hardware
+    from paratrain.systems.memory import ATTENTION
     from paratrain.systems.models import load_model
     from paratrain.systems.report import build_report, render
 
+    if attention not in ATTENTION:
+        raise ValueError(f"attention={attention!r} is unknown; choose flash or eager "
+                         "(pass e.g. --attention flash)")
     m = load_model(model)
     hw = load_hardware(hardware)
     step_kwargs = None
@@ -101,7 +107,8 @@ def plan(
     if global_batch is not None:
         tokens = global_batch * seq_len
     if search:
-        return _search(m, hw, gpus, tokens, seq_len, top, eta, json_out, plot, step_kwargs)
+        return _search(m, hw, gpus, tokens, seq_len, top, eta, json_out, plot, step_kwargs,
+                       attention)
     if dp is None:
         rest = tp * pp * cp
         if rest < 1 or gpus % rest:
@@ -119,7 +126,7 @@ def plan(
     kw = dict(step_kwargs or {})
     rep = build_report(m, hw, p, tokens, seq_len, eta=eta, precision=precision,
                        overlap_fraction=kw.pop("overlap_fraction", OVERLAP_FRACTION),
-                       step_kwargs=kw)
+                       step_kwargs=kw, attention=attention)
     if json_out:
         import json
 
@@ -129,14 +136,14 @@ def plan(
     return PlanOutput("report", rep, f"{m.name} on {gpus} x {hw.name}")
 
 
-def _search(m, hw, gpus, tokens, seq_len, top, eta, json_out, plot, step_kwargs
-            ) -> PlanOutput:
+def _search(m, hw, gpus, tokens, seq_len, top, eta, json_out, plot, step_kwargs,
+            attention) -> PlanOutput:
     from paratrain.systems.search import candidate_record, explain, render_search, search
 
     if top < 1:
         raise ValueError(f"top={top} must be >= 1; pass e.g. --top 10")
     res = search(m, hw, gpus, tokens, seq_len, top=top, eta=eta, keep_points=bool(plot),
-                 step_kwargs=step_kwargs)
+                 step_kwargs=step_kwargs, attention=attention)
     hw = hw if eta is None else hw.replace(eta=eta)
     lines = explain(res, m, hw)
     if json_out:

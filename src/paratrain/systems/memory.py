@@ -11,9 +11,13 @@ with d the data-parallel degree (dp x cp: context-parallel ranks hold the same w
 Tensor and pipeline parallelism divide the parameters a GPU holds; expert parallelism
 divides the routed experts.
 
-Activations per layer, 16-bit (Korthikanti et al. 2022, "Reducing Activation
-Recomputation in Large Transformer Models", Table 2), s tokens, b sequences, h width,
-a heads, t tensor-parallel ranks:
+Activations per layer: :func:`block_activation_bytes` is the one formula (the runtime's
+prediction, the plan's memory and the pipeline report all call it). For paratrain's own
+block it counts, tensor by tensor, what autograd keeps for backward (see its docstring;
+the tests measure it). For shapes paratrain's block does not implement (GPT-3's GeLU MLP
+with biases, mixture of experts, latent attention) it falls back to Korthikanti et al.
+2022 ("Reducing Activation Recomputation in Large Transformer Models", Table 2), s
+tokens, b sequences, h width, a heads, t tensor-parallel ranks, 16-bit:
 
     no parallelism          s b h (34 + 5 a s / h)
     tensor parallel         s b h (10 + 24/t + 5 a s / (h t))
@@ -21,7 +25,12 @@ a heads, t tensor-parallel ranks:
     selective recompute     s b h (10 + 24/t)      (sequence parallel: 34 s b h / t)
     full recompute          2 s b h                (sequence parallel: 2 s b h / t)
 
-times the layers the busiest pipeline stage holds and the micro-batches in flight on it.
+The 5 a s / h term is the attention scores, softmax output and dropout mask of an
+unfused kernel; a fused (flash) kernel keeps none of them, so ``attention="flash"``
+drops it.
+
+Either is multiplied by the layers the busiest pipeline stage holds and the
+micro-batches in flight on it.
 """
 
 from __future__ import annotations
@@ -130,22 +139,108 @@ def model_states_bytes(model: ModelConfig, plan: ParallelPlan,
     return model_states(model, plan, precision).total_bytes
 
 
+ATTENTION = ("flash", "eager")
+
+
+def _check_kinds(recompute: str, attention: str) -> None:
+    if recompute not in ("none", "selective", "full"):
+        raise ValueError(f"recompute={recompute!r} is unknown; choose none, selective or full")
+    if attention not in ATTENTION:
+        raise ValueError(f"attention={attention!r} is unknown; choose flash or eager "
+                         "(pass e.g. --attention flash)")
+
+
 def layer_activation_bytes(seq: int, batch: int, hidden: int, heads: int, tp: int = 1,
-                           sp: bool = False, recompute: str = "none") -> float:
-    """Activation bytes one transformer layer keeps for backward (Korthikanti et al. 2022,
-    Table 2; 16-bit activations, attention scores stored unless recomputed)."""
+                           sp: bool = False, recompute: str = "none",
+                           attention: str = "eager") -> float:
+    """Korthikanti et al. 2022, Table 2: activation bytes one GPT layer (LayerNorm, GeLU
+    MLP, dropout) keeps for backward at 16 bit. ``attention="eager"`` (their setting, the
+    default here so the published figures are reproduced) keeps the 5 a s^2 b bytes of
+    scores, softmax output and dropout mask; ``"flash"`` keeps none of them."""
+    _check_kinds(recompute, attention)
     sbh = seq * batch * hidden
     t = tp
     if recompute == "full":
         return 2 * sbh / (t if sp else 1)
     if recompute == "selective":
         return 34 * sbh / t if sp else sbh * (10 + 24 / t)
-    if recompute != "none":
-        raise ValueError(f"recompute={recompute!r} is unknown; choose none, selective or full")
-    attn = 5 * heads * seq / hidden
+    attn = 5 * heads * seq / hidden if attention == "eager" else 0.0
     if sp:
         return sbh * (34 + attn) / t
     return sbh * (10 + 24 / t + attn / t)
+
+
+def is_paratrain_block(model: ModelConfig) -> bool:
+    """Whether ``model``'s layers are paratrain's own block (model.py): RMSNorm x 2, RoPE
+    attention with head dim d_model / n_heads, SwiGLU, no biases, dense."""
+    m = as_shape(model)
+    return (m.mlp == "swiglu" and not m.bias and not m.learned_positions
+            and m.norms_per_layer == 2 and not m.is_moe and not m.is_mla
+            and m.head_dim * m.n_heads == m.d_model)
+
+
+def block_activation_bytes(model: ModelConfig, seq: int, *, tp: int = 1, sp: bool = False,
+                           recompute: str = "none", attention: str = "flash",
+                           element_bytes: float = 2.0) -> float:
+    """Bytes one layer keeps for backward, per sequence of ``seq`` tokens, on one
+    tensor-parallel rank of ``tp`` (with sequence parallelism if ``sp``), at
+    ``element_bytes`` per element. The one activation formula of paratrain.
+
+    For paratrain's block (:func:`is_paratrain_block`) it is exact: the tensors autograd
+    keeps in model.py, counted once per storage as
+    :class:`paratrain.parallel.memory.ActivationMeter` measures them (the tests check
+    float32 and float64 runs). With h = d_model, f = d_ff, a heads of E, K kv heads,
+    t = tp and u = t with sequence parallelism (else 1), in elements:
+
+    ====================  =====================================================  ========
+    part                  kept for backward                                      elements
+    ====================  =====================================================  ========
+    each RMSNorm (2)      its input x, the normalised x r before the weight,    (2 s h
+                          the reciprocal rms r                                    + s) / u
+    linear inputs (2)     the normed input of wq/wk/wv and of w_gate/w_up;      2 s h
+                          with SP the all-gathered (full-T) copy
+    attention, flash      q, and k, v repeated to a heads (our GQA repeats       (4 s a E
+                          before the kernel), the output, a log-sum-exp per row  + s a)/t
+    attention, eager      q, k, v (repeated), the probabilities, wo's input      (4 s a E
+                                                                                 + a s^2)/t
+    attention, selective  q; k, v before the repeat (kept by the checkpoint);    (2 s a E
+                          wo's input; the core is rerun in backward              + 2 s K E)/t
+    SwiGLU                gate output, its silu, up output, their product        4 s f / t
+    full recompute        only the block input                                   s h / u
+    ====================  =====================================================  ========
+
+    How it differs from Korthikanti's 34 s b h (16 bit): RMSNorm keeps the normalised
+    tensor before and after its weight (LayerNorm in Megatron keeps its input only);
+    SwiGLU keeps four d_ff-wide tensors where GeLU keeps two 4h-wide ones; there is no
+    dropout (Korthikanti's masks are 3 s b h + a s^2 b). Under eager our block keeps
+    only the softmax output (a s^2, no scores, no mask), not 5 a s^2 b. The RoPE
+    tables are constants shared by all layers and are not counted. Under bf16
+    autocast the element size varies by tensor (the norms run in fp32), so the count is
+    exact only for float32 / float64 runs.
+
+    Other shapes: Korthikanti's per-sequence figure scaled from 2 bytes to
+    ``element_bytes`` (:func:`layer_activation_bytes`; ``flash`` drops 5 a s^2).
+    """
+    _check_kinds(recompute, attention)
+    m = as_shape(model)
+    if not is_paratrain_block(m):
+        return layer_activation_bytes(seq, 1, m.d_model, m.n_heads, tp, sp, recompute,
+                                      attention) * element_bytes / 2.0
+    s, h, f, a, t = seq, m.d_model, m.d_ff, m.n_heads, tp
+    u = t if sp else 1
+    ae, ke = a * m.head_dim, m.kv_heads * m.head_dim
+    if recompute == "full":
+        return s * h / u * element_bytes
+    norms = 2 * (2 * s * h + s) / u
+    linear_inputs = 2 * s * h
+    if recompute == "selective":
+        attn = (2 * s * ae + 2 * s * ke) / t
+    elif attention == "eager":
+        attn = (4 * s * ae + a * s * s) / t
+    else:
+        attn = (4 * s * ae + s * a) / t
+    mlp = 4 * s * f / t
+    return (norms + linear_inputs + attn + mlp) * element_bytes
 
 
 def micro_batches_in_flight(schedule: str, pp: int, m: int, v: int = 1) -> float:
@@ -195,12 +290,16 @@ class Memory:
 
 
 def activation_bytes(model: ModelConfig, plan: ParallelPlan, tokens_per_step: int,
-                     seq_len: int) -> float:
-    """Activations on the busiest GPU: per layer x layers per stage x in-flight micro-batches."""
+                     seq_len: int, attention: str = "eager",
+                     element_bytes: float = 2.0) -> float:
+    """Activations on the busiest GPU: per layer x layers per stage x in-flight
+    micro-batches. ``attention`` defaults to Korthikanti's unfused kernel (``eager``);
+    ``paratrain plan`` passes ``flash`` unless told otherwise."""
     m = as_shape(model)
     batch = split_batch(tokens_per_step, seq_len, plan)
-    per_layer = layer_activation_bytes(batch.local_seq, batch.micro_batch, m.d_model,
-                                       m.n_heads, plan.tp, plan.sp, plan.recompute)
+    per_layer = batch.micro_batch * block_activation_bytes(
+        m, batch.local_seq, tp=plan.tp, sp=plan.sp, recompute=plan.recompute,
+        attention=attention, element_bytes=element_bytes)
     layers = stage_layers(m.n_layers, plan.pp)
     inflight = micro_batches_in_flight(plan.schedule, plan.pp, plan.micro_batches,
                                        plan.virtual_stages)
@@ -208,12 +307,13 @@ def activation_bytes(model: ModelConfig, plan: ParallelPlan, tokens_per_step: in
 
 
 def memory(model: ModelConfig, plan: ParallelPlan, hw: Hardware, tokens_per_step: int,
-           seq_len: int, precision: str | Precision = "bf16-adam") -> Memory:
+           seq_len: int, precision: str | Precision = "bf16-adam",
+           attention: str = "eager") -> Memory:
     """Everything the busiest GPU holds at its peak, against ``hw.hbm_bytes``."""
     m: ModelShape = as_shape(model)
     prec = recipe(precision) if isinstance(precision, str) else precision
     st = model_states(m, plan, prec)
-    act = activation_bytes(m, plan, tokens_per_step, seq_len)
+    act = activation_bytes(m, plan, tokens_per_step, seq_len, attention)
     batch = split_batch(tokens_per_step, seq_len, plan)
     logits = 4.0 * batch.local_seq * batch.micro_batch * m.vocab_size / plan.tp \
         if plan.pp == 1 else 0.0

@@ -23,9 +23,12 @@ GB = 1e9
 def build_report(model: ModelConfig, hw: Hardware, plan: ParallelPlan, tokens_per_step: int,
                  seq_len: int, *, eta: float | None = None,
                  overlap_fraction: float = OVERLAP_FRACTION,
-                 precision: str = "bf16-adam", step_kwargs: dict | None = None) -> dict:
+                 precision: str = "bf16-adam", step_kwargs: dict | None = None,
+                 attention: str = "flash") -> dict:
     """Every number `paratrain plan` shows, in SI units (bytes, seconds, fractions).
 
+    ``attention`` is the kernel whose saved activations are priced (``flash`` keeps no
+    s x s scores; ``eager`` keeps them: :func:`paratrain.systems.memory.block_activation_bytes`).
     ``step_kwargs`` go to :func:`step_time` (e.g. the fitted ``dp_algorithm`` and
     ``overhead_width`` of ``paratrain plan --calibrated``)."""
     m = as_shape(model)
@@ -51,7 +54,7 @@ def build_report(model: ModelConfig, hw: Hardware, plan: ParallelPlan, tokens_pe
     zero_rows = []
     for z in range(4):
         pz = plan.replace(zero=z)
-        mem = memory(m, pz, hw, tokens_per_step, seq_len, prec)
+        mem = memory(m, pz, hw, tokens_per_step, seq_len, prec, attention)
         zero_rows.append({
             "zero": z,
             "weights_bytes": mem.weights_bytes,
@@ -64,7 +67,7 @@ def build_report(model: ModelConfig, hw: Hardware, plan: ParallelPlan, tokens_pe
             "fits": mem.fits,
             "wire_bytes": dp_sync_wire_bytes(payload, d, z, plan.micro_batches),
         })
-    mem = memory(m, plan, hw, tokens_per_step, seq_len, prec)
+    mem = memory(m, plan, hw, tokens_per_step, seq_len, prec, attention)
     st = step_time(m, plan, hw, tokens_per_step, seq_len, overlap_fraction=overlap_fraction,
                    precision=prec, **(step_kwargs or {}))
     return {
@@ -79,7 +82,7 @@ def build_report(model: ModelConfig, hw: Hardware, plan: ParallelPlan, tokens_pe
                  "micro_batches": plan.micro_batches, "schedule": plan.schedule,
                  "virtual_stages": plan.virtual_stages, "recompute": plan.recompute,
                  "overlap": plan.overlap, "tokens_per_step": tokens_per_step,
-                 "seq_len": seq_len, "precision": precision},
+                 "seq_len": seq_len, "precision": precision, "attention": attention},
         "gradient_sync": sync,
         "zero": zero_rows,
         "memory": {"weights_bytes": mem.weights_bytes, "grads_bytes": mem.grads_bytes,
@@ -133,7 +136,7 @@ def render(rep: dict, console=None) -> None:
         f"{pl['tokens_per_step']:,} tokens/step, sequence {pl['seq_len']}; "
         f"dp {pl['dp']} tp {pl['tp']} pp {pl['pp']} cp {pl['cp']} ep {pl['ep']}, "
         f"ZeRO-{pl['zero']}, {pl['micro_batches']} micro-batch(es), {pl['schedule']}, "
-        f"recompute {pl['recompute']}, eta {hw['eta']}"
+        f"recompute {pl['recompute']}, {pl['attention']} attention, eta {hw['eta']}"
     )
     link = "the network" if sy["dp_link"] == "inter" else "the node link"
     t = Table(title="Gradient sync (BF16 gradients of one GPU's parameters)")

@@ -120,9 +120,10 @@ def enumerate_plans(model: ModelConfig, hw: Hardware, gpus: int, sequences: int,
 
 def search(model: ModelConfig, hw: Hardware, gpus: int, tokens_per_step: int, seq_len: int,
            *, top: int = 10, eta: float | None = None, keep_points: bool = True,
-           step_kwargs: dict | None = None, **enum_kw) -> SearchResult:
+           step_kwargs: dict | None = None, attention: str = "eager",
+           **enum_kw) -> SearchResult:
     """Price every layout; return the ``top`` fitting ones by predicted step time
-    (``step_kwargs`` go to :func:`step_time`)."""
+    (``step_kwargs`` go to :func:`step_time`; ``attention`` to :func:`memory`)."""
     if tokens_per_step % seq_len:
         raise ValueError(
             f"tokens_per_step={tokens_per_step} is not a multiple of seq_len={seq_len}; "
@@ -140,7 +141,7 @@ def search(model: ModelConfig, hw: Hardware, gpus: int, tokens_per_step: int, se
     for plan, b in enumerate_plans(m, hw, gpus, tokens_per_step // seq_len, seq_len,
                                    **enum_kw):
         scored += 1
-        mem = memory(m, plan, hw, tokens_per_step, seq_len)
+        mem = memory(m, plan, hw, tokens_per_step, seq_len, attention=attention)
         if not mem.fits:
             continue
         fitting += 1
