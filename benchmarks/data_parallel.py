@@ -18,6 +18,7 @@ Each run takes ``--warmup`` untimed steps, then ``--steps`` timed ones; the tabl
 medians over rounds of the per-run median step time (the slower rank's), and of the
 per-run peak RSS (the larger rank's). All runs share one optimizer recipe
 (AdamW, foreach=False, clip 1.0) and the loss normalised by the global token count.
+These conventions live in benchmarks/_common.py, shared with fsdp_tp.py.
 
 Records (``--json``): impl, round, step_s, tokens_per_s, peak_rss_mb (per rank),
 exposed_comm_s (paratrain only: wall time waiting on gradient communication after
@@ -28,12 +29,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import statistics
-import time
 
 import torch
 
+from _common import alternate, median_of, peak_rss_mb, timed_steps, torch_step
 from paratrain.config import ModelConfig, TrainConfig
 from paratrain.distributed import spawn
 
@@ -73,7 +73,7 @@ def _paratrain(impl: str, tcfg: TrainConfig):
 
 
 def _torch(impl: str, tcfg: TrainConfig):
-    from paratrain.optim import build_adamw, set_lr
+    from paratrain.optim import build_adamw
     from paratrain.parallel.engine import token_loss_sum
     from paratrain.train import build_model
 
@@ -93,16 +93,15 @@ def _torch(impl: str, tcfg: TrainConfig):
         wrapped = fully_shard(model, mesh=mesh)
         scale = 2.0  # FSDP2 also averages its reduce-scatter over ranks
     opt = build_adamw(model, tcfg)
+    params = list(model.parameters())
+    torch_update = torch_step(
+        lambda x, y: token_loss_sum(wrapped(x), y), opt,
+        lambda: torch.nn.utils.clip_grad_norm_(params, tcfg.grad_clip, foreach=False),
+        grad_scale=scale)
 
     def step(x, y, tokens, lr):
-        loss = token_loss_sum(wrapped(x), y) * (scale / tokens)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(list(model.parameters()), tcfg.grad_clip,
-                                       foreach=False)
-        set_lr(opt, lr)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return None
+        torch_update(x, y, tokens, lr)
+        return None  # torch does not expose its communication wait
 
     return step
 
@@ -114,22 +113,13 @@ def _worker(rank: int, world: int, impl: str, steps: int, warmup: int, batch: in
     make = _torch if impl.startswith("torch") else _paratrain
     step = make(impl, tcfg)
     tokens = batch * MODEL.context
-    times, exposed = [], []
-    for k in range(warmup + steps):
-        x, y = _batch(k, rank, world, batch, MODEL.context)
-        torch.distributed.barrier()
-        t0 = time.perf_counter()
-        e = step(x, y, tokens, 1e-3)
-        dt = time.perf_counter() - t0
-        if k >= warmup:
-            times.append(dt)
-            if e is not None:
-                exposed.append(e)
-    if world == 1:
-        exposed = []
+    times, outs = timed_steps(
+        lambda k: step(*_batch(k, rank, world, batch, MODEL.context), tokens, 1e-3),
+        warmup, steps)
+    exposed = [e for e in outs[warmup:] if e is not None] if world > 1 else []
     return {"step_s": statistics.median(times),
             "exposed_comm_s": statistics.median(exposed) if exposed else None,
-            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+            "peak_rss_mb": peak_rss_mb()}
 
 
 def main() -> None:
@@ -146,25 +136,23 @@ def main() -> None:
     records = []
     print(f"model {MODEL.num_params():,} parameters, {a.batch} x {MODEL.context} tokens/step, "
           f"2 ranks gloo, 1 thread each; {a.rounds} rounds x {a.steps} steps", flush=True)
-    for rnd in range(a.rounds):
-        order = impls[rnd % len(impls):] + impls[:rnd % len(impls)]
-        for impl in order:
-            world = 1 if impl == "one-process-2-threads" else 2
-            res = spawn(_worker, world, impl, a.steps, a.warmup, a.batch)
-            step_s = max(r["step_s"] for r in res)
-            exposed = [r["exposed_comm_s"] for r in res]
-            rec = {"impl": impl, "round": rnd, "step_s": step_s,
-                   "tokens_per_s": tokens / step_s,
-                   "peak_rss_mb": [r["peak_rss_mb"] for r in res],
-                   "exposed_comm_s": None if exposed[0] is None else max(exposed)}
-            records.append(rec)
-            print(f"  round {rnd} {impl:<20} {step_s:.4f} s/step", flush=True)
+    for rnd, impl in alternate(impls, a.rounds, rotate=True):
+        world = 1 if impl == "one-process-2-threads" else 2
+        res = spawn(_worker, world, impl, a.steps, a.warmup, a.batch)
+        step_s = max(r["step_s"] for r in res)
+        exposed = [r["exposed_comm_s"] for r in res]
+        rec = {"impl": impl, "round": rnd, "step_s": step_s,
+               "tokens_per_s": tokens / step_s,
+               "peak_rss_mb": [r["peak_rss_mb"] for r in res],
+               "exposed_comm_s": None if exposed[0] is None else max(exposed)}
+        records.append(rec)
+        print(f"  round {rnd} {impl:<20} {step_s:.4f} s/step", flush=True)
     rows = {}
     for impl in impls:
-        rs = [r for r in records if r["impl"] == impl]
-        ex = [r["exposed_comm_s"] for r in rs if r["exposed_comm_s"] is not None]
-        rows[impl] = {"step_s": statistics.median(r["step_s"] for r in rs),
-                      "rss": statistics.median(max(r["peak_rss_mb"]) for r in rs),
+        ex = [r["exposed_comm_s"] for r in records
+              if r["impl"] == impl and r["exposed_comm_s"] is not None]
+        rows[impl] = {"step_s": median_of(records, impl, lambda r: r["step_s"]),
+                      "rss": median_of(records, impl, lambda r: max(r["peak_rss_mb"])),
                       "exposed": statistics.median(ex) if ex else None}
     print(f"\n{'impl':<20} {'s/step':>8} {'tokens/s':>9} {'peak RSS MB':>12} "
           f"{'exposed comm s':>15}")
