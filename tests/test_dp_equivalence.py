@@ -261,18 +261,17 @@ def test_float32_stages_match_one_process(two, reference):
 
 
 def test_bfloat16_compute_with_fp32_master_matches_within_5e_3(two, reference):
-    """Stages 0-2 autocast from FP32 weights like the single process; ZeRO-3 gathers
-    BF16 parameters (half the all-gather bytes) and reduces in FP32, so its residual
-    stream is BF16: measured differences are ~1.4e-3 relative; the bound is 5e-3."""
+    """Mixed precision (BF16 parameters and gradients, FP32 masters in the optimizer,
+    BF16 reduction) on 2 ranks against the same recipe in one process: the summation
+    order of BF16 gradients differs, so a relative bound, 5e-3."""
     worst = 0.0
     for z in (0, 1, 2, 3):
         r = two[("bfloat16", z)]
         worst = max(worst, rel(r["losses"], reference["bfloat16"]))
         assert rel(r["losses"], reference["bfloat16"]) < 5e-3, f"zero={z}"
     print(f"largest bfloat16 loss relative difference: {worst:.2e}")
-    z3 = two[("bfloat16", 3)]  # two bf16 all-gathers + one fp32 reduce-scatter
-    assert z3["wire_bytes_per_step"] == pytest.approx(0.5 * (2 * 0.5 + 1) *
-                                                      z3["payload_bytes_per_step"])
+    z3 = two[("bfloat16", 3)]  # two bf16 all-gathers + one bf16 reduce-scatter
+    assert z3["wire_bytes_per_step"] == pytest.approx(0.5 * 3 * z3["payload_bytes_per_step"])
 
 
 def test_overlap_launches_buckets_during_backward_and_rebuilds_once(two):
@@ -290,7 +289,8 @@ def test_zero3_reduce_dtype_bf16_halves_reduce_bytes(two):
                                         ("torch.float32", "torch.bfloat16"))
     assert p16 * 2 == p32
     assert b32 - b16 == pytest.approx(0.5 * 0.5 * p32)  # (p-1)/p of the halved RS
-    assert torch.allclose(g16, g32, rtol=2e-2, atol=1e-4)
+    assert g16.dtype == torch.bfloat16 and g32.dtype == torch.float32
+    assert torch.allclose(g16.float(), g32, rtol=2e-2, atol=1e-4)
 
 
 def test_buckets_are_rebuilt_once_in_the_observed_ready_order(two):

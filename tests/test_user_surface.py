@@ -16,7 +16,8 @@ TRAIN_FLAGS = {
     "--attention", "--bucket-mb", "--checkpoint-dir", "--checkpoint-every", "--collectives",
     "--compress", "--config", "--context", "--d-ff", "--d-model", "--data", "--dp", "--dtype",
     "--eval-every", "--global-batch", "--heads", "--kv-heads", "--layers", "--lr",
-    "--micro-batches", "--nproc", "--overlap", "--pp", "--quiet", "--recompute", "--resume",
+    "--micro-batches", "--nproc", "--overlap", "--pp", "--quiet", "--recompute",
+    "--reduce-dtype", "--resume",
     "--run-dir", "--schedule", "--seed", "--simulate-workers", "--sp", "--steps",
     "--tie-embeddings", "--tp", "--virtual-stages", "--warmup-steps", "--zero",
 }

@@ -130,6 +130,7 @@ class TrainConfig:
     grad_clip: float = 1.0
     seed: int = 0
     dtype: str = "float32"
+    reduce_dtype: str = "bfloat16"  # gradient reduction under dtype bfloat16 (or float32)
     eval_every: int = 50
     eval_batches: int = 8
     checkpoint_every: int = 0  # 0 = only at the end (when a checkpoint dir is set)
@@ -162,6 +163,11 @@ class TrainConfig:
             f"dtype={self.dtype!r} is not supported; choose one of {', '.join(DTYPES)}",
         )
         _require(
+            self.reduce_dtype in REDUCE_DTYPES,
+            f"reduce_dtype={self.reduce_dtype!r} is not supported; choose one of "
+            f"{', '.join(REDUCE_DTYPES)} (it applies under --dtype bfloat16)",
+        )
+        _require(
             self.eval_every >= 0,
             f"eval_every={self.eval_every} must be >= 0 (0 = only at the end)",
         )
@@ -174,6 +180,7 @@ class TrainConfig:
 
 
 DTYPES = ("float32", "float64", "bfloat16")
+REDUCE_DTYPES = ("bfloat16", "float32")
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,12 @@ def param_groups(named_params, weight_decay: float) -> list[dict]:
 
 
 def build_adamw(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
+    """AdamW over the model's parameters; under ``--dtype bfloat16`` on FP32 master
+    copies of the BF16 parameters (:class:`paratrain.parallel.precision.MasterAdamW`)."""
+    if cfg.dtype == "bfloat16":
+        from paratrain.parallel.precision import MasterAdamW
+
+        return MasterAdamW(param_groups(model.named_parameters(), cfg.weight_decay), cfg)
     # foreach=False: the per-parameter loop's arithmetic is the same whatever the sharding,
     # which keeps single-process and parallel runs comparable to rounding.
     return torch.optim.AdamW(param_groups(model.named_parameters(), cfg.weight_decay),

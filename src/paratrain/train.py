@@ -24,10 +24,9 @@ from paratrain.model import Decoder
 from paratrain.optim import lr_at
 from paratrain.parallel.api import build_engine
 from paratrain.parallel.memory import ActivationMeter, format_report, memory_report
+from paratrain.parallel.precision import working_dtype
 from paratrain.perf import matmul_peak_flops
 from paratrain.plan import ParallelPlan
-
-DTYPE = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.float32}
 
 
 @dataclass(frozen=True)
@@ -54,7 +53,7 @@ def build_model(cfg: ModelConfig, tcfg: TrainConfig, device: torch.device) -> De
     """The same weights on every rank and in every mode: seeded construction on CPU."""
     torch.manual_seed(tcfg.seed)
     model = Decoder(cfg)
-    return model.to(device=device, dtype=DTYPE[tcfg.dtype])
+    return model.to(device=device, dtype=working_dtype(tcfg))
 
 
 class _Log:
@@ -153,7 +152,7 @@ def train(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan | None = None
 
     run_dir = Path(opts.run_dir) if opts.run_dir else None
     log = _Log(run_dir, rank == 0, opts.quiet, tcfg.steps)
-    peak = matmul_peak_flops(DTYPE[tcfg.dtype] if tcfg.dtype != "bfloat16" else torch.bfloat16) \
+    peak = matmul_peak_flops(working_dtype(tcfg)) \
         if opts.measure_peak and rank == 0 else float("nan")
     tokens = tcfg.global_batch * mcfg.context
     micro = plan.micro_batches if plan.pp == 1 else 1  # the pipeline splits its own

@@ -71,6 +71,8 @@ def register(app: typer.Typer) -> None:
         warmup_steps: Annotated[int | None, Opt(help="Linear warm-up steps.")] = None,
         seed: Annotated[int | None, Opt(help="Seed of weights and batches.")] = None,
         dtype: Annotated[str | None, Opt(help="float32 | float64 | bfloat16.")] = None,
+        reduce_dtype: Annotated[str | None, Opt(help="bf16 grads reduced in bfloat16|float32."
+                                                )] = None,
         eval_every: Annotated[int | None, Opt(help="Validate every K steps.")] = None,
         data: Annotated[str | None, Opt(help="Text file or folder (default: stdlib).")] = None,
         run_dir: Annotated[str | None, Opt(help="Metrics dir (default runs/<time>).")] = None,
@@ -107,7 +109,8 @@ def register(app: typer.Typer) -> None:
                  d_ff=d_ff, context=context, tie_embeddings=tie_embeddings,
                  attention=attention),
             dict(steps=steps, global_batch=global_batch, lr=lr, warmup_steps=warmup_steps,
-                 seed=seed, dtype=dtype, eval_every=eval_every, data=data,
+                 seed=seed, dtype=dtype, reduce_dtype=reduce_dtype, eval_every=eval_every,
+                 data=data,
                  checkpoint_every=checkpoint_every),
             dict(dp=dp, tp=tp, pp=pp, sp=sp, zero=zero, micro_batches=micro_batches,
                  schedule=schedule, virtual_stages=virtual_stages, recompute=recompute,

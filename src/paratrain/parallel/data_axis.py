@@ -43,6 +43,7 @@ from paratrain.config import TrainConfig
 from paratrain.optim import build_adamw, set_lr
 from paratrain.parallel.ddp import DPCommStats, GradBuckets
 from paratrain.parallel.ddp_comm import GroupComm
+from paratrain.parallel.precision import grad_of, optimizer_tensors, reduce_dtype
 from paratrain.plan import ParallelPlan
 
 
@@ -59,7 +60,7 @@ class DataAxis:
     """The dp-axis reducer of this rank's chunks, and the optimizer that goes with it."""
 
     def __init__(self, chunks: list[nn.Module], group, dp: int, plan: ParallelPlan,
-                 cfg: TrainConfig, counted, param_dtype: torch.dtype | None = None) -> None:
+                 cfg: TrainConfig, counted) -> None:
         self.kind = kind_of(plan, dp)
         self.plan = plan
         self.deferred = plan.pp > 1
@@ -70,14 +71,18 @@ class DataAxis:
         self.buckets: list[GradBuckets] = []
         self.zo = self.fs = self.tk = None
         self.comm = None
+        self.history: list[DPCommStats] = []
+        self.steps_done = 0
+        self._exposed = 0.0  # ZeRO-2's per-micro-batch waits, billed to the step
         if self.kind == "none":
             self.opt = build_adamw(self.container, cfg)
             return
         self.comm = GroupComm(group, plan.collectives)
         self.dp_rank = self.comm.rank
+        rdt = reduce_dtype(cfg)
         if self.kind == "ddp":
-            self.buckets = [GradBuckets(ps, self.comm, plan.bucket_mb, plan.overlap)
-                            for ps in lists]
+            self.buckets = [GradBuckets(ps, self.comm, plan.bucket_mb, plan.overlap,
+                                        dtype=rdt) for ps in lists]
             self.opt = build_adamw(self.container, cfg)
         elif self.kind == "topk":
             from paratrain.parallel.compress import TopKCompressor, parse_topk
@@ -90,7 +95,8 @@ class DataAxis:
             from paratrain.parallel.zero import ZeroOptimizer
 
             self.zo = ZeroOptimizer(lists, group, plan.zero, cfg, plan.bucket_mb,
-                                    plan.overlap, plan.collectives, counted, self.deferred)
+                                    plan.overlap, plan.collectives, counted, self.deferred,
+                                    rdt)
             self.comm = self.zo.comm
             self.buckets = self.zo.chunks
             self.opt = self.zo.adam.opt
@@ -102,7 +108,7 @@ class DataAxis:
                 for u in default_units(chunk):
                     units.append(u)
                     owner.append(c)
-            self.fs = FullyShard(units, group, cfg, plan.collectives, param_dtype,
+            self.fs = FullyShard(units, group, cfg, plan.collectives, reduce_dtype=rdt,
                                  overlap=plan.overlap, deferred=self.deferred,
                                  unit_chunks=owner, counted=counted)
             self.comm = self.fs.comm
@@ -111,9 +117,6 @@ class DataAxis:
             for gb in self.buckets:
                 gb.set_sync(False)  # a pipeline reduces per chunk, never from hooks
         self._mark = self.comm.bytes_sent
-        self._exposed = 0.0  # ZeRO-2's per-micro-batch waits, billed to the step
-        self.history: list[DPCommStats] = []
-        self.steps_done = 0
 
     # ---- backward ------------------------------------------------------------------
     def before_backward(self, last: bool) -> None:
@@ -172,6 +175,7 @@ class DataAxis:
     def local_sq(self) -> torch.Tensor:
         """Squares of the gradient this rank owns (float64, CPU), counted once."""
         if self.kind == "zero":
+            self.zo.adam.bind_grads()
             return self.zo.adam.local_sq()
         if self.kind == "fsdp":
             self.fs.prepare_step()
@@ -179,8 +183,9 @@ class DataAxis:
         sq = torch.zeros((), dtype=torch.float64)
         if self.dp_rank == 0:  # replicated gradients: one data replica counts them
             for p in self.container.parameters():
-                if p.grad is not None and self.counted(p):
-                    sq += p.grad.double().pow(2).sum().cpu()
+                g = grad_of(p)
+                if g is not None and self.counted(p):
+                    sq += g.double().pow(2).sum().cpu()
         return sq
 
     @torch.no_grad()
@@ -189,8 +194,9 @@ class DataAxis:
             (self.zo or self.fs).adam.scale(coef)
         elif coef != 1.0:
             for p in self.container.parameters():
-                if p.grad is not None:
-                    p.grad.mul_(coef)
+                g = grad_of(p)
+                if g is not None:
+                    g.mul_(coef)
 
     @torch.no_grad()
     def step(self, lr: float) -> None:
@@ -213,17 +219,20 @@ class DataAxis:
     # ---- state, memory, reports ---------------------------------------------------------
     def state_dict(self) -> dict:
         if self.kind == "fsdp":
-            return {"shards": [u.shard for u in self.fs.units], "optim": self.opt.state_dict()}
-        return {"model": self.container.state_dict(), "optim": self.opt.state_dict()}
+            return {"shards": [u.shard for u in self.fs.units],
+                    "optim": self.fs.adam.state_dict()}
+        opt = self.zo.adam if self.kind == "zero" else self.opt
+        return {"model": self.container.state_dict(), "optim": opt.state_dict()}
 
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
         if self.kind == "fsdp":
             for u, s in zip(self.fs.units, state["shards"], strict=True):
                 u.shard.copy_(s)
-        else:
-            self.container.load_state_dict(state["model"])
-        self.opt.load_state_dict(state["optim"])
+            self.fs.adam.load_state_dict(state["optim"])
+            return
+        self.container.load_state_dict(state["model"])
+        (self.zo.adam if self.kind == "zero" else self.opt).load_state_dict(state["optim"])
 
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:
         if self.kind == "zero":
@@ -231,9 +240,8 @@ class DataAxis:
         if self.kind == "fsdp":
             return self.fs.state_tensors()
         params = list(self.container.parameters())
-        out = {"params": params, "grads": [p.grad for p in params if p.grad is not None],
-               "optimizer": [t for st in self.opt.state.values() for t in st.values()
-                             if torch.is_tensor(t) and t.dim() > 0]}
+        out = {"params": params, "grads": [grad_of(p) for p in params if grad_of(p) is not None],
+               "optimizer": optimizer_tensors(self.opt)}
         if self.kind == "topk":
             out["comm_buffers"] = [self.tk.residual]
         return out

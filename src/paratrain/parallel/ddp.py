@@ -144,7 +144,7 @@ class GradBuckets:
 
     def __init__(self, params, comm: GroupComm, bucket_mb: float = 25.0,
                  overlap: bool = True, mode: str = "all_reduce", persistent: bool = True,
-                 rebuild: bool = True) -> None:
+                 rebuild: bool = True, dtype: torch.dtype | None = None) -> None:
         if mode not in MODES:
             raise ValueError(f"mode={mode!r} is unknown; choose one of {', '.join(MODES)}")
         if bucket_mb <= 0:
@@ -155,6 +155,7 @@ class GradBuckets:
         self.comm = comm
         self.mode = mode
         self.persistent = persistent
+        self.dtype = dtype  # of the flat buffers: the reduction dtype (default: the params')
         self.overlap = overlap
         self.cap_bytes = int(bucket_mb * 1024 * 1024)
         self.params = [p for p in params if p.requires_grad]
@@ -177,20 +178,30 @@ class GradBuckets:
 
     # ---- layout -------------------------------------------------------------------
     def _build(self, order: list[nn.Parameter]) -> None:
+        self.main = False
         self.buckets = pack(order, self.cap_bytes, self.pad_to)
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         for b in self.buckets:
             like = b.params[0]
+            dt = self.dtype or like.dtype
+            # Buffers in another dtype than the gradients (BF16 gradients summed in FP32):
+            # each gradient is added into its FP32 view, ``p.main_grad``, as it is
+            # produced, and released (Megatron-LM's main_grad).
+            self.main = dt != like.dtype
             if self.persistent:
-                b.grad = torch.zeros(b.padded, dtype=like.dtype, device=like.device)
+                b.grad = torch.zeros(b.padded, dtype=dt, device=like.device)
                 for p, off in zip(b.params, b.offsets, strict=True):
-                    p.grad = b.grad[off:off + p.numel()].view_as(p)
+                    view = b.grad[off:off + p.numel()].view_as(p)
+                    if self.main:
+                        p.main_grad = view
+                    else:
+                        p.grad = view
             if self.mode == "reduce_scatter":
                 s, r = b.padded // self.comm.size, self.comm.rank
                 # ZeRO-1: the owned chunk of the full buffer receives the sum (no second
                 # copy); ZeRO-2: a persistent chunk that accumulates over micro-steps.
                 b.grad_shard = b.grad[r * s:(r + 1) * s] if self.persistent else \
-                    torch.zeros(s, dtype=like.dtype, device=like.device)
+                    torch.zeros(s, dtype=dt, device=like.device)
 
     def layout(self) -> str:
         """One line per bucket: size and the parameter shapes it holds (first few)."""
@@ -199,7 +210,7 @@ class GradBuckets:
         for i, b in enumerate(self.buckets):
             shapes = ", ".join("x".join(map(str, p.shape)) for p in b.params[:4])
             more = f" +{len(b.params) - 4}" if len(b.params) > 4 else ""
-            mb = b.padded * b.params[0].element_size() / 1e6
+            mb = b.padded * (self.dtype or b.params[0].dtype).itemsize / 1e6
             lines.append(f"  bucket {i}: {len(b.params)} params, {b.numel} elements "
                          f"(padded {b.padded}), {mb:.3f} MB [{shapes}{more}]")
         return "\n".join(lines)
@@ -213,12 +224,17 @@ class GradBuckets:
         if self._recording:
             self.observed.append(id(p))
         b = self._bucket_of[id(p)]
+        if p.grad is None:  # a deferred weight gradient (zero bubble): swept at launch
+            return
         if not self.persistent:  # ZeRO-2: copy into the transient buffer, release p.grad
             if b.grad is None:
-                b.grad = torch.zeros(b.padded, dtype=p.dtype, device=p.device)
+                b.grad = torch.zeros(b.padded, dtype=self.dtype or p.dtype, device=p.device)
                 self._note_buffers()
             off = b.offsets[b.index[id(p)]]
             b.grad[off:off + p.numel()].add_(p.grad.reshape(-1))
+            p.grad = None
+        elif self.main:
+            p.main_grad.add_(p.grad)
             p.grad = None
         b.ready += 1
         if b.ready == len(b.params) and self.sync and self.overlap:
@@ -228,6 +244,11 @@ class GradBuckets:
                 other.handle.is_completed()
 
     def _launch(self, b: Bucket, early: bool = False) -> None:
+        if self.main and self.persistent:  # gradients assigned outside autograd's
+            for p in b.params:             # accumulation (zero bubble's deferred dW)
+                if p.grad is not None:
+                    p.main_grad.add_(p.grad)
+                    p.grad = None
         if self.mode == "all_reduce":
             b.handle = self.comm.all_reduce(b.grad, async_op=True)
         else:
@@ -310,7 +331,7 @@ class GradBuckets:
                 b.grad = None
         exposed = time.perf_counter() - t_end
         mark, self._bytes_mark = self._bytes_mark, self.comm.bytes_sent
-        payload = sum(b.padded * b.params[0].element_size() for b in self.buckets)
+        payload = sum(b.padded * (self.dtype or b.params[0].dtype).itemsize for b in self.buckets)
         return DPCommStats(seconds=exposed, payload_bytes=payload,
                            wire_bytes=self.comm.bytes_sent - mark,
                            hidden_s=_union_inside(intervals, t_end), buckets=launched,

@@ -51,13 +51,11 @@ class Engine:
         self.model = model
         self.cfg = cfg
         self.device = device
-        self.autocast = cfg.dtype == "bfloat16"
-        self.opt = build_adamw(model, cfg)
+        self.opt = build_adamw(model, cfg)  # FP32 masters under --dtype bfloat16
 
     # ---- forward / backward -------------------------------------------------------
     def loss_sum(self, x_BT: torch.Tensor, y_BT: torch.Tensor) -> torch.Tensor:
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
-            logits = self.model(x_BT.to(self.device))
+        logits = self.model(x_BT.to(self.device))
         return token_loss_sum(logits, y_BT.to(self.device))
 
     def forward_backward(self, x_BT, y_BT, n_tokens_global: int) -> float:
@@ -84,9 +82,13 @@ class Engine:
 
     def clip_and_step(self, lr: float) -> float:
         """Clip by global gradient norm, take the AdamW step, zero grads; return the norm."""
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        clip = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
-        norm = torch.nn.utils.clip_grad_norm_(params, clip, foreach=False)
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        sq = sum(g.double().pow(2).sum() for g in grads) if grads else torch.zeros(())
+        norm = float(sq) ** 0.5
+        if self.cfg.grad_clip > 0:
+            coef = min(1.0, self.cfg.grad_clip / (norm + 1e-6))
+            for g in grads:
+                g.mul_(coef)
         set_lr(self.opt, lr)
         self.opt.step()
         self.zero_grad()

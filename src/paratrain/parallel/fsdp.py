@@ -32,10 +32,10 @@ Life of a unit (Zhao et al. 2023, "PyTorch FSDP"; Rajbhandari et al. 2020, ZeRO-
   parameter's last use is not signalled by a gradient).
 - Wire bytes per step and micro-batch: all-gather (p-1)/p twice + reduce-scatter
   (p-1)/p = 3(p-1)/p x payload.
-- Mixed precision: ``param_dtype`` (BF16 under ``--dtype bfloat16``) is what is gathered
-  and computed with; gradients are reduce-scattered in ``reduce_dtype`` (default: the
-  master dtype, FP32; BF16 halves those bytes at some accuracy) and the update is done
-  in the FP32 master dtype of the shards.
+- Mixed precision (:mod:`.precision`): the shards are the parameters' working dtype
+  (BF16 under ``--dtype bfloat16``), which is what is gathered and computed with;
+  gradients are reduce-scattered in ``reduce_dtype`` (BF16 by default, or FP32) and the
+  optimizer updates FP32 masters of the owned shards, rounded back into them.
 - Under a pipeline (``deferred``, FSDP2's ``reshard_after_forward=False`` with gradient
   sync on the last micro-batch only, as torchtitan runs FSDP x PP): a unit is gathered
   at its first forward of the step and stays gathered; gradients accumulate over the
@@ -87,7 +87,7 @@ class Unit:
     offsets: list[int]
     numel: int
     padded: int
-    shard: torch.Tensor  # (padded / p,) owned chunk, master dtype
+    shard: torch.Tensor  # (padded / p,) owned chunk, working dtype
     grad_shard: torch.Tensor | None  # (padded / p,) reduced, accumulated gradient chunk
     n_trainable: int
     has_frozen: bool
@@ -127,9 +127,9 @@ class FullyShard:
                         params.append(q)
             self.units.append(self._make_unit(f"unit{i}", mods, params, p, r))
             self.units[-1].chunk = unit_chunks[i]
-        self.master_dtype = self.units[0].shard.dtype
-        self.param_dtype = param_dtype or self.master_dtype
-        self.reduce_dtype = reduce_dtype or self.master_dtype
+        self.shard_dtype = self.units[0].shard.dtype  # the working dtype (FP32 masters, if
+        self.param_dtype = param_dtype or self.shard_dtype  # any, live in the optimizer)
+        self.reduce_dtype = reduce_dtype or self.shard_dtype
         for u in self.units:
             # Each parameter becomes, once and for all, a view into its unit's gathered
             # buffer, whose *storage* is resized to 0 bytes at rest and refilled by each
@@ -310,7 +310,7 @@ class FullyShard:
         """The reduced chunk becomes (or is added to) the unit's gradient shard, which
         exists only from the first reduction of a step to the optimizer step."""
         if u.grad_shard is None:
-            u.grad_shard = out.to(self.master_dtype)
+            u.grad_shard = out
         else:
             u.grad_shard.add_(out)
 
@@ -363,7 +363,7 @@ class FullyShard:
 
     @torch.no_grad()
     def full_parameters(self) -> dict[int, torch.Tensor]:
-        """id(param) -> its full value in the master dtype (collective: all-gathers every
+        """id(param) -> its full value in the working dtype (collective: all-gathers every
         unit's shards; for checks and exports, not for training)."""
         out = {}
         for u in self.units:

@@ -28,9 +28,9 @@ How it measures (not the formula):
   the total at the end of forward (when the graph is largest).
 
 The prediction is :func:`paratrain.systems.memory.model_states` with the precision of
-the run (``fp32-adam``: 4 + 4 + 8 bytes per parameter; float64 doubles it; under
-``--dtype bfloat16`` paratrain keeps FP32 weights and computes under autocast, so it is
-also ``fp32-adam``), and :func:`paratrain.systems.memory.block_activation_bytes` (exact
+the run (:func:`run_precision`: ``fp32-adam`` is 4 + 4 + 8 bytes per parameter, float64
+doubles it; ``--dtype bfloat16`` is the mixed-precision recipe 2 + 2 + 12, or 2 + 4 + 12
+with ``--reduce-dtype float32``), and :func:`paratrain.systems.memory.block_activation_bytes` (exact
 for this model's block, sdpa or eager, at the run's element size) times the layers and
 micro-batches in flight.
 """
@@ -46,7 +46,20 @@ from torch import nn
 from paratrain.config import ModelConfig, TrainConfig
 from paratrain.plan import ParallelPlan
 
-ELEMENT_BYTES = {"float64": 8, "float32": 4, "bfloat16": 4}
+ELEMENT_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2}  # the working parameters'
+
+
+def run_precision(tcfg: TrainConfig):
+    """The systems model's bytes-per-parameter recipe of this run: BF16 mixed precision
+    is 2 (BF16 weights) + 2 or 4 (gradients in the reduction dtype) + 12 (FP32 master,
+    m, v); float32 / float64 runs keep no second copy: e + e + 2e."""
+    from paratrain.systems.memory import Precision
+
+    if tcfg.dtype == "bfloat16":
+        g = 2 if tcfg.reduce_dtype == "bfloat16" else 4
+        return Precision(f"bf16-adam-reduce-{tcfg.reduce_dtype}", 2, g, 12, act_bytes=2)
+    b = ELEMENT_BYTES[tcfg.dtype]
+    return Precision(f"fp{8 * b}-adam", b, b, 2 * b, act_bytes=b)
 
 
 def storage_bytes(tensors) -> int:
@@ -101,10 +114,11 @@ def measure_states(engine) -> dict[str, int]:
     if hasattr(engine, "state_tensors"):
         st = engine.state_tensors()
     else:
+        from paratrain.parallel.precision import optimizer_tensors
+
         params = list(engine.model.parameters())
         st = {"params": params, "grads": [p.grad for p in params],
-              "optimizer": [t for s in engine.opt.state.values() for t in s.values()
-                            if torch.is_tensor(t) and t.dim() > 0]}
+              "optimizer": optimizer_tensors(engine.opt)}
     out = {k: storage_bytes(st.get(k, [])) for k in ("params", "grads", "optimizer")}
     out["comm_buffers"] = storage_bytes(st.get("comm_buffers", []))
     out["comm_buffers"] += int(getattr(engine, "comm_buffer_peak", 0) or 0)
@@ -113,11 +127,9 @@ def measure_states(engine) -> dict[str, int]:
 
 def predicted_states(mcfg: ModelConfig, plan: ParallelPlan, tcfg: TrainConfig) -> dict:
     """The systems model's model-state bytes per rank for this run's precision."""
-    from paratrain.systems.memory import Precision, model_states
+    from paratrain.systems.memory import model_states
 
-    b = ELEMENT_BYTES[tcfg.dtype]
-    prec = Precision(f"fp{8 * b}-adam", b, b, 2 * b, act_bytes=b)
-    ms = model_states(mcfg, plan, prec)
+    ms = model_states(mcfg, plan, run_precision(tcfg))
     return {"params": ms.weights_bytes, "grads": ms.grads_bytes,
             "optimizer": ms.optimizer_bytes}
 

@@ -87,14 +87,9 @@ class MeshEngine(Engine):
         for c in chunks:
             apply_recompute(c.blocks, plan.recompute)
         self.model = nn.ModuleList(chunks)
-        # 4. data / ZeRO on the dp axis. bf16 under ZeRO-3 without tp/pp: units are
-        # gathered in bf16 and computed without autocast (the pure-FSDP recipe).
-        self.autocast = cfg.dtype == "bfloat16"
-        pdt = torch.bfloat16 if self.autocast and plan.zero == 3 and plan.tp == 1 \
-            and plan.pp == 1 else None
+        # 4. data / ZeRO on the dp axis (mixed precision: parallel/precision.py)
         self.data = DataAxis(chunks, mesh.group("dp"), mesh.size("dp"), plan, cfg,
-                             self._counted, pdt)
-        self.autocast = self.autocast and pdt is None
+                             self._counted)
         self.opt = self.data.opt
         self.dp_rank, self.dp_size = mesh.index("dp"), mesh.size("dp")
         self._micro = 0
@@ -107,7 +102,7 @@ class MeshEngine(Engine):
             self.runtime = PipelineRuntime(
                 chunks, self.schedule, self.pp_rank, lambda r: mesh.peer("pp", r),
                 self._loss_sum, self._hidden_shape, self.dtype, device, self.meter,
-                self.autocast, on_chunk_done=self.data.chunk_done)
+                on_chunk_done=self.data.chunk_done)
         self.timelines: list[list] = []
         self.overheads: list[float] = []  # runtime seconds per compute action, per step
         self.act_peaks: list[int] = []
@@ -137,11 +132,6 @@ class MeshEngine(Engine):
         return "\n".join(lines)
 
     # ---- pieces --------------------------------------------------------------------
-    def _amp(self):
-        """bf16 autocast from the fp32 weights under --dtype bfloat16 (as Engine does);
-        hidden states between stages stay fp32 (the residual stream is fp32)."""
-        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast)
-
     def _hidden_shape(self, b: int) -> tuple[int, int, int]:
         T = self.mcfg.context
         return (b, T // self.plan.tp if self.plan.sp else T, self.mcfg.d_model)
@@ -162,8 +152,7 @@ class MeshEngine(Engine):
             self._micro += 1
             self.data.before_backward(self._micro >= self.micro_batches)
             with self.meter.recording(0):
-                with self._amp():
-                    logits = self.model[0](x_BT, T)
+                logits = self.model[0](x_BT, T)
                 loss = self._loss_sum(logits, y_BT)
             (loss / n_tokens_global).backward()
             self.meter.release(0)
@@ -189,8 +178,7 @@ class MeshEngine(Engine):
         try:
             x_BT, y_BT = x_BT.to(self.device), y_BT.to(self.device)
             if self.runtime is None:
-                with self._amp():
-                    logits = self.model[0](x_BT, x_BT.shape[1])
+                logits = self.model[0](x_BT, x_BT.shape[1])
                 return float(self._loss_sum(logits, y_BT))
             return self.runtime.forward_only(x_BT, y_BT, x_BT.shape[1])
         finally:

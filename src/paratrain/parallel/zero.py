@@ -51,14 +51,22 @@ from paratrain.parallel.ddp_comm import GroupComm
 
 @dataclass
 class FlatShard:
-    """One owned chunk: ``master_S`` (updated in place), ``grad_S`` (reduced gradient),
-    ``segments``: (start, end, decays, counted) per parameter piece inside the chunk;
-    ``counted`` is False for a piece another rank also holds (a tensor-parallel
-    replicated norm gain on tp rank > 0), which the global norm must count once."""
+    """One owned chunk: ``working_S`` (the parameters' own elements, what is gathered),
+    ``master_S`` (the optimizer's copy: ``working`` itself, or its FP32 copy under
+    mixed precision), ``grad_S`` (reduced gradient), ``segments``: (start, end, decays,
+    counted) per parameter piece inside the chunk; ``counted`` is False for a piece
+    another rank also holds (a tensor-parallel replicated norm gain on tp rank > 0),
+    which the global norm must count once."""
 
-    master: torch.Tensor
+    working: torch.Tensor
     grad: torch.Tensor | None
     segments: list[tuple[int, int, bool, bool]]
+    master: torch.Tensor | None = None
+    grad32: torch.Tensor | None = None  # this step's gradient in the master dtype
+
+    def __post_init__(self) -> None:
+        if self.master is None:
+            self.master = self.working
 
 
 def owned_segments(params, offsets, lo: int, hi: int, shapes=None,
@@ -85,8 +93,13 @@ class ShardedAdamW:
     engine sums the shares over the world and clips with :meth:`scale`."""
 
     def __init__(self, shards: list[FlatShard], cfg: TrainConfig) -> None:
+        from paratrain.parallel.precision import master_dtype
+
         self.shards = shards
         self.cfg = cfg
+        for s in shards:  # mixed precision: an FP32 master beside the BF16 working chunk
+            if s.master.dtype != master_dtype(cfg):
+                s.master = s.working.to(master_dtype(cfg)).clone()
         decay, no_decay = [], []
         self._segs: list[tuple[nn.Parameter, FlatShard, int, int, bool]] = []
         for s in shards:
@@ -103,9 +116,13 @@ class ShardedAdamW:
     def bind_grads(self) -> None:
         """Point each segment's ``.grad`` at its shard's current gradient chunk (None
         when the shard has none: the segment is skipped, as torch skips grad-less
-        parameters). Shards whose gradient is allocated per step (FSDP) call this."""
+        parameters), in the master dtype (a copy when the reduction dtype differs).
+        Called before each step."""
+        for s in self.shards:
+            g = s.grad
+            s.grad32 = g if g is None or g.dtype == s.master.dtype else g.to(s.master.dtype)
         for p, s, a, b, _ in self._segs:
-            p.grad = None if s.grad is None else s.grad[a:b]
+            p.grad = None if s.grad32 is None else s.grad32[a:b]
 
     @torch.no_grad()
     def local_sq(self) -> torch.Tensor:
@@ -120,17 +137,33 @@ class ShardedAdamW:
     def scale(self, coef: float) -> None:
         if coef != 1.0:
             for s in self.shards:
-                if s.grad is not None:
-                    s.grad.mul_(coef)
+                if s.grad32 is not None:
+                    s.grad32.mul_(coef)
 
     @torch.no_grad()
     def step(self, lr: float) -> None:
         set_lr(self.opt, lr)
         self.opt.step()
+        for s in self.shards:
+            s.grad32 = None
+            if s.master is not s.working:
+                s.working.copy_(s.master)  # round the update into the working copy
 
     def state_tensors(self) -> list[torch.Tensor]:
-        return [t for st in self.opt.state.values() for t in st.values()
-                if torch.is_tensor(t) and t.dim() > 0]
+        """Adam moments and (under mixed precision) the FP32 masters."""
+        out = [t for st in self.opt.state.values() for t in st.values()
+               if torch.is_tensor(t) and t.dim() > 0]
+        return out + [s.master for s in self.shards if s.master is not s.working]
+
+    def state_dict(self) -> dict:
+        return {"adamw": self.opt.state_dict(), "masters": [s.master for s in self.shards]}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict) -> None:
+        self.opt.load_state_dict(state["adamw"])
+        for s, m in zip(self.shards, state["masters"], strict=True):
+            s.master.copy_(m)
+            s.working.copy_(m)
 
 
 class ZeroOptimizer:
@@ -149,7 +182,8 @@ class ZeroOptimizer:
 
     def __init__(self, param_lists, group, stage: int, cfg: TrainConfig,
                  bucket_mb: float = 25.0, overlap: bool = True, impl: str = "native",
-                 counted=lambda p: True, deferred: bool = False) -> None:
+                 counted=lambda p: True, deferred: bool = False,
+                 reduce_dtype: torch.dtype | None = None) -> None:
         if stage not in (1, 2):
             raise ValueError(f"ZeroOptimizer handles stages 1 and 2, not {stage}; "
                              "use FullyShard for stage 3")
@@ -158,7 +192,7 @@ class ZeroOptimizer:
         self.deferred = deferred
         persistent = stage == 1 or deferred
         self.chunks = [GradBuckets(ps, self.comm, bucket_mb, overlap, "reduce_scatter",
-                                   persistent=persistent, rebuild=False)
+                                   persistent=persistent, rebuild=False, dtype=reduce_dtype)
                        for ps in param_lists]
         p, r = self.comm.size, self.comm.rank
         shards = []
