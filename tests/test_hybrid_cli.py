@@ -35,3 +35,22 @@ def test_impossible_plans_exit_2_with_one_line(text_file):
         assert r.returncode == 2, (bad, r.stderr[-500:])
         lines = [x for x in r.stderr.splitlines() if x.startswith("error:")]
         assert len(lines) == 1, r.stderr
+
+
+def test_fsdp_with_tp_from_the_cli_matches_one_process(text_file, tmp_path):
+    """`--nproc 4 --tp 2 --zero 3` runs from the command line and reproduces one process
+    (float64), printing the mesh and the FSDP units it built."""
+    runs = {}
+    for name, flags in (("one", ["--nproc", "1"]),
+                        ("tp2 zero3", ["--nproc", "4", "--tp", "2", "--zero", "3"])):
+        run = tmp_path / name.replace(" ", "_")
+        r = paratrain(*flags, "--dtype", "float64", "--data", text_file, "--run-dir", str(run),
+                      *TINY)
+        assert r.returncode == 0, r.stderr[-2000:]
+        runs[name] = (r.stdout, [json.loads(x)["loss"] for x in
+                                 (run / "metrics.jsonl").read_text().splitlines()])
+    out, losses = runs["tp2 zero3"]
+    assert "mesh pp=1 x dp=2 x tp=2" in out and "ZeRO-3: " in out and "FSDP units" in out
+    ref = runs["one"][1]
+    assert len(losses) == len(ref) == 2
+    assert max(abs(a - b) / abs(b) for a, b in zip(losses, ref, strict=True)) <= 1e-9

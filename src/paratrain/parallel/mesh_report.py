@@ -10,8 +10,8 @@ import torch.distributed as dist
 
 from paratrain.parallel.mesh import Mesh
 from paratrain.parallel.pipeline.schedule import bubble_formula, simulate
-from paratrain.parallel.tensor import tp_wire_bytes_per_layer
-from paratrain.plan import ParallelPlan
+from paratrain.systems.memory import block_activation_bytes
+from paratrain.systems.tp_bytes import tp_wire_bytes_per_layer
 
 
 def model_parallel_report(engine) -> dict:
@@ -21,7 +21,8 @@ def model_parallel_report(engine) -> dict:
     replica 0, tp rank 0) / (p x the step's span from first start to last end), the
     median over steps after the first; beside the schedule's simulated and textbook
     bubble. Activations: the peak over a step of bytes saved for backward on each
-    rank (in-flight micro-batches included), beside Korthikanti's per-layer formula.
+    rank (in-flight micro-batches included), beside the per-layer formula
+    (:func:`paratrain.systems.memory.block_activation_bytes`).
     TP/SP: bytes each rank sent in the blocks' collectives, per layer and micro-batch.
     """
     plan, m = engine.plan, engine.mcfg
@@ -58,7 +59,10 @@ def model_parallel_report(engine) -> dict:
     local_b = engine.cfg.global_batch // engine.dp_size
     b_mb = local_b // plan.micro_batches
     layers_on_rank = sum(len(c.blocks) for c in engine.model)
-    per_seq = _korthikanti(m, plan, engine.dtype)
+    per_seq = block_activation_bytes(
+        m, m.context, tp=plan.tp, sp=plan.sp, recompute=plan.recompute,
+        attention="eager" if m.attention == "eager" else "flash",
+        element_bytes=_elem(engine.dtype))
     from paratrain.parallel.memory import predicted_activations
 
     out["activation"] = {
@@ -103,7 +107,7 @@ def format_model_parallel(rep: dict) -> str:
     lines.append(f"activations (recompute {a['recompute']}): measured peak "
                  f"{max(a['measured_peak_bytes_per_rank']) / 1e6:.3f} MB on the busiest rank; "
                  f"systems model {a['systems_model_busiest_rank_bytes'] / 1e6:.3f} MB; "
-                 f"Korthikanti {a['formula_bytes_per_layer_per_microbatch'] / 1e6:.3f} MB per "
+                 f"formula {a['formula_bytes_per_layer_per_microbatch'] / 1e6:.3f} MB per "
                  "layer per micro-batch")
     if "tp" in rep:
         t = rep["tp"]
@@ -130,19 +134,3 @@ def _bubble(stage_spans: list[list]) -> float:
     hi = max(b for st in stage_spans for _, _, _, _, b in st)
     busy = sum(b - a for st in stage_spans for _, _, _, a, b in st)
     return 1.0 - busy / (len(stage_spans) * (hi - lo)) if hi > lo else 0.0
-
-
-def _korthikanti(m, plan: ParallelPlan, dtype: torch.dtype) -> float:
-    """Korthikanti et al. 2022, table 2: activation bytes per layer per sequence (s, h,
-    a heads, t = tp) at 16 bit, scaled to this run's element size. Their block has
-    LayerNorm, GeLU MLP and dropout; ours RMSNorm, SwiGLU and none, so expect the same
-    order of magnitude and the same trends (t, SP, recompute), not equality."""
-    s, h, a, t = m.context, m.d_model, m.n_heads, plan.tp
-    attn = 0 if plan.recompute == "selective" else 5 * a * s / h
-    if plan.recompute == "full":
-        per = 2 * s * h
-    elif plan.sp:
-        per = s * h / t * (34 + attn)
-    else:
-        per = s * h * (10 + 24 / t + attn / t)
-    return per * _elem(dtype) / 2.0

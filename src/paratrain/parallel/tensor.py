@@ -60,6 +60,7 @@ from torch import nn
 from paratrain.layout import vocab_range
 from paratrain.parallel import sequence
 from paratrain.parallel.sequence import TPComm
+from paratrain.systems.tp_bytes import tp_wire_bytes_per_layer  # noqa: F401 - re-export
 
 __all__ = ["TPComm", "TPState", "apply_tensor_parallel", "vocab_parallel_cross_entropy",
            "VocabParallelEmbedding", "RegionEntryNorm", "RowParallelLinear",
@@ -257,17 +258,3 @@ def apply_tensor_parallel(model: nn.Module, mesh, plan) -> TPState:
         if tied:
             model.head.weight = model.tok_emb.weight
     return state
-
-
-def tp_wire_bytes_per_layer(batch: int, seq: int, d_model: int, tp: int, fwd_elem: int,
-                            bwd_elem: int, recompute: str = "none") -> float:
-    """Bytes one rank sends per block per micro-batch, forward + backward (Korthikanti
-    2022, section 4.2.2): without SP 2 all-reduces forward (the exits, in the compute
-    dtype: ``fwd_elem`` bytes, 2 under bf16 autocast) and 2 backward (the entries'
-    gradients, in the weights' dtype: ``bwd_elem``) of b*s*h elements; with SP 2
-    all-gathers + 2 reduce-scatters each way — the same wire bytes, 2(t-1)/t x payload
-    per all-reduce. Full recomputation reruns the attention's forward exit; the MLP's is
-    not rerun because non-reentrant checkpointing stops recomputing once every saved
-    tensor is back (nothing in the block saves its last output)."""
-    n_fwd = 3 if recompute == "full" else 2
-    return (n_fwd * fwd_elem + 2 * bwd_elem) * 2.0 * (tp - 1) / tp * batch * seq * d_model
