@@ -267,9 +267,15 @@ def dp_wire_factor(plan: ParallelPlan, micro_batches: int | None = None) -> floa
         return 0.0
     if kind == "topk":
         return float(plan.dp)
-    if plan.zero <= 1 or plan.pp > 1:
+    return zero_wire_factor(plan.zero, m, plan.pp > 1)
+
+
+def zero_wire_factor(zero: int, micro_batches: int, pipelined: bool) -> float:
+    """:func:`dp_wire_factor` of ``--zero`` 0-3 (for the systems model, which has no
+    plan of dp = 1 or top-k to ask about)."""
+    if zero <= 1 or pipelined:
         return 2.0
-    return float(m + 1) if plan.zero == 2 else 3.0 * m
+    return float(micro_batches + 1) if zero == 2 else 3.0 * micro_batches
 
 
 def gather_elem(plan: ParallelPlan, dtype: str) -> int:
