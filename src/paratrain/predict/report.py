@@ -67,10 +67,7 @@ def summary_prediction(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan,
     if torch.get_num_threads() > 1:  # the model prices one-thread ranks (workers set 1)
         pred.notes.append(f"this process ran {torch.get_num_threads()} intra-op threads; the "
                           "prediction prices one thread per rank")
-    import torch.distributed as dist
-
-    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-    return {"predicted": pred.to_dict(), "vs_measured": compare(pred, summary, plan, rank)}
+    return {"predicted": pred.to_dict(), "vs_measured": compare(pred, summary, plan)}
 
 
 def summary_row(rep: dict | None) -> tuple[str, str]:
