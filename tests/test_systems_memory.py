@@ -118,3 +118,26 @@ def test_plain_model_config_is_priced_like_its_shape():
     assert as_shape(cfg).num_params() == cfg.num_params()
     assert memory(cfg, plan, hw, 8 * 32, 32) == memory(as_shape(cfg), plan, hw, 8 * 32, 32)
     assert step_time(cfg, plan, hw, 8 * 32, 32).model_flops == cfg.flops_per_token(32) * 256
+
+
+def test_zero2_under_a_pipeline_keeps_whole_gradients():
+    """The runtime (paratrain.layout) keeps ZeRO-2's gradient buffers whole under a
+    pipeline and syncs ZeRO-2/3 once per step there; the systems model agrees."""
+    from paratrain import layout as L
+    from paratrain.config import ModelConfig
+    from paratrain.systems.memory import Precision, model_states
+    from paratrain.systems.step_time import dp_sync_wire_bytes
+
+    m = ModelConfig(n_layers=4, d_model=32, n_heads=4, d_ff=64, context=16)
+    fp32 = Precision("fp32-adam", 4, 4, 8, act_bytes=4)
+    for zero, pp, sharded in ((2, 1, True), (2, 2, False), (3, 2, True), (1, 2, False)):
+        plan = ParallelPlan(dp=2, pp=pp, zero=zero, micro_batches=4)
+        ms = model_states(m, plan, fp32)
+        assert ms.grads_bytes == pytest.approx(ms.weights_bytes / (2 if sharded and zero == 2
+                                                                   else 1)), (zero, pp)
+        # the runtime: gradients a full copy of the rank's parameters, or half of them
+        st = [L.state_bytes(m, plan, "float32", r) for r in range(2 * pp)]
+        held = [4 * L.rank_layout(m, plan, r).params for r in range(2 * pp)]
+        assert all((s["grads"] < h) == sharded for s, h in zip(st, held, strict=True))
+        factor = L.dp_wire_factor(plan)
+        assert dp_sync_wire_bytes(1e6, 2, zero, 4, pp > 1) == pytest.approx(factor * 0.5e6)

@@ -50,6 +50,12 @@ GRID: dict[str, ParallelPlan] = {
     "tp2 x pp2 m4": ParallelPlan(tp=2, pp=2, micro_batches=4),
     "dp2 x tp2": ParallelPlan(dp=2, tp=2),
     "dp2 x pp2 x tp2": ParallelPlan(dp=2, pp=2, tp=2, micro_batches=2),
+    "dp2 x tp2 zero1": ParallelPlan(dp=2, tp=2, zero=1),
+    "dp2 x tp2 zero3": ParallelPlan(dp=2, tp=2, zero=3),
+    "dp2 x pp2 zero2 m4": ParallelPlan(dp=2, pp=2, zero=2, micro_batches=4),
+    "dp2 x pp2 zero3 m4": ParallelPlan(dp=2, pp=2, zero=3, micro_batches=4),
+    "dp2 x pp2 interleaved v2 m4": ParallelPlan(dp=2, pp=2, micro_batches=4,
+                                                schedule="interleaved", virtual_stages=2),
     "dp8": ParallelPlan(dp=8),
 }
 MINI = ("dp2", "dp2 zero1")

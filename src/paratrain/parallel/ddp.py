@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from paratrain.layout import pack_groups
 from paratrain.parallel.ddp_comm import GroupComm, Handle
 from paratrain.parallel.engine import CommStats
 
@@ -109,18 +110,12 @@ class Bucket:
 
 
 def pack(params: list[nn.Parameter], cap_bytes: int, pad_to: int) -> list[Bucket]:
-    """Greedy packing in the given order; a parameter larger than the cap gets its own
-    bucket. Each bucket's length is padded to a multiple of ``pad_to``."""
-    groups, cur, cur_bytes = [], [], 0
-    for p in params:
-        b = p.numel() * p.element_size()
-        if cur and cur_bytes + b > cap_bytes:
-            groups.append(cur)
-            cur, cur_bytes = [], 0
-        cur.append(p)
-        cur_bytes += b
-    if cur:
-        groups.append(cur)
+    """Greedy packing in the given order (:func:`paratrain.layout.pack_groups`, the rule
+    the prediction counts with); a parameter larger than the cap gets its own bucket.
+    Each bucket's length is padded to a multiple of ``pad_to``."""
+    params = list(params)
+    nbytes = [p.numel() * p.element_size() for p in params]
+    groups = [[params[i] for i in g] for g in pack_groups(nbytes, cap_bytes)]
     out = []
     for g in groups:
         offs, n = [], 0

@@ -57,6 +57,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from paratrain.layout import vocab_range
 from paratrain.parallel import sequence
 from paratrain.parallel.sequence import TPComm
 from paratrain.systems.tp_bytes import tp_wire_bytes_per_layer  # noqa: F401 - re-export
@@ -116,15 +117,6 @@ class RowParallelLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return sequence.exit_region(F.linear(x, self.weight), self.comm)
-
-
-def vocab_range(vocab: int, tp: int, rank: int) -> tuple[int, int]:
-    """Rows [start, end) of a vocabulary of ``vocab`` owned by ``rank`` of ``tp``."""
-    if vocab < tp:
-        raise ValueError(f"vocab_size={vocab} is smaller than tp={tp}: a rank would own no "
-                         "rows; use tp <= vocab_size")
-    per = -(-vocab // tp)
-    return min(rank * per, vocab), min((rank + 1) * per, vocab)
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -111,11 +111,14 @@ class ModelStates:
         return self.weights_bytes + self.grads_bytes + self.optimizer_bytes
 
 
-def _sharded(params: float, d: float, zero: int, prec: Precision) -> ModelStates:
+def _sharded(params: float, d: float, zero: int, prec: Precision,
+             pipelined: bool = False) -> ModelStates:
+    """ZeRO-2 under a pipeline keeps whole gradient buffers over the step (Megatron-LM's
+    distributed optimizer; :mod:`paratrain.layout`): only ZeRO-3 shards them then."""
     w, g, o = prec.weight_bytes * params, prec.grad_bytes * params, prec.optim_bytes * params
     if zero >= 1:
         o /= d
-    if zero >= 2:
+    if zero >= 3 or (zero == 2 and not pipelined):
         g /= d
     if zero >= 3:
         w /= d
@@ -124,12 +127,13 @@ def _sharded(params: float, d: float, zero: int, prec: Precision) -> ModelStates
 
 def model_states(model: ModelConfig, plan: ParallelPlan,
                  precision: str | Precision = "bf16-adam") -> ModelStates:
-    """Weights, gradients and optimizer state per GPU for ``plan.zero`` over dp x cp."""
+    """Weights, gradients and optimizer state per GPU for ``plan.zero`` over dp x cp
+    (gradients unsharded under ZeRO-2 with a pipeline, as the runtime keeps them)."""
     prec = recipe(precision) if isinstance(precision, str) else precision
     p = params_per_gpu(model, plan)
     d = plan.dp * plan.cp
-    a = _sharded(p.dense, d, plan.zero, prec)
-    b = _sharded(p.expert, d / plan.ep, plan.zero, prec)
+    a = _sharded(p.dense, d, plan.zero, prec, plan.pp > 1)
+    b = _sharded(p.expert, d / plan.ep, plan.zero, prec, plan.pp > 1)
     return ModelStates(a.weights_bytes + b.weights_bytes, a.grads_bytes + b.grads_bytes,
                        a.optimizer_bytes + b.optimizer_bytes)
 

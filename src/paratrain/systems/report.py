@@ -65,7 +65,7 @@ def build_report(model: ModelConfig, hw: Hardware, plan: ParallelPlan, tokens_pe
             "states_bytes": mem.states_bytes,
             "total_bytes": mem.total_bytes,
             "fits": mem.fits,
-            "wire_bytes": dp_sync_wire_bytes(payload, d, z, plan.micro_batches),
+            "wire_bytes": dp_sync_wire_bytes(payload, d, z, plan.micro_batches, plan.pp > 1),
         })
     mem = memory(m, plan, hw, tokens_per_step, seq_len, prec, attention)
     st = step_time(m, plan, hw, tokens_per_step, seq_len, overlap_fraction=overlap_fraction,

@@ -40,6 +40,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from paratrain.config import ModelConfig
+from paratrain.layout import zero_wire_factor
 from paratrain.parallel.pipeline.schedule import bubble_formula, bubble_over_compute
 from paratrain.plan import ParallelPlan
 from paratrain.systems import collectives as coll
@@ -59,22 +60,22 @@ def bubble_fraction(schedule: str, pp: int, m: int, v: int = 1) -> float:
     return bubble_formula(schedule, pp, m, v)
 
 
-def dp_sync_wire_bytes(payload_bytes: float, p: int, zero: int, micro_batches: int = 1
-                       ) -> float:
-    """Bytes each data-parallel rank sends per step for its gradient sync, m micro-batches:
+def dp_sync_wire_bytes(payload_bytes: float, p: int, zero: int, micro_batches: int = 1,
+                       pipelined: bool = False) -> float:
+    """Bytes each data-parallel rank sends per step for its gradient sync, m micro-batches
+    (:func:`paratrain.layout.dp_wire_factor`, the runtime's count):
 
     ZeRO 0/1: one all-reduce (1: reduce-scatter + all-gather), 2(p-1)/p x payload.
     ZeRO 2: gradients are sharded, so each micro-batch reduce-scatters, then one
     all-gather of the weights: (m + 1)(p-1)/p (2(p-1)/p at m = 1).
     ZeRO 3: each micro-batch all-gathers the weights for forward and again for backward
     and reduce-scatters its gradients: 3m(p-1)/p (3(p-1)/p at m = 1).
+    Under a pipeline (``pipelined``) ZeRO 2 and 3 sync once per step: 2(p-1)/p.
     """
-    piece = coll.wire_bytes("all_gather", "ring", p, payload_bytes)  # (p-1)/p x payload
     if zero <= 1:
         return coll.wire_bytes("all_reduce", "ring", p, payload_bytes)
-    if zero == 2:
-        return (micro_batches + 1) * piece
-    return 3 * micro_batches * piece
+    piece = coll.wire_bytes("all_gather", "ring", p, payload_bytes)  # (p-1)/p x payload
+    return zero_wire_factor(zero, micro_batches, pipelined) * piece
 
 
 @dataclass(frozen=True)
@@ -225,7 +226,7 @@ def step_time(model: ModelConfig, plan: ParallelPlan, hw: Hardware, tokens_per_s
                                 span(d, stride) > hw.gpus_per_node)
         kw = {"gpus_per_node": g, "intra_alpha_s": hw.intra_alpha,
               "intra_bw_bytes_per_s": hw.intra_bw}
-        dp_wire += dp_sync_wire_bytes(payload, d, plan.zero, mb)
+        dp_wire += dp_sync_wire_bytes(payload, d, plan.zero, mb, plan.pp > 1)
         fwd, bwd = (1 - overlap_fraction) * compute_mb, overlap_fraction * compute_mb
         if plan.zero <= 1:
             t = coll.time_s("all_reduce", algo, d, payload, a, bw, **kw)
@@ -234,7 +235,10 @@ def step_time(model: ModelConfig, plan: ParallelPlan, hw: Hardware, tokens_per_s
             continue
         t_ag = coll.time_s("all_gather", algo, d, payload, a, bw, **kw)
         t_rs = coll.time_s("reduce_scatter", algo, d, payload, a, bw, **kw)
-        if plan.zero == 2:  # reduce-scatter under each backward, all-gather under a forward
+        if plan.pp > 1:  # ZeRO-2/3 under a pipeline: one reduce-scatter + all-gather
+            dp_comm += t_rs + t_ag
+            dp_exposed += max(0.0, t_rs - bwd) + max(0.0, t_ag - fwd)
+        elif plan.zero == 2:  # reduce-scatter under each backward, all-gather under a forward
             dp_comm += mb * t_rs + t_ag
             dp_exposed += mb * max(0.0, t_rs - bwd) + max(0.0, t_ag - fwd)
         else:  # ZeRO-3: gather for forward, gather + reduce-scatter under backward

@@ -1,0 +1,319 @@
+"""What every rank holds and sends, counted exactly, without torch: the one home of the
+runtime's per-rank layout (:mod:`paratrain.parallel.mesh_engine`).
+
+The runtime builds its layout from tensors; the prediction (:mod:`paratrain.predict`)
+and the tests count it from the configs here, and the runtime calls the pieces it can
+(:func:`vocab_range` in :mod:`paratrain.parallel.tensor`, :func:`pack_groups` in
+:func:`paratrain.parallel.ddp.pack`), so the two cannot drift apart.
+
+- **Coordinates** (:func:`coords`): rank = (pp x dp + dp_i) x tp + tp_i, tp innermost.
+- **Chunks** (:func:`chunk_param_sizes`): pipeline rank i keeps virtual stages
+  k = c x pp + i, c < v (v = ``virtual_stages`` when interleaved, else 1), blocks from
+  :func:`paratrain.systems.stages.split_layers`; without a pipeline one chunk, the whole
+  model. Parameters in registration order: tok_emb (first stage), per block
+  [attn_norm, wq, wk, wv, wo, mlp_norm, w_gate, w_up, w_down], norm and head (last);
+  a tied head (pp = 1 only) is the embedding's parameter, counted once.
+- **Tensor shards**: heads and d_ff split t ways; vocabulary rows ceil(V/t) per rank,
+  the last rank fewer (:func:`vocab_range`); norm gains replicated.
+- **The dp reducer** (:func:`dp_kind`, as :func:`paratrain.parallel.data_axis.kind_of`):
+  flat buffers per chunk (gradient buckets of at most ``bucket_mb`` MiB packed greedily
+  in reverse registration order, :func:`bucket_sizes`; or FSDP units,
+  :func:`fsdp_unit_sizes`), each padded to a multiple of dp; rank r owns chunk r.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from paratrain.config import ModelConfig
+from paratrain.plan import ParallelPlan
+from paratrain.systems.stages import split_layers
+
+# Bytes per element of parameters, gradients and optimizer state: bf16 runs autocast
+# from FP32 masters, so their states are FP32.
+ELEMENT_BYTES = {"float64": 8, "float32": 4, "bfloat16": 4}
+PER_BLOCK = 9  # parameters of one block: two norms, four attention, three MLP matrices
+
+
+# ---- coordinates and shards -----------------------------------------------------------
+def coords(rank: int, plan: ParallelPlan) -> tuple[int, int, int]:
+    """(pp, dp, tp) of a global rank: the runtime's pp-dp-tp order, tp innermost."""
+    return rank // (plan.dp * plan.tp), (rank // plan.tp) % plan.dp, rank % plan.tp
+
+
+def rank_of(pp: int, dp: int, tp: int, plan: ParallelPlan) -> int:
+    """Inverse of :func:`coords`."""
+    return (pp * plan.dp + dp) * plan.tp + tp
+
+
+def vocab_range(vocab: int, tp: int, rank: int) -> tuple[int, int]:
+    """Rows [start, end) of a vocabulary of ``vocab`` owned by ``rank`` of ``tp``:
+    ceil(vocab / tp) each, the last rank(s) fewer."""
+    if vocab < tp:
+        raise ValueError(f"vocab_size={vocab} is smaller than tp={tp}: a rank would own no "
+                         "rows; use tp <= vocab_size")
+    per = -(-vocab // tp)
+    return min(rank * per, vocab), min((rank + 1) * per, vocab)
+
+
+def virtual_stages(plan: ParallelPlan) -> int:
+    """Chunks per pipeline rank: ``virtual_stages`` when interleaved, else 1."""
+    return plan.virtual_stages if plan.schedule == "interleaved" and plan.pp > 1 else 1
+
+
+def block_param_sizes(mcfg: ModelConfig, tp: int = 1) -> list[int]:
+    """Elements of one block's parameters on one tp rank, in registration order."""
+    d, hd, t = mcfg.d_model, mcfg.head_dim, tp
+    q, kv = mcfg.n_heads * hd * d // t, mcfg.kv_heads * hd * d // t
+    f = mcfg.d_ff * d // t
+    return [d, q, kv, kv, q, d, f, f, f]
+
+
+# ---- what a rank holds ----------------------------------------------------------------
+@dataclass(frozen=True)
+class RankLayout:
+    """One rank: its coordinates, and per chunk (virtual stage) the element counts of its
+    trainable parameters in registration order."""
+
+    rank: int
+    pp: int
+    dp: int
+    tp: int
+    stages: tuple[int, ...]  # virtual stage of each chunk
+    ranges: tuple[tuple[int, int], ...]  # blocks [a, b) of each chunk
+    chunks: tuple[tuple[int, ...], ...]
+    first: bool  # holds the embedding
+    last: bool  # holds the final norm and head
+    tied: bool  # the head is the embedding's parameter (pp = 1)
+
+    @property
+    def blocks(self) -> int:
+        return sum(b - a for a, b in self.ranges)
+
+    @property
+    def param_sizes(self) -> tuple[int, ...]:
+        return tuple(n for c in self.chunks for n in c)
+
+    @property
+    def params(self) -> int:
+        return sum(self.param_sizes)
+
+
+def rank_layout(mcfg: ModelConfig, plan: ParallelPlan, rank: int) -> RankLayout:
+    """Parameters of ``rank`` as the runtime shards them (exact element counts)."""
+    pp_i, dp_i, tp_i = coords(rank, plan)
+    v = virtual_stages(plan)
+    S = plan.pp * v
+    ranges = split_layers(mcfg, S)
+    a0, b0 = vocab_range(mcfg.vocab_size, plan.tp, tp_i)
+    rows = (b0 - a0) * mcfg.d_model
+    block = block_param_sizes(mcfg, plan.tp)
+    tied = mcfg.tie_embeddings and S == 1
+    stages, chunks = [], []
+    for c in range(v):
+        k = c * plan.pp + pp_i
+        a, b = ranges[k]
+        sizes = [rows] if k == 0 else []
+        sizes += block * (b - a)
+        if k == S - 1:
+            sizes.append(mcfg.d_model)
+            if not tied:
+                sizes.append(rows)
+        stages.append(k)
+        chunks.append(tuple(sizes))
+    return RankLayout(rank, pp_i, dp_i, tp_i, tuple(stages),
+                      tuple(ranges[k] for k in stages), tuple(chunks), 0 in stages,
+                      S - 1 in stages, tied)
+
+
+def chunk_param_sizes(mcfg: ModelConfig, plan: ParallelPlan, rank: int
+                      ) -> list[list[int]]:
+    """Per chunk, the elements of each trainable parameter in registration order."""
+    return [list(c) for c in rank_layout(mcfg, plan, rank).chunks]
+
+
+# ---- flat buffers ----------------------------------------------------------------------
+def pack_groups(nbytes: list[int], cap_bytes: int) -> list[list[int]]:
+    """Indices of ``nbytes`` grouped greedily in the given order into buckets of at most
+    ``cap_bytes``; an item larger than the cap gets its own bucket. The rule of
+    :func:`paratrain.parallel.ddp.pack`, which calls this."""
+    groups: list[list[int]] = []
+    cur: list[int] = []
+    cur_b = 0
+    for i, b in enumerate(nbytes):
+        if cur and cur_b + b > cap_bytes:
+            groups.append(cur)
+            cur, cur_b = [], 0
+        cur.append(i)
+        cur_b += b
+    if cur:
+        groups.append(cur)
+    return groups
+
+
+def bucket_sizes(sizes: list[int], elem: int, cap_bytes: int) -> list[int]:
+    """Element counts (unpadded) of the gradient buckets of one chunk whose parameters
+    have ``sizes`` elements in registration order: packed in reverse order."""
+    rev = list(reversed(sizes))
+    return [sum(rev[i] for i in g) for g in pack_groups([n * elem for n in rev], cap_bytes)]
+
+
+def fsdp_unit_sizes(lay: RankLayout) -> list[list[int]]:
+    """Per chunk, element counts of its ZeRO-3 units (:func:`paratrain.parallel.fsdp.
+    default_units`): [tok_emb], each block, [norm, head]; tied: [tok_emb + norm] first."""
+    out = []
+    for k, sizes in zip(lay.stages, lay.chunks, strict=True):
+        rest = list(sizes)
+        emb = [rest.pop(0)] if k == 0 else []
+        nb = (len(rest) // PER_BLOCK) * PER_BLOCK
+        blocks = [sum(rest[i:i + PER_BLOCK]) for i in range(0, nb, PER_BLOCK)]
+        tail = rest[nb:]
+        if lay.tied:
+            out.append([emb[0] + sum(tail), *blocks])
+        else:
+            out.append([*emb, *blocks, *([sum(tail)] if tail else [])])
+    return out
+
+
+def pad(n: int, p: int) -> int:
+    """Flat buffers are padded to a multiple of the data-parallel size (equal chunks)."""
+    return -(-n // p) * p
+
+
+def owned(n: int, p: int, r: int) -> int:
+    """Real (not padding) elements in chunk r of a flat buffer of n padded to p."""
+    s = -(-n // p)
+    return max(0, min((r + 1) * s, n) - r * s)
+
+
+def topk_keep(plan: ParallelPlan, n: int) -> int:
+    """Gradient entries top-k compression keeps of ``n``: 1 in k (at least one)."""
+    return max(1, n // int(plan.compress.partition(":")[2]))
+
+
+def dp_kind(plan: ParallelPlan) -> str:
+    """The reducer on the plan's dp axis (:func:`paratrain.parallel.data_axis.kind_of`)."""
+    if plan.dp == 1:
+        return "none"
+    if plan.compress is not None:
+        return "topk"
+    return ("ddp", "zero", "zero", "fsdp")[plan.zero]
+
+
+def dp_flats(mcfg: ModelConfig, plan: ParallelPlan, elem: int, rank: int) -> list[int]:
+    """Unpadded element counts of the rank's flat dp buffers (buckets or units), all
+    chunks in order; empty for the reducers without flat buffers."""
+    kind = dp_kind(plan)
+    lay = rank_layout(mcfg, plan, rank)
+    if kind == "fsdp":
+        return [u for c in fsdp_unit_sizes(lay) for u in c]
+    if kind in ("ddp", "zero"):
+        cap = int(plan.bucket_mb * 1024 * 1024)
+        return [b for c in lay.chunks for b in bucket_sizes(list(c), elem, cap)]
+    return []
+
+
+# ---- bytes -----------------------------------------------------------------------------
+def state_bytes(mcfg: ModelConfig, plan: ParallelPlan, dtype: str, rank: int
+                ) -> dict[str, int]:
+    """Bytes of parameters, gradients and optimizer state (AdamW m, v) on ``rank`` as the
+    memory tracker measures them (distinct storages: flat buffers with their padding)."""
+    e = ELEMENT_BYTES[dtype]
+    lay = rank_layout(mcfg, plan, rank)
+    n, p, r = lay.params, plan.dp, lay.dp
+    kind = dp_kind(plan)
+    flats = dp_flats(mcfg, plan, e, rank)
+    padded = sum(pad(b, p) for b in flats)
+    own = sum(owned(b, p, r) for b in flats)
+    if kind in ("none", "topk"):
+        return {"params": e * n, "grads": e * n, "optimizer": 2 * e * n}
+    if kind == "ddp":  # grads are views into the padded buckets
+        return {"params": e * n, "grads": e * padded, "optimizer": 2 * e * n}
+    if kind == "fsdp":
+        return {"params": e * padded // p, "grads": e * padded // p, "optimizer": 2 * e * own}
+    # ZeRO-2 keeps only the owned shard, except under a pipeline (full buffers, as ZeRO-1)
+    grads = padded // p if plan.zero == 2 and plan.pp == 1 else padded
+    return {"params": e * padded, "grads": e * grads, "optimizer": 2 * e * own}
+
+
+def dp_payload_bytes(mcfg: ModelConfig, plan: ParallelPlan, dtype: str, rank: int) -> int:
+    """Bytes this rank contributes to one dp reduction: its flat buffers with their
+    padding, or under top-k its kept values and int32 indices; 0 without a dp axis."""
+    e = ELEMENT_BYTES[dtype]
+    kind = dp_kind(plan)
+    if kind == "none":
+        return 0
+    if kind == "topk":
+        return topk_keep(plan, rank_layout(mcfg, plan, rank).params) * (e + 4)
+    return e * sum(pad(b, plan.dp) for b in dp_flats(mcfg, plan, e, rank))
+
+
+def dp_wire_factor(plan: ParallelPlan, micro_batches: int | None = None) -> float:
+    """Wire bytes per rank and step of the dp sync in units of (p-1)/p x payload
+    (:func:`dp_payload_bytes`), with ``micro_batches`` (default the plan's) per step:
+
+    - ZeRO 0 / 1: one all-reduce, or reduce-scatter + all-gather (the all-gather of step
+      k is sent in step k+1, so a steady step has both): 2;
+    - ZeRO 2 without a pipeline: a reduce-scatter every micro-batch and one all-gather:
+      m + 1; with a pipeline gradients stay whole over the step: 2;
+    - ZeRO 3 without a pipeline: two all-gathers and a reduce-scatter per micro-batch:
+      3m; with a pipeline each unit is gathered and reduced once per step: 2;
+    - top-k: every rank's kept entries are all-gathered, (p-1) x payload: p;
+    - no dp axis: 0.
+    """
+    m = plan.micro_batches if micro_batches is None else micro_batches
+    kind = dp_kind(plan)
+    if kind == "none":
+        return 0.0
+    if kind == "topk":
+        return float(plan.dp)
+    return zero_wire_factor(plan.zero, m, plan.pp > 1)
+
+
+def zero_wire_factor(zero: int, micro_batches: int, pipelined: bool) -> float:
+    """:func:`dp_wire_factor` of ``--zero`` 0-3 (for the systems model, which has no
+    plan of dp = 1 or top-k to ask about)."""
+    if zero <= 1 or pipelined:
+        return 2.0
+    return float(micro_batches + 1) if zero == 2 else 3.0 * micro_batches
+
+
+def gather_elem(plan: ParallelPlan, dtype: str) -> int:
+    """Bytes per element ZeRO-3 gathers: bf16 under --dtype bfloat16 without tp or pp
+    (the pure-FSDP recipe), else the master dtype."""
+    if dtype == "bfloat16" and plan.tp == 1 and plan.pp == 1:
+        return 2
+    return ELEMENT_BYTES[dtype]
+
+
+def dp_calls(mcfg: ModelConfig, plan: ParallelPlan, dtype: str, rank: int
+             ) -> list[tuple[str, float, int]]:
+    """(op, full bytes, calls per step) of a rank's dp sync, one entry per flat buffer
+    and op; summing ``coll.wire_bytes`` over them gives :func:`dp_wire_bytes`."""
+    e = ELEMENT_BYTES[dtype]
+    p, kind = plan.dp, dp_kind(plan)
+    m = plan.micro_batches if plan.pp == 1 else 1
+    if kind == "none":
+        return []
+    if kind == "topk":  # values and indices: p pieces of each
+        keep = topk_keep(plan, rank_layout(mcfg, plan, rank).params)
+        return [("all_gather", p * keep * e, 1), ("all_gather", p * keep * 4, 1)]
+    flats = [pad(b, p) for b in dp_flats(mcfg, plan, e, rank)]
+    if kind == "ddp":
+        return [("all_reduce", e * n, 1) for n in flats]
+    if kind == "fsdp":
+        g, gathers = gather_elem(plan, dtype), (2 * m if plan.pp == 1 else 1)
+        return [c for n in flats for c in (("all_gather", g * n, gathers),
+                                           ("reduce_scatter", e * n, m))]
+    rs = m if plan.zero == 2 else 1
+    return [c for n in flats for c in (("reduce_scatter", e * n, rs), ("all_gather", e * n, 1))]
+
+
+def dp_wire_bytes(mcfg: ModelConfig, plan: ParallelPlan, dtype: str, rank: int) -> float:
+    """Bytes ``rank`` sends per steady step for its dp sync (ring collectives)."""
+    p = plan.dp
+    if dp_kind(plan) == "none":
+        return 0.0
+    if dp_kind(plan) == "fsdp" and gather_elem(plan, dtype) != ELEMENT_BYTES[dtype]:
+        return sum(k * n * (p - 1) / p for _, n, k in dp_calls(mcfg, plan, dtype, rank))
+    return dp_wire_factor(plan) * (p - 1) / p * dp_payload_bytes(mcfg, plan, dtype, rank)

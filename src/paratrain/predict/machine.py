@@ -1,0 +1,149 @@
+"""This machine as the prediction sees it: the hardware profile, the CPU fit saved beside
+it, and the sessions sharing the cores (:mod:`paratrain.predict`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from paratrain.systems.hardware import Hardware, load_hardware
+
+DEFAULT_PROFILE = Path("~/.cache/paratrain/hardware.toml")
+FIT_NAME = "cpu_fit.json"  # written next to the profile by `paratrain check-model`
+
+
+@dataclass(frozen=True)
+class MachineModel:
+    """This machine as the prediction sees it: the profile plus the CPU fit.
+
+    ``eta`` is relative to ``thread_peak`` (one thread's matmul FLOP/s); ``pass_s`` and
+    ``step_s`` are the fixed costs of a block pass and of a step on a whole core;
+    ``others`` the runnable threads of each other active session, one tuple per sample.
+    """
+
+    hw: Hardware
+    eta: float
+    thread_peak: float
+    pass_s: float = 0.0
+    step_s: float = 0.0
+    others: tuple[tuple[int, ...], ...] = ()
+    coll_step_cpu_s: float = 0.0  # CPU a rank spends per collective step (gloo, loopback)
+    coll_byte_cpu_s: float = 0.0  # CPU per byte it sends (0: priced as bytes / intra_bw)
+    fitted: bool = False
+    source: str = "profile"
+
+    @property
+    def cores(self) -> int:
+        return self.hw.gpus_per_node
+
+    @property
+    def other_threads(self) -> float:
+        """Mean runnable threads of other sessions (for the record)."""
+        return sum(map(sum, self.others)) / len(self.others) if self.others else 0.0
+
+    @property
+    def other_sessions(self) -> float:
+        return sum(map(len, self.others)) / len(self.others) if self.others else 0.0
+
+    def share(self, nproc: int) -> float:
+        """Fraction of a core each of ``nproc`` one-thread ranks gets: the session's
+        water-filled cores over its ranks, averaged over the samples of the others."""
+        samples = self.others or ((),)
+        return sum(waterfill(self.cores, nproc, o) for o in samples) / len(samples)
+
+    def replace(self, **changes) -> MachineModel:
+        d = {f: getattr(self, f) for f in self.__dataclass_fields__}
+        d.update(changes)
+        return MachineModel(**d)
+
+
+def waterfill(cores: float, nproc: int, others: tuple[int, ...]) -> float:
+    """Per-rank core share when ``cores`` are split fairly between sessions (each capped
+    at its runnable threads): ours has ``nproc`` ranks, the others ``others`` threads."""
+    demands = sorted([*others, nproc])
+    left, k = float(cores), len(demands)
+    for d in demands:
+        fair = left / k
+        give = min(d, fair)
+        if d == nproc:
+            return min(1.0, give / nproc)
+        left -= give
+        k -= 1
+    return min(1.0, cores / nproc)
+
+
+def sample_other_sessions(samples: int = 10, interval_s: float = 0.02
+                          ) -> tuple[tuple[int, ...], ...]:
+    """Runnable threads of every other session (autogroup) with any, per sample, from
+    /proc; empty where /proc or autogroups are missing (then the box counts as free)."""
+    def group(pid: str) -> str | None:
+        try:
+            with open(f"/proc/{pid}/autogroup") as f:
+                return f.read().split()[0]
+        except (OSError, IndexError):
+            return None
+
+    mine = group("self")
+    if mine is None:
+        return ()
+    out = []
+    for i in range(samples):
+        counts: dict[str, int] = {}
+        for pid in os.listdir("/proc"):
+            if not pid.isdigit():
+                continue
+            try:
+                tids = os.listdir(f"/proc/{pid}/task")
+            except OSError:
+                continue
+            running = 0
+            for tid in tids:
+                try:
+                    with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                        running += f.read().rsplit(")", 1)[1].split()[0] == "R"
+                except (OSError, IndexError):
+                    continue
+            if running:
+                g = group(pid)
+                if g is not None and g != mine:
+                    counts[g] = counts.get(g, 0) + running
+        out.append(tuple(sorted(counts.values())))
+        if i + 1 < samples:
+            time.sleep(interval_s)
+    return tuple(out)
+
+
+def fit_path(profile: Path) -> Path:
+    return profile.expanduser().with_name(FIT_NAME)
+
+
+def load_machine(profile: str | Path | None = None) -> MachineModel | None:
+    """The profile (default ``~/.cache/paratrain/hardware.toml``) and, if present, the CPU
+    fit beside it; ``None`` when this machine has not been calibrated."""
+    path = Path(profile or DEFAULT_PROFILE).expanduser()
+    if not path.is_file():
+        return None
+    hw = load_hardware(str(path))
+    fp = fit_path(path)
+    fit = json.loads(fp.read_text()) if fp.is_file() else {}
+    if {"eta", "thread_peak", "pass_s", "step_s"} <= set(fit):  # else none or stale: ignored
+        return MachineModel(hw, fit["eta"], fit["thread_peak"], fit["pass_s"], fit["step_s"],
+                            coll_step_cpu_s=fit.get("coll_step_cpu_s", 0.0),
+                            coll_byte_cpu_s=fit.get("coll_byte_cpu_s", 0.0), fitted=True,
+                            source=f"fit {fp} ({fit.get('fitted_on', '?')})")
+    return MachineModel(hw, hw.eta, hw.peak_flops / hw.gpus_per_node,
+                        source=f"profile {path} (eta {hw.eta:g}, no CPU fit: run "
+                               "`paratrain check-model` to fit one)")
+
+
+def save_fit(m: MachineModel, profile: str | Path | None, fitted_on: str) -> Path:
+    path = fit_path(Path(profile or DEFAULT_PROFILE))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"eta": m.eta, "thread_peak": m.thread_peak, "pass_s": m.pass_s,
+                                "step_s": m.step_s, "coll_step_cpu_s": m.coll_step_cpu_s,
+                                "coll_byte_cpu_s": m.coll_byte_cpu_s, "fitted_on": fitted_on,
+                                "date": time.strftime("%Y-%m-%d %H:%M:%S")}, indent=1))
+    return path

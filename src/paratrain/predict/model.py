@@ -1,0 +1,306 @@
+"""One step of one run on this machine, priced (:func:`predict`), and the CPU fit that
+calibrates it from single-process runs (:func:`fit_from_runs`). Every byte count comes
+from :mod:`paratrain.layout`."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from paratrain import layout as L
+from paratrain.config import ModelConfig, TrainConfig
+from paratrain.layout import ELEMENT_BYTES, RankLayout
+from paratrain.plan import ParallelPlan
+from paratrain.predict.machine import MachineModel
+from paratrain.systems import collectives as coll
+from paratrain.systems.hardware import Hardware
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """One step of one run on this machine (seconds, bytes; per rank unless named)."""
+
+    step_s: float  # max(critical path, session CPU work / session cores)
+    compute_s: float  # matmul FLOPs at eta, summed along the critical path (free cores)
+    overhead_s: float  # fixed per-pass and per-step costs along the critical path
+    bubble_s: float  # pipeline fill/drain: part of compute + overhead above
+    tp_comm_s: float
+    pp_comm_s: float
+    dp_comm_s: float  # the data-parallel sync, total
+    dp_exposed_s: float  # of which not hidden under backward
+    share: float  # fraction of a core per rank
+    critical_path_s: float  # the step if every rank had a core of its own
+    session_work_s: float  # CPU seconds all ranks spend per step (compute + copies)
+    session_cores: float  # cores the run's session gets (water-filled between sessions)
+    cpu_rank0_s: float  # CPU seconds rank 0 spends per step
+    dp_wire_bytes: float  # rank 0, per step
+    tp_wire_bytes: float  # rank 0, blocks' collectives per step
+    pp_wire_bytes: float  # rank 0, point-to-point sends per step
+    states_bytes_per_rank: list[dict] = field(default_factory=list)
+    dp_wire_bytes_per_rank: list[float] = field(default_factory=list)  # per step
+    systems_states_bytes: float = 0.0  # the systems model's busiest-rank formula
+    activations_bytes: float = 0.0  # the systems model (Korthikanti, scaled to dtype)
+    machine: str = ""
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def comm_s(self) -> float:
+        """Measured ``comm_s`` is the wait for the data-parallel sync only."""
+        return self.dp_exposed_s
+
+    @property
+    def wire_bytes(self) -> float:
+        return self.dp_wire_bytes + self.tp_wire_bytes + self.pp_wire_bytes
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["comm_s"] = self.comm_s
+        d["wire_bytes"] = self.wire_bytes
+        return d
+
+
+def _flops_block(mcfg: ModelConfig, tokens: float, tp: int, recompute: str = "none"
+                 ) -> float:
+    """Forward + backward FLOPs of one block on ``tokens`` tokens, one tensor shard:
+    6 x matmul params + attention scores and values 12 H Q T (PaLM, appendix B); full
+    recomputation adds a forward (1/3), selective the attention's forward."""
+    d, hd = mcfg.d_model, mcfg.head_dim
+    mat = (2 * mcfg.n_heads * hd * d + 2 * mcfg.kv_heads * hd * d + 3 * mcfg.d_ff * d) / tp
+    attn = 12.0 * mcfg.n_heads * hd * mcfg.context / tp
+    f = 6.0 * mat + attn
+    if recompute == "full":
+        f *= 4 / 3
+    elif recompute == "selective":
+        f += attn / 3
+    return tokens * f
+
+
+def _stage_mb_time(mcfg: ModelConfig, plan: ParallelPlan, lay: RankLayout, tokens_mb: float,
+                   rate: float, pass_s: float) -> tuple[float, float]:
+    """(FLOP seconds, fixed seconds) of one micro-batch's forward + backward on a rank."""
+    f = lay.blocks * _flops_block(mcfg, tokens_mb, plan.tp, plan.recompute)
+    if lay.last:
+        f += tokens_mb * 6.0 * mcfg.d_model * mcfg.vocab_size / plan.tp  # the head
+    passes = lay.blocks + (1 if (lay.first or lay.last) else 0)
+    return f / rate, passes * pass_s
+
+
+def _tp_calls(mcfg: ModelConfig, plan: ParallelPlan, lay: RankLayout, act: float,
+              seqs_mb: float, act_fwd: float | None = None) -> list[tuple[str, float, int]]:
+    """TP collectives per step: 4 per block (2 forward exits of ``act_fwd`` bytes: bf16
+    under autocast; 2 backward entries of ``act``), 1 at the embedding, 1 + 3 small at
+    the head, per micro-batch (all-gather + reduce-scatter under SP: the same steps and
+    bytes)."""
+    if plan.tp == 1:
+        return []
+    m = plan.micro_batches
+    act_fwd = act if act_fwd is None else act_fwd
+    # Full recompute reruns a block's forward in backward, but torch's non-reentrant
+    # checkpoint stops once the last saved tensor is rebuilt: the attention output's
+    # all-reduce is repeated, the MLP output's (nothing after it is saved) is not.
+    fwd = (3 if plan.recompute == "full" else 2) * lay.blocks
+    out = [("all_reduce", act_fwd, m * fwd),
+           ("all_reduce", act, m * (2 * lay.blocks + int(lay.first) + int(lay.last)))]
+    if lay.last:
+        out.append(("all_reduce", seqs_mb * mcfg.context * 4, 3 * m))
+    return out
+
+
+def _pp_calls(plan: ParallelPlan, lay: RankLayout, act: float, v: int
+              ) -> list[tuple[str, float, int]]:
+    """Point-to-point operations per step: each micro-batch sends (and receives) an
+    activation forward and a gradient back at every inner stage boundary."""
+    if plan.pp == 1:
+        return []
+    hop = act / (plan.tp if plan.sp else 1)
+    ends = (0 if lay.last else 1) + (0 if lay.first else 1)
+    return [("p2p", hop, 2 * plan.micro_batches * v * ends)]
+
+
+def _comm_cpu(machine: MachineModel, plan: ParallelPlan, axis: str,
+              calls: list[tuple[str, float, int]]) -> float:
+    """CPU seconds a rank spends in ``calls``: ring steps x the measured CPU per step plus
+    the bytes it sends x the CPU per byte (or bytes / the transport's bandwidth)."""
+    p = plan.world_size if axis == "world" else getattr(plan, axis)
+    per_byte = machine.coll_byte_cpu_s or 1.0 / machine.hw.intra_bw
+    total = 0.0
+    for op, n, k in calls:
+        if op == "p2p":
+            steps, wire = 1, n
+        else:
+            steps, wire = coll.steps(op, "ring", p), coll.wire_bytes(op, "ring", p, n)
+        total += k * (steps * machine.coll_step_cpu_s + wire * per_byte)
+    return total
+
+
+def predict(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan, world: int,
+            machine: MachineModel) -> Prediction:
+    """Price one step of ``plan`` on ``world`` one-thread ranks of this machine."""
+    if plan.world_size != world:
+        raise ValueError(f"plan needs {plan.world_size} ranks but world={world}; match them")
+    hw = machine.hw
+    notes: list[str] = []
+    share = machine.share(world)
+    rate = machine.eta * machine.thread_peak  # the critical path is priced on free cores
+    pass_s, fixed_s = machine.pass_s, machine.step_s
+    e = ELEMENT_BYTES[tcfg.dtype]
+    m = plan.micro_batches
+    seqs_mb = tcfg.global_batch / plan.dp / m
+    tokens_mb = seqs_mb * mcfg.context
+    if share < 1:
+        notes.append(f"{world} ranks on {machine.cores} cores beside "
+                     f"{machine.other_sessions:.1f} other busy sessions "
+                     f"({machine.other_threads:.1f} runnable threads): each rank gets "
+                     f"{share:.2f} of a core")
+    if not machine.fitted:
+        notes.append("no CPU fit: eta from the profile, fixed costs 0 (run paratrain "
+                     "check-model)")
+
+    # ---- per stage and micro-batch: FLOPs, fixed costs, TP collectives (in every block) --
+    a, bw = hw.intra_alpha, hw.intra_bw
+    act = seqs_mb * mcfg.context * mcfg.d_model * e
+    act_fwd = act / 2 if tcfg.dtype == "bfloat16" else act  # TP exits in the autocast dtype
+    stages = []  # (flop_s, fixed_s, tp_s) per micro-batch
+    for s in range(plan.pp):
+        lay = L.rank_layout(mcfg, plan, L.rank_of(s, 0, 0, plan))
+        f, fx = _stage_mb_time(mcfg, plan, lay, tokens_mb, rate, pass_s)
+        tp_t = sum(k * coll.time_s(op, "ring", plan.tp, n, a, bw)
+                   for op, n, k in _tp_calls(mcfg, plan, lay, act, seqs_mb, act_fwd)) / m
+        stages.append((f, fx, tp_t))
+    per_stage = [sum(x) for x in stages]
+    v = plan.virtual_stages if plan.schedule == "interleaved" and plan.pp > 1 else 1
+    slow = max(range(plan.pp), key=lambda i: per_stage[i])
+    others = [i for i in range(plan.pp) if i != slow]
+
+    def path(j: int) -> float:
+        """Component j along the critical path: m x the slowest stage + the others' fill."""
+        return m * stages[slow][j] + sum(stages[i][j] for i in others) / v
+
+    flop_s, fixed_path, tp_s = path(0), path(1), path(2)
+    bubble_s = sum(per_stage[i] for i in others) / v
+    overhead_s = fixed_path + fixed_s
+    lay0 = L.rank_layout(mcfg, plan, 0)
+    tp_wire = 0.0
+    if plan.tp > 1:
+        n_fwd = 3 if plan.recompute == "full" else 2  # see _tp_calls
+        per_block = n_fwd * act_fwd + 2 * act
+        tp_wire = m * lay0.blocks * coll.wire_bytes("all_reduce", "ring", plan.tp, per_block)
+
+    # ---- pipeline point-to-point ------------------------------------------------------------
+    pp_s = pp_wire = 0.0
+    if plan.pp > 1:
+        hop = act / (plan.tp if plan.sp else 1)
+        pp_s = 2 * (m + plan.pp - 1) * v * (a + hop / bw)
+        sends = (0 if lay0.last else 1) + (0 if lay0.first else 1)  # rank 0: forward only
+        pp_wire = m * v * sends * hop
+
+    # ---- data parallel --------------------------------------------------------------------
+    dp_s = dp_exposed = dp_wire = 0.0
+    states = [L.state_bytes(mcfg, plan, tcfg.dtype, r) for r in range(world)]
+    wires = [L.dp_wire_bytes(mcfg, plan, tcfg.dtype, r) for r in range(world)]
+    if plan.dp > 1:
+        calls = L.dp_calls(mcfg, plan, tcfg.dtype, 0)
+        dp_wire = wires[0]
+        dp_s = sum(k * coll.time_s(op, "ring", plan.dp, n, a, bw) for op, n, k in calls)
+        # Buckets that fill before backward ends can hide under it; the last cannot. A
+        # pipeline reduces each chunk after its last backward, top-k after backward, and
+        # ZeRO-3 gathers sit in the path.
+        hidden = 0.0
+        last = calls[-1][1]
+        total = sum(n for _, n, _ in calls)
+        if plan.overlap and plan.pp == 1 and L.dp_kind(plan) in ("ddp", "zero") \
+                and len(calls) > 1:
+            hidden = min(dp_s * (1 - last / total), (2 / 3) * stages[0][0])
+        dp_exposed = dp_s - hidden
+
+    crit = flop_s + overhead_s + tp_s + pp_s + dp_exposed
+    # CPU work of the whole session per step: every rank's compute and fixed costs, and
+    # the CPU its collectives and sends cost (per ring step and per byte sent, measured).
+    cpu = []
+    for i in range(plan.pp):
+        lay_s = L.rank_layout(mcfg, plan, L.rank_of(i, 0, 0, plan))
+        c = m * (stages[i][0] + stages[i][1]) + fixed_s
+        c += _comm_cpu(machine, plan, "tp", _tp_calls(mcfg, plan, lay_s, act, seqs_mb,
+                                                      act_fwd))
+        c += _comm_cpu(machine, plan, "pp", _pp_calls(plan, lay_s, act, v))
+        if plan.dp > 1:
+            c += _comm_cpu(machine, plan, "dp", L.dp_calls(mcfg, plan, tcfg.dtype,
+                                                           lay_s.rank))
+        c += _comm_cpu(machine, plan, "world", [("all_reduce", 8.0, 2)])  # loss, grad norm
+        cpu.append(c)
+    work = plan.dp * plan.tp * sum(cpu)
+    cores = share * world
+    step = max(crit, work / cores)
+    if work / cores > crit:
+        notes.append(f"CPU-bound: the session's {work:.3f} CPU s per step on {cores:.2f} "
+                     f"cores take longer than the critical path ({crit:.3f} s)")
+    from paratrain.parallel.memory import predicted_activations, predicted_states
+
+    sys_states = sum(predicted_states(mcfg, plan, tcfg).values())
+    return Prediction(step, flop_s, overhead_s, bubble_s, tp_s, pp_s, dp_s, dp_exposed, share,
+                      crit, work, cores, cpu[0], dp_wire, tp_wire, pp_wire, states, wires,
+                      sys_states,
+                      predicted_activations(mcfg, plan, tcfg), machine.source, notes)
+
+
+# ---- fitting eta and the fixed costs from single-process runs -------------------------------
+def fit_from_runs(mcfg: ModelConfig, runs: list[tuple[int, int, float]], hw: Hardware,
+                  thread_peak: float) -> MachineModel:
+    """Least squares t = F / R + units x pass_s + step_s over one-process runs.
+
+    ``runs``: (global_batch, micro_batches, seconds per step on a whole core: CPU time)
+    of the same model. F is the step's FLOPs, units = micro_batches x (blocks + 1). Needs
+    runs that differ in both batch and micro-batches (at least 3). eta = R / thread_peak.
+    """
+    if len(runs) < 3:
+        raise ValueError(f"{len(runs)} runs cannot fit 3 parameters; pass at least 3")
+    rows, ts = [], []
+    for gb, m, t in runs:
+        f = mcfg.n_layers * _flops_block(mcfg, gb * mcfg.context, 1) + \
+            gb * mcfg.context * 6.0 * mcfg.d_model * mcfg.vocab_size
+        rows.append((f, m * (mcfg.n_layers + 1), 1.0))
+        ts.append(t)
+    inv_r, pass_s, step_s = _nnls3(rows, ts)
+    if inv_r <= 0:
+        raise ValueError("the fit found no FLOP-proportional time; use larger batches")
+    return MachineModel(hw, 1.0 / inv_r / thread_peak, thread_peak, pass_s, step_s,
+                        fitted=True, source="fit")
+
+
+def _solve3(a: list[list[float]], b: list[float]) -> list[float] | None:
+    """Gaussian elimination for a small square system; None if singular."""
+    n = len(b)
+    m = [row[:] + [b[i]] for i, row in enumerate(a)]
+    for c in range(n):
+        piv = max(range(c, n), key=lambda r: abs(m[r][c]))
+        if abs(m[piv][c]) < 1e-300:
+            return None
+        m[c], m[piv] = m[piv], m[c]
+        for r in range(n):
+            if r != c:
+                f = m[r][c] / m[c][c]
+                m[r] = [x - f * y for x, y in zip(m[r], m[c], strict=True)]
+    return [m[i][n] / m[i][i] for i in range(n)]
+
+
+def _nnls3(rows: list[tuple[float, ...]], ts: list[float]) -> list[float]:
+    """Non-negative least squares for 3 unknowns: try every subset of free unknowns
+    (8 of them), keep the best feasible one. Columns are scaled first."""
+    k = len(rows[0])
+    scale = [max(abs(r[j]) for r in rows) or 1.0 for j in range(k)]
+    x_rows = [[r[j] / scale[j] for j in range(k)] for r in rows]
+    best, best_err = [0.0] * k, sum(t * t for t in ts)
+    for mask in range(1, 1 << k):
+        free = [j for j in range(k) if mask >> j & 1]
+        ata = [[sum(r[i] * r[j] for r in x_rows) for j in free] for i in free]
+        atb = [sum(r[i] * t for r, t in zip(x_rows, ts, strict=True)) for i in free]
+        sol = _solve3(ata, atb)
+        if sol is None or min(sol) < 0:
+            continue
+        x = [0.0] * k
+        for j, v in zip(free, sol, strict=True):
+            x[j] = v
+        err = sum((sum(r[j] * x[j] for j in range(k)) - t) ** 2
+                  for r, t in zip(x_rows, ts, strict=True))
+        if err < best_err - 1e-18:
+            best, best_err = x, err
+    return [best[j] / scale[j] for j in range(k)]

@@ -1,0 +1,128 @@
+"""Predicted beside measured: the comparison stored in a run's summary and the lines
+printed at its end (:mod:`paratrain.predict`)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from paratrain.config import ModelConfig, TrainConfig
+from paratrain.plan import ParallelPlan
+from paratrain.predict.machine import load_machine, sample_other_sessions
+from paratrain.predict.model import Prediction, predict
+
+CALIBRATE_HINT = ("prediction: no hardware profile of this machine; run `paratrain bench "
+                  "calibrate` to measure it (then every run prints predicted vs measured)")
+
+
+def compare(pred: Prediction, summary: dict, plan: ParallelPlan, rank: int = 0) -> dict:
+    """Predicted beside measured for one run's summary as ``rank`` saw it (its dp wire
+    bytes; memory of every rank)."""
+    meas_ranks = summary.get("memory", {}).get("measured_per_rank", [])
+    states_exact = bool(meas_ranks) and all(
+        all(m[k] == p[k] for k in ("params", "grads", "optimizer"))
+        for m, p in zip(meas_ranks, pred.states_bytes_per_rank, strict=False))
+    tp_meas = None
+    mp = summary.get("model_parallel") or {}
+    if "tp" in mp:
+        layers = mp["activation"]["layers_on_rank"]
+        tp_meas = mp["tp"]["wire_bytes_per_layer_per_microbatch"] * layers * plan.micro_batches
+    act_meas = max((m.get("activations_peak", 0) for m in meas_ranks), default=0)
+    step_m = summary["step_s"]
+    wires = pred.dp_wire_bytes_per_rank
+    dp_pred = wires[rank] if rank < len(wires) else pred.dp_wire_bytes
+    dp_meas = summary["wire_bytes_per_step"]
+    return {
+        "step_s": {"predicted": pred.step_s, "measured": step_m,
+                   "error": pred.step_s / step_m - 1 if step_m else float("nan")},
+        "compute_s": {"predicted": pred.step_s - pred.comm_s,
+                      "measured": summary["compute_s_per_step"]},
+        "comm_s": {"predicted": pred.comm_s, "measured": summary["comm_s_per_step"]},
+        "dp_wire_bytes": {"predicted": dp_pred, "measured": dp_meas, "rank": rank,
+                          "exact": math.isclose(dp_pred, dp_meas, rel_tol=1e-12,
+                                                abs_tol=1e-9)},
+        "tp_wire_bytes": {"predicted": pred.tp_wire_bytes, "measured": tp_meas,
+                          "exact": None if tp_meas is None else
+                          math.isclose(pred.tp_wire_bytes, tp_meas, rel_tol=1e-12)},
+        "states_bytes": {"predicted_per_rank": pred.states_bytes_per_rank,
+                         "measured_per_rank": [{k: m[k] for k in ("params", "grads",
+                                                                  "optimizer")}
+                                               for m in meas_ranks],
+                         "exact": states_exact},
+        "activations_bytes": {"predicted": pred.activations_bytes, "measured": act_meas},
+    }
+
+
+def summary_prediction(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan, world: int,
+                       summary: dict, profile: str | Path | None = None) -> dict | None:
+    """``summary["prediction"]`` for a finished run, or None without a profile. The other
+    sessions' load is sampled now, at the end of the run (a proxy for during it)."""
+    machine = load_machine(profile)
+    if machine is None:
+        return None
+    machine = machine.replace(others=sample_other_sessions(samples=5))
+    pred = predict(mcfg, tcfg, plan, world, machine)
+    import torch
+
+    if torch.get_num_threads() > 1:  # the model prices one-thread ranks (workers set 1)
+        pred.notes.append(f"this process ran {torch.get_num_threads()} intra-op threads; the "
+                          "prediction prices one thread per rank")
+    return {"predicted": pred.to_dict(), "vs_measured": compare(pred, summary, plan)}
+
+
+def summary_row(rep: dict | None) -> tuple[str, str]:
+    """One row for the run's summary table: predicted step time, or what to do."""
+    if rep is None:
+        return "predicted s/step", "no hardware profile: run `paratrain bench calibrate`"
+    if "error" in rep:
+        return "predicted s/step", f"profile unusable: {rep['error']}"
+    c = rep["vs_measured"]["step_s"]
+    return "predicted s/step", (f"{c['predicted']:.4f}  ({100 * c['error']:+.0f}% vs "
+                                f"measured; breakdown above)")
+
+
+def format_prediction(rep: dict | None) -> str:
+    """A few lines for the end of a run: predicted beside measured."""
+    if rep is None:
+        return CALIBRATE_HINT
+    if "error" in rep:
+        return f"prediction: skipped, the hardware profile is unusable: {rep['error']}"
+    p, c = rep["predicted"], rep["vs_measured"]
+    mb = 1e6
+    st = c["states_bytes"]
+    m0 = st["measured_per_rank"][0] if st["measured_per_rank"] else None
+    p0 = st["predicted_per_rank"][0]
+    lines = [
+        f"prediction ({p['machine']}; {p['share']:.2f} core per rank)",
+        f"  step s      predicted {p['step_s']:.4f}  measured {c['step_s']['measured']:.4f}"
+        f"  ({100 * c['step_s']['error']:+.0f}%)",
+        f"  bounds      critical path {p['critical_path_s']:.4f} s; session CPU work "
+        f"{p['session_work_s']:.4f} s on {p['session_cores']:.2f} cores = "
+        f"{p['session_work_s'] / p['session_cores']:.4f} s; rank 0 CPU {p['cpu_rank0_s']:.4f} s",
+        f"  compute s   predicted {c['compute_s']['predicted']:.4f} (FLOPs "
+        f"{p['compute_s']:.4f}, fixed {p['overhead_s']:.4f}, bubble {p['bubble_s']:.4f}, "
+        f"TP {p['tp_comm_s']:.4f}, PP {p['pp_comm_s']:.4f})  measured "
+        f"{c['compute_s']['measured']:.4f}",
+        f"  comm s      predicted {c['comm_s']['predicted']:.4f} (DP sync "
+        f"{p['dp_comm_s']:.4f})  measured {c['comm_s']['measured']:.4f}",
+        f"  wire MB/rank DP predicted {c['dp_wire_bytes']['predicted'] / mb:.4f}  measured "
+        f"{c['dp_wire_bytes']['measured'] / mb:.4f}"
+        f"  {'exact' if c['dp_wire_bytes']['exact'] else 'DIFFERENT'}",
+    ]
+    if c["tp_wire_bytes"]["measured"] is not None:
+        lines.append(f"  wire MB/rank TP predicted {p['tp_wire_bytes'] / mb:.4f}  measured "
+                     f"{c['tp_wire_bytes']['measured'] / mb:.4f}"
+                     f"  {'exact' if c['tp_wire_bytes']['exact'] else 'DIFFERENT'}")
+    if p["pp_wire_bytes"]:
+        lines.append(f"  wire MB/rank PP predicted {p['pp_wire_bytes'] / mb:.4f} (sends are "
+                     "not counted by the runtime)")
+    if m0 is not None:
+        pt, mt = sum(p0.values()), sum(m0.values())
+        lines.append(f"  model states MB rank 0 predicted {pt / mb:.4f}  measured {mt / mb:.4f}"
+                     f"  {'exact on every rank' if st['exact'] else 'DIFFERENT'}"
+                     f" (systems formula {p['systems_states_bytes'] / mb:.4f})")
+    a = c["activations_bytes"]
+    lines.append(f"  activations MB predicted {a['predicted'] / mb:.4f} (Korthikanti) "
+                 f"measured peak {a['measured'] / mb:.4f}")
+    lines += [f"  note: {n}" for n in p["notes"]]
+    return "\n".join(lines)
