@@ -6,6 +6,8 @@ No wall-clock accuracy is asserted here: speed belongs to ``benchmarks/check_mod
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from paratrain.config import ModelConfig, TrainConfig
@@ -180,6 +182,16 @@ GRID4 = {
     "dp2 x pp2 interleaved v2 m4": (MODEL8, ParallelPlan(
         dp=2, pp=2, micro_batches=4, schedule="interleaved", virtual_stages=2,
         bucket_mb=0.01)),
+    "tp2 x pp2 m2": (MODEL4, ParallelPlan(tp=2, pp=2, micro_batches=2)),
+}
+# mixed precision (BF16 parameters, FP32 masters): reduction dtype per entry
+GRID4_BF16 = {
+    "bf16 dp2 x tp2 zero1": (MODEL4, ParallelPlan(dp=2, tp=2, zero=1, bucket_mb=0.01),
+                             "bfloat16"),
+    "bf16 dp2 x tp2 zero3 fp32-reduce": (MODEL4, ParallelPlan(dp=2, tp=2, zero=3), "float32"),
+    "bf16 dp2 x pp2 zero2 m4 fp32-reduce": (MODEL4, ParallelPlan(
+        dp=2, pp=2, zero=2, micro_batches=4, bucket_mb=0.01), "float32"),
+    "bf16 dp4 zero0": (MODEL4, ParallelPlan(dp=4, bucket_mb=0.01), "bfloat16"),
 }
 
 
@@ -187,8 +199,11 @@ def _worker4(rank: int, world: int, data: str, profile: str) -> list:
     t = TrainConfig(steps=2, global_batch=8, lr=1e-3, warmup_steps=1, eval_every=0,
                     eval_batches=1, data=data)
     out = []
-    for name, (mcfg, plan) in GRID4.items():
-        s = train(mcfg, t, plan, RunOptions(quiet=True, measure_peak=False, profile=profile))
+    cases = {**{k: (m, p, t) for k, (m, p) in GRID4.items()},
+             **{k: (m, p, dataclasses.replace(t, dtype="bfloat16", reduce_dtype=rd))
+                for k, (m, p, rd) in GRID4_BF16.items()}}
+    for name, (mcfg, plan, tc) in cases.items():
+        s = train(mcfg, tc, plan, RunOptions(quiet=True, measure_peak=False, profile=profile))
         out.append((name, s["prediction"], s["wire_bytes_per_step"]))
     return out
 
@@ -203,7 +218,7 @@ def test_mesh_layouts_predicted_equal_measured_on_every_rank(runs4):
     and each rank's own dp wire bytes per step, exactly: per-chunk buckets and units, the
     pipeline's once-per-step ZeRO-2/3 sync, tensor shards with replicated norms."""
     for rank, out in enumerate(runs4):
-        assert [n for n, _, _ in out] == list(GRID4)
+        assert [n for n, _, _ in out] == list(GRID4) + list(GRID4_BF16)
         for name, rep, wire in out:
             c = rep["vs_measured"]
             st = c["states_bytes"]
@@ -212,4 +227,5 @@ def test_mesh_layouts_predicted_equal_measured_on_every_rank(runs4):
             assert st["exact"]
             assert c["dp_wire_bytes"]["exact"], name  # rank 0's
             assert rep["predicted"]["dp_wire_bytes_per_rank"][rank] == wire, f"{name} {rank}"
-            assert (wire > 0) == (GRID4[name][1].dp > 1), name
+            plan = (GRID4.get(name) or GRID4_BF16[name])[1]
+            assert (wire > 0) == (plan.dp > 1), name

@@ -29,9 +29,18 @@ from paratrain.config import ModelConfig
 from paratrain.plan import ParallelPlan
 from paratrain.systems.stages import split_layers
 
-# Bytes per element of parameters, gradients and optimizer state: bf16 runs autocast
-# from FP32 masters, so their states are FP32.
-ELEMENT_BYTES = {"float64": 8, "float32": 4, "bfloat16": 4}
+# Bytes per element of the working parameters (what every rank computes with).
+ELEMENT_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2}
+
+
+def elements(dtype: str, reduce_dtype: str = "bfloat16") -> tuple[int, int, int]:
+    """(working, gradient, master) bytes per element of a run (parallel/precision.py):
+    float32 / float64 keep one copy; bfloat16 is BF16 parameters, gradients reduced in
+    ``reduce_dtype`` and FP32 masters in the optimizer."""
+    w = ELEMENT_BYTES[dtype]
+    if dtype != "bfloat16":
+        return w, w, w
+    return w, ELEMENT_BYTES[reduce_dtype] if reduce_dtype == "bfloat16" else 4, 4
 PER_BLOCK = 9  # parameters of one block: two norms, four attention, three MLP matrices
 
 
@@ -214,38 +223,44 @@ def dp_flats(mcfg: ModelConfig, plan: ParallelPlan, elem: int, rank: int) -> lis
 
 
 # ---- bytes -----------------------------------------------------------------------------
-def state_bytes(mcfg: ModelConfig, plan: ParallelPlan, dtype: str, rank: int
-                ) -> dict[str, int]:
-    """Bytes of parameters, gradients and optimizer state (AdamW m, v) on ``rank`` as the
-    memory tracker measures them (distinct storages: flat buffers with their padding)."""
-    e = ELEMENT_BYTES[dtype]
+def state_bytes(mcfg: ModelConfig, plan: ParallelPlan, dtype: str, rank: int,
+                reduce_dtype: str = "bfloat16") -> dict[str, int]:
+    """Bytes of parameters, gradients and optimizer state (AdamW m, v and, under mixed
+    precision, the FP32 masters) on ``rank`` as the memory tracker measures them
+    (distinct storages: flat buffers with their padding)."""
+    w, g, m = elements(dtype, reduce_dtype)
+    mixed = dtype == "bfloat16"
     lay = rank_layout(mcfg, plan, rank)
     n, p, r = lay.params, plan.dp, lay.dp
     kind = dp_kind(plan)
-    flats = dp_flats(mcfg, plan, e, rank)
+    flats = dp_flats(mcfg, plan, w, rank)
     padded = sum(pad(b, p) for b in flats)
     own = sum(owned(b, p, r) for b in flats)
-    if kind in ("none", "topk"):
-        return {"params": e * n, "grads": e * n, "optimizer": 2 * e * n}
-    if kind == "ddp":  # grads are views into the padded buckets
-        return {"params": e * n, "grads": e * padded, "optimizer": 2 * e * n}
+    if kind in ("none", "topk"):  # a master per parameter
+        return {"params": w * n, "grads": w * n, "optimizer": (2 + mixed) * m * n}
+    if kind == "ddp":  # grads are (or main_grad is) views into the padded buckets
+        return {"params": w * n, "grads": g * padded, "optimizer": (2 + mixed) * m * n}
+    masters = m * padded // p if mixed else 0  # a master of each whole owned chunk
     if kind == "fsdp":
-        return {"params": e * padded // p, "grads": e * padded // p, "optimizer": 2 * e * own}
+        return {"params": w * padded // p, "grads": g * padded // p,
+                "optimizer": 2 * m * own + masters}
     # ZeRO-2 keeps only the owned shard, except under a pipeline (full buffers, as ZeRO-1)
     grads = padded // p if plan.zero == 2 and plan.pp == 1 else padded
-    return {"params": e * padded, "grads": e * grads, "optimizer": 2 * e * own}
+    return {"params": w * padded, "grads": g * grads, "optimizer": 2 * m * own + masters}
 
 
-def dp_payload_bytes(mcfg: ModelConfig, plan: ParallelPlan, dtype: str, rank: int) -> int:
+def dp_payload_bytes(mcfg: ModelConfig, plan: ParallelPlan, dtype: str, rank: int,
+                     reduce_dtype: str = "bfloat16") -> int:
     """Bytes this rank contributes to one dp reduction: its flat buffers with their
-    padding, or under top-k its kept values and int32 indices; 0 without a dp axis."""
-    e = ELEMENT_BYTES[dtype]
+    padding in the reduction dtype, or under top-k its kept values and int32 indices; 0
+    without a dp axis."""
+    w, g, _ = elements(dtype, reduce_dtype)
     kind = dp_kind(plan)
     if kind == "none":
         return 0
     if kind == "topk":
-        return topk_keep(plan, rank_layout(mcfg, plan, rank).params) * (e + 4)
-    return e * sum(pad(b, plan.dp) for b in dp_flats(mcfg, plan, e, rank))
+        return topk_keep(plan, rank_layout(mcfg, plan, rank).params) * (w + 4)
+    return g * sum(pad(b, plan.dp) for b in dp_flats(mcfg, plan, w, rank))
 
 
 def dp_wire_factor(plan: ParallelPlan, micro_batches: int | None = None) -> float:
@@ -278,42 +293,38 @@ def zero_wire_factor(zero: int, micro_batches: int, pipelined: bool) -> float:
     return float(micro_batches + 1) if zero == 2 else 3.0 * micro_batches
 
 
-def gather_elem(plan: ParallelPlan, dtype: str) -> int:
-    """Bytes per element ZeRO-3 gathers: bf16 under --dtype bfloat16 without tp or pp
-    (the pure-FSDP recipe), else the master dtype."""
-    if dtype == "bfloat16" and plan.tp == 1 and plan.pp == 1:
-        return 2
-    return ELEMENT_BYTES[dtype]
-
-
-def dp_calls(mcfg: ModelConfig, plan: ParallelPlan, dtype: str, rank: int
-             ) -> list[tuple[str, float, int]]:
+def dp_calls(mcfg: ModelConfig, plan: ParallelPlan, dtype: str, rank: int,
+             reduce_dtype: str = "bfloat16") -> list[tuple[str, float, int]]:
     """(op, full bytes, calls per step) of a rank's dp sync, one entry per flat buffer
-    and op; summing ``coll.wire_bytes`` over them gives :func:`dp_wire_bytes`."""
-    e = ELEMENT_BYTES[dtype]
+    and op: reductions in the gradient dtype, parameter all-gathers in the working one."""
+    w, g, _ = elements(dtype, reduce_dtype)
     p, kind = plan.dp, dp_kind(plan)
     m = plan.micro_batches if plan.pp == 1 else 1
     if kind == "none":
         return []
     if kind == "topk":  # values and indices: p pieces of each
         keep = topk_keep(plan, rank_layout(mcfg, plan, rank).params)
-        return [("all_gather", p * keep * e, 1), ("all_gather", p * keep * 4, 1)]
-    flats = [pad(b, p) for b in dp_flats(mcfg, plan, e, rank)]
+        return [("all_gather", p * keep * w, 1), ("all_gather", p * keep * 4, 1)]
+    flats = [pad(b, p) for b in dp_flats(mcfg, plan, w, rank)]
     if kind == "ddp":
-        return [("all_reduce", e * n, 1) for n in flats]
+        return [("all_reduce", g * n, 1) for n in flats]
     if kind == "fsdp":
-        g, gathers = gather_elem(plan, dtype), (2 * m if plan.pp == 1 else 1)
-        return [c for n in flats for c in (("all_gather", g * n, gathers),
-                                           ("reduce_scatter", e * n, m))]
-    rs = m if plan.zero == 2 else 1
-    return [c for n in flats for c in (("reduce_scatter", e * n, rs), ("all_gather", e * n, 1))]
+        gathers = 2 * m if plan.pp == 1 else 1
+        return [c for n in flats for c in (("all_gather", w * n, gathers),
+                                           ("reduce_scatter", g * n, m))]
+    rs = m if plan.zero == 2 and plan.pp == 1 else 1
+    return [c for n in flats for c in (("reduce_scatter", g * n, rs), ("all_gather", w * n, 1))]
 
 
-def dp_wire_bytes(mcfg: ModelConfig, plan: ParallelPlan, dtype: str, rank: int) -> float:
+def dp_wire_bytes(mcfg: ModelConfig, plan: ParallelPlan, dtype: str, rank: int,
+                  reduce_dtype: str = "bfloat16") -> float:
     """Bytes ``rank`` sends per steady step for its dp sync (ring collectives)."""
     p = plan.dp
     if dp_kind(plan) == "none":
         return 0.0
-    if dp_kind(plan) == "fsdp" and gather_elem(plan, dtype) != ELEMENT_BYTES[dtype]:
-        return sum(k * n * (p - 1) / p for _, n, k in dp_calls(mcfg, plan, dtype, rank))
-    return dp_wire_factor(plan) * (p - 1) / p * dp_payload_bytes(mcfg, plan, dtype, rank)
+    w, g, _ = elements(dtype, reduce_dtype)
+    if w != g and dp_kind(plan) in ("zero", "fsdp"):  # gathers and reductions differ
+        return sum(k * n * (p - 1) / p for _, n, k in
+                   dp_calls(mcfg, plan, dtype, rank, reduce_dtype))
+    return dp_wire_factor(plan) * (p - 1) / p * dp_payload_bytes(mcfg, plan, dtype, rank,
+                                                                 reduce_dtype)

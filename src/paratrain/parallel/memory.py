@@ -44,22 +44,20 @@ import torch.distributed as dist
 from torch import nn
 
 from paratrain.config import ModelConfig, TrainConfig
+from paratrain.layout import ELEMENT_BYTES, elements
 from paratrain.plan import ParallelPlan
-
-ELEMENT_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2}  # the working parameters'
 
 
 def run_precision(tcfg: TrainConfig):
-    """The systems model's bytes-per-parameter recipe of this run: BF16 mixed precision
-    is 2 (BF16 weights) + 2 or 4 (gradients in the reduction dtype) + 12 (FP32 master,
-    m, v); float32 / float64 runs keep no second copy: e + e + 2e."""
+    """The systems model's bytes-per-parameter recipe of this run
+    (:func:`paratrain.layout.elements`): BF16 mixed precision is 2 (BF16 weights) + 2 or
+    4 (gradients in the reduction dtype) + 12 (FP32 master, m, v); float32 / float64
+    runs keep no second copy: e + e + 2e."""
     from paratrain.systems.memory import Precision
 
-    if tcfg.dtype == "bfloat16":
-        g = 2 if tcfg.reduce_dtype == "bfloat16" else 4
-        return Precision(f"bf16-adam-reduce-{tcfg.reduce_dtype}", 2, g, 12, act_bytes=2)
-    b = ELEMENT_BYTES[tcfg.dtype]
-    return Precision(f"fp{8 * b}-adam", b, b, 2 * b, act_bytes=b)
+    w, g, m = elements(tcfg.dtype, tcfg.reduce_dtype)
+    master = m if tcfg.dtype == "bfloat16" else 0
+    return Precision(f"{tcfg.dtype}-adam-reduce-{g}B", w, g, 2 * m + master, act_bytes=w)
 
 
 def storage_bytes(tensors) -> int:

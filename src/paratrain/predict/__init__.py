@@ -90,10 +90,10 @@ __all__ = ["CALIBRATE_HINT", "DEFAULT_PROFILE", "ELEMENT_BYTES", "FIT_NAME", "Ma
 def rank_state_bytes(mcfg: ModelConfig, plan: ParallelPlan, tcfg: TrainConfig, rank: int
                      ) -> dict[str, int]:
     """Model-state bytes of ``rank`` (:func:`paratrain.layout.state_bytes`)."""
-    return _state_bytes(mcfg, plan, tcfg.dtype, rank)
+    return _state_bytes(mcfg, plan, tcfg.dtype, rank, tcfg.reduce_dtype)
 
 
 def dp_payload_bytes(mcfg: ModelConfig, plan: ParallelPlan, tcfg: TrainConfig, rank: int
                      ) -> int:
     """Bytes ``rank`` reduces over dp (:func:`paratrain.layout.dp_payload_bytes`)."""
-    return _payload(mcfg, plan, tcfg.dtype, rank)
+    return _payload(mcfg, plan, tcfg.dtype, rank, tcfg.reduce_dtype)

@@ -158,7 +158,7 @@ def predict(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan, world: int
     # ---- per stage and micro-batch: FLOPs, fixed costs, TP collectives (in every block) --
     a, bw = hw.intra_alpha, hw.intra_bw
     act = seqs_mb * mcfg.context * mcfg.d_model * e
-    act_fwd = act / 2 if tcfg.dtype == "bfloat16" else act  # TP exits in the autocast dtype
+    act_fwd = act  # forward exits and backward entries both in the working dtype
     stages = []  # (flop_s, fixed_s, tp_s) per micro-batch
     for s in range(plan.pp):
         lay = L.rank_layout(mcfg, plan, L.rank_of(s, 0, 0, plan))
@@ -195,10 +195,10 @@ def predict(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan, world: int
 
     # ---- data parallel --------------------------------------------------------------------
     dp_s = dp_exposed = dp_wire = 0.0
-    states = [L.state_bytes(mcfg, plan, tcfg.dtype, r) for r in range(world)]
-    wires = [L.dp_wire_bytes(mcfg, plan, tcfg.dtype, r) for r in range(world)]
+    states = [L.state_bytes(mcfg, plan, tcfg.dtype, r, tcfg.reduce_dtype) for r in range(world)]
+    wires = [L.dp_wire_bytes(mcfg, plan, tcfg.dtype, r, tcfg.reduce_dtype) for r in range(world)]
     if plan.dp > 1:
-        calls = L.dp_calls(mcfg, plan, tcfg.dtype, 0)
+        calls = L.dp_calls(mcfg, plan, tcfg.dtype, 0, tcfg.reduce_dtype)
         dp_wire = wires[0]
         dp_s = sum(k * coll.time_s(op, "ring", plan.dp, n, a, bw) for op, n, k in calls)
         # Buckets that fill before backward ends can hide under it; the last cannot. A
@@ -224,7 +224,7 @@ def predict(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan, world: int
         c += _comm_cpu(machine, plan, "pp", _pp_calls(plan, lay_s, act, v))
         if plan.dp > 1:
             c += _comm_cpu(machine, plan, "dp", L.dp_calls(mcfg, plan, tcfg.dtype,
-                                                           lay_s.rank))
+                                                           lay_s.rank, tcfg.reduce_dtype))
         c += _comm_cpu(machine, plan, "world", [("all_reduce", 8.0, 2)])  # loss, grad norm
         cpu.append(c)
     work = plan.dp * plan.tp * sum(cpu)
