@@ -53,7 +53,7 @@ def _parity_worker(rank: int, world: int) -> dict:
     """Every op x algorithm x size on this group; returns failures and per-run counts."""
     fails: list[str] = []
     counts: list[tuple] = []
-    stats = api.CommStats()
+    stats = api.CollectiveCounts()
     p = world
     pow2 = p & (p - 1) == 0
     for n in _sizes(p):

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from paratrain.comm import ALGORITHMS, build, chunk_sizes, count, time_s
-from paratrain.comm.schedule import COPY, Schedule, Transfer
+from paratrain.comm.schedule import COPY, CollectiveSchedule, Transfer
 
 
 def test_chunk_sizes_split_any_count():
@@ -50,7 +50,7 @@ def test_bad_inputs_are_one_line_value_errors():
         build("reduce_scatter", "halving_doubling", 3, 8)
     with pytest.raises(ValueError, match="n=-1"):
         build("all_reduce", "ring", 2, -1)
-    bad = Schedule("broadcast", "x", 2, 1, (1,), ((Transfer(0, 1, 0, COPY),
+    bad = CollectiveSchedule("broadcast", "x", 2, 1, (1,), ((Transfer(0, 1, 0, COPY),
                                                    Transfer(0, 1, 0, COPY)),))
     with pytest.raises(ValueError, match="two copies"):
         bad.validate()

@@ -13,7 +13,7 @@ from paratrain.parallel.pipeline.schedule import (
     Action,
     bubble_formula,
     build_schedule,
-    simulate,
+    simulate_pipeline,
     validate,
 )
 
@@ -44,12 +44,13 @@ def test_every_schedule_validates(p):
 
 def test_memory_of_1f1b_vs_gpipe():
     p, m = 4, 8
-    assert simulate(build_schedule("gpipe", p, m)).peak_in_flight == [m] * p
-    assert simulate(build_schedule("1f1b", p, m)).peak_in_flight == [p - r for r in range(p)]
+    assert simulate_pipeline(build_schedule("gpipe", p, m)).peak_in_flight == [m] * p
+    want = [p - r for r in range(p)]
+    assert simulate_pipeline(build_schedule("1f1b", p, m)).peak_in_flight == want
 
 
 def test_predicted_bubbles_at_pp4_m8():
-    got = {n: simulate(build_schedule(n, 4, 8, 2 if n == "interleaved" else 1)).bubble
+    got = {n: simulate_pipeline(build_schedule(n, 4, 8, 2 if n == "interleaved" else 1)).bubble
            for n in SCHEDULES}
     print({k: round(v, 4) for k, v in got.items()})
     assert got["gpipe"] == pytest.approx(3 / 11)

@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 from paratrain.cli import main
-from paratrain.parallel.pipeline.schedule import build_schedule, simulate
+from paratrain.parallel.pipeline.schedule import build_schedule, simulate_pipeline
 
 
 def test_viz_cli_does_not_import_torch():
@@ -21,7 +21,7 @@ def test_gantt_predicted_and_measured(tmp_path):
                  "8", "--out", str(tmp_path)]) == 0
     assert (tmp_path / "pipeline_zb-h1_p4_m8.png").stat().st_size > 10_000
     sched = build_schedule("interleaved", 2, 4, 2)
-    spans = simulate(sched).spans  # a stand-in for a run's recorded timings
+    spans = simulate_pipeline(sched).spans  # a stand-in for a run's recorded timings
     run = tmp_path / "run"
     run.mkdir()
     (run / "pipeline_timeline.json").write_text(json.dumps({

@@ -11,7 +11,7 @@ from paratrain.parallel.pipeline.schedule import (
     bubble_formula,
     bubble_over_compute,
     build_schedule,
-    simulate,
+    simulate_pipeline,
 )
 from paratrain.systems import step_time as st
 
@@ -31,7 +31,7 @@ def _accepted(p: int):
 @pytest.mark.parametrize("p", range(1, 17))
 def test_closed_form_equals_the_simulated_schedule(p):
     for name, m, v, sched in _accepted(p):
-        sim = simulate(sched).bubble
+        sim = simulate_pipeline(sched).bubble
         assert sim == pytest.approx(bubble_formula(name, p, m, v), abs=TOL), (name, p, m, v)
         b = bubble_over_compute(name, p, m, v)
         assert b / (1 + b) == pytest.approx(sim, abs=TOL)

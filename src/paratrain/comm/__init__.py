@@ -10,12 +10,12 @@ Pure, torch-free: :mod:`~paratrain.comm.schedule` (data types), :mod:`~.algorith
 
 from paratrain.comm.algorithms import ALGORITHMS, build
 from paratrain.comm.cost import Counts, count, time_s
-from paratrain.comm.schedule import COPY, REDUCE, Schedule, Transfer, chunk_sizes
+from paratrain.comm.schedule import COPY, REDUCE, CollectiveSchedule, Transfer, chunk_sizes
 
 _API = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "all_to_all",
-        "topk_all_reduce", "CommStats", "Handle")
+        "topk_all_reduce", "CollectiveCounts", "PendingCollective")
 
-__all__ = ["ALGORITHMS", "COPY", "REDUCE", "Counts", "Schedule", "Transfer", "build",
+__all__ = ["ALGORITHMS", "COPY", "REDUCE", "Counts", "CollectiveSchedule", "Transfer", "build",
            "chunk_sizes", "count", "time_s", *_API]
 
 

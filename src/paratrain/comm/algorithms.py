@@ -5,7 +5,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 from paratrain.comm import direct, halving_doubling, hierarchical, ring, tree
-from paratrain.comm.schedule import Schedule
+from paratrain.comm.schedule import CollectiveSchedule
 
 #: op -> algorithms, the first being the default.
 ALGORITHMS: dict[str, tuple[str, ...]] = {
@@ -31,7 +31,7 @@ def default_segments(n: int) -> int:
 
 
 def build(op: str, algorithm: str | None, p: int, n: int, *, root: int = 0,
-          segments: int | None = None, gpus_per_node: int = 8) -> Schedule:
+          segments: int | None = None, gpus_per_node: int = 8) -> CollectiveSchedule:
     """The schedule of ``op`` by ``algorithm`` among ``p`` ranks over ``n`` elements.
 
     ``root`` is used by broadcast and reduce; ``segments`` by pipelined algorithms (see
@@ -73,7 +73,7 @@ def build(op: str, algorithm: str | None, p: int, n: int, *, root: int = 0,
 
 @lru_cache(maxsize=256)
 def _build(op: str, algorithm: str, p: int, n: int, root: int, segments: int | None,
-           gpus_per_node: int) -> Schedule:
+           gpus_per_node: int) -> CollectiveSchedule:
     makers = {
         ("all_reduce", "ring"): lambda: ring.ring_all_reduce(p, n),
         ("all_reduce", "naive"): lambda: direct.naive_all_reduce(p, n),

@@ -3,13 +3,13 @@
 Every function takes ``group`` (None: the default group; any sub-group of a mesh works,
 ranks such as ``src``/``dst`` are *group* ranks), ``algorithm`` (see
 :data:`paratrain.comm.algorithms.ALGORITHMS`), ``async_op`` and an optional ``stats``
-(:class:`CommStats`) that accumulates steps and bytes per (op, algorithm). Keywords
+(:class:`CollectiveCounts`) that accumulates steps and bytes per (op, algorithm). Keywords
 passed on to the executor: ``piece_bytes`` (pipeline piece, default 4 MiB),
 ``timeout_s`` (per wait, default 120), ``segments`` (pipelined schedules) and
 ``gpus_per_node`` (hierarchical).
 
 Asynchrony and overlap: ``async_op=True`` queues the collective on this process's single
-communication thread and returns a :class:`Handle` at once. That thread is a FIFO, like
+communication thread and returns a :class:`PendingCollective` at once. That thread is a FIFO, like
 a CUDA communication stream: collectives run in the order they were issued, which is the
 same order on every rank, so their point-to-point messages pair up. While it runs, the
 caller's thread continues (e.g. backward): the thread spends its time in gloo waits and
@@ -37,7 +37,7 @@ SEGMENT_BYTES = 1 << 20  # pipelined schedules: about one segment per MiB, 2..64
 
 
 @dataclass
-class CommStats:
+class CollectiveCounts:
     """Totals per (op, algorithm): calls, steps, bytes sent and received, seconds."""
 
     totals: dict = field(default_factory=lambda: defaultdict(lambda: defaultdict(float)))
@@ -63,7 +63,7 @@ class CommStats:
         self.last = None
 
 
-class Handle:
+class PendingCollective:
     """A collective in flight. ``wait()`` returns its result tensor (re-raising its error);
     ``stats`` is this rank's :class:`ExecStats` once done."""
 
@@ -102,7 +102,7 @@ def _submit(fn, async_op: bool, result):
         fut = _POOL.submit(fn)
         _PENDING.append(fut)
     if async_op:
-        return Handle(fut, result)
+        return PendingCollective(fut, result)
     fut.result()
     return result
 
@@ -137,10 +137,10 @@ def _run(op, algorithm, n, planes, group, reduce_op, async_op, stats, result, *,
 
 def all_reduce(tensor: torch.Tensor, group=None, op: str = "sum", algorithm: str = "ring",
                async_op: bool = False, out: torch.Tensor | None = None,
-               stats: CommStats | None = None, **kw):
+               stats: CollectiveCounts | None = None, **kw):
     """Reduce ``tensor`` over the group; every rank gets the result. In place unless
     ``out`` is given (then ``tensor`` is left alone). ``op``: sum, mean, max, min.
-    Returns the result tensor, or a :class:`Handle` when ``async_op``."""
+    Returns the result tensor, or a :class:`PendingCollective` when ``async_op``."""
     buf = _flat(tensor, "tensor")
     if out is not None:
         _flat(out, "out").copy_(buf)
@@ -153,7 +153,7 @@ def all_reduce(tensor: torch.Tensor, group=None, op: str = "sum", algorithm: str
 
 def reduce_scatter(output: torch.Tensor | None, input: torch.Tensor, group=None,
                    op: str = "sum", algorithm: str = "ring", async_op: bool = False,
-                   stats: CommStats | None = None, **kw):
+                   stats: CollectiveCounts | None = None, **kw):
     """Rank r gets chunk r (``chunk_sizes(n, p)[r]`` elements) of the reduced ``input``.
 
     ``output=None``: in place, ``input`` is overwritten with partial sums and the result
@@ -178,7 +178,7 @@ def reduce_scatter(output: torch.Tensor | None, input: torch.Tensor, group=None,
 
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, group=None, algorithm: str = "ring",
-               async_op: bool = False, stats: CommStats | None = None, **kw):
+               async_op: bool = False, stats: CollectiveCounts | None = None, **kw):
     """Concatenate every rank's ``input`` (chunk r, ``chunk_sizes(n, p)[r]`` elements for
     n = output.numel()) into ``output`` on every rank. In place when ``input`` already is
     that view of ``output``."""
@@ -196,7 +196,7 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group=None, algorithm:
 
 
 def broadcast(tensor: torch.Tensor, src: int = 0, group=None, algorithm: str = "tree",
-              async_op: bool = False, stats: CommStats | None = None, **kw):
+              async_op: bool = False, stats: CollectiveCounts | None = None, **kw):
     """Copy group rank ``src``'s ``tensor`` into everyone's, in place."""
     buf = _flat(tensor, "tensor")
     return _run("broadcast", algorithm, buf.numel(), [(buf, None)], group, "sum", async_op,
@@ -204,7 +204,7 @@ def broadcast(tensor: torch.Tensor, src: int = 0, group=None, algorithm: str = "
 
 
 def reduce(tensor: torch.Tensor, dst: int = 0, group=None, op: str = "sum",
-           algorithm: str = "tree", async_op: bool = False, stats: CommStats | None = None,
+           algorithm: str = "tree", async_op: bool = False, stats: CollectiveCounts | None = None,
            **kw):
     """Reduce into group rank ``dst``'s ``tensor``, in place. Other ranks' tensors are
     used as scratch and hold partial results afterwards."""
@@ -220,7 +220,7 @@ def reduce(tensor: torch.Tensor, dst: int = 0, group=None, op: str = "sum",
 
 def all_to_all(output: torch.Tensor, input: torch.Tensor, group=None,
                algorithm: str = "pairwise", async_op: bool = False,
-               stats: CommStats | None = None, **kw):
+               stats: CollectiveCounts | None = None, **kw):
     """Rank r sends chunk j of ``input`` (n elements, ``chunk_sizes(n, p)``) to rank j and
     receives p blocks of ``chunk_sizes(n, p)[r]`` elements into ``output``, block i from
     rank i (``all_to_all_single`` with those split sizes). Out of place."""
@@ -238,7 +238,7 @@ def all_to_all(output: torch.Tensor, input: torch.Tensor, group=None,
 
 
 def topk_all_reduce(tensor: torch.Tensor, k: int, group=None, async_op: bool = False,
-                    stats: CommStats | None = None, **kw):
+                    stats: CollectiveCounts | None = None, **kw):
     """Sparse gradient exchange: each rank keeps its ``k`` largest-magnitude entries
     (values and int64 indices), all-gathers them (ring), and every rank scatter-adds them
     into a dense result (returned, ``tensor`` untouched). Nothing can be added on the way,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from paratrain.comm.schedule import Schedule
+from paratrain.comm.schedule import CollectiveSchedule
 
 
 @dataclass(frozen=True)
@@ -34,14 +34,14 @@ class Counts:
         return [e * elem_bytes for e in self.recv]
 
 
-def count(schedule: Schedule) -> Counts:
+def count(schedule: CollectiveSchedule) -> Counts:
     """Steps and per-rank element traffic of ``schedule`` (pure Python, memoised)."""
     if "counts" not in schedule._memo:
         schedule._memo["counts"] = _count(schedule)
     return schedule._memo["counts"]
 
 
-def _count(schedule: Schedule) -> Counts:
+def _count(schedule: CollectiveSchedule) -> Counts:
     p, sizes = schedule.p, schedule.seg_sizes
     sent, recv = [0] * p, [0] * p
     load = []
@@ -59,7 +59,7 @@ def _count(schedule: Schedule) -> Counts:
     return Counts(schedule.steps, tuple(sent), tuple(recv), tuple(load))
 
 
-def time_s(schedule: Schedule, alpha_s: float, bw_bytes_per_s: float, elem_bytes: int = 4,
+def time_s(schedule: CollectiveSchedule, alpha_s: float, bw_bytes_per_s: float, elem_bytes: int = 4,
            model: str = "rounds", *, gpus_per_node: int | None = None,
            intra_alpha_s: float | None = None,
            intra_bw_bytes_per_s: float | None = None) -> float:
@@ -88,7 +88,7 @@ def time_s(schedule: Schedule, alpha_s: float, bw_bytes_per_s: float, elem_bytes
     raise ValueError(f"model={model!r}; use 'rounds' or 'simple'")
 
 
-def _two_links(s: Schedule, alpha: float, bw: float, elem: int, g: int, ia: float,
+def _two_links(s: CollectiveSchedule, alpha: float, bw: float, elem: int, g: int, ia: float,
                ib: float) -> float:
     """Rounds model with two links: ranks r // g share a node and its faster link; a
     round lasts as long as its slower part (``alpha``/``bw``: between nodes)."""

@@ -8,7 +8,7 @@ are the baselines ``paratrain.systems.collectives`` calls ``naive``.
 
 from __future__ import annotations
 
-from paratrain.comm.schedule import COPY, REDUCE, Schedule, Transfer, chunk_sizes
+from paratrain.comm.schedule import COPY, REDUCE, CollectiveSchedule, Transfer, chunk_sizes
 
 
 def _gather(p: int, root: int, segs, op: str) -> list[tuple[Transfer, ...]]:
@@ -21,35 +21,35 @@ def _scatter(p: int, root: int, segs_for) -> list[tuple[Transfer, ...]]:
             for k in range(1, p)]
 
 
-def naive_all_reduce(p: int, n: int) -> Schedule:
+def naive_all_reduce(p: int, n: int) -> CollectiveSchedule:
     """Reduce into rank 0 one sender at a time, then send the sum back one at a time."""
     rounds = _gather(p, 0, (0,), REDUCE) + _scatter(p, 0, lambda r: (0,))
-    return Schedule("all_reduce", "naive", p, n, (n,), tuple(rounds))
+    return CollectiveSchedule("all_reduce", "naive", p, n, (n,), tuple(rounds))
 
 
-def naive_reduce(p: int, n: int, root: int = 0) -> Schedule:
+def naive_reduce(p: int, n: int, root: int = 0) -> CollectiveSchedule:
     """Each rank sends the whole vector to ``root`` in turn: p-1 steps."""
-    return Schedule("reduce", "naive", p, n, (n,), tuple(_gather(p, root, (0,), REDUCE)),
+    return CollectiveSchedule("reduce", "naive", p, n, (n,), tuple(_gather(p, root, (0,), REDUCE)),
                     root=root)
 
 
-def naive_broadcast(p: int, n: int, root: int = 0) -> Schedule:
+def naive_broadcast(p: int, n: int, root: int = 0) -> CollectiveSchedule:
     """``root`` sends the whole vector to each rank in turn: p-1 steps, (p-1) x n out."""
-    return Schedule("broadcast", "naive", p, n, (n,),
+    return CollectiveSchedule("broadcast", "naive", p, n, (n,),
                     tuple(_scatter(p, root, lambda r: (0,))), root=root)
 
 
-def naive_reduce_scatter(p: int, n: int) -> Schedule:
+def naive_reduce_scatter(p: int, n: int) -> CollectiveSchedule:
     """Reduce the whole vector into rank 0 in turn, then rank 0 sends chunk r to rank r."""
     rounds = _gather(p, 0, range(p), REDUCE) + _scatter(p, 0, lambda r: (r,))
-    return Schedule("reduce_scatter", "naive", p, n, chunk_sizes(n, p), tuple(rounds))
+    return CollectiveSchedule("reduce_scatter", "naive", p, n, chunk_sizes(n, p), tuple(rounds))
 
 
-def naive_all_gather(p: int, n: int) -> Schedule:
+def naive_all_gather(p: int, n: int) -> CollectiveSchedule:
     """Rank 0 collects chunk r from rank r in turn, then sends the whole vector to each."""
     rounds = ([(Transfer(k, 0, k, COPY),) for k in range(1, p)]
               + _scatter(p, 0, lambda r: range(p)))
-    return Schedule("all_gather", "naive", p, n, chunk_sizes(n, p), tuple(rounds))
+    return CollectiveSchedule("all_gather", "naive", p, n, chunk_sizes(n, p), tuple(rounds))
 
 
 def _block_sizes(p: int, n: int) -> tuple[int, ...]:
@@ -58,7 +58,7 @@ def _block_sizes(p: int, n: int) -> tuple[int, ...]:
     return tuple(c[j] for _ in range(p) for j in range(p))
 
 
-def pairwise_all_to_all(p: int, n: int, algorithm: str = "pairwise") -> Schedule:
+def pairwise_all_to_all(p: int, n: int, algorithm: str = "pairwise") -> CollectiveSchedule:
     """Round k = 1..p-1: rank r sends block (r, r+k) to r+k and receives (r-k, r) from
     r-k. Each rank sends and receives once per round: p-1 steps, (p-1)/p of its input.
     Rank r's input is n elements split into p chunks; its output is p blocks of chunk r's
@@ -66,4 +66,5 @@ def pairwise_all_to_all(p: int, n: int, algorithm: str = "pairwise") -> Schedule
     direct pairwise sends ``naive``."""
     rounds = tuple(tuple(Transfer(r, (r + k) % p, r * p + (r + k) % p, COPY) for r in range(p))
                    for k in range(1, p))
-    return Schedule("all_to_all", algorithm, p, n, _block_sizes(p, n), rounds, layout="blocks")
+    return CollectiveSchedule("all_to_all", algorithm, p, n, _block_sizes(p, n), rounds,
+                              layout="blocks")

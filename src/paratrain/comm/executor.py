@@ -1,4 +1,4 @@
-"""Run a :class:`~paratrain.comm.schedule.Schedule` on a process group with isend/irecv.
+"""Run a :class:`~paratrain.comm.schedule.CollectiveSchedule` on a process group with isend/irecv.
 
 How one round runs on gloo (the default path):
 
@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from paratrain.comm.schedule import REDUCE, Schedule, chunk_sizes, offsets
+from paratrain.comm.schedule import REDUCE, CollectiveSchedule, chunk_sizes, offsets
 
 DEFAULT_PIECE_BYTES = 4 << 20  # measured: fewer, larger pieces win on a busy 2-core host
 REDUCE_OPS = ("sum", "mean", "max", "min")
@@ -90,7 +90,7 @@ class _Round:
     forward: tuple[int | None, ...] = ()
 
 
-def _place(s: Schedule, rank: int, seg: int, sending: bool) -> tuple[int, int]:
+def _place(s: CollectiveSchedule, rank: int, seg: int, sending: bool) -> tuple[int, int]:
     """(where, offset) of a segment in this rank's buffers."""
     if s.layout == "flat":
         return 0, s.seg_offsets[seg]
@@ -100,7 +100,7 @@ def _place(s: Schedule, rank: int, seg: int, sending: bool) -> tuple[int, int]:
     return 0, i * chunk_sizes(s.n, s.p)[rank]
 
 
-def _messages(s: Schedule, rank: int, transfers, sending: bool) -> list[_Msg]:
+def _messages(s: CollectiveSchedule, rank: int, transfers, sending: bool) -> list[_Msg]:
     groups: dict[tuple[int, bool], list[int]] = {}
     for t in transfers:
         groups.setdefault((t.dst if sending else t.src, t.op == REDUCE), []).append(t.seg)
@@ -127,7 +127,8 @@ def _messages(s: Schedule, rank: int, transfers, sending: bool) -> list[_Msg]:
 LATE_MIN_ELEMS = 1 << 18
 
 
-def plan(s: Schedule, rank: int, late_min_elems: int = LATE_MIN_ELEMS) -> tuple[_Round, ...]:
+def plan(s: CollectiveSchedule, rank: int, late_min_elems: int = LATE_MIN_ELEMS
+         ) -> tuple[_Round, ...]:
     """This rank's messages per round, with receive-buffer offsets (memoised).
 
     ``late_min_elems``: a copy that must wait for the previous round lands in place only
@@ -200,7 +201,7 @@ def _scratch(dtype: torch.dtype, device: torch.device, parity: int, plane: int,
     return buf
 
 
-def execute(s: Schedule, planes: list[tuple[torch.Tensor, torch.Tensor | None]], *,
+def execute(s: CollectiveSchedule, planes: list[tuple[torch.Tensor, torch.Tensor | None]], *,
             group=None, reduce_op: str = "sum", piece_bytes: int = DEFAULT_PIECE_BYTES,
             timeout_s: float = 120.0) -> ExecStats:
     """Run ``s`` on this rank's buffers; return what it did.

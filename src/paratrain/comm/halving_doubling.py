@@ -14,13 +14,14 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from paratrain.comm.schedule import COPY, REDUCE, Schedule, Transfer, chunk_sizes
+from paratrain.comm.schedule import COPY, REDUCE, CollectiveSchedule, Transfer, chunk_sizes
 
 
-def halving_doubling_all_reduce(p: int, n: int) -> Schedule:
+def halving_doubling_all_reduce(p: int, n: int) -> CollectiveSchedule:
     """See module docstring. Segments are p' chunks of the vector."""
     pp = 1 << (p.bit_length() - 1)  # largest power of two <= p
-    return Schedule("all_reduce", "halving_doubling", p, n, chunk_sizes(n, pp), _rounds(p))
+    return CollectiveSchedule("all_reduce", "halving_doubling", p, n, chunk_sizes(n, pp),
+                              _rounds(p))
 
 
 @lru_cache(maxsize=32)
@@ -66,18 +67,18 @@ def _rounds(p: int) -> tuple[tuple[Transfer, ...], ...]:
     return tuple(rounds)
 
 
-def halving_reduce_scatter(p: int, n: int) -> Schedule:
+def halving_reduce_scatter(p: int, n: int) -> CollectiveSchedule:
     """Recursive halving alone (p a power of two): rank r ends with chunk r of the sum in
     log2 p steps, sending (p-1)/p of the vector."""
     k = p.bit_length() - 1
-    return Schedule("reduce_scatter", "halving_doubling", p, n, chunk_sizes(n, p),
+    return CollectiveSchedule("reduce_scatter", "halving_doubling", p, n, chunk_sizes(n, p),
                     _rounds(p)[:k])
 
 
-def doubling_all_gather(p: int, n: int) -> Schedule:
+def doubling_all_gather(p: int, n: int) -> CollectiveSchedule:
     """Recursive doubling alone (p a power of two): log2 p steps."""
     k = p.bit_length() - 1
-    return Schedule("all_gather", "halving_doubling", p, n, chunk_sizes(n, p),
+    return CollectiveSchedule("all_gather", "halving_doubling", p, n, chunk_sizes(n, p),
                     _rounds(p)[k:])
 
 
@@ -87,7 +88,7 @@ def _relative(p: int, root: int, rounds) -> tuple[tuple[Transfer, ...], ...]:
                        for t in rnd) for rnd in rounds)
 
 
-def scatter_allgather_broadcast(p: int, n: int, root: int = 0) -> Schedule:
+def scatter_allgather_broadcast(p: int, n: int, root: int = 0) -> CollectiveSchedule:
     """Broadcast for long vectors (van de Geijn; p a power of two): the root scatters the
     chunks by recursive halving (log2 p steps), then a recursive-doubling all-gather
     (log2 p steps). The root sends 2(p-1)/p of the vector instead of log2 p vectors."""
@@ -100,10 +101,11 @@ def scatter_allgather_broadcast(p: int, n: int, root: int = 0) -> Schedule:
                              for v in range(0, p, 2 * d) for s in range(v + d, v + 2 * d)))
         d //= 2
     rounds = _relative(p, root, tuple(scatter) + _rounds(p)[k:])
-    return Schedule("broadcast", "halving_doubling", p, n, chunk_sizes(n, p), rounds, root=root)
+    return CollectiveSchedule("broadcast", "halving_doubling", p, n, chunk_sizes(n, p), rounds,
+                              root=root)
 
 
-def reduce_scatter_gather_reduce(p: int, n: int, root: int = 0) -> Schedule:
+def reduce_scatter_gather_reduce(p: int, n: int, root: int = 0) -> CollectiveSchedule:
     """Reduce for long vectors (Rabenseifner; p a power of two): recursive-halving
     reduce-scatter (log2 p steps), then a binomial gather of the reduced chunks into the
     root (log2 p steps). The root receives 2(p-1)/p of the vector."""
@@ -116,4 +118,5 @@ def reduce_scatter_gather_reduce(p: int, n: int, root: int = 0) -> Schedule:
                             for v in range(d, p, 2 * d) for s in range(v, v + d)))
         d *= 2
     rounds = _relative(p, root, _rounds(p)[:k] + tuple(gather))
-    return Schedule("reduce", "halving_doubling", p, n, chunk_sizes(n, p), rounds, root=root)
+    return CollectiveSchedule("reduce", "halving_doubling", p, n, chunk_sizes(n, p), rounds,
+                              root=root)

@@ -10,10 +10,10 @@ on the slow network. (3) A ring all-gather inside every node: g-1 steps of n/g.
 
 from __future__ import annotations
 
-from paratrain.comm.schedule import COPY, REDUCE, Schedule, Transfer, chunk_sizes
+from paratrain.comm.schedule import COPY, REDUCE, CollectiveSchedule, Transfer, chunk_sizes
 
 
-def hierarchical_all_reduce(p: int, n: int, gpus_per_node: int) -> Schedule:
+def hierarchical_all_reduce(p: int, n: int, gpus_per_node: int) -> CollectiveSchedule:
     """See module docstring. ``gpus_per_node`` >= p means one node: a plain ring."""
     g = min(p, gpus_per_node)
     if p % g:
@@ -42,4 +42,4 @@ def hierarchical_all_reduce(p: int, n: int, gpus_per_node: int) -> Schedule:
         rounds.append(tuple(
             Transfer(rank(nd, l), rank(nd, (l + 1) % g), s, COPY)
             for nd in range(k) for l in range(g) for s in local_chunk((l - step) % g)))
-    return Schedule("all_reduce", "hierarchical", p, n, chunk_sizes(n, p), tuple(rounds))
+    return CollectiveSchedule("all_reduce", "hierarchical", p, n, chunk_sizes(n, p), tuple(rounds))

@@ -64,7 +64,7 @@ class Transfer(NamedTuple):
 
 
 @dataclass(frozen=True)
-class Schedule:
+class CollectiveSchedule:
     """Rounds of transfers for one collective among ``p`` ranks (group ranks 0..p-1).
 
     ``seg_sizes[s]`` is the element count of segment ``s``; ``root`` matters for
@@ -94,7 +94,7 @@ class Schedule:
         """Offset of each segment in the rank's virtual buffer (all segments in order)."""
         return offsets(self.seg_sizes)
 
-    def validate(self) -> Schedule:
+    def validate(self) -> CollectiveSchedule:
         """Raise ValueError if a transfer is malformed; return self."""
         if self.op not in OPS:
             raise ValueError(f"op={self.op!r} is unknown; use one of {OPS}")

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from paratrain.comm.algorithms import build
-from paratrain.comm.schedule import REDUCE, Schedule, chunk_sizes, offsets
+from paratrain.comm.schedule import REDUCE, CollectiveSchedule, chunk_sizes, offsets
 
 MAX_SIM_ELEMENTS = 200_000_000
 
@@ -28,7 +28,7 @@ class SimResult:
     recv: tuple[int, ...]
 
 
-def _arrays(s: Schedule):
+def _arrays(s: CollectiveSchedule):
     if "arrays" not in s._memo:
         out = []
         for rnd in s.rounds:
@@ -44,7 +44,8 @@ def _arrays(s: Schedule):
     return s._memo["arrays"]
 
 
-def simulate(schedule: Schedule, state: np.ndarray, reduce: str = "sum") -> SimResult:
+def simulate_schedule(schedule: CollectiveSchedule, state: np.ndarray, reduce: str = "sum"
+                      ) -> SimResult:
     """Run ``schedule`` on ``state`` ([p, V], V = sum of segment sizes); return the end."""
     p, sizes = schedule.p, np.array(schedule.seg_sizes, dtype=np.int64)
     if state.shape != (p, int(sizes.sum())):
@@ -106,7 +107,7 @@ def simulate_collective(op: str, algorithm: str | None, inputs: np.ndarray, *, r
         state = np.zeros((p, p * row), dtype=np.asarray(inputs[0]).dtype)
         for r in range(p):
             state[r, r * row:(r + 1) * row] = inputs[r]
-        res = simulate(s, state, reduce)
+        res = simulate_schedule(s, state, reduce)
         offs = s.seg_offsets
         outs = [np.concatenate([res.state[r, offs[i * p + r]:offs[i * p + r] + sizes[r]]
                                 for i in range(p)]) for r in range(p)]
@@ -124,7 +125,7 @@ def simulate_collective(op: str, algorithm: str | None, inputs: np.ndarray, *, r
             state[r, r * n:(r + 1) * n] = inputs[r]
     else:
         state = np.array(inputs, copy=True)
-    res = simulate(s, state, reduce)
+    res = simulate_schedule(s, state, reduce)
     if op == "reduce_scatter":
         offs = s.seg_offsets
         return [res.state[r, offs[r]:offs[r] + s.seg_sizes[r]] for r in range(p)], res

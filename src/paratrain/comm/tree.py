@@ -13,7 +13,7 @@ climb. S + 2*depth - 1 rounds, each moving one segment (a node with two children
 
 from __future__ import annotations
 
-from paratrain.comm.schedule import COPY, REDUCE, Schedule, Transfer, chunk_sizes
+from paratrain.comm.schedule import COPY, REDUCE, CollectiveSchedule, Transfer, chunk_sizes
 
 
 def _levels(p: int) -> int:
@@ -40,23 +40,23 @@ def _binomial_bcast_rounds(p: int, root: int, segs: range) -> list[tuple[Transfe
     return rounds
 
 
-def binomial_broadcast(p: int, n: int, root: int = 0) -> Schedule:
+def binomial_broadcast(p: int, n: int, root: int = 0) -> CollectiveSchedule:
     """Whole vector down a binomial tree: ceil(log2 p) steps."""
     rounds = tuple(_binomial_bcast_rounds(p, root, range(1)))
-    return Schedule("broadcast", "tree", p, n, (n,), rounds, root=root)
+    return CollectiveSchedule("broadcast", "tree", p, n, (n,), rounds, root=root)
 
 
-def binomial_reduce(p: int, n: int, root: int = 0) -> Schedule:
+def binomial_reduce(p: int, n: int, root: int = 0) -> CollectiveSchedule:
     """Whole vector up a binomial tree into ``root``: ceil(log2 p) steps."""
     rounds = tuple(_binomial_reduce_rounds(p, root, range(1)))
-    return Schedule("reduce", "tree", p, n, (n,), rounds, root=root)
+    return CollectiveSchedule("reduce", "tree", p, n, (n,), rounds, root=root)
 
 
-def tree_all_reduce(p: int, n: int) -> Schedule:
+def tree_all_reduce(p: int, n: int) -> CollectiveSchedule:
     """Naive tree: binomial reduce to rank 0, then binomial broadcast. 2 ceil(log2 p) steps,
     each moving the whole vector (the DESIGN figure: 64 GPUs -> 12 x payload / bw)."""
     rounds = _binomial_reduce_rounds(p, 0, range(1)) + _binomial_bcast_rounds(p, 0, range(1))
-    return Schedule("all_reduce", "tree", p, n, (n,), tuple(rounds))
+    return CollectiveSchedule("all_reduce", "tree", p, n, (n,), tuple(rounds))
 
 
 def _heights(p: int) -> list[int]:
@@ -74,7 +74,7 @@ def _depths(p: int) -> list[int]:
     return d
 
 
-def pipelined_tree_all_reduce(p: int, n: int, segments: int) -> Schedule:
+def pipelined_tree_all_reduce(p: int, n: int, segments: int) -> CollectiveSchedule:
     """Double binary tree all-reduce pipelined over ``segments`` pieces.
 
     Tree A is the heap tree over ranks 0..p-1, tree B the same tree over the mirrored
@@ -85,7 +85,7 @@ def pipelined_tree_all_reduce(p: int, n: int, segments: int) -> Schedule:
     """
     sizes = chunk_sizes(n, segments)
     if p == 1:
-        return Schedule("all_reduce", "pipelined_tree", p, n, sizes, ())
+        return CollectiveSchedule("all_reduce", "pipelined_tree", p, n, sizes, ())
     h, d = _heights(p), _depths(p)
     top = h[0]
     half = (segments + 1) // 2
@@ -99,4 +99,5 @@ def pipelined_tree_all_reduce(p: int, n: int, segments: int) -> Schedule:
                 rounds[t + h[i]].append(Transfer(up, parent, s, REDUCE))
                 # down: the parent holds the final segment s from round t + top + d[parent]
                 rounds[t + top + d[i] - 1].append(Transfer(parent, up, s, COPY))
-    return Schedule("all_reduce", "pipelined_tree", p, n, sizes, tuple(tuple(r) for r in rounds))
+    return CollectiveSchedule("all_reduce", "pipelined_tree", p, n, sizes,
+                              tuple(tuple(r) for r in rounds))

@@ -46,8 +46,9 @@ import torch
 from torch import nn
 
 from paratrain.layout import pack_groups
-from paratrain.parallel.ddp_comm import GroupComm, Handle
+from paratrain.parallel.ddp_comm import GroupComm
 from paratrain.parallel.engine import CommStats
+from paratrain.parallel.handle import Handle
 
 log = logging.getLogger(__name__)
 

@@ -28,10 +28,10 @@ names preferred when present (STYLE: private or moving APIs behind one adapter).
 
 from __future__ import annotations
 
-import time
-
 import torch
 import torch.distributed as dist
+
+from paratrain.parallel.handle import Handle
 
 IMPLS = ("native", "ours")
 
@@ -48,38 +48,6 @@ def _native_all_gather(out, inp, group, async_op):
     if fn is not None:
         return fn(out, inp, group=group, async_op=async_op)
     return dist.all_gather_into_tensor(out, inp, group=group, async_op=async_op)
-
-
-class Handle:
-    """An in-flight collective: ``wait()`` blocks until its result is in place, then runs
-    the optional ``then`` callback once (e.g. copy out, free a buffer)."""
-
-    __slots__ = ("work", "then", "launched_s", "done_s", "nbytes")
-
-    def __init__(self, work=None, then=None) -> None:
-        self.work = work
-        self.then = then
-        self.launched_s = time.perf_counter()
-        self.done_s: float | None = None
-        self.nbytes = 0  # size of the buffer in flight, for memory accounting
-
-    def is_completed(self) -> bool:
-        if self.done_s is not None:
-            return True
-        if self.work is None or self.work.is_completed():
-            self.done_s = time.perf_counter()
-            return True
-        return False
-
-    def wait(self) -> None:
-        if self.work is not None:
-            self.work.wait()
-            self.work = None
-        if self.done_s is None:
-            self.done_s = time.perf_counter()
-        if self.then is not None:
-            then, self.then = self.then, None
-            then()
 
 
 class GroupComm:

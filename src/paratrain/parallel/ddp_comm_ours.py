@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from paratrain.parallel.ddp_comm import Handle
+from paratrain.parallel.handle import Handle
 
 
 class OursAdapter:
@@ -21,7 +21,7 @@ class OursAdapter:
             raise ValueError("--collectives ours needs paratrain.comm.api, which failed to "
                              f"import ({e}); use --collectives native") from e
         self.api = api
-        self.stats = api.CommStats()
+        self.stats = api.CollectiveCounts()
 
     @property
     def bytes_sent(self) -> float:

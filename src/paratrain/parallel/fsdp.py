@@ -61,7 +61,8 @@ from torch import nn
 
 from paratrain.config import TrainConfig
 from paratrain.parallel.ddp import DPCommStats, _union_inside
-from paratrain.parallel.ddp_comm import GroupComm, Handle
+from paratrain.parallel.ddp_comm import GroupComm
+from paratrain.parallel.handle import Handle
 from paratrain.parallel.zero import FlatShard, ShardedAdamW, owned_segments
 
 MAX_IN_FLIGHT = 2  # units' gradient reduce-scatters in flight at once

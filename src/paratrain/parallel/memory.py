@@ -75,36 +75,73 @@ def storage_bytes(tensors) -> int:
 
 
 class ActivationMeter:
-    """Bytes autograd saves for backward during watched forwards (peak over them)."""
+    """Bytes of the tensors autograd saves for backward: parameters and views of them
+    excluded (by type, and by storage: ZeRO's parameters are views into flat buffers),
+    each storage counted once per key. Live per key — a (micro-batch, chunk) of the
+    pipeline, or one watched forward + backward — with the peak of their sum.
 
-    def __init__(self) -> None:
-        self.peak_bytes = 0
-        self._seen: dict = {}
+    ``recording(key)`` / ``release(key)`` follow micro-batches in flight (the pipeline
+    runtime, the engines); ``watch(active)`` measures one forward + backward window;
+    ``snapshot(engine)`` records the model states for the run's memory report."""
+
+    def __init__(self, params=()) -> None:
+        self.param_ptrs = {p.untyped_storage().data_ptr() for p in params}
+        self.live: dict = {}
+        self.current = 0
+        self.peak = 0
         self.states: dict[str, int] | None = None
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.peak
+
+    @peak_bytes.setter
+    def peak_bytes(self, value: int) -> None:
+        self.peak = value
 
     def snapshot(self, engine) -> None:
         """Record the model states now (the loop calls it after the last step's gradient
         reduction, when gradients, optimizer state and buffers all exist)."""
         self.states = measure_states(engine)
 
-    def _pack(self, t: torch.Tensor):
-        # parameters and views of them (a weight's transpose) are not activations
-        if not isinstance(t, nn.Parameter) and not isinstance(t._base, nn.Parameter) \
-                and t.numel():
-            s = t.untyped_storage()
-            self._seen[(s.data_ptr(), t.device)] = s.nbytes()
-        return t
+    def recording(self, key):
+        seen: set[int] = set()
+        self.live[key] = 0
+
+        def pack(t: torch.Tensor):
+            if isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter) \
+                    or not t.numel():
+                return t
+            try:
+                ptr = t.untyped_storage().data_ptr()
+                size = t.untyped_storage().nbytes()
+            except (RuntimeError, NotImplementedError):  # no plain storage (e.g. sparse)
+                return t  # nothing to count; autograd keeps it as is
+            if ptr not in seen and ptr not in self.param_ptrs:
+                seen.add(ptr)
+                self.live[key] += size
+                self.current += size
+                self.peak = max(self.peak, self.current)
+            return t
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+
+    def release(self, key) -> None:
+        self.current -= self.live.pop(key, 0)
+
+    def reset(self) -> None:
+        """Forget what is live and the peak (engines keep one peak per step)."""
+        self.live.clear()
+        self.current = self.peak = 0
 
     @contextlib.contextmanager
     def watch(self, active: bool = True):
         if not active:
             yield
             return
-        self._seen = {}
-        with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
+        with self.recording("watch"):
             yield
-        self.peak_bytes = max(self.peak_bytes, sum(self._seen.values()))
-        self._seen = {}
+        self.release("watch")
 
 
 def measure_states(engine) -> dict[str, int]:

@@ -46,8 +46,9 @@ from torch import nn
 from paratrain.config import TrainConfig
 from paratrain.parallel.data_axis import DataAxis
 from paratrain.parallel.engine import CommStats, Engine, token_loss_sum
+from paratrain.parallel.memory import ActivationMeter
 from paratrain.parallel.mesh import Mesh
-from paratrain.parallel.pipeline.runtime import ActivationMeter, PipelineRuntime
+from paratrain.parallel.pipeline.runtime import PipelineRuntime
 from paratrain.parallel.pipeline.schedule import build_schedule
 from paratrain.parallel.pipeline.stage import build_chunks
 from paratrain.parallel.recompute import apply_recompute
@@ -77,7 +78,7 @@ class MeshEngine(Engine):
         self.plan, self.cfg, self.device = plan, cfg, device
         self.mcfg = model.cfg
         self.mesh = mesh = Mesh.from_plan(plan, device_type=device.type)
-        v = plan.virtual_stages if plan.schedule == "interleaved" else 1
+        v = plan.virtual_stages if plan.schedule == "interleaved" and plan.pp > 1 else 1
         self.pp_rank, self.tp_rank = mesh.index("pp"), mesh.index("tp")
         # 1. pipeline split; 2. tensor/sequence; 3. recompute
         chunks = build_chunks(model, plan.pp, v, self.pp_rank)

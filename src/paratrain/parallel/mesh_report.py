@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from paratrain.parallel.mesh import Mesh
-from paratrain.parallel.pipeline.schedule import bubble_formula, simulate
+from paratrain.parallel.pipeline.schedule import bubble_formula, simulate_pipeline
 from paratrain.systems.memory import block_activation_bytes
 from paratrain.systems.tp_bytes import tp_wire_bytes_per_layer
 
@@ -43,7 +43,7 @@ def model_parallel_report(engine) -> dict:
             "virtual_stages": v,
             "bubble_measured": statistics.median(bubbles[1:] or bubbles),
             "bubble_measured_per_step": bubbles,
-            "bubble_simulated": simulate(engine.schedule).bubble,
+            "bubble_simulated": simulate_pipeline(engine.schedule).bubble,
             "bubble_formula": bubble_formula(plan.schedule, plan.pp, plan.micro_batches, v),
             "runtime_overhead_s_per_action_per_rank": over,
             "timeline": [[[k, mb, c, a - t_first, b - t_first] for k, mb, c, a, b in st[-1]]

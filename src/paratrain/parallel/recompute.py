@@ -15,7 +15,7 @@ its forward collectives during backward; every tp rank reruns them in the same o
 Accounting: non-reentrant checkpoint keeps its inputs alive outside autograd's saved
 tensors, so the full-recompute wrapper passes the block input through
 :class:`_KeepInput` (identity both ways), which saves it for backward: the saved-tensor
-meter (:class:`paratrain.parallel.pipeline.runtime.ActivationMeter`) then sees exactly
+meter (:class:`paratrain.parallel.memory.ActivationMeter`) then sees exactly
 what is held.
 """
 

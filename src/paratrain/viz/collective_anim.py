@@ -1,7 +1,7 @@
 """Frames of a collective schedule: which ranks' data each rank holds, per segment, after
 every round, with that round's transfers drawn as arrows; saved as PNGs and a GIF.
 
-Drawn from the same :class:`~paratrain.comm.schedule.Schedule` the executor runs. A cell
+Drawn from the same :class:`~paratrain.comm.schedule.CollectiveSchedule` the executor runs. A cell
 (rank r, segment s) shows how many ranks' contributions r's copy of s holds: a reduce adds
 the sender's set to the receiver's, a copy replaces it. Darker = more of the sum.
 """
@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from paratrain.comm.schedule import REDUCE, Schedule
+from paratrain.comm.schedule import REDUCE, CollectiveSchedule
 
 
-def ownership(s: Schedule) -> list[list[list[frozenset]]]:
+def ownership(s: CollectiveSchedule) -> list[list[list[frozenset]]]:
     """Contribution sets per state (initial, then after each round) x rank x segment."""
     if s.op in ("all_gather", "sparse_all_gather"):
         state = [[frozenset({r}) if g == r else frozenset() for g in range(len(s.seg_sizes))]
@@ -34,7 +34,8 @@ def ownership(s: Schedule) -> list[list[list[frozenset]]]:
     return frames
 
 
-def draw(s: Schedule, out_dir: str | Path, stem: str, fps: float = 1.5) -> tuple[list[Path], Path]:
+def draw(s: CollectiveSchedule, out_dir: str | Path, stem: str, fps: float = 1.5
+         ) -> tuple[list[Path], Path]:
     """Write ``stem_stepNN.png`` per state and ``stem.gif``; return (pngs, gif)."""
     import matplotlib
 

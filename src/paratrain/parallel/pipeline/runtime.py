@@ -1,4 +1,4 @@
-"""Execute a :class:`~.schedule.Schedule` with point-to-point sends and receives.
+"""Execute a :class:`~.schedule.PipelineSchedule` with point-to-point sends and receives.
 
 Each pipeline rank walks its own action list in order:
 
@@ -47,7 +47,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from paratrain.parallel.pipeline.schedule import COMPUTE, Action, Schedule
+from paratrain.parallel.memory import ActivationMeter
+from paratrain.parallel.pipeline.schedule import COMPUTE, Action, PipelineSchedule
 
 
 # ---- zero-bubble: deferring weight gradients ---------------------------------------
@@ -112,53 +113,12 @@ class DeferWeightGrads(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-# ---- activation accounting ---------------------------------------------------------
-class ActivationMeter:
-    """Bytes of tensors autograd saves for backward (parameters excluded, each storage
-    counted once), per (micro-batch, chunk), and the peak of their sum over a step."""
-
-    def __init__(self, params) -> None:
-        # storages, not data pointers: parameters may be views into flat buffers (ZeRO)
-        self.param_ptrs = {p.untyped_storage().data_ptr() for p in params}
-        self.live: dict = {}
-        self.current = 0
-        self.peak = 0
-
-    def recording(self, key):
-        seen: set[int] = set()
-        self.live[key] = 0
-
-        def pack(t: torch.Tensor):
-            if isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter):
-                return t  # a weight (FSDP re-gathers into new storage: check the type too)
-            try:
-                ptr = t.untyped_storage().data_ptr()
-                size = t.untyped_storage().nbytes()
-            except (RuntimeError, NotImplementedError):  # no plain storage (e.g. sparse)
-                return t  # nothing to count; autograd keeps it as is
-            if ptr not in seen and ptr not in self.param_ptrs:
-                seen.add(ptr)
-                self.live[key] += size
-                self.current += size
-                self.peak = max(self.peak, self.current)
-            return t
-
-        return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
-
-    def release(self, key) -> None:
-        self.current -= self.live.pop(key, 0)
-
-    def reset(self) -> None:
-        self.live.clear()
-        self.current = self.peak = 0
-
-
 # ---- the runtime -------------------------------------------------------------------
 class PipelineRuntime:
     """Runs ``schedule`` for pipeline rank ``rank`` over ``chunks`` (one per local
     virtual stage). ``peer(r)`` maps a pipeline rank to its global rank."""
 
-    def __init__(self, chunks, schedule: Schedule, rank: int, peer: Callable[[int], int],
+    def __init__(self, chunks, schedule: PipelineSchedule, rank: int, peer: Callable[[int], int],
                  loss_fn: Callable, hidden_shape: Callable[[int], tuple], dtype: torch.dtype,
                  device: torch.device, meter: ActivationMeter, autocast: bool = False,
                  on_chunk_done: Callable[[int], None] | None = None) -> None:

@@ -1,6 +1,6 @@
 """Pipeline schedules as plain data (no torch): generated, validated, simulated, drawn.
 
-A :class:`Schedule` lists, for each pipeline rank, the ordered :class:`Action` s it runs
+A :class:`PipelineSchedule` lists, for each pipeline rank, the ordered :class:`Action` s it runs
 in one optimizer step: compute actions ``F`` (forward), ``B`` (full backward) or, for
 zero-bubble schedules, ``BI`` (input gradient) and ``BW`` (weight gradient) of
 micro-batch ``mb`` on local model chunk ``chunk``, and the point-to-point actions
@@ -68,7 +68,7 @@ class Action:
 
 
 @dataclass(frozen=True)
-class Schedule:
+class PipelineSchedule:
     name: str
     pp: int
     micro_batches: int
@@ -178,9 +178,9 @@ def _zb_h1(p: int, m: int) -> list[list[Action]]:
     return acts
 
 
-def _with_comms(name: str, p: int, m: int, v: int, compute: list[list[Action]]) -> Schedule:
+def _with_comms(name: str, p: int, m: int, v: int, compute: list[list[Action]]) -> PipelineSchedule:
     """Insert each receive just before its consumer and each send just after its producer."""
-    sched = Schedule(name, p, m, v, ())
+    sched = PipelineSchedule(name, p, m, v, ())
     last = p * v - 1
     out = []
     for r, acts in enumerate(compute):
@@ -206,10 +206,11 @@ def _with_comms(name: str, p: int, m: int, v: int, compute: list[list[Action]]) 
             else:
                 full.append(a)
         out.append(tuple(full))
-    return Schedule(name, p, m, v, tuple(out))
+    return PipelineSchedule(name, p, m, v, tuple(out))
 
 
-def build_schedule(name: str, pp: int, micro_batches: int, virtual_stages: int = 1) -> Schedule:
+def build_schedule(name: str, pp: int, micro_batches: int, virtual_stages: int = 1
+                   ) -> PipelineSchedule:
     """The schedule ``name`` for ``pp`` ranks, ``micro_batches`` and ``virtual_stages``."""
     if name not in SCHEDULES:
         raise ValueError(f"schedule={name!r} is unknown; choose one of {', '.join(SCHEDULES)}")
@@ -241,7 +242,7 @@ def _costs(kind: str, v: int, costs: dict[str, float] | None) -> float:
     return c[kind] / v
 
 
-def simulate(s: Schedule, costs: dict[str, float] | None = None) -> Timeline:
+def simulate_pipeline(s: PipelineSchedule, costs: dict[str, float] | None = None) -> Timeline:
     """Validate ``s`` and time it (F = 1, B = 2, BI = BW = 1 per full stage; a chunk costs
     1/v of that; communication free). Raises ValueError naming the first problem."""
     p, m, v, last = s.pp, s.micro_batches, s.virtual_stages, s.stages - 1
@@ -356,9 +357,9 @@ def simulate(s: Schedule, costs: dict[str, float] | None = None) -> Timeline:
     return Timeline(spans, makespan, bubble, fifo, peak)
 
 
-def validate(s: Schedule) -> Timeline:
+def validate(s: PipelineSchedule) -> Timeline:
     """Raise ValueError if ``s`` is not executable; see the module docstring."""
-    return simulate(s)
+    return simulate_pipeline(s)
 
 
 def _idle_busy(name: str, p: int, m: int, v: int) -> tuple[float, float]:
@@ -379,7 +380,7 @@ def _idle_busy(name: str, p: int, m: int, v: int) -> tuple[float, float]:
 def bubble_formula(name: str, p: int, m: int, v: int = 1) -> float:
     """Idle fraction of the step, closed form: (p-1)/(m+p-1) for GPipe and 1F1B,
     (p-1)/(vm+p-1) interleaved, (p-1)/(3m+p-1) for ZB-H1 with m >= p and
-    (2p-m-1)/(2p+2m-1) with m < p. Equals :func:`simulate`'s bubble of
+    (2p-m-1)/(2p+2m-1) with m < p. Equals :func:`simulate_pipeline`'s bubble of
     :func:`build_schedule` (``tests/test_systems_bubble.py``, every case up to 16)."""
     idle, busy = _idle_busy(name, p, m, v)
     return idle / (idle + busy)
