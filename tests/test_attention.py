@@ -25,7 +25,11 @@ from paratrain.config import ModelConfig
 from paratrain.model import Decoder
 from paratrain.parallel.memory import ActivationMeter
 from paratrain.parallel.recompute import apply_recompute
-from paratrain.systems.memory import block_activation_bytes, layer_activation_bytes
+from paratrain.systems.memory import (
+    block_activation_bytes,
+    edge_activation_bytes,
+    layer_activation_bytes,
+)
 
 CFGS = [
     ModelConfig(n_layers=2, d_model=32, n_heads=4, d_ff=64, context=16),
@@ -207,8 +211,12 @@ def test_runtime_prediction_uses_the_kernel_and_element_size():
     plan = ParallelPlan()
     for attention, kind in (("sdpa", "flash"), ("eager", "eager")):
         c = cfg.replace(attention=attention)
-        assert predicted_activations(c, plan, tcfg) == \
-            4 * c.n_layers * block_activation_bytes(c, T, attention=kind, element_bytes=8)
+        blocks = 4 * c.n_layers * block_activation_bytes(c, T, attention=kind,
+                                                         element_bytes=8)
+        # the blocks, plus the RoPE tables and what the runtime keeps outside the blocks
+        edges = c.context * c.head_dim * 8 + edge_activation_bytes(
+            c, T, 4, window_sequences=4, element_bytes=8)
+        assert predicted_activations(c, plan, tcfg) == blocks + edges
 
 
 def test_train_runs_with_eager_attention(tmp_path, text_file):

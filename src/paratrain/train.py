@@ -207,8 +207,10 @@ def train(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan | None = None
     n = max(1, len(times) - skip)
     step_s = sum(times[skip:]) / n if times else float("nan")
     comm_s = sum(comms[skip:]) / n if comms else float("nan")
-    if hasattr(engine, "activation_peak_bytes"):  # engines that meter their own (pipeline:
-        meter.peak_bytes = max(meter.peak_bytes, engine.activation_peak_bytes())  # in flight)
+    if hasattr(engine, "activation_peak_bytes"):  # engines that meter their own: theirs
+        # (the pipeline's in-flight peak; the loop's watch spans a whole pipeline step,
+        # every micro-batch at once, which is no peak the rank ever holds)
+        meter.peak_bytes = engine.activation_peak_bytes()
     summary = {
         "steps": tcfg.steps, "world_size": world, "plan": asdict(plan),
         "params": mcfg.num_params(), "tokens_per_step": tokens,

@@ -171,13 +171,16 @@ def predicted_states(mcfg: ModelConfig, plan: ParallelPlan, tcfg: TrainConfig) -
 
 def predicted_activations(mcfg: ModelConfig, plan: ParallelPlan, tcfg: TrainConfig) -> float:
     """The systems model's saved-activation bytes on the busiest rank for this run: the
-    model's kernel (sdpa is a fused kernel, priced as ``flash``) at its element size."""
+    model's kernel (sdpa is a fused kernel, priced as ``flash``) at its element size, as
+    the runtime runs it (:func:`paratrain.systems.memory.rank_activation_peaks`: blocks,
+    RoPE tables, embedding ids, final norm, head input and loss, micro-batches in flight
+    from the pipeline schedule)."""
     from paratrain.systems.memory import activation_bytes
 
     tokens = tcfg.global_batch * mcfg.context
     attention = "eager" if mcfg.attention == "eager" else "flash"
     return activation_bytes(mcfg, plan, tokens, mcfg.context, attention,
-                            ELEMENT_BYTES[tcfg.dtype])
+                            ELEMENT_BYTES[tcfg.dtype], runtime=True)
 
 
 def memory_report(engine, mcfg: ModelConfig, plan: ParallelPlan, tcfg: TrainConfig,

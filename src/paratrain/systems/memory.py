@@ -247,6 +247,108 @@ def block_activation_bytes(model: ModelConfig, seq: int, *, tp: int = 1, sp: boo
     return (norms + linear_inputs + attn + mlp) * element_bytes
 
 
+def edge_activation_bytes(model: ModelConfig, seq: int, micro_batch: int, *,
+                          window_sequences: int, tp: int = 1, sp: bool = False,
+                          first: bool = True, last: bool = True,
+                          element_bytes: float = 2.0) -> float:
+    """Bytes paratrain's runtime keeps for backward outside the blocks, for one
+    micro-batch of ``micro_batch`` sequences on a chunk that holds the embedding
+    (``first``) and/or the final norm, head and loss (``last``); each storage counted
+    once per micro-batch, as both meters count it. With s = seq, b = micro_batch,
+    h = d_model, V the vocabulary (ceil(V / t) rows on the busiest tp rank), e the
+    element size, l = max(e, 4) the loss's (the loss runs in at least float32):
+
+    ====================  =========================================  ================
+    part                  kept for backward                          bytes
+    ====================  =========================================  ================
+    embedding, tp = 1     the token ids: a view into the loader's     8 W (s + 1)
+                          (W, s + 1) window of the W sequences this
+                          rank takes per step (x and y are views)
+    embedding, tp > 1     the local ids and the outside-shard mask    9 b s
+    final norm, head      norm input, normalised, 1/rms (sp: T / t);  e b ((2 s h + s)
+                          the head's input (sp: all-gathered)         / u + s h)
+    loss, tp = 1          log-softmax output, the targets (a copy     l b s V + 8 b s
+                          if b > 1; for b = 1 a view of the window,   + l
+                          counted unless the embedding holds it),
+                          nll's scalar total weight
+    loss, tp > 1          the local softmax, local target ids, mask   l b s V / t
+                                                                      + 9 b s
+    ====================  =========================================  ================
+    """
+    m = as_shape(model)
+    s, b, h, e = seq, micro_batch, m.d_model, element_bytes
+    u = tp if sp else 1
+    window = 8.0 * window_sequences * (s + 1)
+    out = 0.0
+    if first:
+        out += window if tp == 1 else 9.0 * b * s
+    if last:
+        loss_e = max(e, 4.0)
+        out += e * b * ((2 * s * h + s) / u + s * h)
+        if tp == 1:
+            target = 8.0 * b * s if b > 1 else (0.0 if first else window)
+            out += loss_e * b * s * m.vocab_size + target + loss_e
+        else:
+            out += loss_e * b * s * -(-m.vocab_size // tp) + 9.0 * b * s
+    return out
+
+
+def rank_activation_peaks(model: ModelConfig, plan: ParallelPlan, tokens_per_step: int,
+                          seq_len: int, attention: str = "flash",
+                          element_bytes: float = 2.0) -> list[float]:
+    """Peak bytes saved for backward on each pipeline rank of paratrain's runtime, exact
+    for its own model (float32 / float64; bf16 approximately).
+
+    Each (micro-batch, chunk) keeps its blocks (:func:`block_activation_bytes`), the
+    RoPE tables (the model's (context, E/2) cos and sin buffers, shared by its layers:
+    counted once per micro-batch; under full recompute the checkpoints keep them as
+    inputs) and the terms
+    outside the blocks (:func:`edge_activation_bytes`), from its forward until its
+    backward (``B``; under zero-bubble from ``F`` to the weight pass ``BW``). The peak of
+    each rank is read off the pipeline schedule itself
+    (:func:`paratrain.parallel.pipeline.schedule.build_schedule`): the live sum after
+    each ``F`` in that rank's action order, which is what the runtime's meter records.
+    The block split is the runtime's (:func:`paratrain.systems.stages.split_layers`).
+    """
+    from paratrain.parallel.pipeline.schedule import build_schedule
+    from paratrain.systems.stages import split_layers
+
+    m = as_shape(model)
+    batch = split_batch(tokens_per_step, seq_len, plan)
+    s, b = batch.local_seq, batch.micro_batch
+    v = plan.virtual_stages if plan.schedule == "interleaved" and plan.pp > 1 else 1
+    S = plan.pp * v
+    ranges = split_layers(model, S)
+    per_block = b * block_activation_bytes(m, s, tp=plan.tp, sp=plan.sp,
+                                           recompute=plan.recompute, attention=attention,
+                                           element_bytes=element_bytes)
+    rope = m.context * m.head_dim * element_bytes  # full recompute: checkpoint inputs
+
+    def chunk_bytes(rank: int, chunk: int) -> float:
+        k = chunk * plan.pp + rank
+        n = ranges[k][1] - ranges[k][0]
+        return n * per_block + (rope if n else 0.0) + edge_activation_bytes(
+            m, s, b, window_sequences=b * plan.micro_batches, tp=plan.tp, sp=plan.sp,
+            first=k == 0, last=k == S - 1, element_bytes=element_bytes)
+
+    if plan.pp == 1:
+        return [chunk_bytes(0, 0)]
+    sched = build_schedule(plan.schedule, plan.pp, plan.micro_batches, v)
+    peaks = []
+    for r, acts in enumerate(sched.actions):
+        live: dict = {}
+        cur = peak = 0.0
+        for a in acts:
+            if a.kind == "F":
+                live[(a.mb, a.chunk)] = chunk_bytes(r, a.chunk)
+                cur += live[(a.mb, a.chunk)]
+                peak = max(peak, cur)
+            elif a.kind in ("B", "BW"):  # BI keeps them until the weight pass
+                cur -= live.pop((a.mb, a.chunk), 0.0)
+        peaks.append(peak)
+    return peaks
+
+
 def micro_batches_in_flight(schedule: str, pp: int, m: int, v: int = 1) -> float:
     """Micro-batches whose activations the first (busiest) stage holds at its peak.
 
@@ -295,11 +397,19 @@ class Memory:
 
 def activation_bytes(model: ModelConfig, plan: ParallelPlan, tokens_per_step: int,
                      seq_len: int, attention: str = "eager",
-                     element_bytes: float = 2.0) -> float:
+                     element_bytes: float = 2.0, *, runtime: bool = False) -> float:
     """Activations on the busiest GPU: per layer x layers per stage x in-flight
     micro-batches. ``attention`` defaults to Korthikanti's unfused kernel (``eager``);
-    ``paratrain plan`` passes ``flash`` unless told otherwise."""
+    ``paratrain plan`` passes ``flash`` unless told otherwise.
+
+    ``runtime=True`` (paratrain's own model as its runtime runs it): the busiest rank of
+    :func:`rank_activation_peaks` instead, which adds the terms outside the blocks
+    (embedding ids, final norm, head input, the loss's logits), the RoPE tables, the
+    runtime's block split and the micro-batches in flight read off the schedule."""
     m = as_shape(model)
+    if runtime and is_paratrain_block(m):
+        return max(rank_activation_peaks(model, plan, tokens_per_step, seq_len, attention,
+                                         element_bytes))
     batch = split_batch(tokens_per_step, seq_len, plan)
     per_layer = batch.micro_batch * block_activation_bytes(
         m, batch.local_seq, tp=plan.tp, sp=plan.sp, recompute=plan.recompute,
