@@ -5,8 +5,8 @@
 4 gloo ranks (1 thread each), tp 2 (inner) x dp 2, ZeRO-3 over dp:
 
 - ``paratrain-fsdp-tp``: ``build_engine`` with ``ParallelPlan(dp=2, tp=2, zero=3)``
-  (``--zero 0`` swaps ZeRO-3 for paratrain's bucketed all-reduce over dp, to exercise
-  the harness where ZeRO-3 does not compose with tp);
+  (``--zero 0`` swaps ZeRO-3 for paratrain's bucketed all-reduce over dp: not like for
+  like, and the summary says so);
 - ``torch-fsdp2-tp``: DTensor tensor parallelism
   (``torch.distributed.tensor.parallel.parallelize_module``) on the ``tp`` axis of
   ``init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))``, then
