@@ -23,6 +23,8 @@ TWO = {
     "cp2": (M, ParallelPlan(cp=2)),
     "cp2 all-to-all": (M, ParallelPlan(cp=2, cp_algorithm="all-to-all")),
     "cp2 gqa selective": (M_GQA, ParallelPlan(cp=2, recompute="selective")),
+    "cp2 all-to-all gqa full": (M_GQA, ParallelPlan(cp=2, cp_algorithm="all-to-all",
+                                                    recompute="full")),
 }
 FOUR = {
     "cp4": (M, ParallelPlan(cp=4)),
@@ -151,3 +153,27 @@ def test_refusals():
         ParallelPlan(cp=2, tp=2, sp=True).check_runtime(M)
     with pytest.raises(ValueError, match="cp_algorithm"):
         ParallelPlan(cp=2, cp_algorithm="p2p")
+
+
+def _bf16_worker(rank: int, world: int, data: str) -> dict:
+    cfg = TrainConfig(steps=3, global_batch=4, lr=1e-2, warmup_steps=1, eval_every=0,
+                      eval_batches=1, dtype="bfloat16", data=data)
+    out = {}
+    for algo in ("ring", "all-to-all"):
+        s = train(M_GQA, cfg, ParallelPlan(cp=2, cp_algorithm=algo, recompute="selective"),
+                  RunOptions(**QUIET))
+        out[algo] = (s["losses"], s["model_parallel"]["cp"])
+    return out
+
+
+def test_bf16_bytes_match_the_formula(text_file):
+    """Under bf16 K/V travel in bf16 and the ring's dK/dV accumulators in float32; the
+    formula knows both (and selective recompute's second forward)."""
+    ref = train(M_GQA, TrainConfig(steps=3, global_batch=4, lr=1e-2, warmup_steps=1,
+                                   eval_every=0, eval_batches=1, dtype="bfloat16",
+                                   data=text_file), None, RunOptions(**QUIET))
+    for res in spawn(_bf16_worker, 2, text_file, timeout_s=300):
+        for algo, (losses, cp) in res.items():
+            assert cp["wire_bytes_per_step"] == cp["formula_wire_bytes_per_step"], algo
+            for a, b in zip(losses, ref["losses"], strict=True):
+                assert _rel(a, b) < 2e-2, (algo, a, b)

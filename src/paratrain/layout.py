@@ -418,7 +418,8 @@ def cp_bytes_per_sequence_layer(mcfg: ModelConfig, plan: ParallelPlan, elem: int
     """(forward, backward) bytes one cp rank sends per layer and per sequence:
 
     - ring: forward, K and V blocks (T/cp tokens x kv heads/tp x head_dim) go cp-1 hops;
-      backward, K and V again cp-1 hops and their gradients cp hops (the last one home);
+      backward, K and V again cp-1 hops and their gradients cp hops (the last one home),
+      the gradients in float32 when the working dtype is 16-bit;
     - all-to-all: q, k, v to head-sharded and the output back, each sending (cp-1)/cp
       of the local tensor; backward the same four with gradients.
     """
@@ -428,7 +429,8 @@ def cp_bytes_per_sequence_layer(mcfg: ModelConfig, plan: ParallelPlan, elem: int
     L = T // N
     kv = 2 * L * (mcfg.kv_heads // plan.tp) * E * elem
     if plan.cp_algorithm == "ring":
-        return (N - 1) * kv, (N - 1) * kv + N * kv
+        acc = kv // elem * (4 if elem == 2 else elem)
+        return (N - 1) * kv, (N - 1) * kv + N * acc
     q = L * (mcfg.n_heads // plan.tp) * E * elem
     a2a = (N - 1) * (2 * q + kv) // N
     return a2a, a2a
@@ -438,7 +440,13 @@ def cp_wire_bytes(mcfg: ModelConfig, plan: ParallelPlan, elem: int, batch: int,
                   layers: int) -> int:
     """Bytes one cp rank sends for attention in one training step of ``batch`` sequences
     (all micro-batches) through ``layers`` blocks; recompute (selective or full) reruns
-    the forward's sends in backward."""
+    the forward's sends in backward, except what torch's checkpoint does not rerun."""
     fwd, bwd = cp_bytes_per_sequence_layer(mcfg, plan, elem)
-    passes = 1 if plan.recompute == "none" else 2
-    return layers * batch * (passes * fwd + bwd)
+    again = 0 if plan.recompute == "none" else fwd
+    if plan.recompute == "selective" and plan.cp_algorithm == "all-to-all" and plan.cp > 1:
+        # torch's checkpoint stops recomputing once the last saved tensor is rebuilt: the
+        # core's output all-to-all (nothing after it is saved inside the core) is not rerun
+        N = plan.cp
+        again -= (N - 1) * (mcfg.context // N) * (mcfg.n_heads // plan.tp) \
+            * mcfg.head_dim * elem // N
+    return layers * batch * (fwd + again + bwd)

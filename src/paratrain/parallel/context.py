@@ -19,8 +19,8 @@ instance, as :mod:`.recompute` does; applied before recompute, so selective reco
 reruns the CP attention, communication included):
 
 - **ring** (:class:`RingAttention`, an autograd Function, explicit matmuls + softmax):
-  the rank's K/V pair (stacked into one message, kv heads only: GQA heads are expanded
-  per block, not on the wire) travels cp-1 hops around the cp ring with
+  the rank's K/V pair (stacked into one message in the working dtype, kv heads only: GQA
+  heads are expanded per block, not on the wire) travels cp-1 hops around the cp ring with
   ``isend``/``irecv``; the next hop is posted before the current block is computed
   (overlap). Per step the schedule :func:`paratrain.layout.ring_blocks` (the same object
   the counts and tests use) lists the (query chunk, key chunk) sub-blocks: "full",
@@ -28,7 +28,7 @@ reruns the CP attention, communication included):
   Partial outputs merge by the log-sum-exp rule; q, k, v, out and lse are saved. The
   backward sends K/V around again and a dK/dV accumulator travels with each block:
   each rank adds its contribution and passes it on; after cp hops it is back with its
-  owner. dQ accumulates locally.
+  owner (in float32 under bf16, like FP32 main gradients). dQ accumulates locally.
 - **all-to-all** (Ulysses, :class:`AllToAll`): q, k, v go from sequence-sharded
   (B, T/cp, H, E) to head-sharded (B, T, H/cp, E) (the time pieces concatenated in
   rank order, then permuted to global order), the model's own causal core runs over
@@ -97,6 +97,12 @@ class CPComm:
 
 
 # ---- ring attention ------------------------------------------------------------------
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Block arithmetic, softmax statistics and the travelling dK/dV accumulators run in
+    float32 under bf16 / fp16 (K and V themselves travel in the working dtype)."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
 def _expand(x_BKLE: torch.Tensor, rep: int) -> torch.Tensor:
     return x_BKLE.repeat_interleave(rep, dim=1) if rep > 1 else x_BKLE
 
@@ -131,21 +137,20 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, comm: CPComm):
         N, i = comm.size, comm.rank
-        in_dtype = q.dtype
-        if q.dtype in (torch.float16, torch.bfloat16):  # softmax statistics in float32
-            q, k, v = q.float(), k.float(), v.float()
+        in_dtype, cdt = q.dtype, _compute_dtype(q.dtype)
         B, H, L, E = q.shape
         rep, c, scale = H // k.shape[1], L // 2, 1.0 / math.sqrt(E)
         out = [None, None]
         lse = [None, None]
-        kv = torch.stack((k, v))
+        kv = torch.stack((k, v))  # travels in the working dtype
+        q_c = q.to(cdt)
         for s, (j, blocks) in enumerate(ring_blocks(N, i)):
             pending = comm.pass_on(kv, _KV) if s < N - 1 else None
             for qc, kc, kind in blocks:
                 a, b = _slots(N, i, j, qc, kc)
-                qs = q[:, :, a * c:(a + 1) * c]
-                ks = _expand(kv[0][:, :, b * c:(b + 1) * c], rep)
-                vs = _expand(kv[1][:, :, b * c:(b + 1) * c], rep)
+                qs = q_c[:, :, a * c:(a + 1) * c]
+                ks = _expand(kv[0][:, :, b * c:(b + 1) * c].to(cdt), rep)
+                vs = _expand(kv[1][:, :, b * c:(b + 1) * c].to(cdt), rep)
                 sc = _scores(qs, ks, kind, scale)
                 m = sc.amax(-1, keepdim=True)
                 p = (sc - m).exp()
@@ -170,24 +175,25 @@ class RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         comm = ctx.comm
         N, i = comm.size, comm.rank
-        dout = dout.to(q.dtype)
+        cdt = out.dtype
+        dout, q_c = dout.to(cdt), q.to(cdt)
         B, H, L, E = q.shape
         rep, c, scale = H // k.shape[1], L // 2, 1.0 / math.sqrt(E)
         D = (dout * out).sum(-1)  # (B, H, L)
-        dq = torch.zeros_like(q)
+        dq = torch.zeros_like(q_c)
         kv = torch.stack((k, v))
         dkv = None
         sending = None
         for s, (j, blocks) in enumerate(ring_blocks(N, i)):
             pending = comm.pass_on(kv, _KV) if s < N - 1 else None
-            blk = torch.zeros_like(kv)
+            blk = torch.zeros(kv.shape, dtype=cdt, device=kv.device)  # dK/dV accumulator
             for qc, kc, kind in blocks:
                 a, b = _slots(N, i, j, qc, kc)
                 qa = slice(a * c, (a + 1) * c)
                 kb = slice(b * c, (b + 1) * c)
-                qs, dos = q[:, :, qa], dout[:, :, qa]
-                ks = _expand(kv[0][:, :, kb], rep)
-                vs = _expand(kv[1][:, :, kb], rep)
+                qs, dos = q_c[:, :, qa], dout[:, :, qa]
+                ks = _expand(kv[0][:, :, kb].to(cdt), rep)
+                vs = _expand(kv[1][:, :, kb].to(cdt), rep)
                 p = (_scores(qs, ks, kind, scale) - lse[:, :, qa, None]).exp()
                 dv = p.transpose(-2, -1) @ dos
                 ds = p * (dos @ vs.transpose(-2, -1) - D[:, :, qa, None])
