@@ -34,6 +34,8 @@ FOUR = {
     "cp2 dp2 zero1 full recompute": (M_GQA, ParallelPlan(cp=2, dp=2, zero=1,
                                                          recompute="full")),
     "cp2 tp2 all-to-all": (M, ParallelPlan(cp=2, tp=2, cp_algorithm="all-to-all")),
+    "cp2 dp2 zero2 accum2 ours": (M, ParallelPlan(cp=2, dp=2, zero=2, micro_batches=2,
+                                                  collectives="ours")),
 }
 
 
@@ -46,7 +48,8 @@ def _worker(rank: int, world: int, data: str, combos: dict) -> dict:
     out = {}
     for name, (model, plan) in combos.items():
         s = train(model, tcfg(data), plan, RunOptions(**QUIET))
-        out[name] = (s["losses"], s["val_loss"], s["model_parallel"].get("cp"))
+        out[name] = (s["losses"], s["val_loss"], s["model_parallel"].get("cp"),
+                     s["memory"]["measured_per_rank"][rank])
     return out
 
 
@@ -62,11 +65,15 @@ def _rel(a: float, b: float) -> float:
 @pytest.mark.parametrize("world,combos", [(2, TWO), (4, FOUR)], ids=["world2", "world4"])
 def test_context_parallel_reproduces_one_process(text_file, refs, world, combos):
     results = spawn(_worker, world, text_file, combos, timeout_s=600)
-    for name, (model, _) in combos.items():
+    for name, (model, plan) in combos.items():
         ref = refs[model]
         worst = 0.0
         for rank in range(world):
-            losses, val, cp = results[rank][name]
+            losses, val, cp, states = results[rank][name]
+            # parameters, gradients, optimizer state: as paratrain.layout counts them
+            # (the reducer over dp x cp)
+            want = L.state_bytes(model, plan, "float64", rank)
+            assert {k: states[k] for k in want} == want, (name, rank)
             assert len(losses) == 4
             worst = max([worst, _rel(val, ref["val_loss"]),
                          *(_rel(a, b) for a, b in zip(losses, ref["losses"], strict=True))])
