@@ -37,6 +37,23 @@ def test_coords_agree_with_the_mesh(pp, dp, tp):
         assert L.rank_of(*L.coords(r, plan), plan) == r == rank_of(c, sizes)
 
 
+@pytest.mark.parametrize(("pp", "dp", "cp", "tp"), [(1, 1, 4, 1), (1, 2, 2, 1), (2, 1, 2, 2),
+                                                    (2, 2, 2, 2), (1, 3, 2, 2)])
+def test_cp_coords_agree_with_the_mesh(pp, dp, cp, tp):
+    from paratrain.parallel.mesh import axis_ranks, coords_of, rank_of
+
+    plan = ParallelPlan(pp=pp, dp=dp, cp=cp, tp=tp)
+    sizes = {"pp": pp, "dp": dp, "cp": cp, "tp": tp}
+    for r in range(pp * dp * cp * tp):
+        c = coords_of(r, sizes)
+        assert L.mesh_coords(r, plan) == (c["pp"], c["dp"], c["cp"], c["tp"])
+        assert L.rank_of(c["pp"], c["dp"], c["tp"], plan, cp=c["cp"]) == r == rank_of(c, sizes)
+        # the reducer's view (cp folded into dp) numbers ranks the same way, and the
+        # rank's dp index there is its index in the mesh's dp x cp group
+        red = L.reducer_plan(plan)
+        assert L.coords(r, red) == (c["pp"], axis_ranks(r, "dpcp", sizes).index(r), c["tp"])
+
+
 def test_pack_matches_ddp_pack():
     import torch
 

@@ -29,20 +29,34 @@ def test_layout_arithmetic():
 
 def test_reserved_axes_are_refused():
     with pytest.raises(ValueError, match="reserved"):
-        Mesh.from_plan(ParallelPlan(cp=2), world=2)
+        Mesh.from_plan(ParallelPlan(dp=2, ep=2), world=2)
+
+
+def test_cp_sits_between_dp_and_tp():
+    sizes = {"pp": 2, "dp": 2, "cp": 2, "tp": 2}
+    for r in range(16):
+        assert rank_of(coords_of(r, sizes), sizes) == r
+    assert axis_ranks(0, "tp", sizes) == [0, 1]
+    assert axis_ranks(0, "cp", sizes) == [0, 2]
+    assert axis_ranks(0, "dp", sizes) == [0, 4]
+    assert axis_ranks(0, "pp", sizes) == [0, 8]
+    assert axis_ranks(1, "dpcp", sizes) == [1, 3, 5, 7]  # gradients reduce over dp x cp
+    assert "rank   6: pp 0  dp 1  cp 1  tp 0" in layout_table(sizes)
 
 
 def _mesh_worker(rank: int, world: int) -> dict:
     import torch.distributed as dist
 
     out = {}
-    for plan in (ParallelPlan(pp=2, tp=2), ParallelPlan(dp=2, tp=2), ParallelPlan(pp=2, dp=2)):
+    for plan in (ParallelPlan(pp=2, tp=2), ParallelPlan(dp=2, tp=2), ParallelPlan(pp=2, dp=2),
+                 ParallelPlan(dp=2, cp=2), ParallelPlan(cp=2, tp=2)):
         mesh = Mesh.from_plan(plan)
         fallback = Mesh._new_group_groups(mesh.sizes, rank)
         out[str(mesh.sizes)] = {
             "source": mesh.source,
             "groups": {a: dist.get_process_group_ranks(mesh.group(a)) for a in mesh.sizes},
             "fallback": {a: dist.get_process_group_ranks(fallback[a]) for a in mesh.sizes},
+            "dpcp": dist.get_process_group_ranks(mesh.group("dpcp")),
             "index": {a: mesh.index(a) for a in mesh.sizes},
             "layout": mesh.layout(),
         }
@@ -55,7 +69,8 @@ def test_groups_on_four_processes():
         for key, r in res.items():
             assert r["groups"] == r["fallback"]  # device_mesh == the new_group fallback
             sizes = eval(key)  # noqa: S307 - our own dict repr
-            for a in ("pp", "dp", "tp"):
+            for a in ("pp", "dp", "cp", "tp"):
                 assert r["groups"][a] == axis_ranks(rank, a, sizes)
                 assert r["index"][a] == coords_of(rank, sizes)[a]
-    print(results[0]["{'pp': 2, 'dp': 1, 'tp': 2}"]["layout"])
+            assert r["dpcp"] == axis_ranks(rank, "dpcp", sizes)
+    print(results[0]["{'pp': 2, 'dp': 1, 'cp': 1, 'tp': 2}"]["layout"])

@@ -14,7 +14,8 @@ README = (Path(__file__).parents[1] / "README.md").read_text()
 
 TRAIN_FLAGS = {
     "--attention", "--bucket-mb", "--checkpoint-dir", "--checkpoint-every", "--collectives",
-    "--compress", "--config", "--context", "--d-ff", "--d-model", "--data", "--dp", "--dtype",
+    "--compress", "--config", "--context", "--cp", "--cp-algorithm", "--d-ff", "--d-model",
+    "--data", "--dp", "--dtype",
     "--eval-every", "--global-batch", "--heads", "--kv-heads", "--layers", "--lr",
     "--micro-batches", "--nproc", "--overlap", "--pp", "--quiet", "--recompute",
     "--reduce-dtype", "--resume",

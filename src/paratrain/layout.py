@@ -6,7 +6,11 @@ and the tests count it from the configs here, and the runtime calls the pieces i
 (:func:`vocab_range` in :mod:`paratrain.parallel.tensor`, :func:`pack_groups` in
 :func:`paratrain.parallel.ddp.pack`), so the two cannot drift apart.
 
-- **Coordinates** (:func:`coords`): rank = (pp x dp + dp_i) x tp + tp_i, tp innermost.
+- **Coordinates** (:func:`coords`, :func:`mesh_coords`): rank = ((pp_i x dp + dp_i) x cp
+  + cp_i) x tp + tp_i, tp innermost, then cp, dp, pp (:mod:`paratrain.parallel.mesh`).
+- **Context parallelism** (:func:`cp_chunks`, :func:`ring_blocks`, :func:`cp_wire_bytes`):
+  which sequence pieces a cp rank holds, which attention blocks it computes at each ring
+  step, and the bytes it sends (:mod:`paratrain.parallel.context`).
 - **Chunks** (:func:`chunk_param_sizes`): pipeline rank i keeps virtual stages
   k = c x pp + i, c < v (v = ``virtual_stages`` when interleaved, else 1), blocks from
   :func:`paratrain.systems.stages.split_layers`; without a pipeline one chunk, the whole
@@ -45,14 +49,21 @@ PER_BLOCK = 9  # parameters of one block: two norms, four attention, three MLP m
 
 
 # ---- coordinates and shards -----------------------------------------------------------
+def mesh_coords(rank: int, plan: ParallelPlan) -> tuple[int, int, int, int]:
+    """(pp, dp, cp, tp) of a global rank: the runtime's pp-dp-cp-tp order, tp innermost."""
+    tp, cp, dp = plan.tp, plan.cp, plan.dp
+    return (rank // (dp * cp * tp), (rank // (cp * tp)) % dp, (rank // tp) % cp, rank % tp)
+
+
 def coords(rank: int, plan: ParallelPlan) -> tuple[int, int, int]:
-    """(pp, dp, tp) of a global rank: the runtime's pp-dp-tp order, tp innermost."""
-    return rank // (plan.dp * plan.tp), (rank // plan.tp) % plan.dp, rank % plan.tp
+    """(pp, dp, tp) of a global rank (its cp index: :func:`mesh_coords`)."""
+    pp, dp, _, tp = mesh_coords(rank, plan)
+    return pp, dp, tp
 
 
-def rank_of(pp: int, dp: int, tp: int, plan: ParallelPlan) -> int:
-    """Inverse of :func:`coords`."""
-    return (pp * plan.dp + dp) * plan.tp + tp
+def rank_of(pp: int, dp: int, tp: int, plan: ParallelPlan, cp: int = 0) -> int:
+    """Inverse of :func:`mesh_coords` (cp index 0 unless given)."""
+    return ((pp * plan.dp + dp) * plan.cp + cp) * plan.tp + tp
 
 
 def vocab_range(vocab: int, tp: int, rank: int) -> tuple[int, int]:
@@ -200,8 +211,17 @@ def topk_keep(plan: ParallelPlan, n: int) -> int:
     return max(1, n // int(plan.compress.partition(":")[2]))
 
 
+def reducer_plan(plan: ParallelPlan) -> ParallelPlan:
+    """The plan as its gradient reducer sees it: cp ranks hold the same parameters, so
+    the reducer runs on dp x cp ranks (the mesh's ``dpcp`` group). Folding cp into dp
+    keeps every global rank number (((pp x dp + d) x cp + c) x tp + t = (pp x dp cp +
+    (d cp + c)) x tp + t), and the dp index becomes the index in ``dpcp``."""
+    return plan if plan.cp == 1 else plan.replace(dp=plan.dp * plan.cp, cp=1)
+
+
 def dp_kind(plan: ParallelPlan) -> str:
     """The reducer on the plan's dp axis (:func:`paratrain.parallel.data_axis.kind_of`)."""
+    plan = reducer_plan(plan)
     if plan.dp == 1:
         return "none"
     if plan.compress is not None:
@@ -212,6 +232,7 @@ def dp_kind(plan: ParallelPlan) -> str:
 def dp_flats(mcfg: ModelConfig, plan: ParallelPlan, elem: int, rank: int) -> list[int]:
     """Unpadded element counts of the rank's flat dp buffers (buckets or units), all
     chunks in order; empty for the reducers without flat buffers."""
+    plan = reducer_plan(plan)
     kind = dp_kind(plan)
     lay = rank_layout(mcfg, plan, rank)
     if kind == "fsdp":
@@ -228,6 +249,7 @@ def state_bytes(mcfg: ModelConfig, plan: ParallelPlan, dtype: str, rank: int,
     """Bytes of parameters, gradients and optimizer state (AdamW m, v and, under mixed
     precision, the FP32 masters) on ``rank`` as the memory tracker measures them
     (distinct storages: flat buffers with their padding)."""
+    plan = reducer_plan(plan)
     w, g, m = elements(dtype, reduce_dtype)
     mixed = dtype == "bfloat16"
     lay = rank_layout(mcfg, plan, rank)
@@ -254,6 +276,7 @@ def dp_payload_bytes(mcfg: ModelConfig, plan: ParallelPlan, dtype: str, rank: in
     """Bytes this rank contributes to one dp reduction: its flat buffers with their
     padding in the reduction dtype, or under top-k its kept values and int32 indices; 0
     without a dp axis."""
+    plan = reducer_plan(plan)
     w, g, _ = elements(dtype, reduce_dtype)
     kind = dp_kind(plan)
     if kind == "none":
@@ -276,6 +299,7 @@ def dp_wire_factor(plan: ParallelPlan, micro_batches: int | None = None) -> floa
     - top-k: every rank's kept entries are all-gathered, (p-1) x payload: p;
     - no dp axis: 0.
     """
+    plan = reducer_plan(plan)
     m = plan.micro_batches if micro_batches is None else micro_batches
     kind = dp_kind(plan)
     if kind == "none":
@@ -297,6 +321,7 @@ def dp_calls(mcfg: ModelConfig, plan: ParallelPlan, dtype: str, rank: int,
              reduce_dtype: str = "bfloat16") -> list[tuple[str, float, int]]:
     """(op, full bytes, calls per step) of a rank's dp sync, one entry per flat buffer
     and op: reductions in the gradient dtype, parameter all-gathers in the working one."""
+    plan = reducer_plan(plan)
     w, g, _ = elements(dtype, reduce_dtype)
     p, kind = plan.dp, dp_kind(plan)
     m = plan.micro_batches if plan.pp == 1 else 1
@@ -319,6 +344,7 @@ def dp_calls(mcfg: ModelConfig, plan: ParallelPlan, dtype: str, rank: int,
 def dp_wire_bytes(mcfg: ModelConfig, plan: ParallelPlan, dtype: str, rank: int,
                   reduce_dtype: str = "bfloat16") -> float:
     """Bytes ``rank`` sends per steady step for its dp sync (ring collectives)."""
+    plan = reducer_plan(plan)
     p = plan.dp
     if dp_kind(plan) == "none":
         return 0.0
@@ -328,3 +354,99 @@ def dp_wire_bytes(mcfg: ModelConfig, plan: ParallelPlan, dtype: str, rank: int,
                    dp_calls(mcfg, plan, dtype, rank, reduce_dtype))
     return dp_wire_factor(plan) * (p - 1) / p * dp_payload_bytes(mcfg, plan, dtype, rank,
                                                                  reduce_dtype)
+
+
+# ---- context parallelism ----------------------------------------------------------------
+def cp_chunks(cp: int, i: int) -> tuple[int, int]:
+    """The two of the 2 cp sequence chunks cp rank ``i`` holds, in its local order:
+    i and 2cp-1-i (an early and a late one, so causal work is equal on every rank)."""
+    return i, 2 * cp - 1 - i
+
+
+def cp_positions(T: int, cp: int, i: int) -> list[int]:
+    """Global positions of cp rank ``i``'s T/cp tokens, in its local order."""
+    if T % (2 * cp):
+        raise ValueError(f"context {T} is not divisible by 2*cp={2 * cp} (the load-balanced "
+                         f"split cuts each sequence into 2*cp chunks); use a multiple of "
+                         f"{2 * cp}")
+    c = T // (2 * cp)
+    return [k * c + t for k in cp_chunks(cp, i) for t in range(c)]
+
+
+def _kind(qc: int, kc: int) -> str | None:
+    return "full" if kc < qc else "diag" if kc == qc else None
+
+
+def ring_blocks(cp: int, i: int) -> list[tuple[int, list[tuple[int, int, str]]]]:
+    """The ring schedule of cp rank ``i``, the one :class:`paratrain.parallel.context.
+    RingAttention` runs: per step s, the rank whose K/V block it holds (j = i - s mod cp)
+    and the (query chunk, key chunk, kind) sub-blocks it computes; kind "full" (every
+    key visible), "diag" (causal mask within the chunk); sub-blocks whose keys all lie
+    after the queries are skipped (not listed)."""
+    out = []
+    for s in range(cp):
+        j = (i - s) % cp
+        blocks = [(qc, kc, k) for qc in cp_chunks(cp, i) for kc in cp_chunks(cp, j)
+                  if (k := _kind(qc, kc)) is not None]
+        out.append((j, blocks))
+    return out
+
+
+def contiguous_blocks(cp: int, i: int) -> list[tuple[int, list[tuple[int, int, str]]]]:
+    """The same schedule for a contiguous split (rank i holds tokens [iT/cp, (i+1)T/cp)),
+    for comparison: one chunk per rank."""
+    out = []
+    for s in range(cp):
+        j = (i - s) % cp
+        k = _kind(i, j)
+        out.append((j, [(i, j, k)] if k else []))
+    return out
+
+
+def attention_pairs_per_rank(T: int, cp: int, balanced: bool = True) -> list[int]:
+    """(query, key) pairs each cp rank scores under the causal mask, counted from the
+    block schedule (attention FLOPs are proportional): a full c x c sub-block counts c^2,
+    a diagonal one c(c+1)/2; c = T/(2cp) balanced, T/cp contiguous."""
+    c = T // (2 * cp) if balanced else T // cp
+    sched = ring_blocks if balanced else contiguous_blocks
+    return [sum(c * c if k == "full" else c * (c + 1) // 2
+                for _, blocks in sched(cp, i) for _, _, k in blocks) for i in range(cp)]
+
+
+def cp_bytes_per_sequence_layer(mcfg: ModelConfig, plan: ParallelPlan, elem: int
+                                ) -> tuple[int, int]:
+    """(forward, backward) bytes one cp rank sends per layer and per sequence:
+
+    - ring: forward, K and V blocks (T/cp tokens x kv heads/tp x head_dim) go cp-1 hops;
+      backward, K and V again cp-1 hops and their gradients cp hops (the last one home),
+      the gradients in float32 when the working dtype is 16-bit;
+    - all-to-all: q, k, v to head-sharded and the output back, each sending (cp-1)/cp
+      of the local tensor; backward the same four with gradients.
+    """
+    N, T, E = plan.cp, mcfg.context, mcfg.head_dim
+    if N == 1:
+        return 0, 0
+    L = T // N
+    kv = 2 * L * (mcfg.kv_heads // plan.tp) * E * elem
+    if plan.cp_algorithm == "ring":
+        acc = kv // elem * (4 if elem == 2 else elem)
+        return (N - 1) * kv, (N - 1) * kv + N * acc
+    q = L * (mcfg.n_heads // plan.tp) * E * elem
+    a2a = (N - 1) * (2 * q + kv) // N
+    return a2a, a2a
+
+
+def cp_wire_bytes(mcfg: ModelConfig, plan: ParallelPlan, elem: int, batch: int,
+                  layers: int) -> int:
+    """Bytes one cp rank sends for attention in one training step of ``batch`` sequences
+    (all micro-batches) through ``layers`` blocks; recompute (selective or full) reruns
+    the forward's sends in backward, except what torch's checkpoint does not rerun."""
+    fwd, bwd = cp_bytes_per_sequence_layer(mcfg, plan, elem)
+    again = 0 if plan.recompute == "none" else fwd
+    if plan.recompute == "selective" and plan.cp_algorithm == "all-to-all" and plan.cp > 1:
+        # torch's checkpoint stops recomputing once the last saved tensor is rebuilt: the
+        # core's output all-to-all (nothing after it is saved inside the core) is not rerun
+        N = plan.cp
+        again -= (N - 1) * (mcfg.context // N) * (mcfg.n_heads // plan.tp) \
+            * mcfg.head_dim * elem // N
+    return layers * batch * (fwd + again + bwd)

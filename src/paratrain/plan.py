@@ -14,6 +14,7 @@ from paratrain.config import ModelConfig
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 RECOMPUTE = ("none", "selective", "full")
 COLLECTIVES = ("native", "ours")
+CP_ALGORITHMS = ("ring", "all-to-all")
 
 
 def _require(ok: bool, msg: str) -> None:
@@ -45,6 +46,7 @@ class ParallelPlan:
     overlap: bool = True
     compress: str | None = None  # e.g. "topk:16"
     collectives: str = "native"
+    cp_algorithm: str = "ring"  # context parallelism: "ring" (K/V pass) or "all-to-all"
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp", "cp", "ep", "micro_batches", "virtual_stages"):
@@ -65,6 +67,11 @@ class ParallelPlan:
         _require(
             self.collectives in COLLECTIVES,
             f"collectives={self.collectives!r} is unknown; choose one of {', '.join(COLLECTIVES)}",
+        )
+        _require(
+            self.cp_algorithm in CP_ALGORITHMS,
+            f"cp_algorithm={self.cp_algorithm!r} is unknown; choose one of "
+            f"{', '.join(CP_ALGORITHMS)}",
         )
         _require(self.bucket_mb > 0, f"bucket_mb={self.bucket_mb} must be positive, e.g. 25")
         _require(
@@ -126,6 +133,19 @@ class ParallelPlan:
             f"sequence parallelism needs context ({model.context}) divisible by tp "
             f"({self.tp}); choose a multiple of {self.tp}",
         )
+        if self.cp > 1:
+            _require(
+                model.context % (2 * self.cp) == 0,
+                f"context {model.context} is not divisible by 2*cp={2 * self.cp} (each "
+                f"sequence is cut into 2*cp chunks); use a multiple of {2 * self.cp}",
+            )
+            ct = self.cp * self.tp
+            _require(
+                self.cp_algorithm != "all-to-all"
+                or (model.n_heads % ct == 0 and model.kv_heads % ct == 0),
+                f"--cp-algorithm all-to-all needs n_heads ({model.n_heads}) and kv heads "
+                f"({model.kv_heads}) divisible by cp*tp={ct}; use --cp-algorithm ring",
+            )
         if self.schedule == "interleaved" and self.pp > 1:
             _require(
                 self.micro_batches % self.pp == 0,
@@ -152,9 +172,14 @@ class ParallelPlan:
             "all-gathered, not reduce-scattered); drop one",
         )
         _require(
-            self.cp == 1 and self.ep == 1,
-            f"cp={self.cp}, ep={self.ep}: context and expert parallelism are reserved mesh "
-            "axes, not implemented yet; use --cp 1 --ep 1",
+            self.ep == 1,
+            f"ep={self.ep}: expert parallelism is a reserved mesh axis, not implemented "
+            "yet; use --ep 1",
+        )
+        _require(
+            not (self.cp > 1 and self.sp),
+            f"--sp with --cp {self.cp} is not supported (sequence parallelism would cut the "
+            "cp rank's tokens again); drop --sp or use --cp 1",
         )
 
     def replace(self, **changes) -> ParallelPlan:

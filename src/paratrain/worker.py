@@ -30,6 +30,8 @@ def print_summary(s: dict, run_dir: str | None) -> None:
     t = Table(title="paratrain run", show_header=False)
     plan = s["plan"]
     layout = ", ".join(f"{k}={plan[k]}" for k in ("dp", "tp", "pp", "zero") if k in plan)
+    if plan.get("cp", 1) > 1:
+        layout += f", cp={plan['cp']} ({plan.get('cp_algorithm', 'ring')})"
     rows = [
         ("processes / plan", f"{s['world_size']} / {layout}"),
         ("parameters", f"{s['params']:,}"),

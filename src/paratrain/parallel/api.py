@@ -25,9 +25,10 @@ def build_engine(model: nn.Module, cfg: TrainConfig, plan: ParallelPlan,
     plan.check_runtime(model.cfg)
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     if simulate_workers > 1:
-        if plan.tp > 1 or plan.pp > 1 or plan.recompute != "none" or plan.compress:
+        if plan.tp > 1 or plan.pp > 1 or plan.cp > 1 or plan.recompute != "none" \
+                or plan.compress:
             raise ValueError("--simulate-workers is plain data parallelism in one process; "
-                             "drop it with --tp/--pp/--recompute/--compress")
+                             "drop it with --tp/--pp/--cp/--recompute/--compress")
         return SimulatedWorkers(model, cfg, device, simulate_workers)
     if world > 1:
         from paratrain.parallel.mesh_engine import MeshEngine

@@ -1,19 +1,26 @@
 """The device mesh: one object that owns every process group, with named axes.
 
-Rank layout (Megatron-LM, Narayanan et al. 2021, section 3.3): ``tp`` is the innermost
-axis, then ``dp``, then ``pp``, i.e.::
+Rank layout (Megatron-LM, Narayanan et al. 2021, section 3.3; Megatron's context-parallel
+order): ``tp`` is the innermost axis, then ``cp``, then ``dp``, then ``pp``, i.e.::
 
-    global_rank = (pp_index * dp + dp_index) * tp + tp_index
+    global_rank = ((pp_index * dp + dp_index) * cp + cp_index) * tp + tp_index
 
 so tensor-parallel partners are neighbouring ranks (on a GPU server: the same node, on
-NVLink, where TP's per-layer all-reduces belong), data-parallel replicas come next, and
-pipeline stages — which only exchange one activation per micro-batch — are furthest
-apart. ``cp`` and ``ep`` are reserved names: the plan may not set them above 1 yet
-(refused in :meth:`Mesh.from_plan`).
+NVLink, where TP's per-layer all-reduces belong), context-parallel partners (which pass
+K/V blocks every layer) come next, then data-parallel replicas, and pipeline stages —
+which only exchange one activation per micro-batch — are furthest apart. ``ep`` is a
+reserved name: the plan may not set it above 1 yet (refused in :meth:`Mesh.from_plan`).
+
+Besides one group per axis the mesh holds ``dpcp``: the dp x cp ranks of one (pp, tp)
+coordinate. Context-parallel ranks hold the same parameters and different pieces of
+the same sequences, so gradients are summed over dp x cp: the data-parallel reducer
+runs on ``dpcp`` (the same group as ``dp`` when cp = 1). Its rank order is the global
+order, so a rank's index in it is ``dp_index * cp + cp_index``.
 
 Groups come from ``torch.distributed.device_mesh.init_device_mesh`` with
-``mesh_dim_names=("pp", "dp", "tp")``. If that fails (an older torch, or a backend that
-cannot create sub-groups through it), we fall back to ``dist.new_group`` per axis: every
+``mesh_dim_names=("pp", "dp", "cp", "tp")`` (``dpcp`` always from ``dist.new_group``).
+If that fails (an older torch, or a backend that cannot create sub-groups through it),
+we fall back to ``dist.new_group`` per axis: every
 rank creates every group of every axis in the same order, as ``new_group`` requires,
 and keeps the ones it belongs to. Both give the same ranks per group (tested).
 
@@ -29,36 +36,63 @@ import torch.distributed as dist
 
 from paratrain.plan import ParallelPlan
 
-AXES = ("pp", "dp", "tp")  # outermost to innermost
+AXES = ("pp", "dp", "cp", "tp")  # outermost to innermost
+
+
+def _full(sizes: dict[str, int]) -> dict[str, int]:
+    """``sizes`` with a cp axis of 1 where it has none (the pre-cp three-axis dicts)."""
+    return sizes if "cp" in sizes else {**sizes, "cp": 1}
 
 
 def coords_of(rank: int, sizes: dict[str, int]) -> dict[str, int]:
-    """Axis indices of ``rank`` under the pp-dp-tp layout (tp innermost)."""
-    tp, dp = sizes["tp"], sizes["dp"]
-    return {"pp": rank // (dp * tp), "dp": (rank // tp) % dp, "tp": rank % tp}
+    """Axis indices of ``rank`` under the pp-dp-cp-tp layout (tp innermost); the keys of
+    ``sizes`` (a cp index only when ``sizes`` has a cp axis)."""
+    f = _full(sizes)
+    tp, cp, dp = f["tp"], f["cp"], f["dp"]
+    c = {"pp": rank // (dp * cp * tp), "dp": (rank // (cp * tp)) % dp,
+         "cp": (rank // tp) % cp, "tp": rank % tp}
+    return {a: c[a] for a in AXES if a in sizes}
 
 
 def rank_of(coords: dict[str, int], sizes: dict[str, int]) -> int:
     """Inverse of :func:`coords_of`."""
-    return (coords["pp"] * sizes["dp"] + coords["dp"]) * sizes["tp"] + coords["tp"]
+    f = _full(sizes)
+    return (((coords["pp"] * f["dp"] + coords["dp"]) * f["cp"] + coords.get("cp", 0))
+            * f["tp"] + coords["tp"])
 
 
 def axis_ranks(rank: int, axis: str, sizes: dict[str, int]) -> list[int]:
-    """Global ranks of the group along ``axis`` that contains ``rank``, in axis order."""
+    """Global ranks of the group along ``axis`` that contains ``rank``, in axis order;
+    ``axis="dpcp"``: the dp x cp group (dp outer, cp inner = global order)."""
     c = coords_of(rank, sizes)
+    if axis == "dpcp":
+        f = _full(sizes)
+        return [rank_of({**c, "dp": d, "cp": k}, sizes)
+                for d in range(f["dp"]) for k in range(f["cp"])]
     return [rank_of({**c, axis: i}, sizes) for i in range(sizes[axis])]
 
 
+def world_of(sizes: dict[str, int]) -> int:
+    f = _full(sizes)
+    return f["pp"] * f["dp"] * f["cp"] * f["tp"]
+
+
 def layout_table(sizes: dict[str, int]) -> str:
-    """Printable rank layout: one line per rank with its (pp, dp, tp) coordinates."""
-    world = sizes["pp"] * sizes["dp"] * sizes["tp"]
-    head = (f"mesh pp={sizes['pp']} x dp={sizes['dp']} x tp={sizes['tp']} "
-            f"({world} ranks; tp innermost, then dp, then pp)")
+    """Printable rank layout: one line per rank with its (pp, dp, [cp,] tp) coordinates
+    (the cp column only when cp > 1)."""
+    world = world_of(sizes)
+    cp = _full(sizes)["cp"]
+    mid = f" x cp={cp}" if cp > 1 else ""
+    head = (f"mesh pp={sizes['pp']} x dp={sizes['dp']}{mid} x tp={sizes['tp']} "
+            f"({world} ranks; tp innermost, then {'cp, then ' if cp > 1 else ''}dp, "
+            "then pp)")
     lines = [head]
     for r in range(world):
         c = coords_of(r, sizes)
-        lines.append(f"  rank {r:3d}: pp {c['pp']}  dp {c['dp']}  tp {c['tp']}   "
-                     f"tp group {axis_ranks(r, 'tp', sizes)}  dp group "
+        cpc = f"  cp {c['cp']}" if cp > 1 else ""
+        cpg = f"  cp group {axis_ranks(r, 'cp', sizes)}" if cp > 1 else ""
+        lines.append(f"  rank {r:3d}: pp {c['pp']}  dp {c['dp']}{cpc}  tp {c['tp']}   "
+                     f"tp group {axis_ranks(r, 'tp', sizes)}{cpg}  dp group "
                      f"{axis_ranks(r, 'dp', sizes)}  pp group {axis_ranks(r, 'pp', sizes)}")
     return "\n".join(lines)
 
@@ -76,15 +110,16 @@ class Mesh:
     def from_plan(cls, plan: ParallelPlan, world: int | None = None,
                   device_type: str = "cpu") -> Mesh:
         """Build the groups for ``plan`` (collective: every rank must call it)."""
-        if plan.cp != 1 or plan.ep != 1:
-            raise ValueError(f"cp={plan.cp}, ep={plan.ep}: context and expert parallelism "
-                             "are reserved mesh axes, not implemented yet; use cp=1 ep=1")
+        if plan.ep != 1:
+            raise ValueError(f"ep={plan.ep}: expert parallelism is a reserved mesh axis, "
+                             "not implemented yet; use ep=1")
         initialized = dist.is_available() and dist.is_initialized()
         world = world if world is not None else (dist.get_world_size() if initialized else 1)
-        sizes = {"pp": plan.pp, "dp": plan.dp, "tp": plan.tp}
-        if sizes["pp"] * sizes["dp"] * sizes["tp"] != world:
-            raise ValueError(f"pp*dp*tp = {plan.pp}*{plan.dp}*{plan.tp} != world size {world}; "
-                             "make the plan's product equal the process count")
+        sizes = {"pp": plan.pp, "dp": plan.dp, "cp": plan.cp, "tp": plan.tp}
+        if world_of(sizes) != world:
+            raise ValueError(f"pp*dp*cp*tp = {plan.pp}*{plan.dp}*{plan.cp}*{plan.tp} != "
+                             f"world size {world}; make the plan's product equal the "
+                             "process count")
         if not initialized:
             return cls(sizes, 0, {}, "none")
         rank = dist.get_rank()
@@ -92,8 +127,10 @@ class Mesh:
             groups, source = cls._device_mesh_groups(sizes, device_type), "device_mesh"
         except Exception:  # noqa: BLE001 - any failure here means: build them by hand
             groups, source = cls._new_group_groups(sizes, rank), "new_group"
+        groups["dpcp"] = groups["dp"] if plan.cp == 1 else cls._new_groups(
+            sizes, rank, ("dpcp",))["dpcp"]
         mesh = cls(sizes, rank, groups, source)
-        for axis in AXES:  # both paths must give the layout documented above
+        for axis in (*AXES, "dpcp"):  # both paths must give the layout documented above
             got = dist.get_process_group_ranks(groups[axis])
             if got != axis_ranks(rank, axis, sizes):
                 raise RuntimeError(f"{source} built {axis} group {got}, expected "
@@ -109,9 +146,14 @@ class Mesh:
 
     @staticmethod
     def _new_group_groups(sizes: dict[str, int], rank: int) -> dict[str, object]:
-        world = sizes["pp"] * sizes["dp"] * sizes["tp"]
+        return Mesh._new_groups(sizes, rank, tuple(a for a in AXES if a in sizes))
+
+    @staticmethod
+    def _new_groups(sizes: dict[str, int], rank: int, axes: tuple[str, ...]
+                    ) -> dict[str, object]:
+        world = world_of(sizes)
         mine = {}
-        for axis in AXES:
+        for axis in axes:
             seen = set()
             for r in range(world):  # same creation order on every rank
                 ranks = tuple(axis_ranks(r, axis, sizes))
@@ -125,11 +167,16 @@ class Mesh:
 
     # ---- queries ---------------------------------------------------------------------
     def size(self, axis: str) -> int:
+        if axis == "dpcp":
+            return self.sizes["dp"] * self.sizes["cp"]
         return self.sizes[axis]
 
     def index(self, axis: str) -> int:
-        """This rank's coordinate along ``axis``."""
-        return coords_of(self.rank, self.sizes)[axis]
+        """This rank's coordinate along ``axis`` (``dpcp``: dp index x cp + cp index)."""
+        c = coords_of(self.rank, self.sizes)
+        if axis == "dpcp":
+            return c["dp"] * self.sizes["cp"] + c["cp"]
+        return c[axis]
 
     def group(self, axis: str):
         """The process group along ``axis`` (None when there is one process)."""
@@ -141,7 +188,7 @@ class Mesh:
 
     @property
     def world(self) -> int:
-        return self.sizes["pp"] * self.sizes["dp"] * self.sizes["tp"]
+        return world_of(self.sizes)
 
     def layout(self) -> str:
         return layout_table(self.sizes) + f"\n  groups built by: {self.source}"

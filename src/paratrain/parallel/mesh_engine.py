@@ -8,9 +8,14 @@ Transforms are applied to the plain, identically seeded model in one documented 
    pipeline, one chunk holds the whole model;
 2. **tensor / sequence** (:mod:`.tensor`, :mod:`.sequence`): each kept chunk is sharded
    over the tp group (each rank slices its shard from the full weights);
-3. **recompute** (:mod:`.recompute`): none / selective / full per block;
-4. **data / ZeRO** (:mod:`.data_axis`): DDP buckets, ZeRO-1/2, FSDP units or top-k
-   compression over the dp group, on whatever parameters steps 1-3 left on this rank.
+3. **context** (:mod:`.context`): with cp > 1 each chunk gets the RoPE rows of this cp
+   rank's load-balanced positions and a ring / all-to-all attention core; batches are
+   cut to the rank's tokens before the first stage;
+4. **recompute** (:mod:`.recompute`): none / selective / full per block (after 3, so
+   selective recompute reruns the CP attention);
+5. **data / ZeRO** (:mod:`.data_axis`): DDP buckets, ZeRO-1/2, FSDP units or top-k
+   compression over the dp x cp group (cp ranks hold the same parameters), on whatever
+   parameters steps 1-4 left on this rank.
 
 Invariants:
 
@@ -27,7 +32,8 @@ Invariants:
   gradient: replicated norm gains on tp rank 0 only, data replicas on dp rank 0 only
   (or each dp rank's ZeRO shard), pipeline stages are disjoint; one all-reduce over
   the world.
-- ``all_sum`` counts each data replica's loss once: tp rank 0 of the last stage holds it.
+- ``all_sum`` counts each data replica's loss once: tp rank 0 of the last stage holds it
+  (every cp rank holds the partial sum over its own tokens, so all of them count).
 
 Tied embeddings with pp > 1 are refused: the tie would span two ranks (embedding on the
 first stage, head on the last) and need an extra all-reduce of the two copies' grads;
@@ -44,6 +50,7 @@ import torch.distributed as dist
 from torch import nn
 
 from paratrain.config import TrainConfig
+from paratrain.parallel.context import apply_context_parallel, cp_comm, local_tokens
 from paratrain.parallel.data_axis import DataAxis
 from paratrain.parallel.engine import CommStats, Engine, token_loss_sum
 from paratrain.parallel.memory import ActivationMeter
@@ -80,16 +87,21 @@ class MeshEngine(Engine):
         self.mesh = mesh = Mesh.from_plan(plan, device_type=device.type)
         v = plan.virtual_stages if plan.schedule == "interleaved" and plan.pp > 1 else 1
         self.pp_rank, self.tp_rank = mesh.index("pp"), mesh.index("tp")
-        # 1. pipeline split; 2. tensor/sequence; 3. recompute
+        # 1. pipeline split; 2. tensor/sequence; 3. context; 4. recompute
         chunks = build_chunks(model, plan.pp, v, self.pp_rank)
         self.tp_states = [apply_tensor_parallel(c, mesh, plan) for c in chunks]
         if plan.sp:
             sum_partial_grads_over_tp(chunks, mesh.group("tp"))
+        self.cp = None
+        if plan.cp > 1:
+            self.cp = cp_comm(mesh, plan.cp_algorithm)
+            for c in chunks:
+                apply_context_parallel(c, self.cp, self.mcfg.context)
         for c in chunks:
             apply_recompute(c.blocks, plan.recompute)
         self.model = nn.ModuleList(chunks)
-        # 4. data / ZeRO on the dp axis (mixed precision: parallel/precision.py)
-        self.data = DataAxis(chunks, mesh.group("dp"), mesh.size("dp"), plan, cfg,
+        # 5. data / ZeRO on the dp x cp group (mixed precision: parallel/precision.py)
+        self.data = DataAxis(chunks, mesh.group("dpcp"), mesh.size("dpcp"), plan, cfg,
                              self._counted)
         self.opt = self.data.opt
         self.dp_rank, self.dp_size = mesh.index("dp"), mesh.size("dp")
@@ -124,6 +136,10 @@ class MeshEngine(Engine):
             ends = (" + embedding" if k == 0 else "") + (" + norm, head" if k == S - 1 else "")
             lines.append(f"  stage {k} (pp rank {k % plan.pp}, chunk {k // plan.pp}): "
                          f"blocks [{a}, {b}){ends}")
+        if plan.cp > 1:
+            lines.append(f"  context parallel {plan.cp} ({plan.cp_algorithm}, load-balanced: "
+                         f"cp rank i holds chunks i and {2 * plan.cp - 1}-i of "
+                         f"{2 * plan.cp}); gradients reduced over dp x cp")
         lines.append(f"  tensor parallel {plan.tp}, sequence parallel {plan.sp}, "
                      f"recompute {plan.recompute}, zero {plan.zero}, "
                      f"overlap {'on' if plan.overlap else 'off'}")
@@ -134,8 +150,20 @@ class MeshEngine(Engine):
 
     # ---- pieces --------------------------------------------------------------------
     def _hidden_shape(self, b: int) -> tuple[int, int, int]:
-        T = self.mcfg.context
+        T = self.mcfg.context // self.plan.cp
         return (b, T // self.plan.tp if self.plan.sp else T, self.mcfg.d_model)
+
+    def _local(self, x_BT, y_BT):
+        """The batch on this device, cut to this cp rank's tokens; and the length the
+        chunks see (T / cp)."""
+        x_BT, y_BT = x_BT.to(self.device), y_BT.to(self.device)
+        if self.cp is None:
+            return x_BT, y_BT, x_BT.shape[1]
+        if x_BT.shape[1] != self.mcfg.context:
+            raise ValueError(f"context parallelism runs sequences of the full context "
+                             f"{self.mcfg.context}, got {x_BT.shape[1]}")
+        x_BT, y_BT = local_tokens(x_BT, self.cp), local_tokens(y_BT, self.cp)
+        return x_BT, y_BT, x_BT.shape[1]
 
     def _loss_sum(self, logits_BTv: torch.Tensor, y_BT: torch.Tensor) -> torch.Tensor:
         st = self.tp_states[-1]
@@ -146,8 +174,7 @@ class MeshEngine(Engine):
 
     # ---- forward / backward ----------------------------------------------------------
     def forward_backward(self, x_BT, y_BT, n_tokens_global: int) -> float:
-        x_BT, y_BT = x_BT.to(self.device), y_BT.to(self.device)
-        T = x_BT.shape[1]
+        x_BT, y_BT, T = self._local(x_BT, y_BT)
         self.meter.reset()
         if self.runtime is None:
             self._micro += 1
@@ -176,14 +203,17 @@ class MeshEngine(Engine):
         self.model.eval()
         counts = [(c.wire_bytes, c.payload_bytes, c.calls) for st in self.tp_states
                   for c in (st.blocks, st.edges)]  # evaluation traffic is not training's
+        cp_counts = (self.cp.wire_bytes, self.cp.calls) if self.cp else None
         try:
-            x_BT, y_BT = x_BT.to(self.device), y_BT.to(self.device)
+            x_BT, y_BT, T = self._local(x_BT, y_BT)
             if self.runtime is None:
-                logits = self.model[0](x_BT, x_BT.shape[1])
+                logits = self.model[0](x_BT, T)
                 return float(self._loss_sum(logits, y_BT))
-            return self.runtime.forward_only(x_BT, y_BT, x_BT.shape[1])
+            return self.runtime.forward_only(x_BT, y_BT, T)
         finally:
             self.model.train()
+            if self.cp is not None:
+                self.cp.wire_bytes, self.cp.calls = cp_counts
             comms = [c for st in self.tp_states for c in (st.blocks, st.edges)]
             for c, (w, p, n) in zip(comms, counts, strict=True):
                 c.wire_bytes, c.payload_bytes, c.calls = w, p, n

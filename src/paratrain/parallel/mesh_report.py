@@ -60,7 +60,7 @@ def model_parallel_report(engine) -> dict:
     b_mb = local_b // plan.micro_batches
     layers_on_rank = sum(len(c.blocks) for c in engine.model)
     per_seq = block_activation_bytes(
-        m, m.context, tp=plan.tp, sp=plan.sp, recompute=plan.recompute,
+        m, m.context // plan.cp, tp=plan.tp, sp=plan.sp, recompute=plan.recompute,
         attention="eager" if m.attention == "eager" else "flash",
         element_bytes=_elem(engine.dtype))
     from paratrain.parallel.memory import predicted_activations
@@ -88,7 +88,32 @@ def model_parallel_report(engine) -> dict:
                 b_mb, m.context, m.d_model, plan.tp,
                 _elem(engine.dtype), _elem(engine.dtype), plan.recompute),
         }
+    if engine.cp is not None:
+        out["cp"] = cp_report(engine)
     return out
+
+
+def cp_report(engine) -> dict:
+    """Bytes this rank sent for context-parallel attention per training step (evaluation
+    excluded), beside :func:`paratrain.layout.cp_wire_bytes`; the load balance of the
+    block schedule (attention pairs per cp rank, balanced vs contiguous)."""
+    from paratrain.layout import attention_pairs_per_rank, cp_wire_bytes
+
+    plan, m = engine.plan, engine.mcfg
+    steps = max(1, engine.data.steps_done or len(engine.act_peaks))
+    layers = sum(len(c.blocks) for c in engine.model)
+    batch = engine.cfg.global_batch // engine.dp_size
+    bal = attention_pairs_per_rank(m.context, plan.cp, True)
+    con = attention_pairs_per_rank(m.context, plan.cp, False)
+    return {
+        "cp": plan.cp, "algorithm": plan.cp_algorithm,
+        "wire_bytes_per_step": engine.cp.wire_bytes / steps,
+        "transfers_per_step": engine.cp.calls / steps,
+        "formula_wire_bytes_per_step": cp_wire_bytes(m, plan, _elem(engine.dtype), batch,
+                                                     layers),
+        "attention_pairs_per_rank": bal,
+        "attention_pairs_per_rank_contiguous": con,
+    }
 
 
 def format_model_parallel(rep: dict) -> str:
@@ -116,6 +141,12 @@ def format_model_parallel(rep: dict) -> str:
                      f"per micro-batch in {t['collectives_per_layer_per_microbatch']:.0f} "
                      f"collectives (formula "
                      f"{t['formula_wire_bytes_per_layer_per_microbatch'] / 1e6:.4f} MB)")
+    if "cp" in rep:
+        c = rep["cp"]
+        lines.append(f"context parallel {c['cp']} ({c['algorithm']}): "
+                     f"{c['wire_bytes_per_step'] / 1e6:.4f} MB sent per step in "
+                     f"{c['transfers_per_step']:.0f} transfers (formula "
+                     f"{c['formula_wire_bytes_per_step'] / 1e6:.4f} MB)")
     return "\n".join(lines)
 
 
@@ -125,7 +156,7 @@ def _elem(dtype: torch.dtype) -> int:
 
 def _rank_for(mesh: Mesh, pp_index: int) -> int:
     """Global rank of (pp_index, dp 0, tp 0): whose timeline represents that stage."""
-    return pp_index * mesh.size("dp") * mesh.size("tp")
+    return pp_index * mesh.size("dp") * mesh.size("cp") * mesh.size("tp")
 
 
 def _bubble(stage_spans: list[list]) -> float:

@@ -151,6 +151,10 @@ def predict(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan, world: int
                      f"{machine.other_sessions:.1f} other busy sessions "
                      f"({machine.other_threads:.1f} runnable threads): each rank gets "
                      f"{share:.2f} of a core")
+    if plan.cp > 1:
+        notes.append(f"cp={plan.cp} is not priced yet: the ring / all-to-all bytes and the "
+                     "T/cp tokens per rank are left out (issue 11; the runtime reports its "
+                     "measured bytes beside paratrain.layout.cp_wire_bytes)")
     if not machine.fitted:
         notes.append("no CPU fit: eta from the profile, fixed costs 0 (run paratrain "
                      "check-model)")
