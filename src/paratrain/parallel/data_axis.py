@@ -43,6 +43,7 @@ from paratrain.config import TrainConfig
 from paratrain.optim import build_adamw, set_lr
 from paratrain.parallel.ddp import DPCommStats, GradBuckets
 from paratrain.parallel.ddp_comm import GroupComm
+from paratrain.parallel.engine import grad_sq
 from paratrain.parallel.precision import grad_of, optimizer_tensors, reduce_dtype
 from paratrain.plan import ParallelPlan
 
@@ -185,7 +186,7 @@ class DataAxis:
             for p in self.container.parameters():
                 g = grad_of(p)
                 if g is not None and self.counted(p):
-                    sq += g.double().pow(2).sum().cpu()
+                    sq += grad_sq(g)
         return sq
 
     @torch.no_grad()

@@ -33,6 +33,12 @@ class CommStats:
     wire_bytes: float = 0.0  # bytes this rank sent (counted, or by the algorithm's formula)
 
 
+def grad_sq(g: torch.Tensor) -> torch.Tensor:
+    """||g||^2 as a float64 CPU scalar: the norm in the gradient's own dtype (as
+    ``clip_grad_norm_`` computes it, no float64 copy of the tensor), squared in float64."""
+    return torch.linalg.vector_norm(g).double().cpu() ** 2
+
+
 def token_loss_sum(logits_BTV: torch.Tensor, y_BT: torch.Tensor) -> torch.Tensor:
     """Sum (not mean) of the token cross-entropies, computed in at least float32."""
     logits = logits_BTV.flatten(0, 1)
@@ -83,7 +89,7 @@ class Engine:
     def clip_and_step(self, lr: float) -> float:
         """Clip by global gradient norm, take the AdamW step, zero grads; return the norm."""
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        sq = sum(g.double().pow(2).sum() for g in grads) if grads else torch.zeros(())
+        sq = sum(grad_sq(g) for g in grads) if grads else torch.zeros(())
         norm = float(sq) ** 0.5
         if self.cfg.grad_clip > 0:
             coef = min(1.0, self.cfg.grad_clip / (norm + 1e-6))

@@ -47,6 +47,7 @@ from paratrain.config import TrainConfig
 from paratrain.optim import set_lr
 from paratrain.parallel.ddp import DPCommStats, GradBuckets
 from paratrain.parallel.ddp_comm import GroupComm
+from paratrain.parallel.engine import grad_sq
 
 
 @dataclass
@@ -130,7 +131,7 @@ class ShardedAdamW:
         sq = torch.zeros((), dtype=torch.float64)
         for p, _, _, _, counted in self._segs:
             if counted and p.grad is not None:
-                sq += p.grad.double().pow(2).sum().cpu()
+                sq += grad_sq(p.grad)
         return sq
 
     @torch.no_grad()
