@@ -1,0 +1,192 @@
+"""Mixture of Experts and expert parallelism (issue 12).
+
+- The MoE layer: the auxiliary loss equals the Switch/GShard formula computed here
+  independently; with capacity factor 1.0 the dropped assignments are exactly those
+  over ceil(T k / E) per sequence and expert, and counted; one expert, top-1, no
+  auxiliary loss is the dense model with the same weights; exact parameter counts.
+- ``--ep``: float64, 4 steps, every step's loss within 1e-9 relative of one process
+  running the same MoE model (experts 4, top-k 2, dropless), and the MoE statistics
+  (auxiliary loss, load per expert) equal.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from paratrain.config import ModelConfig, TrainConfig
+from paratrain.distributed import spawn
+from paratrain.model import Decoder, moe_modules, set_moe_loss_scale, take_moe_stats
+from paratrain.plan import ParallelPlan
+from paratrain.train import RunOptions, train
+
+MOE = ModelConfig(n_layers=2, d_model=32, n_heads=4, d_ff=64, context=16, experts=4,
+                  top_k=2)
+QUIET = dict(quiet=True, measure_peak=False)
+
+FOUR = {
+    "ep4": ParallelPlan(dp=4, ep=4),
+    "ep2 zero1 (dp4)": ParallelPlan(dp=4, ep=2, zero=1),
+    "ep2 tp2": ParallelPlan(dp=2, tp=2, ep=2),
+    "ep2 pp2 m4": ParallelPlan(dp=2, pp=2, ep=2, micro_batches=4),
+}
+TWO = {"ep2": ParallelPlan(dp=2, ep=2)}
+
+
+def tcfg(data: str) -> TrainConfig:
+    return TrainConfig(steps=4, global_batch=8, lr=1e-2, warmup_steps=2, eval_every=0,
+                       eval_batches=1, dtype="float64", data=data)
+
+
+def _worker(rank: int, world: int, data: str, combos: dict) -> dict:
+    out = {}
+    for name, plan in combos.items():
+        s = train(MOE, tcfg(data), plan, RunOptions(**QUIET))
+        out[name] = (s["losses"], s["val_loss"], s["moe_steps"])
+    return out
+
+
+@pytest.fixture(scope="module")
+def ref(text_file):
+    return train(MOE, tcfg(text_file), None, RunOptions(**QUIET))
+
+
+@pytest.mark.parametrize("world,combos", [(2, TWO), (4, FOUR)], ids=["world2", "world4"])
+def test_expert_parallel_reproduces_one_process(text_file, ref, world, combos):
+    results = spawn(_worker, world, text_file, combos, timeout_s=600)
+    worst = {}
+    for name in combos:
+        losses, val, moe = results[0][name]
+        d = max(abs(a - b) / abs(b) for a, b in zip(losses, ref["losses"], strict=True))
+        worst[name] = d
+        print(f"{name}: 4-step max rel loss diff {d:.2e}; val {val:.12f} vs "
+              f"{ref['val_loss']:.12f}")
+        for r in results[1:]:
+            assert r[name][0] == losses, f"{name}: ranks disagree on the loss"
+        for got, want in zip(moe, ref["moe_steps"], strict=True):
+            assert got["moe_load"] == want["moe_load"], name
+            assert got["aux_loss"] == pytest.approx(want["aux_loss"], rel=1e-9), name
+    for name in combos:
+        assert worst[name] <= 1e-9, f"{name}: {worst[name]:.2e}"
+        assert results[0][name][1] == pytest.approx(ref["val_loss"], rel=1e-9), name
+
+
+def _routing(x_BTD, w_router, k):
+    """The reference router: probabilities, top-k indices, renormalised weights."""
+    p = (x_BTD @ w_router.T).softmax(-1)
+    w, i = p.topk(k, dim=-1)
+    return p, i, w / w.sum(-1, keepdim=True)
+
+
+def _expert(ex, x):
+    return ex.w_down(F.silu(ex.w_gate(x)) * ex.w_up(x))
+
+
+def test_aux_loss_and_capacity_match_the_formulas():
+    torch.manual_seed(1)
+    cfg = MOE.replace(capacity_factor=1.0, n_layers=1)
+    m = Decoder(cfg).double()
+    moe = moe_modules(m)[0]
+    B, T, E, K = 3, 16, cfg.experts, cfg.top_k
+    x = torch.randn(B, T, cfg.d_model, dtype=torch.float64)
+    y = moe(x)
+    p, idx, w = _routing(x, moe.router.weight, K)
+    # Switch / GShard per sequence: E * sum_e f_e P_e, f over the T*K assignments
+    aux = 0.0
+    for b in range(B):
+        f = torch.stack([(idx[b] == e).sum() for e in range(E)]).double() / (T * K)
+        aux += E * float((f * p[b].mean(0)).sum().detach())
+    assert moe.stats["aux_sum"] == pytest.approx(aux, rel=1e-12)
+    # capacity ceil(1.0 * T * K / E) per sequence and expert, first come first served
+    cap = math.ceil(T * K / E)
+    want = torch.zeros_like(x)
+    dropped = 0
+    for b in range(B):
+        seen = [0] * E
+        for t in range(T):
+            for j in range(K):
+                e = int(idx[b, t, j])
+                seen[e] += 1
+                if seen[e] > cap:
+                    dropped += 1
+                    continue
+                want[b, t] += w[b, t, j] * _expert(moe.experts[e], x[b, t])
+    assert dropped > 0 and moe.stats["dropped"] == dropped
+    assert int(moe.stats["load"].sum()) == B * T * K - dropped
+    torch.testing.assert_close(y, want, rtol=1e-12, atol=1e-12)
+
+
+def test_aux_loss_gradient_is_coef_times_the_mean_over_sequences():
+    torch.manual_seed(2)
+    cfg = MOE.replace(n_layers=1, aux_loss_coef=0.5)
+    m = Decoder(cfg).double()
+    moe = moe_modules(m)[0]
+    B, T = 2, 16
+    x = torch.randn(B, T, cfg.d_model, dtype=torch.float64)
+    n = B * T
+    set_moe_loss_scale(m, 1.0 / n)
+    moe(x).sum().backward()
+    g_auto = moe.router.weight.grad.clone()
+    moe.router.weight.grad = None
+    set_moe_loss_scale(m, None)
+    y = moe(x)
+    p, idx, _ = _routing(x, moe.router.weight, cfg.top_k)
+    f = F.one_hot(idx.view(B, -1), cfg.experts).sum(1).double() / (T * cfg.top_k)
+    aux = cfg.experts * (f * p.mean(1)).sum()
+    (y.sum() + 0.5 * T * aux / n).backward()
+    torch.testing.assert_close(g_auto, moe.router.weight.grad, rtol=1e-12, atol=1e-15)
+
+
+def test_one_expert_top1_is_the_dense_model():
+    dense_cfg = ModelConfig(n_layers=2, d_model=32, n_heads=4, d_ff=64, context=16)
+    torch.manual_seed(3)
+    dense = Decoder(dense_cfg).double()
+    moe = Decoder(dense_cfg.replace(experts=1, top_k=1, aux_loss_coef=0.0)).double()
+    state = {k.replace(".mlp.", ".mlp.experts.0."): v for k, v in dense.state_dict().items()}
+    state.update({k: v for k, v in moe.state_dict().items() if "router" in k})
+    moe.load_state_dict(state)
+    x = torch.randint(0, 256, (2, 16))
+    set_moe_loss_scale(moe, 1.0 / 32)
+    a, b = dense(x), moe(x)
+    assert torch.equal(a, b)
+    a.square().sum().backward()
+    b.square().sum().backward()
+    gm = dict(moe.named_parameters())
+    for k, p in dense.named_parameters():
+        assert torch.equal(p.grad, gm[k.replace(".mlp.", ".mlp.experts.0.")].grad), k
+    assert take_moe_stats(moe, 1)[2] == 2 * 32  # two layers, every token to expert 0
+
+
+def test_exact_parameter_counts_total_and_active():
+    cfg = MOE.replace(shared_experts=1, moe_ffn=48, moe_every=2)
+    m = Decoder(cfg)
+    assert sum(p.numel() for p in m.parameters()) == cfg.num_params()
+    d, f = cfg.d_model, 48
+    assert cfg.num_params() - cfg.active_params() == (cfg.experts - cfg.top_k) * 3 * d * f
+    dense = ModelConfig(n_layers=2, d_model=32, n_heads=4, d_ff=64, context=16)
+    assert dense.active_params() == dense.num_params()
+    assert dense.flops_per_token() == 6.0 * dense.num_params() + 12.0 * 2 * 4 * 8 * 16
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(experts=-1), "experts=-1"), (dict(experts=4, top_k=5), "top_k=5"),
+    (dict(experts=4, moe_every=3), "moe_every=3"),
+    (dict(experts=4, capacity_factor=-1.0), "capacity_factor"),
+])
+def test_bad_moe_settings_are_one_line(bad, match):
+    with pytest.raises(ValueError, match=match):
+        ModelConfig(n_layers=2, **bad)
+
+
+def test_plans_refused_with_ep():
+    with pytest.raises(ValueError, match="needs a Mixture-of-Experts"):
+        ParallelPlan(dp=2, ep=2).check_runtime(ModelConfig())
+    with pytest.raises(ValueError, match="--zero 0 or 1"):
+        ParallelPlan(dp=2, ep=2, zero=3).check_runtime(MOE)
+    with pytest.raises(ValueError, match="does not divide experts"):
+        ParallelPlan(dp=3, ep=3).check(MOE)
+    with pytest.raises(ValueError, match="--cp"):
+        ParallelPlan(dp=1, cp=2).check_runtime(MOE)
