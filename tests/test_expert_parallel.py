@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from paratrain.config import ModelConfig, TrainConfig
 from paratrain.distributed import spawn
+from paratrain.layout import state_bytes
 from paratrain.model import Decoder, moe_modules, set_moe_loss_scale, take_moe_stats
 from paratrain.plan import ParallelPlan
 from paratrain.train import RunOptions, train
@@ -33,7 +34,8 @@ FOUR = {
     "ep2 tp2": ParallelPlan(dp=2, tp=2, ep=2),
     "ep2 pp2 m4": ParallelPlan(dp=2, pp=2, ep=2, micro_batches=4),
 }
-TWO = {"ep2": ParallelPlan(dp=2, ep=2)}
+TWO = {"ep2": ParallelPlan(dp=2, ep=2),
+       "moe dp2 zero3 (ep 1)": ParallelPlan(dp=2, zero=3)}
 
 
 def tcfg(data: str) -> TrainConfig:
@@ -45,7 +47,8 @@ def _worker(rank: int, world: int, data: str, combos: dict) -> dict:
     out = {}
     for name, plan in combos.items():
         s = train(MOE, tcfg(data), plan, RunOptions(**QUIET))
-        out[name] = (s["losses"], s["val_loss"], s["moe_steps"])
+        out[name] = (s["losses"], s["val_loss"], s["moe_steps"],
+                     s["memory"]["measured_per_rank"])
     return out
 
 
@@ -59,7 +62,7 @@ def test_expert_parallel_reproduces_one_process(text_file, ref, world, combos):
     results = spawn(_worker, world, text_file, combos, timeout_s=600)
     worst = {}
     for name in combos:
-        losses, val, moe = results[0][name]
+        losses, val, moe, states = results[0][name]
         d = max(abs(a - b) / abs(b) for a, b in zip(losses, ref["losses"], strict=True))
         worst[name] = d
         print(f"{name}: 4-step max rel loss diff {d:.2e}; val {val:.12f} vs "
@@ -69,6 +72,12 @@ def test_expert_parallel_reproduces_one_process(text_file, ref, world, combos):
         for got, want in zip(moe, ref["moe_steps"], strict=True):
             assert got["moe_load"] == want["moe_load"], name
             assert got["aux_loss"] == pytest.approx(want["aux_loss"], rel=1e-9), name
+            assert got["moe_dropped"] == 0
+            assert ("ep_wire_bytes" in got) == (combos[name].ep > 1)
+            assert got.get("ep_wire_bytes", 1) > 0
+        for r in range(world):  # model states per rank: paratrain.layout's exact count
+            want = state_bytes(MOE, combos[name], "float64", r)
+            assert {k: states[r][k] for k in want} == want, (name, r)
     for name in combos:
         assert worst[name] <= 1e-9, f"{name}: {worst[name]:.2e}"
         assert results[0][name][1] == pytest.approx(ref["val_loss"], rel=1e-9), name

@@ -209,11 +209,11 @@ def train(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan | None = None
                "cpu_s": time.process_time() - c0}
         if moe is not None:
             moe_steps.append(moe_record(moe, mcfg, tcfg.global_batch))
-            rec.update(moe_steps[-1])
             ex = getattr(engine, "ep", None)
-            if ex is not None:  # this rank's token all-to-all bytes (fwd + bwd)
-                rec["ep_wire_bytes"] = ex.wire_bytes - ep_mark
+            if ex is not None:  # rank 0's token all-to-all bytes (fwd + bwd, with splits)
+                moe_steps[-1]["ep_wire_bytes"] = ex.wire_bytes - ep_mark
                 ep_mark = ex.wire_bytes
+            rec.update(moe_steps[-1])
         last = step == end - 1
         if (tcfg.eval_every and (step + 1) % tcfg.eval_every == 0) or last:
             val_loss = evaluate(engine, corpus, tcfg, mcfg.context)
