@@ -16,7 +16,10 @@ and the tests count it from the configs here, and the runtime calls the pieces i
   :func:`paratrain.systems.stages.split_layers`; without a pipeline one chunk, the whole
   model. Parameters in registration order: tok_emb (first stage), per block
   [attn_norm, wq, wk, wv, wo, mlp_norm, w_gate, w_up, w_down], norm and head (last);
-  a tied head (pp = 1 only) is the embedding's parameter, counted once.
+  a tied head (pp = 1 only) is the embedding's parameter, counted once. An MoE block's
+  MLP is [router, this ep rank's E/ep experts x (gate, up, down), shared (gate, up,
+  down)], not tp-sharded (:func:`block_param_sizes`); with ep > 1 a rank has two
+  reducers, dense over dp and experts over dp / ep ranks (:func:`reducers`).
 - **Tensor shards**: heads and d_ff split t ways; vocabulary rows ceil(V/t) per rank,
   the last rank fewer (:func:`vocab_range`); norm gains replicated.
 - **The dp reducer** (:func:`dp_kind`, as :func:`paratrain.parallel.data_axis.kind_of`):

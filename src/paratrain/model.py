@@ -138,12 +138,12 @@ class _AuxGrad(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, y, aux, scale: float):
-        ctx.scale = scale
+        ctx.scale, ctx.aux_dtype = scale, aux.dtype
         return y.view_as(y)
 
     @staticmethod
     def backward(ctx, g):
-        return g, torch.full((), ctx.scale, dtype=g.dtype, device=g.device), None
+        return g, torch.full((), ctx.scale, dtype=ctx.aux_dtype, device=g.device), None
 
 
 def sort_assignments(idx_NK: torch.Tensor, w_NK: torch.Tensor, keep_NK, experts: int):

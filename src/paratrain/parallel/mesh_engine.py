@@ -15,7 +15,9 @@ Transforms are applied to the plain, identically seeded model in one documented 
    selective recompute reruns the CP attention);
 5. **data / ZeRO** (:mod:`.data_axis`): DDP buckets, ZeRO-1/2, FSDP units or top-k
    compression over the dp x cp group (cp ranks hold the same parameters), on whatever
-   parameters steps 1-4 left on this rank.
+   parameters steps 1-4 left on this rank. With ep > 1 (:mod:`.expert`) each MoE layer
+   first keeps this ep rank's experts and routes through an all-to-all exchange; then two
+   reducers: dense parameters over dp, expert parameters over edp (dp / ep ranks).
 
 Invariants:
 
