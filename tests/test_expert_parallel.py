@@ -30,11 +30,13 @@ QUIET = dict(quiet=True, measure_peak=False)
 
 FOUR = {
     "ep4": ParallelPlan(dp=4, ep=4),
+    "ep4 ours accum2": ParallelPlan(dp=4, ep=4, collectives="ours", micro_batches=2),
     "ep2 zero1 (dp4)": ParallelPlan(dp=4, ep=2, zero=1),
     "ep2 tp2": ParallelPlan(dp=2, tp=2, ep=2),
     "ep2 pp2 m4": ParallelPlan(dp=2, pp=2, ep=2, micro_batches=4),
 }
 TWO = {"ep2": ParallelPlan(dp=2, ep=2),
+       "ep2 ours": ParallelPlan(dp=2, ep=2, collectives="ours"),
        "moe dp2 zero3 (ep 1)": ParallelPlan(dp=2, zero=3)}
 
 

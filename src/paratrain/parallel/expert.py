@@ -19,8 +19,9 @@ Both all-to-alls are one autograd function whose backward is the reverse all-to-
 the gradient (:class:`_AllToAll`). Under TP the experts are replicated over the tp ranks
 (:func:`paratrain.parallel.tensor.shard_block` leaves an MoE MLP whole): each tp rank of
 an ep group routes identical tokens and runs the same exchange with its own tp index's
-ep group. The token all-to-all is always torch's (``--collectives ours`` applies to the
-gradient reducers only).
+ep group. The all-to-all is torch's ``all_to_all_single``, or with ``--collectives
+ours`` paratrain's pairwise exchange (p - 1 rounds of isend / irecv,
+:meth:`ExpertExchange._pairwise`); both send the same bytes.
 
 Gradients: dense parameters are reduced over dp (the usual :class:`.data_axis.DataAxis`),
 expert parameters (tagged ``expert = True``) by a second DataAxis over the ``edp`` group
@@ -60,16 +61,45 @@ class ExpertExchange:
     """The token dispatch and combine of every MoE layer of this rank (see the module
     docstring); counts the bytes it sends to other ranks."""
 
-    def __init__(self, group, size: int, rank: int, experts: int) -> None:
+    def __init__(self, group, size: int, rank: int, experts: int,
+                 collectives: str = "native") -> None:
         self.group, self.size, self.rank, self.experts = group, size, rank, experts
         self.local = experts // size
+        self.ours = collectives == "ours"
+        self.peers = [dist.get_global_rank(group, i) for i in range(size)] if self.ours \
+            else []
         self.wire_bytes = 0  # rows (and split sizes) sent to other ranks, fwd + bwd
         self.calls = 0
+
+    def _pairwise(self, out: torch.Tensor, x: torch.Tensor, out_splits: list[int],
+                  in_splits: list[int]) -> None:
+        """paratrain's all-to-all (``--collectives ours``): p - 1 rounds; in round s
+        rank r sends its piece for r + s and receives the piece of r - s (mod p), with
+        isend / irecv; empty pieces are not sent (both ends know the sizes)."""
+        p, r = self.size, self.rank
+        o_in = [sum(in_splits[:i]) for i in range(p)]
+        o_out = [sum(out_splits[:i]) for i in range(p)]
+        out[o_out[r]:o_out[r] + out_splits[r]] = x[o_in[r]:o_in[r] + in_splits[r]]
+        for step in range(1, p):
+            dst, src = (r + step) % p, (r - step) % p
+            works = []
+            if in_splits[dst]:
+                works.append(dist.isend(x[o_in[dst]:o_in[dst] + in_splits[dst]].contiguous(),
+                                        dst=self.peers[dst], group=self.group))
+            if out_splits[src]:
+                buf = out[o_out[src]:o_out[src] + out_splits[src]]
+                works.append(dist.irecv(buf, src=self.peers[src], group=self.group))
+            for w in works:
+                w.wait()
 
     def all_to_all(self, x: torch.Tensor, out_splits: list[int], in_splits: list[int]
                    ) -> torch.Tensor:
         out = x.new_empty((sum(out_splits), *x.shape[1:]))
-        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=self.group)
+        if self.ours:
+            self._pairwise(out, x.contiguous(), out_splits, in_splits)
+        else:
+            dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits,
+                                   group=self.group)
         row = math.prod(x.shape[1:]) * x.element_size()
         self.wire_bytes += (sum(in_splits) - in_splits[self.rank]) * row
         self.calls += 1
@@ -80,7 +110,10 @@ class ExpertExchange:
         ep, El = self.size, self.local
         send = counts_E.view(ep, El).contiguous()  # row r: my rows for rank r's experts
         recv = torch.empty_like(send)  # row r: rank r's rows for my experts
-        dist.all_to_all_single(recv, send, group=self.group)
+        if self.ours:
+            self._pairwise(recv, send, [1] * ep, [1] * ep)
+        else:
+            dist.all_to_all_single(recv, send, group=self.group)
         self.wire_bytes += (ep - 1) * El * send.element_size()
         in_splits, out_splits = send.sum(1).tolist(), recv.sum(1).tolist()
         x_RD = _AllToAll.apply(x_SD, out_splits, in_splits, self)
@@ -96,13 +129,14 @@ def is_expert(p: nn.Parameter) -> bool:
     return getattr(p, "expert", False)
 
 
-def apply_expert_parallel(chunks: list[nn.Module], mesh) -> ExpertExchange:
+def apply_expert_parallel(chunks: list[nn.Module], mesh, collectives: str = "native"
+                          ) -> ExpertExchange:
     """Keep this ep rank's experts in every MoE layer of ``chunks``, tag their
     parameters ``expert``, and route through one :class:`ExpertExchange`."""
     ep, j = mesh.size("ep"), mesh.index("ep")
     mods = [m for c in chunks for m in moe_modules(c)]
     E = mods[0].num_experts if mods else ep
-    ex = ExpertExchange(mesh.group("ep"), ep, j, E)
+    ex = ExpertExchange(mesh.group("ep"), ep, j, E, collectives)
     lo, hi = j * ex.local, (j + 1) * ex.local
     for m in mods:
         m.experts = nn.ModuleList(list(m.experts)[lo:hi])

@@ -110,7 +110,7 @@ class MeshEngine(Engine):
             from paratrain.parallel import expert
 
 
-            self.ep = expert.apply_expert_parallel(chunks, mesh)
+            self.ep = expert.apply_expert_parallel(chunks, mesh, plan.collectives)
             self.data = expert.SplitDataAxis(
                 DataAxis(chunks, mesh.group("dpcp"), mesh.size("dpcp"), plan, cfg,
                          self._counted, select=lambda p: not expert.is_expert(p)),
