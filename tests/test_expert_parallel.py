@@ -201,3 +201,44 @@ def test_plans_refused_with_ep():
         ParallelPlan(dp=3, ep=3).check(MOE)
     with pytest.raises(ValueError, match="--cp"):
         ParallelPlan(dp=1, cp=2).check_runtime(MOE)
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--ep", "2", "--nproc", "2"], "needs a Mixture-of-Experts model"),
+    (["--experts", "4", "--ep", "2", "--nproc", "2", "--zero", "2"], "--zero 0 or 1"),
+    (["--experts", "3", "--ep", "2", "--nproc", "2"], "does not divide experts=3"),
+    (["--experts", "4", "--ep", "3", "--nproc", "2"], "ep=3 must divide dp=2"),
+    (["--experts", "4", "--top-k", "5"], "top_k=5"),
+    (["--experts", "4", "--cp", "2", "--nproc", "2"], "MoE with --cp or --sp"),
+    (["--experts", "4", "--capacity-factor", "-1"], "capacity_factor=-1.0"),
+])
+def test_bad_moe_flags_are_one_line_and_exit_2(capsys, args, fragment):
+    from paratrain.cli import main
+
+    code = main(["train", "--layers", "2", "--d-model", "32", "--heads", "4", "--context",
+                 "16", "--global-batch", "8", "--steps", "1", *args])
+    err = capsys.readouterr().err.strip()
+    assert code == 2
+    assert fragment in err and len(err.splitlines()) == 1, err
+
+
+def test_cli_ep_run_logs_expert_load(text_file, tmp_path):
+    """The same command from the CLI (torchrun): the mesh line and per-step MoE records."""
+    import json
+    import subprocess
+    import sys
+
+    run = tmp_path / "run"
+    r = subprocess.run(
+        [sys.executable, "-m", "paratrain.cli", "train", "--nproc", "2", "--ep", "2",
+         "--experts", "4", "--top-k", "2", "--dtype", "float64", "--layers", "2",
+         "--d-model", "32", "--heads", "4", "--d-ff", "64", "--context", "16",
+         "--global-batch", "8", "--steps", "2", "--eval-every", "0", "--data", text_file,
+         "--run-dir", str(run)], capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "expert parallel 2: ep rank 0 holds experts [0, 2) of 4" in r.stdout
+    recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    for rec in recs:
+        assert sum(rec["moe_load"]) == 8 * 16 * 2 * 2  # tokens x top-k x MoE layers
+        assert rec["moe_tokens_mean"] == 128 and rec["moe_tokens_max"] >= 128
+        assert rec["ep_wire_bytes"] > 0 and rec["aux_loss"] > 0
