@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from paratrain.config import ModelConfig, TrainConfig
 from paratrain.distributed import spawn
-from paratrain.layout import state_bytes
+from paratrain.layout import dp_wire_bytes, state_bytes
 from paratrain.model import Decoder, moe_modules, set_moe_loss_scale, take_moe_stats
 from paratrain.plan import ParallelPlan
 from paratrain.train import RunOptions, train
@@ -33,6 +33,7 @@ FOUR = {
     "ep4 ours accum2": ParallelPlan(dp=4, ep=4, collectives="ours", micro_batches=2),
     "ep2 zero1 (dp4)": ParallelPlan(dp=4, ep=2, zero=1),
     "ep2 tp2": ParallelPlan(dp=2, tp=2, ep=2),
+    "ep2 zero2 accum2 (dp4)": ParallelPlan(dp=4, ep=2, zero=2, micro_batches=2),
     "ep2 pp2 m4": ParallelPlan(dp=2, pp=2, ep=2, micro_batches=4),
 }
 TWO = {"ep2": ParallelPlan(dp=2, ep=2),
@@ -50,7 +51,8 @@ def _worker(rank: int, world: int, data: str, combos: dict) -> dict:
     for name, plan in combos.items():
         s = train(MOE, tcfg(data), plan, RunOptions(**QUIET))
         out[name] = (s["losses"], s["val_loss"], s["moe_steps"],
-                     s["memory"]["measured_per_rank"])
+                     s["memory"]["measured_per_rank"],
+                     (s["wire_bytes_per_step"], dp_wire_bytes(MOE, plan, "float64", rank)))
     return out
 
 
@@ -64,7 +66,9 @@ def test_expert_parallel_reproduces_one_process(text_file, ref, world, combos):
     results = spawn(_worker, world, text_file, combos, timeout_s=600)
     worst = {}
     for name in combos:
-        losses, val, moe, states = results[0][name]
+        losses, val, moe, states, _ = results[0][name]
+        for r, res in enumerate(results):  # dp sync bytes (both reducers): the formula's
+            assert res[name][4][0] == pytest.approx(res[name][4][1], rel=1e-12), (name, r)
         d = max(abs(a - b) / abs(b) for a, b in zip(losses, ref["losses"], strict=True))
         worst[name] = d
         print(f"{name}: 4-step max rel loss diff {d:.2e}; val {val:.12f} vs "
@@ -195,7 +199,7 @@ def test_bad_moe_settings_are_one_line(bad, match):
 def test_plans_refused_with_ep():
     with pytest.raises(ValueError, match="needs a Mixture-of-Experts"):
         ParallelPlan(dp=2, ep=2).check_runtime(ModelConfig())
-    with pytest.raises(ValueError, match="--zero 0 or 1"):
+    with pytest.raises(ValueError, match="--zero 0, 1 or 2"):
         ParallelPlan(dp=2, ep=2, zero=3).check_runtime(MOE)
     with pytest.raises(ValueError, match="does not divide experts"):
         ParallelPlan(dp=3, ep=3).check(MOE)
@@ -205,7 +209,7 @@ def test_plans_refused_with_ep():
 
 @pytest.mark.parametrize("args, fragment", [
     (["--ep", "2", "--nproc", "2"], "needs a Mixture-of-Experts model"),
-    (["--experts", "4", "--ep", "2", "--nproc", "2", "--zero", "2"], "--zero 0 or 1"),
+    (["--experts", "4", "--ep", "2", "--nproc", "2", "--zero", "3"], "--zero 0, 1 or 2"),
     (["--experts", "3", "--ep", "2", "--nproc", "2"], "does not divide experts=3"),
     (["--experts", "4", "--ep", "3", "--nproc", "2"], "ep=3 must divide dp=2"),
     (["--experts", "4", "--top-k", "5"], "top_k=5"),

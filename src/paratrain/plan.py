@@ -188,9 +188,9 @@ class ParallelPlan:
             )
         if self.ep > 1:
             _require(
-                self.zero <= 1 and self.compress is None,
-                f"--ep {self.ep} works with --zero 0 or 1 and no --compress (expert and dense "
-                "gradients go to two reducers); use --zero 1",
+                self.zero <= 2 and self.compress is None,
+                f"--ep {self.ep} works with --zero 0, 1 or 2 and no --compress (expert and "
+                "dense gradients go to two reducers); use --zero 2",
             )
         _require(
             not (self.cp > 1 and self.sp),

@@ -73,7 +73,7 @@ class DataAxis:
         lists = [[p for p in c.parameters() if p.requires_grad and sel(p)] for c in chunks]
         self.params = [p for p in self.container.parameters() if sel(p)]
         if select is not None and self.kind in ("topk", "fsdp"):
-            raise ValueError(f"the {self.kind} reducer takes whole chunks; use --zero 0 or 1")
+            raise ValueError(f"the {self.kind} reducer takes whole chunks; use --zero 0, 1 or 2")
         self.buckets: list[GradBuckets] = []
         self.zo = self.fs = self.tk = None
         self.comm = None
