@@ -36,7 +36,9 @@ FOUR = {
     "ep2 zero2 accum2 (dp4)": ParallelPlan(dp=4, ep=2, zero=2, micro_batches=2),
     "ep2 pp2 m4": ParallelPlan(dp=2, pp=2, ep=2, micro_batches=4),
 }
+CAPPED = MOE.replace(capacity_factor=1.0, shared_experts=1)
 TWO = {"ep2": ParallelPlan(dp=2, ep=2),
+       "ep2 capacity 1.0 shared 1": (CAPPED, ParallelPlan(dp=2, ep=2)),
        "ep2 ours": ParallelPlan(dp=2, ep=2, collectives="ours"),
        "moe dp2 zero3 (ep 1)": ParallelPlan(dp=2, zero=3)}
 
@@ -46,26 +48,33 @@ def tcfg(data: str) -> TrainConfig:
                        eval_batches=1, dtype="float64", data=data)
 
 
+def _split(entry) -> tuple[ModelConfig, ParallelPlan]:
+    return entry if isinstance(entry, tuple) else (MOE, entry)
+
+
 def _worker(rank: int, world: int, data: str, combos: dict) -> dict:
     out = {}
-    for name, plan in combos.items():
-        s = train(MOE, tcfg(data), plan, RunOptions(**QUIET))
+    for name, entry in combos.items():
+        model, plan = _split(entry)
+        s = train(model, tcfg(data), plan, RunOptions(**QUIET))
         out[name] = (s["losses"], s["val_loss"], s["moe_steps"],
                      s["memory"]["measured_per_rank"],
-                     (s["wire_bytes_per_step"], dp_wire_bytes(MOE, plan, "float64", rank)))
+                     (s["wire_bytes_per_step"], dp_wire_bytes(model, plan, "float64", rank)))
     return out
 
 
 @pytest.fixture(scope="module")
-def ref(text_file):
-    return train(MOE, tcfg(text_file), None, RunOptions(**QUIET))
+def refs(text_file):
+    return {m: train(m, tcfg(text_file), None, RunOptions(**QUIET)) for m in (MOE, CAPPED)}
 
 
 @pytest.mark.parametrize("world,combos", [(2, TWO), (4, FOUR)], ids=["world2", "world4"])
-def test_expert_parallel_reproduces_one_process(text_file, ref, world, combos):
+def test_expert_parallel_reproduces_one_process(text_file, refs, world, combos):
     results = spawn(_worker, world, text_file, combos, timeout_s=600)
     worst = {}
     for name in combos:
+        model, plan = _split(combos[name])
+        ref = refs[model]
         losses, val, moe, states, _ = results[0][name]
         for r, res in enumerate(results):  # dp sync bytes (both reducers): the formula's
             assert res[name][4][0] == pytest.approx(res[name][4][1], rel=1e-12), (name, r)
@@ -78,13 +87,15 @@ def test_expert_parallel_reproduces_one_process(text_file, ref, world, combos):
         for got, want in zip(moe, ref["moe_steps"], strict=True):
             assert got["moe_load"] == want["moe_load"], name
             assert got["aux_loss"] == pytest.approx(want["aux_loss"], rel=1e-9), name
-            assert got["moe_dropped"] == 0
-            assert ("ep_wire_bytes" in got) == (combos[name].ep > 1)
+            assert got["moe_dropped"] == want["moe_dropped"]
+            assert (got["moe_dropped"] > 0) == (model.capacity_factor > 0)
+            assert ("ep_wire_bytes" in got) == (plan.ep > 1)
             assert got.get("ep_wire_bytes", 1) > 0
         for r in range(world):  # model states per rank: paratrain.layout's exact count
-            want = state_bytes(MOE, combos[name], "float64", r)
+            want = state_bytes(model, plan, "float64", r)
             assert {k: states[r][k] for k in want} == want, (name, r)
     for name in combos:
+        ref = refs[_split(combos[name])[0]]
         assert worst[name] <= 1e-9, f"{name}: {worst[name]:.2e}"
         assert results[0][name][1] == pytest.approx(ref["val_loss"], rel=1e-9), name
 
