@@ -257,3 +257,20 @@ def test_cli_ep_run_logs_expert_load(text_file, tmp_path):
         assert sum(rec["moe_load"]) == 8 * 16 * 2 * 2  # tokens x top-k x MoE layers
         assert rec["moe_tokens_mean"] == 128 and rec["moe_tokens_max"] >= 128
         assert rec["ep_wire_bytes"] > 0 and rec["aux_loss"] > 0
+
+
+def _resume_worker(rank: int, world: int, data: str, ckpt: str) -> tuple[list, list]:
+    t = TrainConfig(steps=6, global_batch=8, lr=1e-2, warmup_steps=2, eval_every=0,
+                    eval_batches=1, dtype="float64", data=data)
+    plan = ParallelPlan(dp=2, ep=2, zero=1)
+    full = train(MOE, t, plan, RunOptions(**QUIET))["losses"]
+    train(MOE, t, plan, RunOptions(checkpoint_dir=ckpt, stop_after=3, **QUIET))
+    resumed = train(MOE, t, plan, RunOptions(checkpoint_dir=ckpt, resume=True, **QUIET))
+    return full[3:], resumed["losses"]
+
+
+def test_ep_checkpoint_resumes_exactly(text_file, tmp_path):
+    """Each rank saves its experts and both reducers' optimizer shards; resuming at step 3
+    continues the uninterrupted run bit for bit."""
+    for full, resumed in spawn(_resume_worker, 2, text_file, str(tmp_path / "ckpt")):
+        assert resumed == full
