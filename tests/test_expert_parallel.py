@@ -40,6 +40,7 @@ CAPPED = MOE.replace(capacity_factor=1.0, shared_experts=1)
 TWO = {"ep2": ParallelPlan(dp=2, ep=2),
        "ep2 capacity 1.0 shared 1": (CAPPED, ParallelPlan(dp=2, ep=2)),
        "ep2 ours": ParallelPlan(dp=2, ep=2, collectives="ours"),
+       "ep2 full recompute": ParallelPlan(dp=2, ep=2, recompute="full"),
        "moe dp2 zero3 (ep 1)": ParallelPlan(dp=2, zero=3)}
 
 
