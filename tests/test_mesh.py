@@ -3,8 +3,6 @@ build the same groups; the layout prints."""
 
 from __future__ import annotations
 
-import pytest
-
 from paratrain.distributed import spawn
 from paratrain.parallel.mesh import Mesh, all_layouts, axis_ranks, coords_of, layout_table, rank_of
 from paratrain.plan import ParallelPlan
@@ -27,9 +25,15 @@ def test_layout_arithmetic():
     assert "rank   5: pp 1  dp 0  tp 1" in text
 
 
-def test_reserved_axes_are_refused():
-    with pytest.raises(ValueError, match="reserved"):
-        Mesh.from_plan(ParallelPlan(dp=2, ep=2), world=2)
+def test_ep_is_a_sub_axis_of_dp():
+    """ep groups: consecutive dp indices; edp: the dp ranks holding the same experts."""
+    sizes = {"pp": 1, "dp": 4, "cp": 1, "tp": 2, "ep": 2}
+    assert axis_ranks(0, "ep", sizes) == [0, 2]
+    assert axis_ranks(4, "ep", sizes) == [4, 6]
+    assert axis_ranks(0, "edp", sizes) == [0, 4]
+    assert axis_ranks(3, "edp", sizes) == [3, 7]
+    m = Mesh.from_plan(ParallelPlan(dp=4, tp=2, ep=2), world=8)
+    assert m.size("ep") == 2 and m.size("edp") == 2
 
 
 def test_cp_sits_between_dp_and_tp():

@@ -13,7 +13,9 @@ from paratrain.cli import app
 README = (Path(__file__).parents[1] / "README.md").read_text()
 
 TRAIN_FLAGS = {
-    "--attention", "--bucket-mb", "--checkpoint-dir", "--checkpoint-every", "--collectives",
+    "--attention", "--aux-loss-coef", "--bucket-mb", "--capacity-factor", "--ep",
+    "--experts", "--moe-every", "--moe-ffn", "--shared-experts", "--top-k",
+    "--checkpoint-dir", "--checkpoint-every", "--collectives",
     "--compress", "--config", "--context", "--cp", "--cp-algorithm", "--d-ff", "--d-model",
     "--data", "--dp", "--dtype",
     "--eval-every", "--global-batch", "--heads", "--kv-heads", "--layers", "--lr",

@@ -48,6 +48,17 @@ class ModelConfig:
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     attention: str = "sdpa"
+    # Mixture of Experts (0 experts = dense). Block i's MLP is MoE when
+    # (i + 1) % moe_every == 0; each MoE MLP has a router (d_model -> experts), `experts`
+    # SwiGLU experts of width moe_ffn (None = d_ff), each token sent to its top_k,
+    # plus `shared_experts` always-on experts (one SwiGLU of width shared_experts*moe_ffn).
+    experts: int = 0
+    top_k: int = 2
+    moe_ffn: int | None = None
+    shared_experts: int = 0
+    moe_every: int = 1
+    aux_loss_coef: float = 0.01
+    capacity_factor: float = 0.0  # 0 = dropless; C > 0: ceil(C T k / E) per sequence
 
     def __post_init__(self) -> None:
         for name in ("n_layers", "d_model", "n_heads", "d_ff", "vocab_size", "context"):
@@ -76,6 +87,31 @@ class ModelConfig:
             f"attention={self.attention!r} is unknown; choose sdpa or eager "
             "(pass e.g. --attention sdpa)",
         )
+        self._check_moe()
+
+    def _check_moe(self) -> None:
+        _require(isinstance(self.experts, int) and self.experts >= 0,
+                 f"experts={self.experts!r} must be an integer >= 0 (0 = dense); "
+                 "pass e.g. --experts 8")
+        if not self.experts:
+            return
+        _require(isinstance(self.top_k, int) and 1 <= self.top_k <= self.experts,
+                 f"top_k={self.top_k!r} must be an integer in [1, experts={self.experts}]; "
+                 "pass e.g. --top-k 2")
+        _require(self.moe_ffn is None or (isinstance(self.moe_ffn, int) and self.moe_ffn > 0),
+                 f"moe_ffn={self.moe_ffn!r} must be a positive integer; pass e.g. --moe-ffn 64")
+        _require(isinstance(self.shared_experts, int) and self.shared_experts >= 0,
+                 f"shared_experts={self.shared_experts!r} must be an integer >= 0; "
+                 "pass e.g. --shared-experts 1")
+        _require(isinstance(self.moe_every, int) and 1 <= self.moe_every <= self.n_layers,
+                 f"moe_every={self.moe_every!r} must be an integer in [1, n_layers="
+                 f"{self.n_layers}]; pass e.g. --moe-every 2")
+        _require(self.aux_loss_coef >= 0,
+                 f"aux_loss_coef={self.aux_loss_coef} must be >= 0; pass e.g. "
+                 "--aux-loss-coef 0.01")
+        _require(self.capacity_factor >= 0,
+                 f"capacity_factor={self.capacity_factor} must be >= 0 (0 = dropless); "
+                 "pass e.g. --capacity-factor 1.25")
 
     @property
     def kv_heads(self) -> int:
@@ -85,12 +121,40 @@ class ModelConfig:
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
 
+    # ---- Mixture of Experts ---------------------------------------------------------
+    @property
+    def expert_ffn(self) -> int:
+        """Hidden width of one routed (and one shared) expert."""
+        return self.d_ff if self.moe_ffn is None else self.moe_ffn
+
+    def is_moe_layer(self, i: int) -> bool:
+        """Whether block ``i`` (0-based) has an MoE MLP: (i + 1) % moe_every == 0."""
+        return self.experts > 0 and (i + 1) % self.moe_every == 0
+
+    @property
+    def moe_layers(self) -> int:
+        return sum(self.is_moe_layer(i) for i in range(self.n_layers))
+
+    def expert_params(self) -> int:
+        """Parameters of one routed expert (SwiGLU: gate, up, down)."""
+        return 3 * self.d_model * self.expert_ffn
+
+    def moe_mlp_params(self, active: bool = False) -> int:
+        """One MoE MLP: router + routed experts (all, or the top_k a token uses) + shared."""
+        routed = self.top_k if active else self.experts
+        return (self.d_model * self.experts + routed * self.expert_params()
+                + self.shared_experts * self.expert_params())
+
     # ---- exact counts -------------------------------------------------------------
-    def layer_params(self) -> int:
-        """Parameters of one transformer block (attention, SwiGLU MLP, two RMSNorms)."""
+    def layer_params(self, i: int | None = None, active: bool = False) -> int:
+        """Parameters of block ``i`` (attention, MLP, two RMSNorms); ``i`` None: a dense
+        block. ``active``: only what one token uses (its top_k experts)."""
         d, hd = self.d_model, self.head_dim
         attn = d * (self.n_heads * hd) + 2 * d * (self.kv_heads * hd) + (self.n_heads * hd) * d
-        mlp = 3 * d * self.d_ff
+        if i is not None and self.is_moe_layer(i):
+            mlp = self.moe_mlp_params(active)
+        else:
+            mlp = 3 * d * self.d_ff
         return attn + mlp + 2 * d
 
     def embedding_params(self) -> int:
@@ -99,17 +163,31 @@ class ModelConfig:
         return emb * (1 if self.tie_embeddings else 2) + self.d_model
 
     def num_params(self) -> int:
-        """Exact parameter count (LLaMA 2 7B's shape gives 6,738,415,616)."""
-        return self.n_layers * self.layer_params() + self.embedding_params()
+        """Exact parameter count (LLaMA 2 7B's shape gives 6,738,415,616); with MoE the
+        total (every expert)."""
+        if not self.experts:
+            return self.n_layers * self.layer_params() + self.embedding_params()
+        return sum(self.layer_params(i) for i in range(self.n_layers)) + \
+            self.embedding_params()
+
+    def active_params(self) -> int:
+        """Parameters one token uses: the total for a dense model; with MoE the router,
+        top_k routed experts and the shared experts of each MoE MLP."""
+        if not self.experts:
+            return self.num_params()
+        return sum(self.layer_params(i, active=True) for i in range(self.n_layers)) + \
+            self.embedding_params()
 
     def flops_per_token(self, seq_len: int | None = None) -> float:
         """Model FLOPs per token for forward + backward: 6N + 12 L H Q T (PaLM, app. B).
 
-        N counts all parameters (embedding included, as in docs/design.md's reference figures);
-        H is the number of heads, Q the head dimension, T the sequence length.
+        N counts all parameters a token uses (embedding included, as in docs/design.md's
+        reference figures; with MoE the active parameters, :meth:`active_params`); H is
+        the number of heads, Q the head dimension, T the sequence length.
         """
         t = self.context if seq_len is None else seq_len
-        return 6.0 * self.num_params() + 12.0 * self.n_layers * self.n_heads * self.head_dim * t
+        return 6.0 * self.active_params() + \
+            12.0 * self.n_layers * self.n_heads * self.head_dim * t
 
     def replace(self, **changes) -> ModelConfig:
         return dataclasses.replace(self, **changes)

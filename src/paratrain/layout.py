@@ -16,7 +16,10 @@ and the tests count it from the configs here, and the runtime calls the pieces i
   :func:`paratrain.systems.stages.split_layers`; without a pipeline one chunk, the whole
   model. Parameters in registration order: tok_emb (first stage), per block
   [attn_norm, wq, wk, wv, wo, mlp_norm, w_gate, w_up, w_down], norm and head (last);
-  a tied head (pp = 1 only) is the embedding's parameter, counted once.
+  a tied head (pp = 1 only) is the embedding's parameter, counted once. An MoE block's
+  MLP is [router, this ep rank's E/ep experts x (gate, up, down), shared (gate, up,
+  down)], not tp-sharded (:func:`block_param_sizes`); with ep > 1 a rank has two
+  reducers, dense over dp and experts over dp / ep ranks (:func:`reducers`).
 - **Tensor shards**: heads and d_ff split t ways; vocabulary rows ceil(V/t) per rank,
   the last rank fewer (:func:`vocab_range`); norm gains replicated.
 - **The dp reducer** (:func:`dp_kind`, as :func:`paratrain.parallel.data_axis.kind_of`):
@@ -81,12 +84,27 @@ def virtual_stages(plan: ParallelPlan) -> int:
     return plan.virtual_stages if plan.schedule == "interleaved" and plan.pp > 1 else 1
 
 
-def block_param_sizes(mcfg: ModelConfig, tp: int = 1) -> list[int]:
-    """Elements of one block's parameters on one tp rank, in registration order."""
+def block_param_sizes(mcfg: ModelConfig, tp: int = 1, i: int | None = None, ep: int = 1,
+                      part: str = "all") -> list[int]:
+    """Elements of block ``i``'s parameters on one tp rank, in registration order (``i``
+    None: a dense block). An MoE MLP (:class:`paratrain.model.MoE`) is not tp-sharded:
+    router (E x d), this ep rank's E/ep experts (gate, up, down each), the shared
+    experts' three matrices. ``part``: "all", "dense" (all but the routed experts) or
+    "expert" (only those) — the two gradient reducers of expert parallelism."""
     d, hd, t = mcfg.d_model, mcfg.head_dim, tp
     q, kv = mcfg.n_heads * hd * d // t, mcfg.kv_heads * hd * d // t
-    f = mcfg.d_ff * d // t
-    return [d, q, kv, kv, q, d, f, f, f]
+    attn = [d, q, kv, kv, q, d]
+    if i is None or not mcfg.is_moe_layer(i):
+        f = mcfg.d_ff * d // t
+        return [] if part == "expert" else attn + [f, f, f]
+    fe = mcfg.expert_ffn * d
+    experts = [fe] * (3 * (mcfg.experts // ep))
+    shared = [fe * mcfg.shared_experts] * 3 if mcfg.shared_experts else []
+    if part == "expert":
+        return experts
+    if part == "dense":
+        return attn + [d * mcfg.experts] + shared
+    return attn + [d * mcfg.experts] + experts + shared
 
 
 # ---- what a rank holds ----------------------------------------------------------------
@@ -105,6 +123,7 @@ class RankLayout:
     first: bool  # holds the embedding
     last: bool  # holds the final norm and head
     tied: bool  # the head is the embedding's parameter (pp = 1)
+    block_counts: tuple[tuple[int, ...], ...] = ()  # per chunk, parameters of each block
 
     @property
     def blocks(self) -> int:
@@ -119,31 +138,49 @@ class RankLayout:
         return sum(self.param_sizes)
 
 
-def rank_layout(mcfg: ModelConfig, plan: ParallelPlan, rank: int) -> RankLayout:
-    """Parameters of ``rank`` as the runtime shards them (exact element counts)."""
+def rank_layout(mcfg: ModelConfig, plan: ParallelPlan, rank: int, part: str = "all",
+                ep: int | None = None) -> RankLayout:
+    """Parameters of ``rank`` as the runtime shards them (exact element counts); ``part``
+    and ``ep`` (default the plan's) as in :func:`block_param_sizes`."""
     pp_i, dp_i, tp_i = coords(rank, plan)
+    ep = plan.ep if ep is None else ep
     v = virtual_stages(plan)
     S = plan.pp * v
     ranges = split_layers(mcfg, S)
     a0, b0 = vocab_range(mcfg.vocab_size, plan.tp, tp_i)
     rows = (b0 - a0) * mcfg.d_model
-    block = block_param_sizes(mcfg, plan.tp)
     tied = mcfg.tie_embeddings and S == 1
-    stages, chunks = [], []
+    edges = part != "expert"
+    stages, chunks, counts = [], [], []
     for c in range(v):
         k = c * plan.pp + pp_i
         a, b = ranges[k]
-        sizes = [rows] if k == 0 else []
-        sizes += block * (b - a)
-        if k == S - 1:
+        sizes = [rows] if k == 0 and edges else []
+        blocks = [block_param_sizes(mcfg, plan.tp, i, ep, part) for i in range(a, b)]
+        sizes += [n for blk in blocks for n in blk]
+        if k == S - 1 and edges:
             sizes.append(mcfg.d_model)
             if not tied:
                 sizes.append(rows)
         stages.append(k)
         chunks.append(tuple(sizes))
+        counts.append(tuple(len(blk) for blk in blocks))
     return RankLayout(rank, pp_i, dp_i, tp_i, tuple(stages),
                       tuple(ranges[k] for k in stages), tuple(chunks), 0 in stages,
-                      S - 1 in stages, tied)
+                      S - 1 in stages, tied, tuple(counts))
+
+
+def reducers(plan: ParallelPlan, rank: int) -> list[tuple[ParallelPlan, int, str, int]]:
+    """(plan as the reducer sees it, rank in it, part, ep) of each gradient reducer of
+    ``rank``: one, or with ep > 1 the dense one over dp and the expert one over the
+    dp / ep ranks holding the same experts (index dp_i // ep;
+    :mod:`paratrain.parallel.expert`)."""
+    if plan.ep == 1:
+        return [(plan, rank, "all", 1)]
+    pp_i, dp_i, cp_i, tp_i = mesh_coords(rank, plan)
+    eplan = plan.replace(dp=plan.dp // plan.ep, ep=1)
+    return [(plan.replace(ep=1), rank, "dense", plan.ep),
+            (eplan, rank_of(pp_i, dp_i // plan.ep, tp_i, eplan, cp_i), "expert", plan.ep)]
 
 
 def chunk_param_sizes(mcfg: ModelConfig, plan: ParallelPlan, rank: int
@@ -182,11 +219,13 @@ def fsdp_unit_sizes(lay: RankLayout) -> list[list[int]]:
     """Per chunk, element counts of its ZeRO-3 units (:func:`paratrain.parallel.fsdp.
     default_units`): [tok_emb], each block, [norm, head]; tied: [tok_emb + norm] first."""
     out = []
-    for k, sizes in zip(lay.stages, lay.chunks, strict=True):
+    counts = lay.block_counts or tuple((PER_BLOCK,) * (b - a) for a, b in lay.ranges)
+    for k, sizes, per in zip(lay.stages, lay.chunks, counts, strict=True):
         rest = list(sizes)
         emb = [rest.pop(0)] if k == 0 else []
-        nb = (len(rest) // PER_BLOCK) * PER_BLOCK
-        blocks = [sum(rest[i:i + PER_BLOCK]) for i in range(0, nb, PER_BLOCK)]
+        nb = sum(per)
+        starts = [sum(per[:j]) for j in range(len(per))]
+        blocks = [sum(rest[a:a + n]) for a, n in zip(starts, per, strict=True)]
         tail = rest[nb:]
         if lay.tied:
             out.append([emb[0] + sum(tail), *blocks])
@@ -229,12 +268,14 @@ def dp_kind(plan: ParallelPlan) -> str:
     return ("ddp", "zero", "zero", "fsdp")[plan.zero]
 
 
-def dp_flats(mcfg: ModelConfig, plan: ParallelPlan, elem: int, rank: int) -> list[int]:
+def dp_flats(mcfg: ModelConfig, plan: ParallelPlan, elem: int, rank: int,
+             part: str = "all", ep: int | None = None) -> list[int]:
     """Unpadded element counts of the rank's flat dp buffers (buckets or units), all
-    chunks in order; empty for the reducers without flat buffers."""
+    chunks in order; empty for the reducers without flat buffers. ``part``, ``ep``: one
+    reducer of :func:`reducers`."""
     plan = reducer_plan(plan)
     kind = dp_kind(plan)
-    lay = rank_layout(mcfg, plan, rank)
+    lay = rank_layout(mcfg, plan, rank, part, ep)
     if kind == "fsdp":
         return [u for c in fsdp_unit_sizes(lay) for u in c]
     if kind in ("ddp", "zero"):
@@ -248,14 +289,24 @@ def state_bytes(mcfg: ModelConfig, plan: ParallelPlan, dtype: str, rank: int,
                 reduce_dtype: str = "bfloat16") -> dict[str, int]:
     """Bytes of parameters, gradients and optimizer state (AdamW m, v and, under mixed
     precision, the FP32 masters) on ``rank`` as the memory tracker measures them
-    (distinct storages: flat buffers with their padding)."""
+    (distinct storages: flat buffers with their padding). With ep > 1 the sum over the
+    two reducers (:func:`reducers`)."""
+    if plan.ep > 1:
+        parts = [_state_bytes(mcfg, q, dtype, r, reduce_dtype, part, ep)
+                 for q, r, part, ep in reducers(plan, rank)]
+        return {k: sum(d[k] for d in parts) for k in parts[0]}
+    return _state_bytes(mcfg, plan, dtype, rank, reduce_dtype)
+
+
+def _state_bytes(mcfg: ModelConfig, plan: ParallelPlan, dtype: str, rank: int,
+                 reduce_dtype: str, part: str = "all", ep: int = 1) -> dict[str, int]:
     plan = reducer_plan(plan)
     w, g, m = elements(dtype, reduce_dtype)
     mixed = dtype == "bfloat16"
-    lay = rank_layout(mcfg, plan, rank)
+    lay = rank_layout(mcfg, plan, rank, part, ep)
     n, p, r = lay.params, plan.dp, lay.dp
     kind = dp_kind(plan)
-    flats = dp_flats(mcfg, plan, w, rank)
+    flats = dp_flats(mcfg, plan, w, rank, part, ep)
     padded = sum(pad(b, p) for b in flats)
     own = sum(owned(b, p, r) for b in flats)
     if kind in ("none", "topk"):  # a master per parameter
@@ -275,7 +326,12 @@ def dp_payload_bytes(mcfg: ModelConfig, plan: ParallelPlan, dtype: str, rank: in
                      reduce_dtype: str = "bfloat16") -> int:
     """Bytes this rank contributes to one dp reduction: its flat buffers with their
     padding in the reduction dtype, or under top-k its kept values and int32 indices; 0
-    without a dp axis."""
+    without a dp axis (with ep > 1: both reducers')."""
+    if plan.ep > 1:
+        w, g, _ = elements(dtype, reduce_dtype)
+        return sum(0 if dp_kind(q) == "none" else
+                   g * sum(pad(b, q.dp) for b in dp_flats(mcfg, q, w, r, part, ep))
+                   for q, r, part, ep in reducers(plan, rank))
     plan = reducer_plan(plan)
     w, g, _ = elements(dtype, reduce_dtype)
     kind = dp_kind(plan)
@@ -318,9 +374,14 @@ def zero_wire_factor(zero: int, micro_batches: int, pipelined: bool) -> float:
 
 
 def dp_calls(mcfg: ModelConfig, plan: ParallelPlan, dtype: str, rank: int,
-             reduce_dtype: str = "bfloat16") -> list[tuple[str, float, int]]:
+             reduce_dtype: str = "bfloat16", part: str = "all", ep: int | None = None
+             ) -> list[tuple[str, float, int]]:
     """(op, full bytes, calls per step) of a rank's dp sync, one entry per flat buffer
-    and op: reductions in the gradient dtype, parameter all-gathers in the working one."""
+    and op: reductions in the gradient dtype, parameter all-gathers in the working one
+    (with ep > 1: the dense reducer's, then the expert reducer's)."""
+    if plan.ep > 1 and part == "all":
+        return [c for q, r, pt, e in reducers(plan, rank)
+                for c in dp_calls(mcfg, q, dtype, r, reduce_dtype, pt, e)]
     plan = reducer_plan(plan)
     w, g, _ = elements(dtype, reduce_dtype)
     p, kind = plan.dp, dp_kind(plan)
@@ -330,7 +391,7 @@ def dp_calls(mcfg: ModelConfig, plan: ParallelPlan, dtype: str, rank: int,
     if kind == "topk":  # values and indices: p pieces of each
         keep = topk_keep(plan, rank_layout(mcfg, plan, rank).params)
         return [("all_gather", p * keep * w, 1), ("all_gather", p * keep * 4, 1)]
-    flats = [pad(b, p) for b in dp_flats(mcfg, plan, w, rank)]
+    flats = [pad(b, p) for b in dp_flats(mcfg, plan, w, rank, part, ep)]
     if kind == "ddp":
         return [("all_reduce", g * n, 1) for n in flats]
     if kind == "fsdp":
@@ -343,7 +404,21 @@ def dp_calls(mcfg: ModelConfig, plan: ParallelPlan, dtype: str, rank: int,
 
 def dp_wire_bytes(mcfg: ModelConfig, plan: ParallelPlan, dtype: str, rank: int,
                   reduce_dtype: str = "bfloat16") -> float:
-    """Bytes ``rank`` sends per steady step for its dp sync (ring collectives)."""
+    """Bytes ``rank`` sends per steady step for its dp sync (ring collectives); with
+    ep > 1 both reducers' (each over its own group size)."""
+    if plan.ep > 1:
+        w, g, _ = elements(dtype, reduce_dtype)
+        total = 0.0
+        for q, r, part, ep in reducers(plan, rank):
+            if dp_kind(q) == "none":
+                continue
+            payload = g * sum(pad(b, q.dp) for b in dp_flats(mcfg, q, w, r, part, ep))
+            if w != g and dp_kind(q) == "zero":
+                total += sum(k * n * (q.dp - 1) / q.dp for _, n, k in
+                             dp_calls(mcfg, q, dtype, r, reduce_dtype, part, ep))
+            else:
+                total += dp_wire_factor(q) * (q.dp - 1) / q.dp * payload
+        return total
     plan = reducer_plan(plan)
     p = plan.dp
     if dp_kind(plan) == "none":

@@ -13,6 +13,10 @@ model in place. Two conventions make that possible:
   the bytes each keeps (:func:`paratrain.systems.memory.block_activation_bytes`).
 - :meth:`Decoder.forward` is the composition ``head(blocks(embed(idx)))``, and each part
   is callable alone, so a pipeline stage can run any contiguous slice of it.
+- :class:`MoE` sorts its token assignments by expert and runs them through
+  :meth:`MoE.run_sorted`; expert parallelism (:mod:`paratrain.parallel.expert`) sets
+  ``moe.exchange`` to send those rows to the experts' ranks instead, and keeps only its
+  own experts in ``moe.experts``.
 
 Shapes: B batch, T time, D model width, H heads, K kv heads, E head dim, V vocabulary.
 """
@@ -114,13 +118,147 @@ class SwiGLU(nn.Module):
         return self.w_down(F.silu(self.w_gate(x_BTD)) * self.w_up(x_BTD))
 
 
-class Block(nn.Module):
+class Expert(nn.Module):
+    """One SwiGLU expert of hidden width ``ffn`` (the same three matrices as SwiGLU)."""
+
+    def __init__(self, d_model: int, ffn: int) -> None:
+        super().__init__()
+        self.w_gate = nn.Linear(d_model, ffn, bias=False)
+        self.w_up = nn.Linear(d_model, ffn, bias=False)
+        self.w_down = nn.Linear(ffn, d_model, bias=False)
+
+    def forward(self, x_ND: torch.Tensor) -> torch.Tensor:
+        return self.w_down(F.silu(self.w_gate(x_ND)) * self.w_up(x_ND))
+
+
+class _AuxGrad(torch.autograd.Function):
+    """Identity on the MLP output; in backward the auxiliary-loss sum gets the gradient
+    ``scale`` = d(step loss)/d(aux sum), whichever rank or pipeline stage holds the layer
+    (Megatron-LM's MoEAuxLossAutoScaler does the same)."""
+
+    @staticmethod
+    def forward(ctx, y, aux, scale: float):
+        ctx.scale, ctx.aux_dtype = scale, aux.dtype
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, torch.full((), ctx.scale, dtype=ctx.aux_dtype, device=g.device), None
+
+
+def sort_assignments(idx_NK: torch.Tensor, w_NK: torch.Tensor, keep_NK, experts: int):
+    """Token assignments (token n, slot j) sorted by expert (stable: token order inside
+    an expert): returns token index, router weight, and the count per expert (E,)."""
+    N, K = idx_NK.shape
+    e = idx_NK.flatten()
+    tok = torch.arange(N, device=idx_NK.device).repeat_interleave(K)
+    w = w_NK.flatten()
+    if keep_NK is not None:
+        k = keep_NK.flatten()
+        e, tok, w = e[k], tok[k], w[k]
+    order = torch.argsort(e, stable=True)
+    return tok[order], w[order], torch.bincount(e, minlength=experts)
+
+
+class MoE(nn.Module):
+    """Mixture-of-Experts MLP: router, top-k SwiGLU experts, optional shared experts.
+
+    Router: logits = x W_r (d -> E), probabilities p = softmax (float32 at least), the
+    top_k experts per token (torch.topk), weights renormalised over those k.
+
+    Load-balancing auxiliary loss (Switch Transformer / GShard), computed **per
+    sequence** s of T tokens: aux_s = E * sum_e f_se P_se, with f_se the fraction of the
+    sequence's T*k assignments routed to e and P_se its mean router probability (1.0 when
+    perfectly balanced). The step loss is (sum of token cross-entropies + coef * sum_s T
+    aux_s) / (global tokens), i.e. the mean token loss plus coef x the mean over
+    sequences of aux_s. Because a sequence never spans data ranks or micro-batches, this
+    is a sum over sequences and composes exactly under any data / pipeline split (no
+    collective of router statistics; DeepSeek-V3's sequence-wise balance loss has the
+    same shape). The engine sets ``loss_scale`` = 1 / global tokens before each forward;
+    while it is None (a plain forward) the auxiliary loss adds no gradient.
+
+    Capacity (``capacity_factor`` C > 0): each expert takes at most ceil(C T k / E)
+    assignments per sequence, first come first served in position order (a token's k
+    slots in rank order); the rest are dropped (the token keeps its residual) and counted.
+    C = 0 is dropless.
+    """
+
     def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.num_experts, self.top_k = cfg.experts, cfg.top_k
+        self.coef, self.capacity_factor = cfg.aux_loss_coef, cfg.capacity_factor
+        self.router = nn.Linear(cfg.d_model, cfg.experts, bias=False)
+        self.experts = nn.ModuleList(Expert(cfg.d_model, cfg.expert_ffn)
+                                     for _ in range(cfg.experts))
+        self.shared = (Expert(cfg.d_model, cfg.shared_experts * cfg.expert_ffn)
+                       if cfg.shared_experts else None)
+        self.exchange = None  # expert parallelism: (moe, x_SD, counts_E) -> y_SD
+        self.loss_scale: float | None = None
+        self.reset_stats()
+
+    def reset_stats(self) -> None:
+        self.stats = {"aux_sum": 0.0, "dropped": 0,
+                      "load": torch.zeros(self.num_experts, dtype=torch.long)}
+
+    def route(self, x_ND: torch.Tensor, T: int):
+        """(top-k expert index, renormalised weight, keep mask or None, aux sum, probs)."""
+        N, E, K = x_ND.shape[0], self.num_experts, self.top_k
+        logits = self.router(x_ND)
+        if logits.dtype in (torch.float16, torch.bfloat16):
+            logits = logits.float()
+        probs_NE = logits.softmax(-1)
+        w_NK, idx_NK = probs_NE.topk(K, dim=-1)
+        w_NK = w_NK / w_NK.sum(-1, keepdim=True)
+        B = N // T
+        onehot_BAE = F.one_hot(idx_NK.view(B, T * K), E)  # A = T*K assignments, in order
+        f_BE = onehot_BAE.sum(1).to(probs_NE.dtype) / (T * K)
+        aux = E * (f_BE * probs_NE.view(B, T, E).mean(1)).sum()
+        keep = None
+        if self.capacity_factor > 0:
+            cap = math.ceil(self.capacity_factor * T * K / E)
+            pos_BA = (onehot_BAE.cumsum(1) * onehot_BAE).sum(-1)  # 1-based place in line
+            keep = (pos_BA <= cap).view(N, K)
+        return idx_NK, w_NK.to(x_ND.dtype), keep, aux, probs_NE
+
+    def run_sorted(self, x_SD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+        """Rows sorted by expert, ``counts_E`` rows each -> expert outputs, same order.
+        Every expert runs (on zero rows if need be), so each gets a gradient."""
+        sizes = [int(c) for c in counts_E]
+        outs = [ex(xs) for ex, xs in zip(self.experts, x_SD.split(sizes), strict=True)]
+        return torch.cat(outs)
+
+    def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        B, T, D = x_BTD.shape
+        x_ND = x_BTD.reshape(B * T, D)
+        idx_NK, w_NK, keep, aux, _ = self.route(x_ND, T)
+        tok_S, w_S, counts_E = sort_assignments(idx_NK, w_NK, keep, self.num_experts)
+        x_SD = x_ND[tok_S]
+        if self.exchange is None:
+            y_SD = self.run_sorted(x_SD, counts_E)
+        else:
+            y_SD = self.exchange(self, x_SD, counts_E)
+        y_ND = torch.zeros_like(x_ND).index_add_(0, tok_S, y_SD * w_S[:, None])
+        if self.shared is not None:
+            y_ND = y_ND + self.shared(x_ND)
+        if not torch.is_grad_enabled():
+            return y_ND.view(B, T, D)  # evaluation: no auxiliary loss, no statistics
+        if torch._C._current_graph_task_id() == -1:  # not a recompute inside backward
+            st = self.stats
+            st["aux_sum"] += float(aux.detach())
+            st["dropped"] += 0 if keep is None else int((~keep).sum())
+            st["load"] += counts_E.cpu()
+        if self.loss_scale is not None and self.coef > 0:
+            y_ND = _AuxGrad.apply(y_ND, aux, self.coef * T * self.loss_scale)
+        return y_ND.view(B, T, D)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, i: int = 0) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.attn = Attention(cfg)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.mlp = SwiGLU(cfg)
+        self.mlp = MoE(cfg) if cfg.is_moe_layer(i) else SwiGLU(cfg)
 
     def forward(self, x_BTD, cos, sin) -> torch.Tensor:
         x_BTD = x_BTD + self.attn(self.attn_norm(x_BTD), cos, sin)
@@ -132,7 +270,7 @@ class Decoder(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -173,6 +311,32 @@ class Decoder(nn.Module):
         for blk in self.blocks:
             h = blk(h, cos, sin)
         return self.logits(h)
+
+
+def moe_modules(model: nn.Module) -> list[MoE]:
+    """The MoE MLPs of ``model`` (or of a list of pipeline chunks), in order."""
+    return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+def set_moe_loss_scale(model: nn.Module, scale: float | None) -> None:
+    """d(step loss)/d(token loss sum) = 1 / global tokens: the engines set it before each
+    forward so the auxiliary loss enters backward with the same normalisation."""
+    for m in moe_modules(model):
+        m.loss_scale = scale
+
+
+def take_moe_stats(model: nn.Module, experts: int) -> list[float]:
+    """This rank's MoE statistics since the last call, as one flat list to be summed over
+    ranks: [aux sum over layers and sequences, dropped assignments, load of expert 0..E-1
+    summed over layers] (a rank holding a subset of the experts counts all E: the load
+    is counted where the tokens are routed). Resets them."""
+    aux, dropped, load = 0.0, 0, torch.zeros(experts, dtype=torch.long)
+    for m in moe_modules(model):
+        aux += m.stats["aux_sum"]
+        dropped += m.stats["dropped"]
+        load += m.stats["load"]
+        m.reset_stats()
+    return [aux, float(dropped), *map(float, load.tolist())]
 
 
 def num_params(cfg: ModelConfig) -> int:

@@ -20,16 +20,18 @@ def param_groups(named_params, weight_decay: float) -> list[dict]:
             {"params": no_decay, "weight_decay": 0.0}]
 
 
-def build_adamw(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
-    """AdamW over the model's parameters; under ``--dtype bfloat16`` on FP32 master
-    copies of the BF16 parameters (:class:`paratrain.parallel.precision.MasterAdamW`)."""
+def build_adamw(model: nn.Module, cfg: TrainConfig, select=None) -> torch.optim.AdamW:
+    """AdamW over the model's parameters (those ``select(p)`` accepts, when given); under
+    ``--dtype bfloat16`` on FP32 master copies of the BF16 parameters
+    (:class:`paratrain.parallel.precision.MasterAdamW`)."""
+    named = [(n, p) for n, p in model.named_parameters() if select is None or select(p)]
     if cfg.dtype == "bfloat16":
         from paratrain.parallel.precision import MasterAdamW
 
-        return MasterAdamW(param_groups(model.named_parameters(), cfg.weight_decay), cfg)
+        return MasterAdamW(param_groups(named, cfg.weight_decay), cfg)
     # foreach=False: the per-parameter loop's arithmetic is the same whatever the sharding,
     # which keeps single-process and parallel runs comparable to rounding.
-    return torch.optim.AdamW(param_groups(model.named_parameters(), cfg.weight_decay),
+    return torch.optim.AdamW(param_groups(named, cfg.weight_decay),
                              lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8,
                              foreach=False)
 

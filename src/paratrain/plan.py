@@ -115,6 +115,10 @@ class ParallelPlan:
             model.kv_heads % self.tp == 0,
             f"tp={self.tp} does not divide n_kv_heads={model.kv_heads}; choose a divisor",
         )
+        _require(
+            model.experts % self.ep == 0 if model.experts else True,
+            f"ep={self.ep} does not divide experts={model.experts}; choose ep dividing it",
+        )
         stages = self.pp * self.virtual_stages
         _require(
             stages <= model.n_layers,
@@ -172,10 +176,22 @@ class ParallelPlan:
             "all-gathered, not reduce-scattered); drop one",
         )
         _require(
-            self.ep == 1,
-            f"ep={self.ep}: expert parallelism is a reserved mesh axis, not implemented "
-            "yet; use --ep 1",
+            self.ep == 1 or model.experts > 0,
+            f"ep={self.ep} needs a Mixture-of-Experts model; pass --experts E (a multiple "
+            f"of {self.ep}) or use --ep 1",
         )
+        if model.experts:
+            _require(
+                self.cp == 1 and not self.sp,
+                "MoE with --cp or --sp is not supported (the auxiliary loss and capacity are "
+                "per whole sequence); use --cp 1 and drop --sp",
+            )
+        if self.ep > 1:
+            _require(
+                self.zero <= 2 and self.compress is None,
+                f"--ep {self.ep} works with --zero 0, 1 or 2 and no --compress (expert and "
+                "dense gradients go to two reducers); use --zero 2",
+            )
         _require(
             not (self.cp > 1 and self.sp),
             f"--sp with --cp {self.cp} is not supported (sequence parallelism would cut the "

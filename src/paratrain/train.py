@@ -20,7 +20,7 @@ import torch.distributed as dist
 from paratrain import checkpoint
 from paratrain.config import ModelConfig, TrainConfig
 from paratrain.data import Corpus
-from paratrain.model import Decoder
+from paratrain.model import Decoder, take_moe_stats
 from paratrain.optim import lr_at
 from paratrain.parallel.api import build_engine
 from paratrain.parallel.memory import ActivationMeter, format_report, memory_report
@@ -120,6 +120,19 @@ def _prediction(mcfg, tcfg, plan, world, summary, profile) -> dict | None:
     return rep
 
 
+def moe_record(stats: list[float], mcfg: ModelConfig, sequences: int) -> dict:
+    """Metrics of a step's MoE layers from :func:`paratrain.model.take_moe_stats` summed
+    over ranks: ``aux_loss`` is the term the step's loss adds (coef x the mean over
+    sequences of the per-layer balance losses, summed over layers; each is 1.0 when
+    perfectly balanced), ``moe_load`` the assignments each expert received (summed over
+    layers), ``moe_dropped`` the assignments over capacity."""
+    aux, dropped, load = stats[0], stats[1], [int(v) for v in stats[2:]]
+    return {"aux_loss": mcfg.aux_loss_coef * aux / sequences,
+            "moe_balance": aux / sequences / max(1, mcfg.moe_layers),
+            "moe_load": load, "moe_tokens_max": max(load),
+            "moe_tokens_mean": sum(load) / len(load), "moe_dropped": int(dropped)}
+
+
 def train(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan | None = None,
           opts: RunOptions | None = None, device: torch.device | None = None) -> dict:
     """Train and return the summary (same on every rank; rank 0 also writes files)."""
@@ -163,6 +176,7 @@ def train(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan | None = None
     if log.progress is not None:
         log.progress.update(log.task, completed=start)
 
+    ep_mark, moe_steps = 0, []
     end = tcfg.steps if opts.stop_after is None else min(tcfg.steps, opts.stop_after)
     for step in range(start, end):
         t0, c0 = time.perf_counter(), time.process_time()  # wall; this process's CPU
@@ -176,6 +190,8 @@ def train(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan | None = None
         if step == end - 1:
             meter.snapshot(engine)  # grads, optimizer state and buffers all exist now
         (loss_sum,) = engine.all_sum([loss_sum])
+        moe = engine.all_sum(take_moe_stats(engine.model, mcfg.experts)) \
+            if mcfg.experts else None
         lr = lr_at(step, tcfg)
         gnorm = engine.clip_and_step(lr)
         t2 = time.perf_counter()
@@ -191,6 +207,13 @@ def train(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan | None = None
                "tokens_per_s": tokens / dt, "step_s": dt, "compute_s": dt - comm.seconds,
                "comm_s": comm.seconds, "mfu": model_flops / dt / (peak * world),
                "cpu_s": time.process_time() - c0}
+        if moe is not None:
+            moe_steps.append(moe_record(moe, mcfg, tcfg.global_batch))
+            ex = getattr(engine, "ep", None)
+            if ex is not None:  # rank 0's token all-to-all bytes (fwd + bwd, with splits)
+                moe_steps[-1]["ep_wire_bytes"] = ex.wire_bytes - ep_mark
+                ep_mark = ex.wire_bytes
+            rec.update(moe_steps[-1])
         last = step == end - 1
         if (tcfg.eval_every and (step + 1) % tcfg.eval_every == 0) or last:
             val_loss = evaluate(engine, corpus, tcfg, mcfg.context)
@@ -213,9 +236,10 @@ def train(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan | None = None
         meter.peak_bytes = engine.activation_peak_bytes()
     summary = {
         "steps": tcfg.steps, "world_size": world, "plan": asdict(plan),
-        "params": mcfg.num_params(), "tokens_per_step": tokens,
+        "params": mcfg.num_params(), "active_params": mcfg.active_params(),
+        "tokens_per_step": tokens,
         "final_loss": losses[-1] if losses else float("nan"),
-        "val_loss": val_loss, "losses": losses,
+        "val_loss": val_loss, "losses": losses, "moe_steps": moe_steps,
         "step_s": step_s, "tokens_per_s": tokens / step_s,
         "compute_s_per_step": step_s - comm_s, "comm_s_per_step": comm_s,
         "payload_bytes_per_step": payload, "wire_bytes_per_step": wire,

@@ -61,14 +61,20 @@ class DataAxis:
     """The dp-axis reducer of this rank's chunks, and the optimizer that goes with it."""
 
     def __init__(self, chunks: list[nn.Module], group, dp: int, plan: ParallelPlan,
-                 cfg: TrainConfig, counted) -> None:
+                 cfg: TrainConfig, counted, select=None) -> None:
+        """``select(p)``: the parameters this reducer takes (default all); expert
+        parallelism builds two, dense over dp and experts over the edp group."""
         self.kind = kind_of(plan, dp)
         self.plan = plan
         self.deferred = plan.pp > 1
         self.dp_rank = 0
         self.counted = counted
         self.container = nn.ModuleList(chunks)
-        lists = [[p for p in c.parameters() if p.requires_grad] for c in chunks]
+        sel = select or (lambda p: True)
+        lists = [[p for p in c.parameters() if p.requires_grad and sel(p)] for c in chunks]
+        self.params = [p for p in self.container.parameters() if sel(p)]
+        if select is not None and self.kind in ("topk", "fsdp"):
+            raise ValueError(f"the {self.kind} reducer takes whole chunks; use --zero 0, 1 or 2")
         self.buckets: list[GradBuckets] = []
         self.zo = self.fs = self.tk = None
         self.comm = None
@@ -76,7 +82,7 @@ class DataAxis:
         self.steps_done = 0
         self._exposed = 0.0  # ZeRO-2's per-micro-batch waits, billed to the step
         if self.kind == "none":
-            self.opt = build_adamw(self.container, cfg)
+            self.opt = build_adamw(self.container, cfg, select)
             return
         self.comm = GroupComm(group, plan.collectives)
         self.dp_rank = self.comm.rank
@@ -84,14 +90,14 @@ class DataAxis:
         if self.kind == "ddp":
             self.buckets = [GradBuckets(ps, self.comm, plan.bucket_mb, plan.overlap,
                                         dtype=rdt) for ps in lists]
-            self.opt = build_adamw(self.container, cfg)
+            self.opt = build_adamw(self.container, cfg, select)
         elif self.kind == "topk":
             from paratrain.parallel.compress import TopKCompressor, parse_topk
 
             self.tk = TopKCompressor(self.container.parameters(), group,
                                      parse_topk(plan.compress), plan.collectives)
             self.comm = self.tk.comm
-            self.opt = build_adamw(self.container, cfg)
+            self.opt = build_adamw(self.container, cfg, select)
         elif self.kind == "zero":
             from paratrain.parallel.zero import ZeroOptimizer
 
@@ -183,7 +189,7 @@ class DataAxis:
             return self.fs.adam.local_sq()
         sq = torch.zeros((), dtype=torch.float64)
         if self.dp_rank == 0:  # replicated gradients: one data replica counts them
-            for p in self.container.parameters():
+            for p in self.params:
                 g = grad_of(p)
                 if g is not None and self.counted(p):
                     sq += grad_sq(g)
@@ -194,7 +200,7 @@ class DataAxis:
         if self.kind in ("zero", "fsdp"):
             (self.zo or self.fs).adam.scale(coef)
         elif coef != 1.0:
-            for p in self.container.parameters():
+            for p in self.params:
                 g = grad_of(p)
                 if g is not None:
                     g.mul_(coef)
@@ -240,7 +246,7 @@ class DataAxis:
             return self.zo.state_tensors()
         if self.kind == "fsdp":
             return self.fs.state_tensors()
-        params = list(self.container.parameters())
+        params = self.params
         out = {"params": params, "grads": [grad_of(p) for p in params if grad_of(p) is not None],
                "optimizer": optimizer_tensors(self.opt)}
         if self.kind == "topk":
@@ -279,7 +285,7 @@ class DataAxis:
         """id(param) -> full value (collective under ZeRO-3)."""
         if self.kind == "fsdp":
             return self.fs.full_parameters()
-        return {id(p): p.detach().clone() for p in self.container.parameters()}
+        return {id(p): p.detach().clone() for p in self.params}
 
     def report(self) -> dict:
         last = self.history[-1] if self.history else None

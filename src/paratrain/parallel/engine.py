@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from paratrain.config import TrainConfig
+from paratrain.model import set_moe_loss_scale
 from paratrain.optim import build_adamw, set_lr
 
 
@@ -65,7 +66,9 @@ class Engine:
         return token_loss_sum(logits, y_BT.to(self.device))
 
     def forward_backward(self, x_BT, y_BT, n_tokens_global: int) -> float:
-        """Accumulate d(loss_sum / n_tokens_global) into .grad; return the local loss sum."""
+        """Accumulate d(loss_sum / n_tokens_global) into .grad; return the local loss sum.
+        MoE layers add their auxiliary loss with the same normalisation (in backward)."""
+        set_moe_loss_scale(self.model, 1.0 / n_tokens_global)
         loss = self.loss_sum(x_BT, y_BT)
         (loss / n_tokens_global).backward()
         return float(loss.detach())

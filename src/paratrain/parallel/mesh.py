@@ -8,8 +8,14 @@ order): ``tp`` is the innermost axis, then ``cp``, then ``dp``, then ``pp``, i.e
 so tensor-parallel partners are neighbouring ranks (on a GPU server: the same node, on
 NVLink, where TP's per-layer all-reduces belong), context-parallel partners (which pass
 K/V blocks every layer) come next, then data-parallel replicas, and pipeline stages —
-which only exchange one activation per micro-batch — are furthest apart. ``ep`` is a
-reserved name: the plan may not set it above 1 yet (refused in :meth:`Mesh.from_plan`).
+which only exchange one activation per micro-batch — are furthest apart.
+
+Expert parallelism (``ep``, dividing dp) is a sub-axis of dp, not a fifth factor of the
+world (Megatron-LM / DeepSpeed-MoE): consecutive dp indices form an ``ep`` group (dp
+index = g * ep + j; the group holds every expert once, ep index j holds experts
+[j E/ep, (j+1) E/ep)), and the dp ranks with the same j form the expert-data-parallel
+group ``edp`` (size dp / ep) that holds the same experts and sums their gradients.
+Both come from ``dist.new_group`` and exist only when ep > 1 (``sizes["ep"]``).
 
 Besides one group per axis the mesh holds ``dpcp``: the dp x cp ranks of one (pp, tp)
 coordinate. Context-parallel ranks hold the same parameters and different pieces of
@@ -65,6 +71,12 @@ def axis_ranks(rank: int, axis: str, sizes: dict[str, int]) -> list[int]:
     """Global ranks of the group along ``axis`` that contains ``rank``, in axis order;
     ``axis="dpcp"``: the dp x cp group (dp outer, cp inner = global order)."""
     c = coords_of(rank, sizes)
+    if axis in ("ep", "edp"):
+        ep = sizes.get("ep", 1)
+        g, j = divmod(c["dp"], ep)
+        dps = ([g * ep + i for i in range(ep)] if axis == "ep"
+               else [i * ep + j for i in range(sizes["dp"] // ep)])
+        return [rank_of({**c, "dp": d}, sizes) for d in dps]
     if axis == "dpcp":
         f = _full(sizes)
         return [rank_of({**c, "dp": d, "cp": k}, sizes)
@@ -110,12 +122,13 @@ class Mesh:
     def from_plan(cls, plan: ParallelPlan, world: int | None = None,
                   device_type: str = "cpu") -> Mesh:
         """Build the groups for ``plan`` (collective: every rank must call it)."""
-        if plan.ep != 1:
-            raise ValueError(f"ep={plan.ep}: expert parallelism is a reserved mesh axis, "
-                             "not implemented yet; use ep=1")
         initialized = dist.is_available() and dist.is_initialized()
         world = world if world is not None else (dist.get_world_size() if initialized else 1)
         sizes = {"pp": plan.pp, "dp": plan.dp, "cp": plan.cp, "tp": plan.tp}
+        if plan.ep > 1:
+            if plan.dp % plan.ep:
+                raise ValueError(f"ep={plan.ep} must divide dp={plan.dp}")
+            sizes["ep"] = plan.ep
         if world_of(sizes) != world:
             raise ValueError(f"pp*dp*cp*tp = {plan.pp}*{plan.dp}*{plan.cp}*{plan.tp} != "
                              f"world size {world}; make the plan's product equal the "
@@ -129,8 +142,12 @@ class Mesh:
             groups, source = cls._new_group_groups(sizes, rank), "new_group"
         groups["dpcp"] = groups["dp"] if plan.cp == 1 else cls._new_groups(
             sizes, rank, ("dpcp",))["dpcp"]
+        extra = ()
+        if plan.ep > 1:
+            groups.update(cls._new_groups(sizes, rank, ("ep", "edp")))
+            extra = ("ep", "edp")
         mesh = cls(sizes, rank, groups, source)
-        for axis in (*AXES, "dpcp"):  # both paths must give the layout documented above
+        for axis in (*AXES, "dpcp", *extra):  # both paths must give the layout documented above
             got = dist.get_process_group_ranks(groups[axis])
             if got != axis_ranks(rank, axis, sizes):
                 raise RuntimeError(f"{source} built {axis} group {got}, expected "
@@ -169,6 +186,9 @@ class Mesh:
     def size(self, axis: str) -> int:
         if axis == "dpcp":
             return self.sizes["dp"] * self.sizes["cp"]
+        if axis in ("ep", "edp"):
+            ep = self.sizes.get("ep", 1)
+            return ep if axis == "ep" else self.sizes["dp"] // ep
         return self.sizes[axis]
 
     def index(self, axis: str) -> int:
@@ -176,6 +196,9 @@ class Mesh:
         c = coords_of(self.rank, self.sizes)
         if axis == "dpcp":
             return c["dp"] * self.sizes["cp"] + c["cp"]
+        if axis in ("ep", "edp"):
+            g, j = divmod(c["dp"], self.sizes.get("ep", 1))
+            return j if axis == "ep" else g
         return c[axis]
 
     def group(self, axis: str):

@@ -15,7 +15,9 @@ Transforms are applied to the plain, identically seeded model in one documented 
    selective recompute reruns the CP attention);
 5. **data / ZeRO** (:mod:`.data_axis`): DDP buckets, ZeRO-1/2, FSDP units or top-k
    compression over the dp x cp group (cp ranks hold the same parameters), on whatever
-   parameters steps 1-4 left on this rank.
+   parameters steps 1-4 left on this rank. With ep > 1 (:mod:`.expert`) each MoE layer
+   first keeps this ep rank's experts and routes through an all-to-all exchange; then two
+   reducers: dense parameters over dp, expert parameters over edp (dp / ep ranks).
 
 Invariants:
 
@@ -50,6 +52,7 @@ import torch.distributed as dist
 from torch import nn
 
 from paratrain.config import TrainConfig
+from paratrain.model import set_moe_loss_scale
 from paratrain.parallel.context import apply_context_parallel, cp_comm, local_tokens
 from paratrain.parallel.data_axis import DataAxis
 from paratrain.parallel.engine import CommStats, Engine, token_loss_sum
@@ -100,9 +103,22 @@ class MeshEngine(Engine):
         for c in chunks:
             apply_recompute(c.blocks, plan.recompute)
         self.model = nn.ModuleList(chunks)
-        # 5. data / ZeRO on the dp x cp group (mixed precision: parallel/precision.py)
-        self.data = DataAxis(chunks, mesh.group("dpcp"), mesh.size("dpcp"), plan, cfg,
-                             self._counted)
+        # 5. data / ZeRO on the dp x cp group (mixed precision: parallel/precision.py);
+        # with ep > 1 the experts are split over ep and reduced over edp instead
+        self.ep = None
+        if plan.ep > 1:
+            from paratrain.parallel import expert
+
+
+            self.ep = expert.apply_expert_parallel(chunks, mesh, plan.collectives)
+            self.data = expert.SplitDataAxis(
+                DataAxis(chunks, mesh.group("dpcp"), mesh.size("dpcp"), plan, cfg,
+                         self._counted, select=lambda p: not expert.is_expert(p)),
+                DataAxis(chunks, mesh.group("edp"), mesh.size("edp"), plan, cfg,
+                         self._counted, select=expert.is_expert))
+        else:
+            self.data = DataAxis(chunks, mesh.group("dpcp"), mesh.size("dpcp"), plan, cfg,
+                                 self._counted)
         self.opt = self.data.opt
         self.dp_rank, self.dp_size = mesh.index("dp"), mesh.size("dp")
         self._micro = 0
@@ -140,6 +156,12 @@ class MeshEngine(Engine):
             lines.append(f"  context parallel {plan.cp} ({plan.cp_algorithm}, load-balanced: "
                          f"cp rank i holds chunks i and {2 * plan.cp - 1}-i of "
                          f"{2 * plan.cp}); gradients reduced over dp x cp")
+        if self.ep is not None:
+            lines.append(f"  expert parallel {plan.ep}: ep rank {self.mesh.index('ep')} holds "
+                         f"experts [{self.mesh.index('ep') * self.ep.local}, "
+                         f"{(self.mesh.index('ep') + 1) * self.ep.local}) of {self.ep.experts}"
+                         f" per MoE layer; expert gradients reduced over "
+                         f"{self.mesh.size('edp')} rank(s)")
         lines.append(f"  tensor parallel {plan.tp}, sequence parallel {plan.sp}, "
                      f"recompute {plan.recompute}, zero {plan.zero}, "
                      f"overlap {'on' if plan.overlap else 'off'}")
@@ -175,6 +197,7 @@ class MeshEngine(Engine):
     # ---- forward / backward ----------------------------------------------------------
     def forward_backward(self, x_BT, y_BT, n_tokens_global: int) -> float:
         x_BT, y_BT, T = self._local(x_BT, y_BT)
+        set_moe_loss_scale(self.model, 1.0 / n_tokens_global)
         self.meter.reset()
         if self.runtime is None:
             self._micro += 1
@@ -204,6 +227,7 @@ class MeshEngine(Engine):
         counts = [(c.wire_bytes, c.payload_bytes, c.calls) for st in self.tp_states
                   for c in (st.blocks, st.edges)]  # evaluation traffic is not training's
         cp_counts = (self.cp.wire_bytes, self.cp.calls) if self.cp else None
+        ep_counts = (self.ep.wire_bytes, self.ep.calls) if self.ep else None
         try:
             x_BT, y_BT, T = self._local(x_BT, y_BT)
             if self.runtime is None:
@@ -214,6 +238,8 @@ class MeshEngine(Engine):
             self.model.train()
             if self.cp is not None:
                 self.cp.wire_bytes, self.cp.calls = cp_counts
+            if self.ep is not None:
+                self.ep.wire_bytes, self.ep.calls = ep_counts
             comms = [c for st in self.tp_states for c in (st.blocks, st.edges)]
             for c, (w, p, n) in zip(comms, counts, strict=True):
                 c.wire_bytes, c.payload_bytes, c.calls = w, p, n

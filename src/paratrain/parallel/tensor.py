@@ -206,13 +206,21 @@ def shard_block(block: nn.Module, comm: TPComm) -> None:
                              "choose a tp that divides n_heads and n_kv_heads")
         setattr(attn, name, ColumnParallelLinear(_rows(w, t, r), comm))
     attn.wo = RowParallelLinear(_cols(attn.wo.weight, t, r), comm)
+    block.attn_norm = RegionEntryNorm(block.attn_norm, comm)
+    if not hasattr(mlp, "w_gate"):
+        # an MoE MLP stays whole on every tp rank: it reads the replicated residual and
+        # its output is replicated, so neither the entry f nor the exit g is needed
+        # (the router runs on identical tokens; under ep each tp rank exchanges with its
+        # own ep group). Its parameters, and the norm before it, are tp-replicated.
+        for p in (*mlp.parameters(), block.mlp_norm.weight):
+            p.tp_replicated = True
+        return
     if mlp.w_gate.weight.shape[0] % t:
         raise ValueError(f"d_ff={mlp.w_gate.weight.shape[0]} is not divisible by tp={t}; "
                          "choose d_ff as a multiple of tp")
     mlp.w_gate = ColumnParallelLinear(_rows(mlp.w_gate.weight, t, r), comm)
     mlp.w_up = ColumnParallelLinear(_rows(mlp.w_up.weight, t, r), comm)
     mlp.w_down = RowParallelLinear(_cols(mlp.w_down.weight, t, r), comm)
-    block.attn_norm = RegionEntryNorm(block.attn_norm, comm)
     block.mlp_norm = RegionEntryNorm(block.mlp_norm, comm)
 
 

@@ -1,0 +1,218 @@
+"""Expert parallelism: an MoE layer's experts split over the mesh's ``ep`` group.
+
+The ep group is ep consecutive data-parallel ranks (:mod:`.mesh`); ep index j keeps
+experts [j E/ep, (j+1) E/ep) of every MoE layer and drops the others. Each rank routes
+its own tokens (the router is a dense parameter, replicated), sorts the assignments by
+expert (:func:`paratrain.model.sort_assignments`) and hands them to
+:class:`ExpertExchange`, which
+
+1. exchanges split sizes: an all-to-all of the (ep, E/ep) counts, so each rank learns
+   how many rows each source sends to each of its experts;
+2. sends the rows with ``all_to_all_single`` and variable input / output splits (rows
+   for rank r are contiguous: sorted by global expert, rank r's experts are adjacent);
+3. regroups the received rows by local expert (stable, so source order inside an expert),
+   runs every local expert (on zero rows if need be, so each has a gradient);
+4. sends the outputs back with the reverse all-to-all, in the order they came; the
+   model combines them with the router weights.
+
+Both all-to-alls are one autograd function whose backward is the reverse all-to-all of
+the gradient (:class:`_AllToAll`). Under TP the experts are replicated over the tp ranks
+(:func:`paratrain.parallel.tensor.shard_block` leaves an MoE MLP whole): each tp rank of
+an ep group routes identical tokens and runs the same exchange with its own tp index's
+ep group. The all-to-all is torch's ``all_to_all_single``, or with ``--collectives
+ours`` paratrain's pairwise exchange (p - 1 rounds of isend / irecv,
+:meth:`ExpertExchange._pairwise`); both send the same bytes.
+
+Gradients: dense parameters are reduced over dp (the usual :class:`.data_axis.DataAxis`),
+expert parameters (tagged ``expert = True``) by a second DataAxis over the ``edp`` group
+of the dp / ep ranks holding the same experts; :class:`SplitDataAxis` drives the two as
+one. Each expert parameter's square enters the global norm once: on edp rank 0 (or its
+ZeRO-1 shard's owner).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from paratrain.model import moe_modules
+from paratrain.parallel.ddp import DPCommStats
+
+
+class _AllToAll(torch.autograd.Function):
+    """Rows of ``x`` in ``in_splits`` to the group's ranks; receives ``out_splits``.
+    Backward: the gradient travels the reverse way."""
+
+    @staticmethod
+    def forward(ctx, x, out_splits, in_splits, ex):
+        ctx.splits, ctx.ex = (out_splits, in_splits), ex
+        return ex.all_to_all(x, out_splits, in_splits)
+
+    @staticmethod
+    def backward(ctx, g):
+        out_splits, in_splits = ctx.splits
+        return ctx.ex.all_to_all(g.contiguous(), in_splits, out_splits), None, None, None
+
+
+class ExpertExchange:
+    """The token dispatch and combine of every MoE layer of this rank (see the module
+    docstring); counts the bytes it sends to other ranks."""
+
+    def __init__(self, group, size: int, rank: int, experts: int,
+                 collectives: str = "native") -> None:
+        self.group, self.size, self.rank, self.experts = group, size, rank, experts
+        self.local = experts // size
+        self.ours = collectives == "ours"
+        self.peers = [dist.get_global_rank(group, i) for i in range(size)] if self.ours \
+            else []
+        self.wire_bytes = 0  # rows (and split sizes) sent to other ranks, fwd + bwd
+        self.calls = 0
+
+    def _pairwise(self, out: torch.Tensor, x: torch.Tensor, out_splits: list[int],
+                  in_splits: list[int]) -> None:
+        """paratrain's all-to-all (``--collectives ours``): p - 1 rounds; in round s
+        rank r sends its piece for r + s and receives the piece of r - s (mod p), with
+        isend / irecv; empty pieces are not sent (both ends know the sizes)."""
+        p, r = self.size, self.rank
+        o_in = [sum(in_splits[:i]) for i in range(p)]
+        o_out = [sum(out_splits[:i]) for i in range(p)]
+        out[o_out[r]:o_out[r] + out_splits[r]] = x[o_in[r]:o_in[r] + in_splits[r]]
+        for step in range(1, p):
+            dst, src = (r + step) % p, (r - step) % p
+            works = []
+            if in_splits[dst]:
+                works.append(dist.isend(x[o_in[dst]:o_in[dst] + in_splits[dst]].contiguous(),
+                                        dst=self.peers[dst], group=self.group))
+            if out_splits[src]:
+                buf = out[o_out[src]:o_out[src] + out_splits[src]]
+                works.append(dist.irecv(buf, src=self.peers[src], group=self.group))
+            for w in works:
+                w.wait()
+
+    def all_to_all(self, x: torch.Tensor, out_splits: list[int], in_splits: list[int]
+                   ) -> torch.Tensor:
+        out = x.new_empty((sum(out_splits), *x.shape[1:]))
+        if self.ours:
+            self._pairwise(out, x.contiguous(), out_splits, in_splits)
+        else:
+            dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits,
+                                   group=self.group)
+        row = math.prod(x.shape[1:]) * x.element_size()
+        self.wire_bytes += (sum(in_splits) - in_splits[self.rank]) * row
+        self.calls += 1
+        return out
+
+    def __call__(self, moe: nn.Module, x_SD: torch.Tensor, counts_E: torch.Tensor
+                 ) -> torch.Tensor:
+        ep, El = self.size, self.local
+        send = counts_E.view(ep, El).contiguous()  # row r: my rows for rank r's experts
+        recv = torch.empty_like(send)  # row r: rank r's rows for my experts
+        if self.ours:
+            self._pairwise(recv, send, [1] * ep, [1] * ep)
+        else:
+            dist.all_to_all_single(recv, send, group=self.group)
+        self.wire_bytes += (ep - 1) * El * send.element_size()
+        in_splits, out_splits = send.sum(1).tolist(), recv.sum(1).tolist()
+        x_RD = _AllToAll.apply(x_SD, out_splits, in_splits, self)
+        local = torch.arange(El, device=x_SD.device).repeat(ep)
+        which = local.repeat_interleave(recv.flatten())  # local expert of each row
+        perm = torch.argsort(which, stable=True)
+        y_sorted = moe.run_sorted(x_RD[perm], recv.sum(0))
+        y_RD = y_sorted[torch.argsort(perm)]
+        return _AllToAll.apply(y_RD, in_splits, out_splits, self)
+
+
+def is_expert(p: nn.Parameter) -> bool:
+    return getattr(p, "expert", False)
+
+
+def apply_expert_parallel(chunks: list[nn.Module], mesh, collectives: str = "native"
+                          ) -> ExpertExchange:
+    """Keep this ep rank's experts in every MoE layer of ``chunks``, tag their
+    parameters ``expert``, and route through one :class:`ExpertExchange`."""
+    ep, j = mesh.size("ep"), mesh.index("ep")
+    mods = [m for c in chunks for m in moe_modules(c)]
+    E = mods[0].num_experts if mods else ep
+    ex = ExpertExchange(mesh.group("ep"), ep, j, E, collectives)
+    lo, hi = j * ex.local, (j + 1) * ex.local
+    for m in mods:
+        m.experts = nn.ModuleList(list(m.experts)[lo:hi])
+        for p in m.experts.parameters():
+            p.expert = True
+        m.exchange = ex
+    return ex
+
+
+class SplitDataAxis:
+    """Two reducers driven as one: dense parameters over dp, experts over edp."""
+
+    def __init__(self, dense, expert) -> None:
+        self.dense, self.expert = dense, expert
+        self.parts = (dense, expert)
+        self.kind, self.opt = dense.kind, dense.opt
+
+    @property
+    def steps_done(self) -> int:
+        return self.dense.steps_done
+
+    def before_backward(self, last: bool) -> None:
+        for d in self.parts:
+            d.before_backward(last)
+
+    def after_backward(self) -> None:
+        for d in self.parts:
+            d.after_backward()
+
+    def chunk_done(self, c: int) -> None:
+        for d in self.parts:
+            d.chunk_done(c)
+
+    def finish(self) -> DPCommStats:
+        a, b = (d.finish() for d in self.parts)
+        return a.merge(b)
+
+    @torch.no_grad()
+    def local_sq(self) -> torch.Tensor:
+        return self.dense.local_sq() + self.expert.local_sq()
+
+    def scale(self, coef: float) -> None:
+        for d in self.parts:
+            d.scale(coef)
+
+    def step(self, lr: float) -> None:
+        for d in self.parts:
+            d.step(lr)
+
+    def state_dict(self) -> dict:
+        return {"dense": self.dense.state_dict(), "expert": self.expert.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.dense.load_state_dict(state["dense"])
+        self.expert.load_state_dict(state["expert"])
+
+    def state_tensors(self) -> dict[str, list[torch.Tensor]]:
+        out: dict[str, list[torch.Tensor]] = {}
+        for d in self.parts:
+            for k, v in d.state_tensors().items():
+                out.setdefault(k, []).extend(v)
+        return out
+
+    @property
+    def comm_buffer_peak(self) -> int:
+        return self.dense.comm_buffer_peak + self.expert.comm_buffer_peak
+
+    def describe(self) -> str:
+        return (f"dense parameters: {self.dense.describe()}\n"
+                f"expert parameters (over the expert-data-parallel group): "
+                f"{self.expert.describe()}")
+
+    def full_parameters(self) -> dict[int, torch.Tensor]:
+        return {**self.dense.full_parameters(), **self.expert.full_parameters()}
+
+    def report(self) -> dict:
+        out = self.dense.report()
+        out["expert"] = self.expert.report()
+        return out
