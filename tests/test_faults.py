@@ -142,6 +142,13 @@ def test_worker_error_reaches_the_launcher_once(tmp_path, text_file, reaper, npr
     assert "ChildFailedError" not in r.stderr
 
 
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_diverged_loss_is_one_error(tmp_path, text_file, reaper, nproc):
+    r = _run(["--nproc", str(nproc), *TINY, "--steps", "5", "--warmup-steps", "0", "--lr",
+              "1e30", "--data", text_file, "--run-dir", str(tmp_path / "r")], tmp_path)
+    _one_clean_error(r, "lower --lr")
+
+
 # ---- corrupt / truncated / missing rank files: every rank falls back together ------------
 @pytest.mark.parametrize("damage", ["flip", "truncate", "missing"])
 def test_damaged_newest_checkpoint_falls_back_with_a_warning(tmp_path, text_file, reaper,
@@ -216,3 +223,102 @@ def test_existing_run_dir_is_refused_and_resume_truncates(tmp_path, text_file):
     shutil.rmtree(ck / "step_000004")
     assert main([*base, "--steps", "5", "--resume"]) == 0
     assert _steps(run) == [0, 1, 2, 3, 4]
+
+
+# ---- bad input: one `error:` line, exit 2, before anything is launched -------------------
+def _toml(tmp_path, text):
+    p = tmp_path / "bad.toml"
+    p.write_text(text)
+    return ["--config", str(p)]
+
+
+def _fake_checkpoint(tmp_path, step, world):
+    d = tmp_path / "ck" / f"step_{step:06d}"
+    d.mkdir(parents=True)
+    (d / "meta.json").write_text(json.dumps({"step": step, "world_size": world}))
+    return ["--checkpoint-dir", str(tmp_path / "ck"), "--resume"]
+
+
+def _fifo(tmp_path):
+    p = tmp_path / "fifo"
+    os.mkfifo(p)
+    return ["--data", str(p)]
+
+
+def _empty_dir(tmp_path):
+    (tmp_path / "nothing").mkdir()
+    return ["--data", str(tmp_path / "nothing")]
+
+
+def _empty_file(tmp_path):
+    (tmp_path / "empty.txt").write_text("")
+    return ["--data", str(tmp_path / "empty.txt")]
+
+
+def _a_file(tmp_path):
+    (tmp_path / "afile").write_text("x")
+    return str(tmp_path / "afile")
+
+
+def _full_run_dir(tmp_path):
+    (tmp_path / "used").mkdir()
+    (tmp_path / "used" / "metrics.jsonl").write_text('{"step": 0}\n')
+    return ["--run-dir", str(tmp_path / "used")]
+
+
+BAD = {  # name: (args from tmp_path and nproc, fragment of the one error line)
+    "toml bool for int": (lambda t, n: _toml(t, "[model]\nn_layers = true\n"),
+                          "[model] n_layers (--layers) must be an integer, got a boolean"),
+    "toml string for float": (lambda t, n: _toml(t, '[train]\nlr = "fast"\n'),
+                              "[train] lr (--lr) must be a number, got a string"),
+    "toml float for int": (lambda t, n: _toml(t, "[train]\nsteps = 2.5\n"),
+                           "[train] steps (--steps) must be an integer"),
+    "toml string for bool": (lambda t, n: _toml(t, '[plan]\noverlap = "yes"\n'),
+                             "[plan] overlap (--overlap) must be true or false"),
+    "toml int for string": (lambda t, n: _toml(t, "[train]\ndtype = 64\n"),
+                            "[train] dtype (--dtype) must be a string"),
+    "toml inf": (lambda t, n: _toml(t, "[train]\nlr = inf\n"), "must be a finite number"),
+    "toml key without a flag": (lambda t, n: _toml(t, "[model]\nvocab_size = 0\n"),
+                                "set e.g. vocab_size = 4 in the TOML"),
+    "--lr inf": (lambda t, n: ["--lr", "inf"], "[train] lr (--lr) = inf must be a finite"),
+    "--lr nan": (lambda t, n: ["--lr", "nan"], "[train] lr (--lr) = nan must be a finite"),
+    "--bucket-mb inf": (lambda t, n: ["--bucket-mb", "inf"], "must be a finite number"),
+    "--layers 0 names --layers": (lambda t, n: ["--layers", "0"], "pass e.g. --layers 4"),
+    "--heads 0 names --heads": (lambda t, n: ["--heads", "0"], "pass e.g. --heads 4"),
+    "--data /proc/self/mem": (lambda t, n: ["--data", "/proc/self/mem"], "cannot be read"),
+    "--data a FIFO": (lambda t, n: _fifo(t), "is not a regular file or folder"),
+    "--data empty file": (lambda t, n: _empty_file(t), "holds no text"),
+    "--data empty folder": (lambda t, n: _empty_dir(t), "holds no text"),
+    "--run-dir under a file": (lambda t, n: ["--run-dir", _a_file(t) + "/run"],
+                               "is a file, not a directory"),
+    "--run-dir is a file": (lambda t, n: ["--run-dir", _a_file(t)], "is a file, not a dir"),
+    "--checkpoint-dir under a file": (lambda t, n: ["--checkpoint-dir", _a_file(t) + "/ck"],
+                                      "--checkpoint-dir"),
+    "--run-dir not empty": (lambda t, n: _full_run_dir(t), "already holds files"),
+    "--resume, empty dir": (lambda t, n: ["--checkpoint-dir", str(t), "--resume"],
+                            "no checkpoint found"),
+    "--resume, --steps at the checkpoint": (lambda t, n: _fake_checkpoint(t, 2, n),
+                                            "is at step 2 but --steps is 2"),
+    "--resume, other world size": (lambda t, n: _fake_checkpoint(t, 1, 3 - n),
+                                   f"resume with --nproc {3 - 0}"),
+}
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_input_is_one_error_line_before_launch(tmp_path, text_file, capsys, monkeypatch,
+                                                   case, nproc):
+    monkeypatch.chdir(tmp_path)  # a default runs/ would land here
+    make, fragment = BAD[case]
+    args = make(tmp_path, nproc)
+    if "--data" not in args:
+        args = [*args, "--data", text_file]
+    if case == "--resume, other world size":
+        fragment = f"resume with --nproc {3 - nproc}"
+    t0 = time.monotonic()
+    code = main(["train", "--nproc", str(nproc), *TINY, "--steps", "2", *args])
+    err = capsys.readouterr().err.strip()
+    assert code == 2, err
+    assert len(err.splitlines()) == 1 and err.startswith("error: ") and fragment in err, err
+    assert time.monotonic() - t0 < 5  # refused before any worker starts
+    assert not (tmp_path / "runs").exists()

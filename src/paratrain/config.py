@@ -253,6 +253,14 @@ def check_value(name: str, where: str, v: object, hint: object) -> None:
         _require(math.isfinite(v), f"{key} = {v!r} must be a finite number")
 
 
+def check_types(cls, values: dict, where: str) -> None:
+    """Every value of a TOML table has its field's type (even one a flag overrides)."""
+    hints = typing.get_type_hints(cls)
+    for name, v in values.items():
+        if name in hints:
+            check_value(name, where, v, hints[name])
+
+
 def build(cls, values: dict, where: str):
     """Construct a settings dataclass from a dict, rejecting unknown keys by name and
     values of the wrong type (a bool for an int, a string for a float...) by key."""
@@ -266,6 +274,7 @@ def build(cls, values: dict, where: str):
     values = dict(values)
     for name, v in values.items():
         check_value(name, where, v, hints[name])
+    for name, v in values.items():
         if isinstance(v, int) and float in (typing.get_args(hints[name]) or (hints[name],)):
             values[name] = float(v)  # lr = 3 in TOML is the number 3.0
     return cls(**values)

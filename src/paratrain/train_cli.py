@@ -26,7 +26,7 @@ from typing import Annotated
 import typer
 
 from paratrain import shutdown
-from paratrain.config import ModelConfig, TrainConfig, build, load_toml
+from paratrain.config import ModelConfig, TrainConfig, build, check_types, load_toml
 from paratrain.plan import ParallelPlan
 
 Opt = typer.Option
@@ -40,6 +40,8 @@ def resolve(config: str | None, model_flags: dict, train_flags: dict,
             plan_flags: dict, nproc: int) -> tuple[ModelConfig, TrainConfig, ParallelPlan]:
     """Defaults <- TOML tables <- explicit flags; validated, with dp inferred."""
     tables = load_toml(config) if config else {}
+    for cls, where in ((ModelConfig, "model"), (TrainConfig, "train"), (ParallelPlan, "plan")):
+        check_types(cls, tables.get(where, {}), where)
     mcfg = build(ModelConfig, {**tables.get("model", {}), **_pick(model_flags)}, "model")
     tcfg = build(TrainConfig, {**tables.get("train", {}), **_pick(train_flags)}, "train")
     pvals = {**tables.get("plan", {}), **_pick(plan_flags)}
