@@ -326,3 +326,35 @@ def test_bad_input_is_one_error_line_before_launch(tmp_path, text_file, capsys, 
     assert len(err.splitlines()) == 1 and err.startswith("error: ") and fragment in err, err
     assert time.monotonic() - t0 < 5  # refused before any worker starts
     assert not (tmp_path / "runs").exists()
+
+
+def test_messages_name_only_flags_that_exist():
+    """Every --flag written in the sources is a real flag of some command (or torchrun's)."""
+    import re
+
+    from typer.main import get_command
+
+    from paratrain.cli import app
+
+    flags = {"--nproc-per-node", "--standalone", "--field-name"}  # torchrun's; a comment
+
+    def walk(cmd):
+        for p in getattr(cmd, "params", []):
+            flags.update(p.opts + p.secondary_opts)
+        for sub in getattr(cmd, "commands", {}).values():
+            walk(sub)
+
+    walk(get_command(app))
+    src = Path(__file__).parents[1] / "src" / "paratrain"
+    unknown = {(m, f.name) for f in src.rglob("*.py")
+               for m in re.findall(r"--[a-z][a-z0-9-]*", f.read_text()) if m not in flags}
+    assert not unknown
+
+
+def test_default_run_dir_in_a_read_only_place_is_one_error(tmp_path, text_file, capsys,
+                                                           monkeypatch):
+    (tmp_path / "runs").write_text("a file where runs/ would go")
+    monkeypatch.chdir(tmp_path)
+    code = main(["train", "--nproc", "1", *TINY, "--steps", "2", "--data", text_file])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and "cannot create the run dir" in err, err

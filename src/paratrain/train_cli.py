@@ -131,6 +131,9 @@ def new_run_dir() -> str:
             return str(p)
         except FileExistsError:
             continue
+        except OSError as e:
+            raise ValueError(f"cannot create the run directory {str(p)!r} ({e.strerror}); "
+                             "pass a writable --run-dir") from None
     raise ValueError(f"cannot create a fresh run directory beside {str(base)!r}; pass --run-dir")
 
 
