@@ -168,12 +168,18 @@ def _kill(pids, sig) -> None:
             pass
 
 
-GRACE_S = 7.0  # after a forwarded signal: time to finish the step and checkpoint
+def grace_s() -> float:
+    """After a forwarded signal: time to finish the step and checkpoint before SIGKILL
+    (``PARATRAIN_GRACE_S``, default 7 s; raise it when one step takes longer)."""
+    try:
+        return float(os.environ.get("PARATRAIN_GRACE_S", "7"))
+    except ValueError:
+        return 7.0
 
 
 def launch(cmd: list[str], run_dir: str) -> int:
     """Run torchrun; forward SIGINT/SIGTERM to it and its workers (SIGKILL after
-    ``GRACE_S`` or on a second signal); relay the first worker's user error once."""
+    ``grace_s()`` or on a second signal); relay the first worker's user error once."""
     (Path(run_dir) / shutdown.FAILURE_FILE).unlink(missing_ok=True)
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, start_new_session=True,
                             preexec_fn=shutdown.set_pdeathsig if sys.platform == "linux" else None)
@@ -190,6 +196,7 @@ def launch(cmd: list[str], run_dir: str) -> int:
     reader = threading.Thread(target=relay, daemon=True)
     reader.start()
     got: list[tuple[int, float]] = []
+    grace = grace_s()
     seen: set[int] = set()
 
     def forward(signum, frame) -> None:
@@ -207,7 +214,7 @@ def launch(cmd: list[str], run_dir: str) -> int:
                 rc = proc.wait(timeout=0.2)
                 break
             except subprocess.TimeoutExpired:
-                if got and time.monotonic() - got[0][1] > GRACE_S:
+                if got and time.monotonic() - got[0][1] > grace:
                     seen.update(_descendants(proc.pid))
                     _kill([proc.pid, *seen], signal.SIGKILL)
     finally:
