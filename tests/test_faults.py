@@ -124,6 +124,17 @@ def test_signal_to_launcher_leaves_no_process_and_checkpoints(tmp_path, text_fil
     assert steps == list(range(stopped_at))  # every finished step logged, each once
     assert (ck / f"step_{stopped_at:06d}" / "meta.json").is_file()
     assert "Traceback" not in (tmp_path / "err").read_text()
+    if (nproc, sig) == (2, signal.SIGTERM):  # preempted, resumed: nothing lost or repeated
+        common = ["--nproc", "2", *TINY, "--steps", str(stopped_at + 2), "--data", text_file]
+        r = _run([*common, "--run-dir", str(run), "--checkpoint-dir", str(ck), "--resume"],
+                 tmp_path)
+        assert r.returncode == 0, r.stderr[-3000:]
+        ref = _run([*common, "--run-dir", str(tmp_path / "ref")], tmp_path)
+        assert ref.returncode == 0, ref.stderr[-3000:]
+        assert _steps(run) == list(range(stopped_at + 2))
+        losses = [[json.loads(x)["loss"] for x in (d / "metrics.jsonl").read_text().splitlines()]
+                  for d in (run, tmp_path / "ref")]
+        assert losses[0] == losses[1]
 
 
 # ---- a worker's user error: once, exit 2, no torchrun traceback --------------------------
