@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     """Console entry point. Returns (and exits with) the command's exit code."""
     try:
         rv = app(args=argv, standalone_mode=False)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, FloatingPointError) as e:
         print(f"error: {e}", file=sys.stderr)
         code = 2
     except (typer.Exit, typer.Abort, Exception) as e:

@@ -8,7 +8,9 @@ that names the value and the fix; the CLI turns that into exit code 2.
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,6 +26,24 @@ ATTENTION = ("sdpa", "eager")
 def _require(ok: bool, msg: str) -> None:
     if not ok:
         raise ValueError(msg)
+
+
+# Field names whose `paratrain train` flag is not simply --field-name (None: TOML only).
+_FLAGS = {"n_layers": "--layers", "n_heads": "--heads", "n_kv_heads": "--kv-heads",
+          "vocab_size": None, "norm_eps": None, "rope_theta": None, "min_lr_ratio": None,
+          "weight_decay": None, "beta1": None, "beta2": None, "grad_clip": None,
+          "eval_batches": None, "val_fraction": None, "ep": None}
+
+
+def flag_for(name: str) -> str | None:
+    """The `paratrain train` flag that sets field ``name`` (None: only a TOML key)."""
+    return _FLAGS.get(name, "--" + name.replace("_", "-"))
+
+
+def pass_hint(name: str, example: object) -> str:
+    """'pass e.g. --layers 4', or 'set e.g. vocab_size = 4 in the TOML' (no such flag)."""
+    flag = flag_for(name)
+    return f"pass e.g. {flag} {example}" if flag else f"set e.g. {name} = {example} in the TOML"
 
 
 @dataclass(frozen=True)
@@ -65,7 +85,7 @@ class ModelConfig:
             v = getattr(self, name)
             _require(
                 isinstance(v, int) and v > 0,
-                f"{name}={v!r} must be a positive integer; pass e.g. --{name.replace('_', '-')} 4",
+                f"{name}={v!r} must be a positive integer; {pass_hint(name, 4)}",
             )
         _require(
             self.d_model % self.n_heads == 0,
@@ -282,12 +302,57 @@ def load_toml(path: str | Path) -> dict:
     return data
 
 
+_TYPE_WORDS = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
+
+
+def _type_word(v: object) -> str:
+    if isinstance(v, bool):  # before int: True is an int in Python
+        return f"a boolean ({str(v).lower()})"
+    for t in (int, float, str):
+        if isinstance(v, t):
+            return f"{_TYPE_WORDS[t]} ({v!r})"
+    return f"a {type(v).__name__} ({v!r})"
+
+
+def check_value(name: str, where: str, v: object, hint: object) -> None:
+    """``v`` is of the field's type ``hint`` (int, float, str, bool, or X | None) and finite;
+    else one ValueError naming the key, the flag and the expected type."""
+    args = typing.get_args(hint) or (hint,)
+    if v is None and type(None) in args:
+        return
+    want = next(t for t in args if t is not type(None))
+    flag = flag_for(name)
+    key = f"[{where}] {name}" + (f" ({flag})" if flag else "")
+    ok = {int: isinstance(v, int) and not isinstance(v, bool),
+          float: isinstance(v, (int, float)) and not isinstance(v, bool),
+          bool: isinstance(v, bool), str: isinstance(v, str)}[want]
+    _require(ok, f"{key} must be {_TYPE_WORDS[want]}, got {_type_word(v)}")
+    if want is float:
+        _require(math.isfinite(v), f"{key} = {v!r} must be a finite number")
+
+
+def check_types(cls, values: dict, where: str) -> None:
+    """Every value of a TOML table has its field's type (even one a flag overrides)."""
+    hints = typing.get_type_hints(cls)
+    for name, v in values.items():
+        if name in hints:
+            check_value(name, where, v, hints[name])
+
+
 def build(cls, values: dict, where: str):
-    """Construct a settings dataclass from a dict, rejecting unknown keys by name."""
+    """Construct a settings dataclass from a dict, rejecting unknown keys by name and
+    values of the wrong type (a bool for an int, a string for a float...) by key."""
+    hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = set(values) - names
     _require(
         not unknown,
         f"unknown key(s) {sorted(unknown)} in [{where}]; known keys: {', '.join(sorted(names))}",
     )
+    values = dict(values)
+    for name, v in values.items():
+        check_value(name, where, v, hints[name])
+    for name, v in values.items():
+        if isinstance(v, int) and float in (typing.get_args(hints[name]) or (hints[name],)):
+            values[name] = float(v)  # lr = 3 in TOML is the number 3.0
     return cls(**values)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from paratrain.config import ModelConfig
+from paratrain.config import ModelConfig, pass_hint
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 RECOMPUTE = ("none", "selective", "full")
@@ -53,7 +53,7 @@ class ParallelPlan:
             v = getattr(self, name)
             _require(
                 isinstance(v, int) and v >= 1,
-                f"{name}={v!r} must be an integer >= 1; pass e.g. --{name.replace('_', '-')} 1",
+                f"{name}={v!r} must be an integer >= 1; {pass_hint(name, 1)}",
             )
         _require(self.zero in (0, 1, 2, 3), f"zero={self.zero!r} must be 0, 1, 2 or 3")
         _require(

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from paratrain import checkpoint
+from paratrain import checkpoint, shutdown
 from paratrain.config import ModelConfig, TrainConfig
 from paratrain.data import Corpus
 from paratrain.model import Decoder, take_moe_stats
@@ -59,12 +59,16 @@ def build_model(cfg: ModelConfig, tcfg: TrainConfig, device: torch.device) -> De
 class _Log:
     """Rank 0's outputs: the JSONL of steps, the progress bar, the summary."""
 
-    def __init__(self, run_dir: Path | None, active: bool, quiet: bool, total: int) -> None:
+    def __init__(self, run_dir: Path | None, active: bool, quiet: bool, total: int,
+                 start: int = 0) -> None:
         self.active = active
         self.file = None
         if active and run_dir is not None:
             run_dir.mkdir(parents=True, exist_ok=True)
-            self.file = (run_dir / "metrics.jsonl").open("a")
+            path = run_dir / "metrics.jsonl"
+            keep = _records_before(path, start) if start else ""
+            checkpoint._atomic_write_bytes(path, keep.encode())  # resumed: no duplicates
+            self.file = path.open("a")
         self.progress = None
         if active and not quiet:
             from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
@@ -87,6 +91,34 @@ class _Log:
             self.progress.stop()
         if self.file is not None:
             self.file.close()
+
+
+def _records_before(path: Path, start: int) -> str:
+    """The lines of a metrics file whose step is below ``start`` (a resumed run rewrites
+    the steps after its checkpoint, so the file's steps stay strictly increasing)."""
+    if not path.is_file():
+        return ""
+    keep = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line)["step"] < start:
+                keep.append(line + "\n")
+        except (ValueError, KeyError, TypeError):  # a torn last line from a killed run
+            continue
+    return "".join(keep)
+
+
+def _stop_agreed(world: int, device: torch.device) -> int:
+    """The stop signal every rank agrees on (max over ranks; 0 = go on). Only when the
+    worker installed the handlers (library callers pay no extra collective)."""
+    if not shutdown.installed():
+        return 0
+    sig = shutdown.requested()
+    if world > 1:
+        t = torch.tensor([sig], dtype=torch.int32, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        sig = int(t.item())
+    return sig
 
 
 def evaluate(engine, corpus: Corpus, tcfg: TrainConfig, ctx: int) -> float:
@@ -160,11 +192,16 @@ def train(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan | None = None
     if opts.resume:
         if not opts.checkpoint_dir:
             raise ValueError("--resume needs --checkpoint-dir DIR to resume from")
-        start, state = checkpoint.load(opts.checkpoint_dir, rank, world, expect=meta)
+        start, state = checkpoint.load(opts.checkpoint_dir, rank, world, expect=meta,
+                                       device=device)
         engine.load_state_dict(state)
+        if start >= tcfg.steps:
+            raise ValueError(f"the checkpoint in {opts.checkpoint_dir!r} is at step {start} "
+                             f"but --steps is {tcfg.steps}; pass --steps above {start} to "
+                             "train further")
 
     run_dir = Path(opts.run_dir) if opts.run_dir else None
-    log = _Log(run_dir, rank == 0, opts.quiet, tcfg.steps)
+    log = _Log(run_dir, rank == 0, opts.quiet, tcfg.steps, start)
     peak = matmul_peak_flops(working_dtype(tcfg)) \
         if opts.measure_peak and rank == 0 else float("nan")
     tokens = tcfg.global_batch * mcfg.context
@@ -221,9 +258,14 @@ def train(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan | None = None
         log.step(rec, step + 1, f"loss {loss:.4f} | {tokens / dt:,.0f} tok/s | "
                  f"MFU {100 * rec['mfu']:.1f}%")
         every = tcfg.checkpoint_every
-        if opts.checkpoint_dir and ((every and (step + 1) % every == 0) or last):
+        sig = _stop_agreed(world, device)
+        if opts.checkpoint_dir and ((every and (step + 1) % every == 0) or last or sig):
             checkpoint.save(opts.checkpoint_dir, step + 1, engine.state_dict(),
                             meta, rank, world)
+        if sig and not last:
+            log.close()
+            raise shutdown.Stopped(sig, step + 1, str(checkpoint.step_dir(
+                opts.checkpoint_dir, step + 1)) if opts.checkpoint_dir else None)
     log.close()
 
     skip = 1 if len(times) > 1 else 0  # the first step pays warm-up costs

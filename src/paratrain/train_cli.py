@@ -14,15 +14,19 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import signal
+import stat
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from paratrain.config import ModelConfig, TrainConfig, build, load_toml
+from paratrain import shutdown
+from paratrain.config import ModelConfig, TrainConfig, build, check_types, load_toml
 from paratrain.plan import ParallelPlan
 
 Opt = typer.Option
@@ -36,6 +40,8 @@ def resolve(config: str | None, model_flags: dict, train_flags: dict,
             plan_flags: dict, nproc: int) -> tuple[ModelConfig, TrainConfig, ParallelPlan]:
     """Defaults <- TOML tables <- explicit flags; validated, with dp inferred."""
     tables = load_toml(config) if config else {}
+    for cls, where in ((ModelConfig, "model"), (TrainConfig, "train"), (ParallelPlan, "plan")):
+        check_types(cls, tables.get(where, {}), where)
     mcfg = build(ModelConfig, {**tables.get("model", {}), **_pick(model_flags)}, "model")
     tcfg = build(TrainConfig, {**tables.get("train", {}), **_pick(train_flags)}, "train")
     pvals = {**tables.get("plan", {}), **_pick(plan_flags)}
@@ -47,6 +53,189 @@ def resolve(config: str | None, model_flags: dict, train_flags: dict,
         pvals["dp"] = nproc // denom
     plan = build(ParallelPlan, pvals, "plan")
     return mcfg, tcfg, plan
+
+
+# ---- checks before anything is launched -------------------------------------------------
+def check_data(path: str) -> None:
+    """``--data`` exists, is a regular file or a folder of them, can be read, holds bytes."""
+    p = Path(path)
+    if not p.exists():
+        raise ValueError(f"data path {path!r} does not exist; pass an existing file or folder "
+                         "to --data, or omit it to use the standard library")
+    try:
+        files = sorted(f for f in p.rglob("*") if f.is_file()) if p.is_dir() else [p]
+        if p.is_dir():
+            os.listdir(p)
+    except OSError as e:
+        raise ValueError(f"data folder {path!r} cannot be read ({e.strerror}); pass a "
+                         "readable --data") from None
+    size = 0
+    for f in files:
+        mode = f.stat().st_mode
+        if not stat.S_ISREG(mode):  # a FIFO would block the read; a device never ends
+            raise ValueError(f"data path {str(f)!r} is not a regular file or folder; pass a "
+                             "text file or folder to --data")
+        try:
+            with f.open("rb") as fh:
+                fh.read(1)
+        except OSError as e:
+            raise ValueError(f"data file {str(f)!r} cannot be read ({e.strerror}); pass a "
+                             "readable --data") from None
+        size += f.stat().st_size
+    if size == 0:
+        raise ValueError(f"data path {path!r} holds no text; point --data at a non-empty "
+                         "text file or folder")
+
+
+def check_output_dir(flag: str, path: str) -> None:
+    """``path`` is, or can be created as, a writable directory (checked, not created)."""
+    p = Path(path).absolute()
+    if p.exists() and not p.is_dir():
+        raise ValueError(f"{flag} {path!r} is a file, not a directory; pass a directory path")
+    a = p
+    while not a.exists():
+        a = a.parent
+    if not a.is_dir():
+        raise ValueError(f"{flag} {path!r} cannot be created: {str(a)!r} is a file, not a "
+                         "directory; pass another path")
+    if not os.access(a, os.W_OK | os.X_OK):
+        raise ValueError(f"{flag} {path!r} is not writable ({str(a)!r}); pass a writable path")
+
+
+def check_resume(checkpoint_dir: str, steps: int, nproc: int) -> None:
+    """A checkpoint exists, is below ``--steps`` and has this world size (the settings
+    themselves are compared by the workers, against the checkpoint's meta.json)."""
+    from paratrain import checkpoint
+
+    meta = checkpoint.peek(checkpoint_dir)
+    if meta is None:
+        raise ValueError(f"no checkpoint found in {checkpoint_dir!r}; run without --resume "
+                         "first, or point --checkpoint-dir at a directory that has one")
+    if meta.get("world_size") != nproc:
+        raise ValueError(f"the checkpoint in {checkpoint_dir!r} was written by "
+                         f"{meta.get('world_size')} processes but this run has {nproc}; "
+                         f"resume with --nproc {meta.get('world_size')}")
+    if meta.get("step", 0) >= steps:
+        raise ValueError(f"the checkpoint in {checkpoint_dir!r} is at step {meta.get('step')} "
+                         f"but --steps is {steps}; pass --steps above {meta.get('step')} to "
+                         "train further")
+
+
+def new_run_dir() -> str:
+    """runs/<time>-<pid>[-k]: created here, so two runs never share one."""
+    base = Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    for k in range(1000):
+        p = base if k == 0 else base.with_name(f"{base.name}-{k}")
+        try:
+            p.mkdir(parents=True)
+            return str(p)
+        except FileExistsError:
+            continue
+        except OSError as e:
+            raise ValueError(f"cannot create the run directory {str(p)!r} ({e.strerror}); "
+                             "pass a writable --run-dir") from None
+    raise ValueError(f"cannot create a fresh run directory beside {str(base)!r}; pass --run-dir")
+
+
+# ---- the launcher: torchrun in its own session, signals forwarded, errors once ------------
+def _children() -> dict[int, int]:
+    """pid -> parent pid of every process (Linux /proc)."""
+    out = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+                out[int(d.name)] = int(fields[1])
+            except (OSError, IndexError, ValueError):
+                continue
+    return out
+
+
+def _descendants(pid: int) -> set[int]:
+    parents = _children()
+    found, frontier = set(), {pid}
+    while frontier:
+        frontier = {c for c, pp in parents.items() if pp in frontier and c not in found}
+        found |= frontier
+    return found
+
+
+def _kill(pids, sig) -> None:
+    for p in pids:
+        try:
+            os.kill(p, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def grace_s() -> float:
+    """After a forwarded signal: time to finish the step and checkpoint before SIGKILL
+    (``PARATRAIN_GRACE_S``, default 7 s; raise it when one step takes longer)."""
+    try:
+        return float(os.environ.get("PARATRAIN_GRACE_S", "7"))
+    except ValueError:
+        return 7.0
+
+
+def launch(cmd: list[str], run_dir: str) -> int:
+    """Run torchrun; forward SIGINT/SIGTERM to it and its workers (SIGKILL after
+    ``grace_s()`` or on a second signal); relay the first worker's user error once."""
+    (Path(run_dir) / shutdown.FAILURE_FILE).unlink(missing_ok=True)
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, start_new_session=True,
+                            preexec_fn=shutdown.set_pdeathsig if sys.platform == "linux" else None)
+    held: list[bytes] = []
+
+    def relay() -> None:  # our own warnings now; torchrun's noise only if it matters
+        for line in iter(proc.stderr.readline, b""):
+            if line.startswith(b"warning:"):
+                sys.stderr.buffer.write(line)
+                sys.stderr.flush()
+            else:
+                held.append(line)
+
+    reader = threading.Thread(target=relay, daemon=True)
+    reader.start()
+    got: list[tuple[int, float]] = []
+    grace = grace_s()
+    seen: set[int] = set()
+
+    def forward(signum, frame) -> None:
+        seen.update(_descendants(proc.pid))
+        if got:  # a second signal: stop now
+            _kill([proc.pid, *seen], signal.SIGKILL)
+            return
+        got.append((signum, time.monotonic()))
+        _kill([proc.pid, *seen], signum)
+
+    old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        while True:
+            try:
+                rc = proc.wait(timeout=0.2)
+                break
+            except subprocess.TimeoutExpired:
+                if got and time.monotonic() - got[0][1] > grace:
+                    seen.update(_descendants(proc.pid))
+                    _kill([proc.pid, *seen], signal.SIGKILL)
+    finally:
+        signal.signal(signal.SIGINT, old[signal.SIGINT])
+        signal.signal(signal.SIGTERM, old[signal.SIGTERM])
+        left = [p for p in seen if Path(f"/proc/{p}").exists()]
+        deadline = time.monotonic() + 2.0
+        while left and time.monotonic() < deadline:
+            time.sleep(0.05)
+            left = [p for p in left if Path(f"/proc/{p}").exists()]
+        _kill(left, signal.SIGKILL)  # nothing outlives the launcher
+        reader.join(timeout=5.0)
+    if got:
+        return 128 + got[0][0]
+    failure = shutdown.read_failure(run_dir)
+    if rc != 0 and failure:
+        print(f"error: {failure}", file=sys.stderr)
+        return 2
+    sys.stderr.buffer.write(b"".join(held))
+    sys.stderr.flush()
+    return rc
 
 
 def register(app: typer.Typer) -> None:
@@ -83,7 +272,8 @@ def register(app: typer.Typer) -> None:
                                                 )] = None,
         eval_every: Annotated[int | None, Opt(help="Validate every K steps.")] = None,
         data: Annotated[str | None, Opt(help="Text file or folder (default: stdlib).")] = None,
-        run_dir: Annotated[str | None, Opt(help="Metrics dir (default runs/<time>).")] = None,
+        run_dir: Annotated[str | None, Opt(help="Metrics dir, new or empty unless --resume "
+                                               "(default runs/<time>-<pid>).")] = None,
         checkpoint_dir: Annotated[str | None, Opt(help="Checkpoint directory.")] = None,
         checkpoint_every: Annotated[int | None, Opt(help="Checkpoint every K steps.")] = None,
         resume: Annotated[bool, Opt(help="Resume from --checkpoint-dir.")] = False,
@@ -136,12 +326,28 @@ def register(app: typer.Typer) -> None:
         plan.check_runtime(mcfg)
         if simulate_workers > 1 and nproc > 1:
             raise ValueError("--simulate-workers runs in one process; add --nproc 1")
-        if tcfg.data is not None and not Path(tcfg.data).exists():
-            raise ValueError(f"data path {tcfg.data!r} does not exist; pass an existing file "
-                             "or folder to --data, or omit it to use the standard library")
+        if tcfg.data is not None:
+            check_data(tcfg.data)
         if resume and not checkpoint_dir:
             raise ValueError("--resume needs --checkpoint-dir DIR to resume from")
-        run_dir = run_dir or str(Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
+        lead = not in_torchrun or os.environ.get("RANK") == "0"  # checks once
+        if run_dir is not None:
+            check_output_dir("--run-dir", run_dir)
+            if lead and not resume and Path(run_dir).is_dir() and any(Path(run_dir).iterdir()):
+                raise ValueError(f"--run-dir {run_dir!r} already holds files (an earlier run?); "
+                                 "pass a new or empty directory, omit --run-dir for a fresh "
+                                 "one, or add --resume to continue into it")
+        if checkpoint_dir is not None:
+            check_output_dir("--checkpoint-dir", checkpoint_dir)
+        if resume and lead:
+            check_resume(checkpoint_dir, tcfg.steps, nproc)
+        if run_dir is None:
+            if in_torchrun:  # every rank must name the same directory: torchrun's run id
+                rid = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+                rid = rid if rid != "none" else os.environ.get("MASTER_PORT", "0")
+                run_dir = str(Path("runs") / f"torchrun-{rid}")
+            else:
+                run_dir = new_run_dir()
         spec = {"model": dataclasses.asdict(mcfg), "train": dataclasses.asdict(tcfg),
                 "plan": dataclasses.asdict(plan),
                 "opts": dict(run_dir=run_dir, checkpoint_dir=checkpoint_dir, resume=resume,
@@ -153,15 +359,19 @@ def register(app: typer.Typer) -> None:
         if nproc == 1:
             from paratrain.worker import run_local
 
-            run_local(spec)
+            try:
+                run_local(spec)
+            except shutdown.Stopped as e:
+                print(e, flush=True)
+                raise typer.Exit(e.exit_code) from None
             return
         Path(run_dir).mkdir(parents=True, exist_ok=True)
         spec_path = Path(run_dir) / "run.json"
-        spec_path.write_text(json.dumps(spec, indent=1))
+        spec_path.write_text(json.dumps({**spec, "failure_file": True}, indent=1))
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc-per-node={nproc}", "-m", "paratrain.worker", str(spec_path)]
         if not quiet:
             print(f"launching {nproc} workers: {' '.join(cmd[1:])}", flush=True)
-        rc = subprocess.call(cmd)
+        rc = launch(cmd, run_dir)
         if rc != 0:
             raise typer.Exit(rc)

@@ -12,6 +12,7 @@ import traceback
 
 import torch
 
+from paratrain import shutdown
 from paratrain.config import ModelConfig, TrainConfig
 from paratrain.plan import ParallelPlan
 
@@ -58,12 +59,17 @@ def print_summary(s: dict, run_dir: str | None) -> None:
 
 
 def run_local(spec: dict) -> dict:
-    """One process, no process group (``--nproc 1``)."""
+    """One process, no process group (``--nproc 1``). SIGTERM / SIGINT stop it after the
+    current step (with a checkpoint); :class:`paratrain.shutdown.Stopped` is raised."""
     from paratrain.train import train
 
     mcfg, tcfg, plan, opts = _parse(spec)
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    summary = train(mcfg, tcfg, plan, opts, device)
+    old = shutdown.install(escalate=True)
+    try:
+        summary = train(mcfg, tcfg, plan, opts, device)
+    finally:
+        shutdown.uninstall(old)
     if not opts.quiet:
         print_summary(summary, opts.run_dir)
     return summary
@@ -75,15 +81,27 @@ def run_worker(spec: dict) -> None:
     from paratrain.train import train
 
     torch.set_num_threads(1)
-    code = 0
+    shutdown.install()
+    if spec.get("failure_file"):  # under our launcher: never outlive torchrun
+        shutdown.set_pdeathsig()
+    code, rank = 0, -1
     try:
         mcfg, tcfg, plan, opts = _parse(spec)
         rank, _, device = init_from_env()
         summary = train(mcfg, tcfg, plan, opts, device)
         if rank == 0 and not opts.quiet:
             print_summary(summary, opts.run_dir)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
+    except shutdown.Stopped as e:
+        if rank == 0:
+            print(e, flush=True)
+        code = e.exit_code
+    except (ValueError, FloatingPointError) as e:
+        # Under `paratrain train --nproc N` the launcher prints the first rank's message
+        # once; under torchrun directly every failing rank says it.
+        if spec.get("failure_file") and spec["opts"].get("run_dir"):
+            shutdown.write_failure(spec["opts"]["run_dir"], str(e))
+        else:
+            print(f"error: {e}", file=sys.stderr)
         code = 2
     except Exception:
         traceback.print_exc()

@@ -1,0 +1,99 @@
+"""Stopping on a signal, and reporting a worker's user error to the launcher.
+
+- :func:`install` makes SIGTERM and SIGINT set a flag instead of killing the process;
+  the training loop reads it once per step (:func:`requested`), agrees on it across
+  ranks with a one-element all-reduce, finishes that step, writes a checkpoint (when
+  ``--checkpoint-dir`` is set) and raises :class:`Stopped`. With ``escalate`` (one
+  process, the user's own) a second signal of the same kind ends it at once; workers
+  do not escalate, since torchrun forwards the launcher's signal once more.
+- :func:`write_failure` / :func:`read_failure`: a worker's ``error: ...`` line travels
+  to the launcher in ``RUN_DIR/failure.txt`` (the first rank to fail creates it; the
+  others find it there), so the launcher prints it once and exits 2.
+
+No torch import: the launcher uses this module too.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from pathlib import Path
+
+FAILURE_FILE = "failure.txt"
+_state = {"signum": 0, "installed": False, "escalate": False}
+
+
+class Stopped(Exception):
+    """The run stopped early on a signal (after a complete step and its checkpoint)."""
+
+    def __init__(self, signum: int, step: int, checkpoint: str | None) -> None:
+        self.signum, self.step, self.checkpoint = signum, step, checkpoint
+        where = f"; checkpoint {checkpoint}" if checkpoint else " (no --checkpoint-dir)"
+        super().__init__(f"stopped by {signal.Signals(signum).name} after step {step}{where}")
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum
+
+
+def _handler(signum, frame) -> None:
+    if _state["escalate"] and _state["signum"] == signum:  # asked twice: stop now
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+        return
+    _state["signum"] = signum
+
+
+def install(escalate: bool = False) -> dict:
+    """Turn SIGTERM / SIGINT into a stop request read by the training loop; returns the
+    previous handlers for :func:`uninstall`."""
+    old = {sig: signal.signal(sig, _handler) for sig in (signal.SIGTERM, signal.SIGINT)}
+    _state.update(signum=0, installed=True, escalate=escalate)
+    return old
+
+
+def uninstall(old: dict) -> None:
+    for sig, h in old.items():
+        signal.signal(sig, h)
+    _state.update(signum=0, installed=False)
+
+
+def installed() -> bool:
+    return _state["installed"]
+
+
+def requested() -> int:
+    """The signal number asked to stop (0: none)."""
+    return _state["signum"]
+
+
+def write_failure(run_dir: str | Path, message: str) -> None:
+    """Record ``message`` as the run's failure unless another rank already did."""
+    path = Path(run_dir) / FAILURE_FILE
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except OSError:  # another rank was first (or the directory is gone)
+        return
+    with os.fdopen(fd, "w") as f:
+        f.write(message.strip().splitlines()[0] if message.strip() else "unknown error")
+
+
+def read_failure(run_dir: str | Path) -> str | None:
+    path = Path(run_dir) / FAILURE_FILE
+    try:
+        return path.read_text().strip() or None
+    except OSError:
+        return None
+
+
+def set_pdeathsig() -> None:
+    """Get SIGTERM when the parent process dies, even by SIGKILL (Linux; else nothing)."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except Exception:
+        pass
