@@ -32,7 +32,7 @@ def _require(ok: bool, msg: str) -> None:
 _FLAGS = {"n_layers": "--layers", "n_heads": "--heads", "n_kv_heads": "--kv-heads",
           "vocab_size": None, "norm_eps": None, "rope_theta": None, "min_lr_ratio": None,
           "weight_decay": None, "beta1": None, "beta2": None, "grad_clip": None,
-          "eval_batches": None, "val_fraction": None, "ep": None}
+          "eval_batches": None, "val_fraction": None}
 
 
 def flag_for(name: str) -> str | None:
