@@ -179,8 +179,10 @@ class DataAxis:
 
     # ---- the update ------------------------------------------------------------------
     @torch.no_grad()
-    def local_sq(self) -> torch.Tensor:
-        """Squares of the gradient this rank owns (float64, CPU), counted once."""
+    def local_sq(self, every_replica: bool = False) -> torch.Tensor:
+        """Squares of the gradient this rank owns (float64, CPU), counted once; with
+        ``every_replica`` each data replica counts its (identical, replicated) gradients,
+        for a caller that will not sum over the dp axis."""
         if self.kind == "zero":
             self.zo.adam.bind_grads()
             return self.zo.adam.local_sq()
@@ -188,7 +190,7 @@ class DataAxis:
             self.fs.prepare_step()
             return self.fs.adam.local_sq()
         sq = torch.zeros((), dtype=torch.float64)
-        if self.dp_rank == 0:  # replicated gradients: one data replica counts them
+        if self.dp_rank == 0 or every_replica:  # replicated: one data replica counts them
             for p in self.params:
                 g = grad_of(p)
                 if g is not None and self.counted(p):

@@ -89,6 +89,7 @@ class ActivationMeter:
         self.live: dict = {}
         self.current = 0
         self.peak = 0
+        self.active = True  # False: recording() measures nothing (and costs nothing)
         self.states: dict[str, int] | None = None
 
     @property
@@ -105,6 +106,8 @@ class ActivationMeter:
         self.states = measure_states(engine)
 
     def recording(self, key):
+        if not self.active:
+            return contextlib.nullcontext()
         seen: set[int] = set()
         self.live[key] = 0
 

@@ -79,6 +79,9 @@ def sum_partial_grads_over_tp(chunks: list[nn.Module], group) -> None:
                 p.register_hook(hook)
 
 
+METERED_CALLS = 4  # forward_backward calls whose saved activations are measured
+
+
 class MeshEngine(Engine):
     """The engine of every multi-process run (see the module docstring)."""
 
@@ -199,6 +202,9 @@ class MeshEngine(Engine):
         x_BT, y_BT, T = self._local(x_BT, y_BT)
         set_moe_loss_scale(self.model, 1.0 / n_tokens_global)
         self.meter.reset()
+        # the saved-tensor hooks cost a Python call per tensor: meter the first calls only
+        # (every step of a run has the same shapes, so the same peak)
+        self.meter.active = len(self.act_peaks) < METERED_CALLS
         if self.runtime is None:
             self._micro += 1
             self.data.before_backward(self._micro >= self.micro_batches)
@@ -264,8 +270,13 @@ class MeshEngine(Engine):
     @torch.no_grad()
     def clip_and_step(self, lr: float) -> float:
         """Global-norm clipping over the whole mesh, then each reducer's update."""
-        sq = self.data.local_sq().to(self.device)
-        if dist.is_initialized():
+        # Pure data parallelism with replicated gradients: every rank already holds the
+        # whole gradient, so its own sum is the global one (no collective on the step).
+        alone = isinstance(self.data, DataAxis) and self.data.kind in ("ddp", "topk") \
+            and self.mesh.world == self.dp_size
+        sq = (self.data.local_sq(every_replica=True) if alone else self.data.local_sq())
+        sq = sq.to(self.device)
+        if dist.is_initialized() and not alone:
             dist.all_reduce(sq)
         norm = math.sqrt(float(sq))
         clip = self.cfg.grad_clip
