@@ -159,10 +159,10 @@ def _recompute(text: str) -> str:
 
 
 def _catalogue_model(row: dict) -> ModelShape | None:
-    """The catalogue model a row names: its ``model_key`` column, else its ``model`` text
-    (whole, then without a trailing parenthetical such as "(NeMo)")."""
-    text = (row.get("model") or "").strip()
-    for name in ((row.get("model_key") or "").strip(), text, text.split("(")[0].strip()):
+    """The catalogue model a row names: its ``model_key`` column if set (nothing else),
+    else its ``model`` text (whole, then without a trailing parenthetical like "(NeMo)")."""
+    key, text = (row.get("model_key") or "").strip(), (row.get("model") or "").strip()
+    for name in ((key,) if key else (text, text.split("(")[0].strip())):
         if name:
             try:
                 return load_model(name)
