@@ -106,6 +106,7 @@ def test_tokens_per_second_rows_are_priced_as_model_tflops():
 def test_tpu_slices_set_the_fast_domain():
     case = row_to_case(BY_ID["maxtext_v4_22b_8x64"])
     assert case.hw.gpus_per_node == 64 and case.plan.dp == 512 and case.hw.topology == "torus"
+    assert case.shard_group == 64 and case.engine == "MaxText (JAX)"
 
 
 def test_heldout_split_is_disjoint_spread_and_follows_its_rule():

@@ -64,6 +64,7 @@ class Case:
     precision: str = ""
     step_time_s: float | None = None  # as published, when published
     tokens_per_s: float | None = None  # per accelerator, as published or derived
+    shard_group: int | None = None  # ZeRO/FSDP group when smaller than DP (hybrid sharding)
 
 
 @dataclass(frozen=True)
@@ -294,7 +295,8 @@ def row_to_case(row: dict) -> Case:
                 engine=(row.get("engine") or "").strip(), split=split,
                 precision=(row.get("precision") or "").strip(),
                 step_time_s=_num(row, "step_time_s"),
-                tokens_per_s=_num(row, "tokens_per_s_per_accel"))
+                tokens_per_s=_num(row, "tokens_per_s_per_accel"),
+                shard_group=_num(row, "shard_group", int))
 
 
 def _reported(row: dict, model: ModelShape, seq: int) -> tuple[str, str, float]:
