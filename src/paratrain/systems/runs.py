@@ -239,7 +239,7 @@ def row_to_case(row: dict) -> Case:
     """Turn one CSV row into a priceable case, or raise Skip with the reason."""
     rid = row.get("id", "?")
     if (row.get("confirmed") or "").strip().lower() == "no":
-        raise Skip("confirmed=no: unverified, kept for reference (docs/runs.md)")
+        raise Skip("confirmed=no: unverified, kept for reference")
     seq = _num(row, "seq_len", int)
     if not seq:
         raise Skip("no seq_len")
