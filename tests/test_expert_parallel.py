@@ -4,9 +4,12 @@
   independently; with capacity factor 1.0 the dropped assignments are exactly those
   over ceil(T k / E) per sequence and expert, and counted; one expert, top-1, no
   auxiliary loss is the dense model with the same weights; exact parameter counts.
+- The router z-loss (ST-MoE) and its gradient equal (log sum exp logits)^2 summed over
+  tokens, computed here independently.
 - ``--ep``: float64, 4 steps, every step's loss within 1e-9 relative of one process
   running the same MoE model (experts 4, top-k 2, dropless), and the MoE statistics
-  (auxiliary loss, load per expert) equal.
+  (auxiliary loss, z-loss, load per expert) equal; under ZeRO-3 the experts are sharded
+  over the expert-data-parallel group (model states per rank: paratrain.layout's count).
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ from paratrain.train import RunOptions, train
 MOE = ModelConfig(n_layers=2, d_model=32, n_heads=4, d_ff=64, context=16, experts=4,
                   top_k=2)
 QUIET = dict(quiet=True, measure_peak=False)
+CAPPED = MOE.replace(capacity_factor=1.0, shared_experts=1)
+ZMOE = MOE.replace(z_loss_coef=0.01)
 
 FOUR = {
     "ep4": ParallelPlan(dp=4, ep=4),
@@ -35,8 +40,10 @@ FOUR = {
     "ep2 tp2": ParallelPlan(dp=2, tp=2, ep=2),
     "ep2 zero2 accum2 (dp4)": ParallelPlan(dp=4, ep=2, zero=2, micro_batches=2),
     "ep2 pp2 m4": ParallelPlan(dp=2, pp=2, ep=2, micro_batches=4),
+    "ep2 zero3 (dp4) accum2 ours full recompute, z-loss": (
+        ZMOE, ParallelPlan(dp=4, ep=2, zero=3, micro_batches=2, collectives="ours",
+                           recompute="full")),
 }
-CAPPED = MOE.replace(capacity_factor=1.0, shared_experts=1)
 TWO = {"ep2": ParallelPlan(dp=2, ep=2),
        "ep2 capacity 1.0 shared 1": (CAPPED, ParallelPlan(dp=2, ep=2)),
        "ep2 ours": ParallelPlan(dp=2, ep=2, collectives="ours"),
@@ -66,7 +73,8 @@ def _worker(rank: int, world: int, data: str, combos: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def refs(text_file):
-    return {m: train(m, tcfg(text_file), None, RunOptions(**QUIET)) for m in (MOE, CAPPED)}
+    return {m: train(m, tcfg(text_file), None, RunOptions(**QUIET))
+            for m in (MOE, CAPPED, ZMOE)}
 
 
 @pytest.mark.parametrize("world,combos", [(2, TWO), (4, FOUR)], ids=["world2", "world4"])
@@ -88,6 +96,8 @@ def test_expert_parallel_reproduces_one_process(text_file, refs, world, combos):
         for got, want in zip(moe, ref["moe_steps"], strict=True):
             assert got["moe_load"] == want["moe_load"], name
             assert got["aux_loss"] == pytest.approx(want["aux_loss"], rel=1e-9), name
+            assert got["z_loss"] == pytest.approx(want["z_loss"], rel=1e-9), name
+            assert (got["z_loss"] > 0) == (model.z_loss_coef > 0), name
             assert got["moe_dropped"] == want["moe_dropped"]
             assert (got["moe_dropped"] > 0) == (model.capacity_factor > 0)
             assert ("ep_wire_bytes" in got) == (plan.ep > 1)
@@ -167,6 +177,24 @@ def test_aux_loss_gradient_is_coef_times_the_mean_over_sequences():
     torch.testing.assert_close(g_auto, moe.router.weight.grad, rtol=1e-12, atol=1e-15)
 
 
+def test_z_loss_and_its_gradient_match_the_formula():
+    torch.manual_seed(4)
+    cfg = MOE.replace(n_layers=1, aux_loss_coef=0.0, z_loss_coef=0.3)
+    moe = moe_modules(Decoder(cfg).double())[0]
+    x = torch.randn(2, 16, cfg.d_model, dtype=torch.float64)
+    n = 32
+    set_moe_loss_scale(moe, 1.0 / n)
+    moe(x).sum().backward()
+    g_auto = moe.router.weight.grad.clone()
+    moe.router.weight.grad = None
+    logits = x @ moe.router.weight.T  # ST-MoE eq. 5: (log sum_e exp x_e)^2 per token
+    z = torch.log(torch.exp(logits).sum(-1)).square().sum()
+    assert moe.stats["z_sum"] == pytest.approx(float(z.detach()), rel=1e-12)
+    set_moe_loss_scale(moe, None)
+    (moe(x).sum() + 0.3 * z / n).backward()
+    torch.testing.assert_close(g_auto, moe.router.weight.grad, rtol=1e-12, atol=1e-15)
+
+
 def test_one_expert_top1_is_the_dense_model():
     dense_cfg = ModelConfig(n_layers=2, d_model=32, n_heads=4, d_ff=64, context=16)
     torch.manual_seed(3)
@@ -184,7 +212,7 @@ def test_one_expert_top1_is_the_dense_model():
     gm = dict(moe.named_parameters())
     for k, p in dense.named_parameters():
         assert torch.equal(p.grad, gm[k.replace(".mlp.", ".mlp.experts.0.")].grad), k
-    assert take_moe_stats(moe, 1)[2] == 2 * 32  # two layers, every token to expert 0
+    assert take_moe_stats(moe, 1)[3] == 2 * 32  # two layers, every token to expert 0
 
 
 def test_exact_parameter_counts_total_and_active():
@@ -211,8 +239,8 @@ def test_bad_moe_settings_are_one_line(bad, match):
 def test_plans_refused_with_ep():
     with pytest.raises(ValueError, match="needs a Mixture-of-Experts"):
         ParallelPlan(dp=2, ep=2).check_runtime(ModelConfig())
-    with pytest.raises(ValueError, match="--zero 0, 1 or 2"):
-        ParallelPlan(dp=2, ep=2, zero=3).check_runtime(MOE)
+    with pytest.raises(ValueError, match="drop --compress"):
+        ParallelPlan(dp=2, ep=2, compress="topk:4").check_runtime(MOE)
     with pytest.raises(ValueError, match="does not divide experts"):
         ParallelPlan(dp=3, ep=3).check(MOE)
     with pytest.raises(ValueError, match="--cp"):
@@ -221,7 +249,9 @@ def test_plans_refused_with_ep():
 
 @pytest.mark.parametrize("args, fragment", [
     (["--ep", "2", "--nproc", "2"], "needs a Mixture-of-Experts model"),
-    (["--experts", "4", "--ep", "2", "--nproc", "2", "--zero", "3"], "--zero 0, 1 or 2"),
+    (["--experts", "4", "--ep", "2", "--nproc", "2", "--compress", "topk:4"],
+     "works without --compress"),
+    (["--experts", "4", "--z-loss-coef", "-1"], "z_loss_coef=-1.0"),
     (["--experts", "3", "--ep", "2", "--nproc", "2"], "does not divide experts=3"),
     (["--experts", "4", "--ep", "3", "--nproc", "2"], "ep=3 must divide dp=2"),
     (["--experts", "4", "--top-k", "5"], "top_k=5"),

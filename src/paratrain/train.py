@@ -156,10 +156,13 @@ def moe_record(stats: list[float], mcfg: ModelConfig, sequences: int) -> dict:
     """Metrics of a step's MoE layers from :func:`paratrain.model.take_moe_stats` summed
     over ranks: ``aux_loss`` is the term the step's loss adds (coef x the mean over
     sequences of the per-layer balance losses, summed over layers; each is 1.0 when
-    perfectly balanced), ``moe_load`` the assignments each expert received (summed over
-    layers), ``moe_dropped`` the assignments over capacity."""
-    aux, dropped, load = stats[0], stats[1], [int(v) for v in stats[2:]]
+    perfectly balanced), ``z_loss`` the router z-loss term it adds (z_coef x the mean
+    over tokens, summed over layers; with the coefficient 0 it is 0.0), ``moe_load`` the
+    assignments each expert received (summed over layers), ``moe_dropped`` the
+    assignments over capacity."""
+    aux, z, dropped, load = stats[0], stats[1], stats[2], [int(v) for v in stats[3:]]
     return {"aux_loss": mcfg.aux_loss_coef * aux / sequences,
+            "z_loss": mcfg.z_loss_coef * z / (sequences * mcfg.context),
             "moe_balance": aux / sequences / max(1, mcfg.moe_layers),
             "moe_load": load, "moe_tokens_max": max(load),
             "moe_tokens_mean": sum(load) / len(load), "moe_dropped": int(dropped)}
