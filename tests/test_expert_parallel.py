@@ -67,7 +67,8 @@ def _worker(rank: int, world: int, data: str, combos: dict) -> dict:
         s = train(model, tcfg(data), plan, RunOptions(**QUIET))
         out[name] = (s["losses"], s["val_loss"], s["moe_steps"],
                      s["memory"]["measured_per_rank"],
-                     (s["wire_bytes_per_step"], dp_wire_bytes(model, plan, "float64", rank)))
+                     (s["wire_bytes_per_step"], dp_wire_bytes(model, plan, "float64", rank)),
+                     s["memory"]["predicted_per_rank"])
     return out
 
 
@@ -84,7 +85,7 @@ def test_expert_parallel_reproduces_one_process(text_file, refs, world, combos):
     for name in combos:
         model, plan = _split(combos[name])
         ref = refs[model]
-        losses, val, moe, states, _ = results[0][name]
+        losses, val, moe, states, _, systems = results[0][name]
         for r, res in enumerate(results):  # dp sync bytes (both reducers): the formula's
             assert res[name][4][0] == pytest.approx(res[name][4][1], rel=1e-12), (name, r)
         d = max(abs(a - b) / abs(b) for a, b in zip(losses, ref["losses"], strict=True))
@@ -105,6 +106,8 @@ def test_expert_parallel_reproduces_one_process(text_file, refs, world, combos):
         for r in range(world):  # model states per rank: paratrain.layout's exact count
             want = state_bytes(model, plan, "float64", r)
             assert {k: states[r][k] for k in want} == want, (name, r)
+            if plan.tp == plan.pp == 1:  # and the systems model's (no padding here)
+                assert {k: systems[k] for k in want} == want, (name, r)
     for name in combos:
         ref = refs[_split(combos[name])[0]]
         assert worst[name] <= 1e-9, f"{name}: {worst[name]:.2e}"
@@ -236,6 +239,27 @@ def test_bad_moe_settings_are_one_line(bad, match):
         ModelConfig(n_layers=2, **bad)
 
 
+def test_systems_model_prices_moe_states_as_the_runtime_holds_them():
+    """Experts over ep (ZeRO shards over dp / ep), router and shared experts dense:
+    the systems model's busiest-rank bytes equal paratrain.layout's per-rank count, for
+    uneven shapes too (moe_every 2, a shared expert, expert width 48)."""
+    from paratrain.systems.memory import Precision, model_states
+
+    odd = MOE.replace(n_layers=4, shared_experts=1, moe_every=2, moe_ffn=48)
+    for model in (MOE, odd):
+        for plan in (ParallelPlan(dp=4, ep=4), ParallelPlan(dp=4, ep=2, zero=1),
+                     ParallelPlan(dp=4, ep=2, zero=2), ParallelPlan(dp=8, ep=4, zero=3)):
+            ms = model_states(model, plan, Precision("float64", 8, 8, 16))
+            got = {"params": ms.weights_bytes, "grads": ms.grads_bytes,
+                   "optimizer": ms.optimizer_bytes}
+            for r in range(plan.dp):
+                assert got == state_bytes(model, plan, "float64", r), (plan, r)
+            if plan.zero < 3:  # weights: everything but the other ep ranks' experts
+                routed = model.moe_layers * model.experts * model.expert_params()
+                assert ms.weights_bytes == 8 * (model.num_params() - routed
+                                                + routed // plan.ep), plan
+
+
 def test_plans_refused_with_ep():
     with pytest.raises(ValueError, match="needs a Mixture-of-Experts"):
         ParallelPlan(dp=2, ep=2).check_runtime(ModelConfig())
@@ -288,6 +312,19 @@ def test_cli_ep_run_logs_expert_load(text_file, tmp_path):
         assert sum(rec["moe_load"]) == 8 * 16 * 2 * 2  # tokens x top-k x MoE layers
         assert rec["moe_tokens_mean"] == 128 and rec["moe_tokens_max"] >= 128
         assert rec["ep_wire_bytes"] > 0 and rec["aux_loss"] > 0
+        by_rank = rec["moe_load_by_rank"]  # each data rank routed its 4 sequences
+        assert [sum(r) for r in by_rank] == [4 * 16 * 2 * 2] * 2
+        assert [sum(c) for c in zip(*by_rank, strict=True)] == rec["moe_load"]
+    from paratrain.cli import main
+    from paratrain.viz.moe import read_run, send_matrix
+
+    assert main(["viz", "moe", str(run), "--out", str(tmp_path / "plots")]) == 0
+    png = (tmp_path / "plots" / "moe_routing.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and int.from_bytes(png[16:20], "big") >= 800
+    # the dispatch matrix: rank d keeps its rows for its own experts, sends the rest
+    last = read_run(str(run))["by_rank"][-1]
+    assert send_matrix(last, 2) == [[sum(last[0][:2]), sum(last[0][2:])],
+                                    [sum(last[1][:2]), sum(last[1][2:])]]
 
 
 def _resume_worker(rank: int, world: int, data: str, ckpt: str) -> tuple[list, list]:
