@@ -179,6 +179,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--seqs", type=int, default=16, help="sequences per rank")
     ap.add_argument("--timeout", type=float, default=600.0)
+    ap.add_argument("--skip-moe", action="store_true", help="the all-to-all part only")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     ranks = [int(p) for p in a.ranks.split(",")]
@@ -195,6 +196,8 @@ def main(argv: list[str] | None = None) -> None:
         records["a2a"][p] = r
         print(f"{p:>3} {r['ours']:9.5f} {r['torch']:9.5f} {moved / r['ours'] / 1e9:10.3f} "
               f"{moved / r['torch'] / 1e9:10.3f} {r['torch'] / r['ours']:17.3f}", flush=True)
+    if a.skip_moe:
+        ranks = []
     tokens = a.seqs * a.context
     print(f"\nMoE layer forward + backward: E={a.experts} top-{a.top_k} d={a.d_model} "
           f"ffn={a.moe_ffn}, {tokens} tokens per rank, ep = p\n{'p':>3} {'ours s':>9} "
