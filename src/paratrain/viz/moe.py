@@ -9,7 +9,8 @@ Read from the run directory ``paratrain train`` writes: ``metrics.jsonl`` (per s
 1. **Expert load over steps**: a heat map, experts x steps, of each expert's load over
    the mean load (1.0 = balanced; the colour scale is centred on 1).
 2. **Imbalance over steps**: max / mean load (what sets an ep rank's expert compute),
-   and the dropped share when a capacity factor is set.
+   and, on a right-hand axis, the share of assignments dropped when a capacity factor
+   is set.
 3. **Tokens per expert per rank** at the most uneven step: for each expert a stacked
    bar, one colour per source data rank; the background bands mark the ep rank that
    holds the experts, so a band's bars are what that rank computes (the busiest band
@@ -103,15 +104,17 @@ def draw_moe(run_dir: str, out_dir: str) -> Path:
     imb = [max(row) / (sum(row) / E) if sum(row) else 0.0 for row in load]
     ax.plot(steps, imb, color="#C44E52", label="max / mean expert load")
     ax.axhline(1.0, color="grey", linestyle=":", linewidth=1)
-    if any(run["dropped"]):
-        share = [d / (d + sum(row)) for d, row in zip(run["dropped"], load, strict=True)]
-        ax.plot(steps, [1 + s for s in share], color="#8172B2",
-                label="1 + dropped share (capacity)")
     ax.set_xlabel("step")
     ax.set_ylim(bottom=0.9)
     ax.set_title(f"imbalance: last step {imb[-1]:.2f}, worst {max(imb):.2f}")
-    ax.legend(loc="upper right")
     ax.grid(alpha=0.3)
+    if any(run["dropped"]):  # capacity: the share of assignments dropped, right axis
+        share = [d / (d + sum(row)) for d, row in zip(run["dropped"], load, strict=True)]
+        right = ax.twinx()
+        right.plot(steps, share, color="#8172B2", label="dropped share (right axis)")
+        right.set_ylim(0, max(share) * 1.3)
+        right.legend(loc="upper left")
+    ax.legend(loc="upper right")
 
     ax = axes[1][0]
     worst = max(range(len(imb)), key=imb.__getitem__)
