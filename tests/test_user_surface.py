@@ -14,7 +14,7 @@ README = (Path(__file__).parents[1] / "README.md").read_text()
 
 TRAIN_FLAGS = {
     "--attention", "--aux-loss-coef", "--bucket-mb", "--capacity-factor", "--ep",
-    "--experts", "--moe-every", "--moe-ffn", "--shared-experts", "--top-k",
+    "--experts", "--moe-every", "--moe-ffn", "--shared-experts", "--top-k", "--z-loss-coef",
     "--checkpoint-dir", "--checkpoint-every", "--collectives",
     "--compress", "--config", "--context", "--cp", "--cp-algorithm", "--d-ff", "--d-model",
     "--data", "--dp", "--dtype",

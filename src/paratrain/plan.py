@@ -188,9 +188,9 @@ class ParallelPlan:
             )
         if self.ep > 1:
             _require(
-                self.zero <= 2 and self.compress is None,
-                f"--ep {self.ep} works with --zero 0, 1 or 2 and no --compress (expert and "
-                "dense gradients go to two reducers); use --zero 2",
+                self.compress is None,
+                f"--ep {self.ep} works without --compress (expert and dense gradients go to "
+                "two reducers); drop --compress",
             )
         _require(
             not (self.cp > 1 and self.sp),

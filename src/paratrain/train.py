@@ -152,14 +152,33 @@ def _prediction(mcfg, tcfg, plan, world, summary, profile) -> dict | None:
     return rep
 
 
+def moe_stats(engine, experts: int) -> list[float]:
+    """:func:`paratrain.model.take_moe_stats` of this rank, followed by a dp x E block
+    in which this rank fills its own row with its load (tokens it routed, per expert),
+    summed over the world in one collective: the totals, and each data rank's routing."""
+    mine = take_moe_stats(engine.model, experts)
+    by_rank = [0.0] * (engine.dp_size * experts)
+    r = engine.dp_rank * experts
+    by_rank[r:r + experts] = mine[3:]
+    return engine.all_sum(mine + by_rank)
+
+
 def moe_record(stats: list[float], mcfg: ModelConfig, sequences: int) -> dict:
     """Metrics of a step's MoE layers from :func:`paratrain.model.take_moe_stats` summed
     over ranks: ``aux_loss`` is the term the step's loss adds (coef x the mean over
     sequences of the per-layer balance losses, summed over layers; each is 1.0 when
-    perfectly balanced), ``moe_load`` the assignments each expert received (summed over
-    layers), ``moe_dropped`` the assignments over capacity."""
-    aux, dropped, load = stats[0], stats[1], [int(v) for v in stats[2:]]
+    perfectly balanced), ``z_loss`` the router z-loss term it adds (z_coef x the mean
+    over tokens, summed over layers; with the coefficient 0 it is 0.0), ``moe_load`` the
+    assignments each expert received (summed over layers), ``moe_dropped`` the
+    assignments over capacity, ``moe_load_by_rank`` the load per data rank (the tokens
+    each routed: the all-to-all's send counts, ``paratrain viz moe``)."""
+    E = mcfg.experts
+    aux, z, dropped, load = stats[0], stats[1], stats[2], [int(v) for v in stats[3:3 + E]]
+    rest = [int(v) for v in stats[3 + E:]]  # moe_stats: each data rank's load
+    by_rank = [rest[i:i + E] for i in range(0, len(rest), E)] if rest else [load]
     return {"aux_loss": mcfg.aux_loss_coef * aux / sequences,
+            "moe_load_by_rank": by_rank,
+            "z_loss": mcfg.z_loss_coef * z / (sequences * mcfg.context),
             "moe_balance": aux / sequences / max(1, mcfg.moe_layers),
             "moe_load": load, "moe_tokens_max": max(load),
             "moe_tokens_mean": sum(load) / len(load), "moe_dropped": int(dropped)}
@@ -227,8 +246,7 @@ def train(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan | None = None
         if step == end - 1:
             meter.snapshot(engine)  # grads, optimizer state and buffers all exist now
         (loss_sum,) = engine.all_sum([loss_sum])
-        moe = engine.all_sum(take_moe_stats(engine.model, mcfg.experts)) \
-            if mcfg.experts else None
+        moe = moe_stats(engine, mcfg.experts) if mcfg.experts else None
         lr = lr_at(step, tcfg)
         gnorm = engine.clip_and_step(lr)
         t2 = time.perf_counter()

@@ -259,6 +259,7 @@ def register(app: typer.Typer) -> None:
         shared_experts: Annotated[int | None, Opt(help="Always-on shared experts.")] = None,
         moe_every: Annotated[int | None, Opt(help="Every L-th block's MLP is MoE.")] = None,
         aux_loss_coef: Annotated[float | None, Opt(help="Load-balancing loss weight.")] = None,
+        z_loss_coef: Annotated[float | None, Opt(help="Router z-loss weight (0 = off).")] = None,
         capacity_factor: Annotated[float | None, Opt(help="Expert capacity (0 = dropless)."
                                                      )] = None,
         # training
@@ -311,7 +312,8 @@ def register(app: typer.Typer) -> None:
                  d_ff=d_ff, context=context, tie_embeddings=tie_embeddings,
                  attention=attention, experts=experts, top_k=top_k, moe_ffn=moe_ffn,
                  shared_experts=shared_experts, moe_every=moe_every,
-                 aux_loss_coef=aux_loss_coef, capacity_factor=capacity_factor),
+                 aux_loss_coef=aux_loss_coef, z_loss_coef=z_loss_coef,
+                 capacity_factor=capacity_factor),
             dict(steps=steps, global_batch=global_batch, lr=lr, warmup_steps=warmup_steps,
                  seed=seed, dtype=dtype, reduce_dtype=reduce_dtype, eval_every=eval_every,
                  data=data,

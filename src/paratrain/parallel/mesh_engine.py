@@ -112,13 +112,13 @@ class MeshEngine(Engine):
         if plan.ep > 1:
             from paratrain.parallel import expert
 
-
             self.ep = expert.apply_expert_parallel(chunks, mesh, plan.collectives)
             self.data = expert.SplitDataAxis(
                 DataAxis(chunks, mesh.group("dpcp"), mesh.size("dpcp"), plan, cfg,
                          self._counted, select=lambda p: not expert.is_expert(p)),
                 DataAxis(chunks, mesh.group("edp"), mesh.size("edp"), plan, cfg,
-                         self._counted, select=expert.is_expert))
+                         self._counted, select=expert.is_expert,
+                         units_of=expert.expert_units))
         else:
             self.data = DataAxis(chunks, mesh.group("dpcp"), mesh.size("dpcp"), plan, cfg,
                                  self._counted)

@@ -1,4 +1,4 @@
-"""`paratrain viz ...` sub-commands (ring, tree, pipeline)."""
+"""`paratrain viz ...` sub-commands (ring, tree, pipeline, moe)."""
 
 import typer
 
@@ -57,3 +57,15 @@ def tree(
     s = build("all_reduce", algorithm, p, max(p, segments), segments=segments)
     pngs, gif = draw(s, out, f"{algorithm}_all_reduce_p{p}")
     print(f"wrote {len(pngs)} frames and {gif}")
+
+
+@app.command()
+def moe(
+    run_dir: str = typer.Argument(..., help="RUN_DIR of an MoE `paratrain train` run."),
+    out: str = typer.Option("plots", help="Output directory."),
+) -> None:
+    """Token routing of an MoE run: expert load over steps, imbalance, tokens per expert
+    per rank, the all-to-all send matrix."""
+    from paratrain.viz.moe import draw_moe
+
+    print(f"wrote {draw_moe(run_dir, out)}")
