@@ -165,7 +165,10 @@ class RingAttention(torch.autograd.Function):
                     lse[a] = new
             if pending is not None:
                 kv = pending()
-        out_t, lse_t = torch.cat(out, dim=2), torch.cat(lse, dim=2)
+        # out in (B, L, H, E) memory, seen as (B, H, L, E): the core's transpose + flatten
+        # for wo is then a view, so wo keeps the same storage (no second s a E copy)
+        out_t = torch.cat([o.transpose(1, 2) for o in out], dim=1).transpose(1, 2)
+        lse_t = torch.cat(lse, dim=2)
         ctx.save_for_backward(q, k, v, out_t, lse_t)
         ctx.comm, ctx.in_dtype = comm, in_dtype
         return out_t.to(in_dtype)
@@ -236,22 +239,32 @@ class AllToAll(torch.autograd.Function):
                           dim=ctx.split), None, None, None)
 
 
+def _to_global(x_BThE: torch.Tensor, N: int) -> torch.Tensor:
+    """Arrival order (rank r's chunks r and 2N-1-r, ranks in order) -> global order.
+    Views, a flip and a cat: autograd keeps no index tensor for backward."""
+    B, T, h, E = x_BThE.shape
+    x = x_BThE.view(B, N, 2, T // (2 * N), h, E)
+    return torch.cat((x[:, :, 0], x[:, :, 1].flip(1)), dim=1).view(B, T, h, E)
+
+
+def _to_arrival(y_BThE: torch.Tensor, N: int) -> torch.Tensor:
+    """The inverse of :func:`_to_global`."""
+    B, T, h, E = y_BThE.shape
+    y = y_BThE.view(B, 2 * N, T // (2 * N), h, E)
+    return torch.stack((y[:, :N], y[:, N:].flip(1)), dim=2).view(B, T, h, E)
+
+
 def ulysses_core(comm: CPComm, plain_core, T: int):
     """A replacement for ``Attention.core``: sequence-sharded -> head-sharded, the plain
     causal core on the full sequence in global order, and back."""
     N = comm.size
-    order = [p for r in range(N) for p in cp_positions(T, N, r)]  # arrival -> global
-    to_global = torch.tensor(sorted(range(T), key=lambda t: order[t]))
-    to_arrival = torch.tensor(order)
 
     def core(q_BLHE, k_BLKE, v_BLKE):
-        idx = to_global.to(q_BLHE.device)
-        q, k, v = (AllToAll.apply(t, comm, 2, 1).index_select(1, idx)
+        q, k, v = (_to_global(AllToAll.apply(t, comm, 2, 1), N)
                    for t in (q_BLHE, k_BLKE, v_BLKE))
         y = plain_core(q, k, v)  # (B, T, H/cp * E), global order
         B, _, HE = y.shape
-        y = y.view(B, T, q.shape[2], HE // q.shape[2]).index_select(
-            1, to_arrival.to(y.device))
+        y = _to_arrival(y.view(B, T, q.shape[2], HE // q.shape[2]), N)
         return AllToAll.apply(y, comm, 1, 2).flatten(2)
     return core
 

@@ -62,7 +62,7 @@ def model_parallel_report(engine) -> dict:
     per_seq = block_activation_bytes(
         m, m.context // plan.cp, tp=plan.tp, sp=plan.sp, recompute=plan.recompute,
         attention="eager" if m.attention == "eager" else "flash",
-        element_bytes=_elem(engine.dtype))
+        element_bytes=_elem(engine.dtype), cp=plan.cp, cp_algorithm=plan.cp_algorithm)
     from paratrain.parallel.memory import predicted_activations
 
     out["activation"] = {
