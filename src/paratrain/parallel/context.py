@@ -46,6 +46,7 @@ refused (:meth:`ParallelPlan.check_runtime`).
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 
 import torch
@@ -67,29 +68,64 @@ class CPComm:
     nxt: int
     prev: int
     algorithm: str = "ring"
+    collectives: str = "native"  # "ours": paratrain.comm's executor moves the bytes
     wire_bytes: int = 0
     calls: int = 0
+    exposed_s: float = 0.0  # seconds spent waiting for transfers: what overlap did not hide
 
     def pass_on(self, t: torch.Tensor, tag: int):
         """Post: send ``t`` to the next rank, receive the same shape from the previous.
-        Returns a waiter giving the received tensor."""
+        Returns a waiter giving the received tensor. Native: ``isend`` / ``irecv``;
+        ours: :func:`paratrain.comm.api.shift` queued on paratrain's communication
+        thread (the bytes counted are those its executor reports having sent)."""
         t = t.contiguous()
         buf = torch.empty_like(t)
         self.calls += 1
+        if self.collectives == "ours":
+            from paratrain.comm import api
+
+            pending = api.shift(buf, t, group=self.group, async_op=True)
+
+            def wait_ours() -> torch.Tensor:
+                t0 = time.perf_counter()
+                pending.wait()
+                self.exposed_s += time.perf_counter() - t0
+                self.wire_bytes += pending.stats.bytes_sent
+                return buf
+            return wait_ours
         self.wire_bytes += t.numel() * t.element_size()
         works = [dist.isend(t, dst=self.nxt, group=self.group, tag=tag),
                  dist.irecv(buf, src=self.prev, group=self.group, tag=tag)]
 
         def wait() -> torch.Tensor:
+            t0 = time.perf_counter()
             for w in works:
                 w.wait()
+            self.exposed_s += time.perf_counter() - t0
             return buf
         return wait
 
     def all_to_all(self, pieces: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Piece r to rank r, what each rank sent me in rank order (equal shapes)."""
         pieces = [p.contiguous() for p in pieces]
-        outs = [torch.empty_like(p) for p in pieces]
         self.calls += 1
+        t0 = time.perf_counter()
+        try:
+            return self._all_to_all(pieces)
+        finally:  # blocking: all of it is exposed
+            self.exposed_s += time.perf_counter() - t0
+
+    def _all_to_all(self, pieces: list[torch.Tensor]) -> list[torch.Tensor]:
+        if self.collectives == "ours":
+            from paratrain.comm import api
+
+            flat = torch.cat([p.view(-1) for p in pieces])
+            out = torch.empty_like(flat)
+            stats = api.CollectiveCounts()
+            api.all_to_all(out, flat, group=self.group, stats=stats)
+            self.wire_bytes += stats.bytes_sent()
+            return [o.view_as(p) for o, p in zip(out.chunk(self.size), pieces, strict=True)]
+        outs = [torch.empty_like(p) for p in pieces]
         self.wire_bytes += sum(p.numel() * p.element_size()
                                for r, p in enumerate(pieces) if r != self.rank)
         dist.all_to_all(outs, pieces, group=self.group)
@@ -283,11 +319,11 @@ def apply_context_parallel(chunk: nn.Module, comm: CPComm, T: int) -> None:
             blk.attn.core = ulysses_core(comm, blk.attn.core, T)
 
 
-def cp_comm(mesh, algorithm: str) -> CPComm:
+def cp_comm(mesh, algorithm: str, collectives: str = "native") -> CPComm:
     """The :class:`CPComm` of this rank on ``mesh``'s cp axis."""
     N, i = mesh.size("cp"), mesh.index("cp")
     return CPComm(mesh.group("cp"), N, i, mesh.peer("cp", (i + 1) % N),
-                  mesh.peer("cp", (i - 1) % N), algorithm)
+                  mesh.peer("cp", (i - 1) % N), algorithm, collectives)
 
 
 def local_tokens(x_BT: torch.Tensor, comm: CPComm) -> torch.Tensor:

@@ -109,6 +109,8 @@ def cp_report(engine) -> dict:
         "cp": plan.cp, "algorithm": plan.cp_algorithm,
         "wire_bytes_per_step": engine.cp.wire_bytes / steps,
         "transfers_per_step": engine.cp.calls / steps,
+        # waiting for K/V (ring) or in the all-to-alls: what overlap did not hide
+        "exposed_comm_s_per_step": engine.cp.exposed_s / steps,
         "formula_wire_bytes_per_step": cp_wire_bytes(m, plan, _elem(engine.dtype), batch,
                                                      layers),
         "attention_pairs_per_rank": bal,

@@ -1,4 +1,4 @@
-"""`paratrain viz ...` sub-commands (ring, tree, pipeline)."""
+"""`paratrain viz ...` sub-commands (ring, tree, pipeline, ring-attention)."""
 
 import typer
 
@@ -56,4 +56,16 @@ def tree(
         raise ValueError(f"--p {p}: draw between 2 and 16 ranks")
     s = build("all_reduce", algorithm, p, max(p, segments), segments=segments)
     pngs, gif = draw(s, out, f"{algorithm}_all_reduce_p{p}")
+    print(f"wrote {len(pngs)} frames and {gif}")
+
+
+@app.command("ring-attention")
+def ring_attention(
+    cp: int = typer.Option(4, help="Context-parallel ranks in the ring."),
+    out: str = typer.Option("plots", help="Output directory."),
+) -> None:
+    """Frames (PNG) and a GIF of ring attention: blocks computed, skipped, in flight."""
+    from paratrain.viz.ring_attention import draw
+
+    pngs, gif = draw(cp, out)
     print(f"wrote {len(pngs)} frames and {gif}")
