@@ -38,9 +38,11 @@ reruns the CP attention, communication included):
 **Bytes**: :class:`CPComm` counts what each rank sends (training only: evaluation's
 traffic is put back), the torch-free formula is :func:`paratrain.layout.cp_wire_bytes`.
 
-Composition: TP shards heads first (cp then splits the local heads for Ulysses); a
-pipeline passes (B, T/cp, D) hidden states; ZeRO 0-3 reduce over dp x cp. SP with CP is
-refused (:meth:`ParallelPlan.check_runtime`).
+Composition: TP shards heads first (cp then splits the local heads for Ulysses); with
+SP each tp rank holds T/(cp tp) of the cp rank's tokens outside attention, and the SP
+all-gather before wq/wk/wv restores the cp rank's T/cp tokens in its local order, so
+the core sees what it sees without SP; a pipeline passes (B, T/cp, D) hidden states
+((B, T/(cp tp), D) with SP); ZeRO 0-3 reduce over dp x cp.
 """
 
 from __future__ import annotations

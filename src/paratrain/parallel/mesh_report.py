@@ -85,7 +85,7 @@ def model_parallel_report(engine) -> dict:
             "collectives_per_layer_per_microbatch":
                 sum(st.blocks.calls for st in st_blk) / layers / mbs,
             "formula_wire_bytes_per_layer_per_microbatch": tp_wire_bytes_per_layer(
-                b_mb, m.context, m.d_model, plan.tp,
+                b_mb, m.context // plan.cp, m.d_model, plan.tp,
                 _elem(engine.dtype), _elem(engine.dtype), plan.recompute),
         }
     if engine.cp is not None:
