@@ -244,3 +244,25 @@ def test_bf16_bytes_match_the_formula(text_file):
             assert cp["wire_bytes_per_step"] == cp["formula_wire_bytes_per_step"], algo
             for a, b in zip(losses, ref["losses"], strict=True):
                 assert _rel(a, b) < 2e-2, (algo, a, b)
+
+
+def test_viz_ring_attention_draws_the_runtime_schedule(tmp_path):
+    """`paratrain viz ring-attention` frames come from the schedule the runtime runs:
+    per step each rank computes what ring_blocks lists and skips the masked rest."""
+    from PIL import Image
+
+    from paratrain.cli import main
+    from paratrain.viz.ring_attention import frames
+
+    for cp in (2, 4):
+        for s, fr in enumerate(frames(cp)):
+            for i, r in enumerate(fr["ranks"]):
+                j, blocks = L.ring_blocks(cp, i)[s]
+                assert (r["holds"], r["blocks"]) == (j, blocks)
+                assert len(r["blocks"]) + len(r["skipped"]) == 4
+                assert all(k > q for q, k in r["skipped"])  # only masked blocks skipped
+    assert main(["viz", "ring-attention", "--cp", "2", "--out", str(tmp_path)]) == 0
+    pngs = sorted(tmp_path.glob("ring_attention_cp2_step*.png"))
+    assert len(pngs) == 2 and (tmp_path / "ring_attention_cp2.gif").is_file()
+    assert Image.open(pngs[0]).size[0] >= 800
+    assert main(["viz", "ring-attention", "--cp", "1", "--out", str(tmp_path)]) == 2

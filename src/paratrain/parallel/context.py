@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -74,6 +74,7 @@ class CPComm:
     wire_bytes: int = 0
     calls: int = 0
     exposed_s: float = 0.0  # seconds spent waiting for transfers: what overlap did not hide
+    step_marks: list = field(default_factory=list)  # exposed_s at the end of each step
 
     def pass_on(self, t: torch.Tensor, tag: int):
         """Post: send ``t`` to the next rank, receive the same shape from the previous.

@@ -255,6 +255,8 @@ class MeshEngine(Engine):
     def reduce_gradients(self) -> CommStats:
         t0 = time.perf_counter()
         self._micro = 0
+        if self.cp is not None:
+            self.cp.step_marks.append(self.cp.exposed_s)
         stats = self.data.finish()
         if self.data.kind == "none":
             stats.seconds = time.perf_counter() - t0
