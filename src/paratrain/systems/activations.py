@@ -97,9 +97,11 @@ def block_activation_bytes(model: ModelConfig, seq: int, *, tp: int = 1, sp: boo
                           input                                                  + cp a s^2)/t
     ====================  =====================================================  ========
 
-    The K/V blocks in flight around the ring and the gathered q, k, v of all-to-all are
+    The K/V blocks in flight around the ring (the rank's own and the one arriving: 4 s K E
+    elements; in backward also the travelling dK/dV accumulators), the ring's per-block
+    scores, and all-to-all's received pieces before they are put in global order are
     working memory of one layer at a time, freed before the next layer runs: they are not
-    kept for backward (:func:`paratrain.layout.cp_buffer_bytes` counts them).
+    kept for backward and not counted here (docs/context-parallel.md).
 
     How it differs from Korthikanti's 34 s b h (16 bit): RMSNorm keeps the normalised
     tensor before and after its weight (LayerNorm in Megatron keeps its input only);
