@@ -25,8 +25,9 @@ TWO = {
     "cp2": (M, ParallelPlan(cp=2)),
     "cp2 all-to-all": (M, ParallelPlan(cp=2, cp_algorithm="all-to-all")),
     "cp2 gqa selective": (M_GQA, ParallelPlan(cp=2, recompute="selective")),
-    "cp2 all-to-all gqa full": (M_GQA, ParallelPlan(cp=2, cp_algorithm="all-to-all",
-                                                    recompute="full")),
+    "cp2 all-to-all gqa full ours": (M_GQA, ParallelPlan(cp=2, cp_algorithm="all-to-all",
+                                                         recompute="full",
+                                                         collectives="ours")),
 }
 FOUR = {
     "cp4": (M, ParallelPlan(cp=4)),
