@@ -133,9 +133,10 @@ class ParallelPlan:
                 f"{self.dp}*{self.micro_batches}={per_mb}; pick a multiple of {per_mb}",
             )
         _require(
-            not (self.sp and model.context % self.tp),
-            f"sequence parallelism needs context ({model.context}) divisible by tp "
-            f"({self.tp}); choose a multiple of {self.tp}",
+            not (self.sp and model.context % (self.tp * self.cp)),
+            f"sequence parallelism needs context ({model.context}) divisible by "
+            f"cp*tp={self.cp * self.tp} (it cuts each cp rank's tokens over tp); choose a "
+            f"multiple of {self.cp * self.tp}",
         )
         if self.cp > 1:
             _require(
@@ -192,11 +193,6 @@ class ParallelPlan:
                 f"--ep {self.ep} works without --compress (expert and dense gradients go to "
                 "two reducers); drop --compress",
             )
-        _require(
-            not (self.cp > 1 and self.sp),
-            f"--sp with --cp {self.cp} is not supported (sequence parallelism would cut the "
-            "cp rank's tokens again); drop --sp or use --cp 1",
-        )
 
     def replace(self, **changes) -> ParallelPlan:
         return dataclasses.replace(self, **changes)

@@ -1,4 +1,4 @@
-"""`paratrain viz ...` sub-commands (ring, tree, pipeline, moe)."""
+"""`paratrain viz ...` sub-commands (ring, tree, pipeline, moe, ring-attention)."""
 
 import typer
 
@@ -69,3 +69,15 @@ def moe(
     from paratrain.viz.moe import draw_moe
 
     print(f"wrote {draw_moe(run_dir, out)}")
+
+
+@app.command("ring-attention")
+def ring_attention(
+    cp: int = typer.Option(4, help="Context-parallel ranks in the ring."),
+    out: str = typer.Option("plots", help="Output directory."),
+) -> None:
+    """Frames (PNG) and a GIF of ring attention: blocks computed, skipped, in flight."""
+    from paratrain.viz.ring_attention import draw
+
+    pngs, gif = draw(cp, out)
+    print(f"wrote {len(pngs)} frames and {gif}")
