@@ -1,0 +1,99 @@
+"""Training engines: how much of each axis' communication they hide, and how they gather.
+
+Overlap is an explicit number per axis, the fraction of that axis' communication time
+that can run under compute (1 = all of it, as far as the compute window allows; 0 =
+every byte waits). The defaults below are what each engine does out of the box, from its
+own documentation; ``paratrain plan --engine`` picks one, a runs-table row names its own.
+
+==========  ====  ====  ====  ====  ====  =======  ======================================
+engine      tp    pp    cp    dp    ep    gather   why
+==========  ====  ====  ====  ====  ====  =======  ======================================
+megatron    0     0     1     1     0     bucket   Megatron-LM: TP collectives block; p2p
+                                                   blocking; ring attention overlaps the
+                                                   next K/V with the current block;
+                                                   overlap_grad_reduce / param_gather
+nemo        0.5   0.5   1     1     0.5   bucket   NeMo adds TP comm overlap (userbuffers)
+                                                   and overlapped p2p
+megascale   0.8   1     1     1     0.5   bucket   MegaScale (Jiang et al. 2024) overlaps
+                                                   TP with GEMMs and PP sends with compute
+deepspeed   0     0     1     0.5   0     param    ZeRO-3 gathers each parameter with its
+                                                   own all-gather (prefetch bucket)
+fsdp        0     0     1     1     0     unit     FSDP1/2: one all-gather per wrapped
+                                                   block, prefetched one block ahead
+torchtitan  0.5   0.5   1     1     0.5   unit     FSDP2 + async TP (Liang et al. 2024)
+xla         0.5   0.5   1     1     0.5   unit     TPU/JAX: collective matmuls overlap TP
+                                                   (Wang et al. 2023)
+==========  ====  ====  ====  ====  ====  =======  ======================================
+
+``attention`` is the kernel an engine runs by default: fused (FlashAttention, Dao et al.
+2022; every engine here since 2023) or eager (the s x s scores through HBM: DeepSpeed's
+and Megatron-DeepSpeed's default; any run in fp16 predates FlashAttention's adoption,
+:func:`paratrain.systems.fitting.case_attention`).
+
+``gather`` is how a ZeRO-3/FSDP engine gathers weights: ``bucket`` (whole-stage buckets
+on NCCL rings), ``unit`` (one collective per block), ``param`` (one per weight tensor:
+``COLLECTIVES_PER_BLOCK``, each paying the ring's (p-1) latencies).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+COLLECTIVES_PER_BLOCK = {"bucket": 1, "unit": 1, "param": 9}
+
+
+@dataclass(frozen=True)
+class Engine:
+    name: str
+    tp: float
+    pp: float
+    cp: float
+    dp: float
+    ep: float
+    gather: str
+    attention: str = "flash"  # the attention kernel it runs by default
+
+
+ENGINES = {
+    "megatron": Engine("megatron", 0.0, 0.0, 1.0, 1.0, 0.0, "bucket"),
+    "nemo": Engine("nemo", 0.5, 0.5, 1.0, 1.0, 0.5, "bucket"),
+    "megascale": Engine("megascale", 0.8, 1.0, 1.0, 1.0, 0.5, "bucket"),
+    "deepspeed": Engine("deepspeed", 0.0, 0.0, 1.0, 0.5, 0.0, "param", "eager"),
+    "fsdp": Engine("fsdp", 0.0, 0.0, 1.0, 1.0, 0.0, "unit"),
+    "torchtitan": Engine("torchtitan", 0.5, 0.5, 1.0, 1.0, 0.5, "unit"),
+    "xla": Engine("xla", 0.5, 0.5, 1.0, 1.0, 0.5, "unit"),
+}
+DEFAULT_ENGINE = "megatron"
+
+# words in a runs-table row's engine / source / sharding text -> engine
+_KEYWORDS = (("nemo", "nemo"), ("dgxc", "nemo"), ("deepspeed", "deepspeed"),
+             ("torchtitan", "torchtitan"), ("fsdp", "fsdp"), ("composer", "fsdp"),
+             ("llm-foundry", "fsdp"), ("mosaic", "fsdp"), ("pax", "xla"), ("jax", "xla"),
+             ("t5x", "xla"), ("maxtext", "xla"), ("tpu", "xla"), ("megatron", "megatron"),
+             ("megascale", "megascale"))
+
+
+def engine(name: str | None) -> Engine:
+    """An engine by name (case-insensitive; any text that names one, e.g. a runs-table
+    ``engine`` cell "Megatron-DeepSpeed" gives deepspeed)."""
+    if not name:
+        return ENGINES[DEFAULT_ENGINE]
+    low = name.lower().strip()
+    if low in ENGINES:
+        return ENGINES[low]
+    for key, eng in _KEYWORDS:
+        if key in low:
+            return ENGINES[eng]
+    raise ValueError(f"engine {name!r} is unknown; choose one of {', '.join(ENGINES)}")
+
+
+def infer_engine(*texts: str | None) -> Engine:
+    """The engine a row names in any of ``texts`` (first match wins), else Megatron-LM."""
+    for t in texts:
+        if not t:
+            continue
+        low = t.lower()
+        for key, eng in _KEYWORDS:
+            if key in low:
+                return ENGINES[eng]
+    return ENGINES[DEFAULT_ENGINE]

@@ -1,0 +1,64 @@
+"""The step-time model's free parameters: few, physical, each with its provenance.
+
+Eight numbers, all efficiencies in (0, 1] of a catalogue figure, except one latency:
+
+=================  =======  ==============================================================
+parameter          start    provenance of the starting value and bound
+=================  =======  ==============================================================
+gemm_eff[a100]     0.85     cuBLAS bf16 on large GEMMs reaches ~265 of 312 TF/s (NVIDIA
+                            "Matrix multiplication background" guide's A100 curves)
+gemm_eff[h100]     0.75     ~740 of 989 TF/s for large bf16 GEMMs on H100 SXM
+                            (NVIDIA's Transformer Engine / cuBLAS figures)
+gemm_eff[tpu-v4]   0.85     large matmuls on the 128 x 128 MXUs (Jouppi et al. 2023)
+attn_eff           0.55     FlashAttention-2 forward+backward at ~50-70% of peak on A100
+                            (Dao 2023); FlashAttention-3 similar on H100 (Shah et al. 2024)
+hbm_eff            0.85     STREAM-like copies reach ~85-90% of nominal HBM bandwidth
+nvlink_eff         0.80     NCCL all-reduce bus bandwidth ~360 of 450 GB/s (H100 NVLink 4),
+                            ~230 of 300 GB/s (A100), nccl-tests
+net_eff            0.80     NCCL bus bandwidth ~40 of 50 GB/s per 400 Gb/s NIC (nccl-tests)
+kernel_s           4e-6     fixed cost of one kernel launch / collective call (CUDA launch
+                            latency 3-5 us); bounded by 20 us
+=================  =======  ==============================================================
+
+``paratrain validate --fit`` refits them on the runs table within these bounds
+(:mod:`paratrain.systems.fitting`) and writes ``data/fitted.toml``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from paratrain.systems.gemm import chip_of
+from paratrain.systems.layer_cost import Rates
+
+GEMM_EFF = {"a100": 0.85, "h100": 0.75, "tpu-v4": 0.85}
+SCALARS = ("attn_eff", "hbm_eff", "nvlink_eff", "net_eff", "kernel_s")
+BOUNDS = {"gemm_eff": (0.3, 1.0), "attn_eff": (0.2, 1.0), "hbm_eff": (0.3, 1.0),
+          "nvlink_eff": (0.2, 1.0), "net_eff": (0.1, 1.0), "kernel_s": (0.0, 20e-6)}
+
+
+@dataclass(frozen=True)
+class StepParams:
+    gemm_eff: dict = field(default_factory=lambda: dict(GEMM_EFF))
+    attn_eff: float = 0.55
+    hbm_eff: float = 0.85
+    nvlink_eff: float = 0.80
+    net_eff: float = 0.80
+    kernel_s: float = 4e-6
+
+    def gemm_for(self, hw_name: str) -> float:
+        gen = chip_of(hw_name).generation
+        return self.gemm_eff.get(gen, GEMM_EFF.get(gen, 0.75))
+
+    def rates(self, hw_name: str) -> Rates:
+        return Rates(self.gemm_for(hw_name), self.attn_eff, self.hbm_eff, self.kernel_s)
+
+    def replace(self, **kw) -> StepParams:
+        return dataclasses.replace(self, **kw)
+
+    def as_dict(self) -> dict:
+        return {"gemm_eff": dict(self.gemm_eff), **{k: getattr(self, k) for k in SCALARS}}
+
+    def count(self) -> int:
+        return len(self.gemm_eff) + len(SCALARS)
