@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 
 from paratrain.systems.gemm import Chip, train_gemm_s
 from paratrain.systems.hardware import Hardware
@@ -93,10 +94,12 @@ def expert_imbalance(tokens_per_expert: float, experts: int) -> float:
     return 1.0 + math.sqrt(2.0 * math.log(experts) / tokens_per_expert)
 
 
+@lru_cache(maxsize=8192)
 def block_cost(m: ModelShape, M: int, seq_len: int, tp: int, cp: int, sp: bool, ep: int,
                hw: Hardware, chip: Chip, r: Rates, moe: bool,
                attention: str = "flash") -> BlockCost:
-    """One block (MoE if ``moe``) for a micro-batch of M tokens on one rank."""
+    """One block (MoE if ``moe``) for a micro-batch of M tokens on one rank (cached: the
+    search asks for the same few shapes again and again)."""
     d, hd, H, G = m.d_model, m.head_dim, m.n_heads, m.kv_heads
     ge, he = r.gemm_eff, r.hbm_eff
     fwd, bwd = {}, {}
@@ -156,6 +159,7 @@ def block_cost(m: ModelShape, M: int, seq_len: int, tp: int, cp: int, sp: bool, 
     return BlockCost(fwd, bwd, mem_f, 2 * mem_f, 3 * kernels * r.kernel_s, attn_f)
 
 
+@lru_cache(maxsize=4096)
 def head_cost(m: ModelShape, M: int, tp: int, hw: Hardware, chip: Chip, r: Rates
               ) -> tuple[float, float]:
     """(forward, backward) seconds of the output layer and the loss on the last stage:

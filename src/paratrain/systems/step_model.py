@@ -23,6 +23,7 @@ the way the step runs on the busiest pipeline rank (docs/systems-model.md):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 from paratrain.parallel.pipeline.schedule import bubble_over_compute
 from paratrain.plan import ParallelPlan
@@ -118,6 +119,59 @@ class Breakdown:
                 "micro_batches": self.micro_batches}
 
 
+@lru_cache(maxsize=4096)
+def _params_per_gpu(m, tp: int, pp: int, ep: int):
+    return params_per_gpu(m, ParallelPlan(dp=ep, tp=tp, pp=pp, ep=ep))
+
+
+@lru_cache(maxsize=8192)
+def _block_summary(m, M: int, seq_len: int, tp: int, cp: int, sp: bool, ep: int, hw, chip,
+                   rates, kernel: str, recompute: str) -> dict:
+    """One average block (dense and MoE blocks weighted by their counts) for a
+    micro-batch: forward and backward seconds (recomputation in backward), per GEMM class,
+    memory-bound and launch seconds, and the attention core's forward."""
+    args = (M, seq_len, tp, cp, sp, ep, hw, chip, rates)
+    dense = block_cost(m, *args, moe=False, attention=kernel)
+    moe = block_cost(m, *args, moe=True, attention=kernel) if m.is_moe else None
+    frac = m.moe_layers / m.n_layers if m.is_moe else 0.0
+
+    def avg(get) -> float:
+        return get(dense) * (1 - frac) + (get(moe) * frac if moe else 0.0)
+
+    full, sel = recompute == "full", recompute == "selective"
+    attn_f = avg(lambda b: b.attn_fwd_s)
+    fwd = avg(lambda b: b.fwd_s)
+    bwd = avg(lambda b: b.bwd_s) + (fwd if full else attn_f if sel else 0.0)
+    gemm = {}
+    for cls in GEMM_CLASSES:
+        f = avg(lambda b, c=cls: b.fwd.get(c, 0.0))
+        b_ = avg(lambda b, c=cls: b.bwd.get(c, 0.0))
+        if full or (sel and cls == "attention"):
+            b_ += f
+        if f + b_:
+            gemm[cls] = f + b_
+    rc = 1.0 if full else 0.0
+    return {"fwd": fwd, "bwd": bwd, "attn_f": attn_f, "gemm": gemm,
+            "mem": avg(lambda b: b.mem_fwd_s * (1 + rc) + b.mem_bwd_s),
+            "overhead": avg(lambda b: b.overhead_s * (1 + rc / 3))}
+
+
+@lru_cache(maxsize=1024)
+def _flops_per_token(m, seq_len: int, recompute: str) -> tuple[float, float]:
+    """(model FLOPs, extra hardware FLOPs of recomputation) per token."""
+    return m.flops_per_token(seq_len), recompute_flops_per_token(m, recompute, seq_len)
+
+
+def _busiest(m, seq_len: int, pp: int, v: int, block_s: float, head_s: float
+             ) -> tuple[int, bool]:
+    """(blocks, holds the head) of the slowest pipeline rank under the runtime's split."""
+    block_flops, _, head_flops = stage_costs(m, seq_len)
+    per_rank = rank_blocks(m.n_layers, pp, v, block_flops, head_flops)
+    last = per_rank[-1] * block_s + head_s
+    rest = max(per_rank[:-1], default=0)
+    return (per_rank[-1], True) if last >= rest * block_s else (rest, False)
+
+
 def _dp_sync(plan: ParallelPlan, payloads, hw: Hardware, sp: StepParams, eng: Engine,
              blk_f: float, blk_b: float, blocks: int, stage_f: float, stage_b: float
              ) -> tuple[float, float]:
@@ -169,31 +223,17 @@ def predict_step(model, plan: ParallelPlan, hw: Hardware, tokens_per_step: int,
     chip = chip_of(hw.name)
     rates = sp.rates(hw.name)
     mb, M = plan.micro_batches, batch.micro_batch * batch.local_seq
-    args = (M, seq_len, plan.tp, plan.cp, plan.sp, plan.ep, hw, chip, rates)
     kernel = attention or eng.attention
-    dense = block_cost(m, *args, moe=False, attention=kernel)
-    moe = block_cost(m, *args, moe=True, attention=kernel) if m.is_moe else None
+    blk = _block_summary(m, M, seq_len, plan.tp, plan.cp, plan.sp, plan.ep, hw, chip, rates,
+                         kernel, plan.recompute)
+    blk_f, blk_b = blk["fwd"], blk["bwd"]
     L = m.n_layers
     frac_moe = m.moe_layers / L if m.is_moe else 0.0
-
-    def avg(get) -> float:
-        return get(dense) * (1 - frac_moe) + (get(moe) * frac_moe if moe else 0.0)
-
-    blk_f = avg(lambda b: b.fwd_s)
-    blk_b = avg(lambda b: b.bwd_s)
-    if plan.recompute == "full":
-        blk_b += blk_f
-    elif plan.recompute == "selective":
-        blk_b += avg(lambda b: b.attn_fwd_s)
     head_f, head_b = head_cost(m, M, plan.tp, hw, chip, rates)
 
     # the busiest pipeline rank: the runtime's split of blocks, the head on the last rank
-    block_flops, _, head_flops = stage_costs(m, seq_len)
-    per_rank = rank_blocks(L, plan.pp, plan.virtual_stages, block_flops, head_flops)
-    busiest = max(range(plan.pp), key=lambda r: per_rank[r] * (blk_f + blk_b)
-                  + (head_f + head_b if r == plan.pp - 1 else 0.0))
-    blocks = per_rank[busiest]
-    has_head = busiest == plan.pp - 1
+    blocks, has_head = _busiest(m, seq_len, plan.pp, plan.virtual_stages, blk_f + blk_b,
+                                head_f + head_b)
 
     # exposed tensor / context / expert communication, per block per micro-batch
     act = M * m.d_model * 2.0
@@ -202,31 +242,21 @@ def predict_step(model, plan: ParallelPlan, hw: Hardware, tokens_per_step: int,
     if plan.recompute != "none":
         cp_b += cp_f
     if plan.cp_algorithm == "ring":
-        attn_f = avg(lambda b: b.attn_fwd_s)
+        attn_f = blk["attn_f"]
         cp_x = max(0.0, cp_f - eng.cp * attn_f) + max(0.0, cp_b - eng.cp * 2.5 * attn_f)
     else:
         cp_x = cp_f + cp_b
     ep_t = 0.0
-    if moe is not None and plan.ep > 1:
+    if m.is_moe and plan.ep > 1:
         n_a2a = 4 + (2 if plan.recompute == "full" else 0)
         ep_t = frac_moe * n_a2a * ct.ep_s(plan, act * m.top_k, hw, sp.nvlink_eff, sp.net_eff)
 
     def per_step(x: float) -> float:
         return mb * blocks * x
 
-    gemm = {}
-    for cls in GEMM_CLASSES:
-        f = avg(lambda b, c=cls: b.fwd.get(c, 0.0))
-        b_ = avg(lambda b, c=cls: b.bwd.get(c, 0.0))
-        if plan.recompute == "full":
-            b_ += f
-        elif plan.recompute == "selective" and cls == "attention":
-            b_ += f
-        if f + b_:
-            gemm[cls] = per_step(f + b_)
-    rc = 1.0 if plan.recompute == "full" else 0.0
-    mem_s = per_step(avg(lambda b: b.mem_fwd_s * (1 + rc) + b.mem_bwd_s))
-    over_s = per_step(avg(lambda b: b.overhead_s * (1 + rc / 3)))
+    gemm = {cls: per_step(x) for cls, x in blk["gemm"].items()}
+    mem_s = per_step(blk["mem"])
+    over_s = per_step(blk["overhead"])
     head_s = mb * (head_f + head_b) if has_head else 0.0
     comm = {"tp": per_step(tp_t), "cp": per_step(cp_f + cp_b), "ep": per_step(ep_t)}
     exposed = {"tp": comm["tp"] * (1 - eng.tp), "cp": per_step(cp_x),
@@ -240,7 +270,7 @@ def predict_step(model, plan: ParallelPlan, hw: Hardware, tokens_per_step: int,
     comm["pp"] = 2 * mb * plan.virtual_stages * send
     exposed["pp"] = comm["pp"] * (1 - eng.pp)
 
-    p = params_per_gpu(m, plan)
+    p = _params_per_gpu(m, plan.tp, plan.pp, plan.ep)
     grad = 2.0
     payloads = [(p.dense * grad, plan.dp * plan.cp),
                 (p.expert * grad, plan.dp * plan.cp // plan.ep)]
@@ -250,8 +280,8 @@ def predict_step(model, plan: ParallelPlan, hw: Hardware, tokens_per_step: int,
              if plan.zero >= 1 else p.total)
     opt_s = shard * OPTIMIZER_BYTES_PER_PARAM / (hw.hbm_bw * sp.hbm_eff)
 
-    model_flops = m.flops_per_token(seq_len) * tokens_per_step
-    hw_flops = model_flops + recompute_flops_per_token(m, plan.recompute, seq_len) * \
-        tokens_per_step
+    per_token, extra = _flops_per_token(m, seq_len, plan.recompute)
+    model_flops = per_token * tokens_per_step
+    hw_flops = (per_token + extra) * tokens_per_step
     return Breakdown(gemm, mem_s, over_s, head_s, comm, exposed, bubble, opt_s, model_flops,
                      hw_flops, plan.world_size, hw.peak_flops, eng.name, blocks, mb)
