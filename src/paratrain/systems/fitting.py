@@ -48,7 +48,8 @@ def load_params(path: str | Path | None = None) -> StepParams:
         d = tomllib.load(f)
     base = StepParams()
     kw = {k: float(d[k]) for k in SCALARS if k in d}
-    return base.replace(gemm_eff={**base.gemm_eff, **d.get("gemm_eff", {})}, **kw)
+    return base.replace(gemm_eff={**base.gemm_eff, **d.get("gemm_eff", {})},
+                        attn_eff={**base.attn_eff, **d.get("attn_eff", {})}, **kw)
 
 
 def case_engine(case: Case) -> Engine:
@@ -121,28 +122,40 @@ def summarize(records: list[Record]) -> dict:
 
 
 # ---- fitting: projected Levenberg-Marquardt in the unit box of the bounds ------------------
+MIN_ROWS = 3  # a generation's efficiencies are fitted only with this many rows on it
+
+
 def _names(cases: list[Case]) -> list[tuple[str, str | None]]:
-    gens = sorted({generation(c.hw.name) for c in cases})
-    return [("gemm_eff", g) for g in gens] + [(s, None) for s in SCALARS]
+    """The parameters the rows can inform: each generation's GEMM (and FlashAttention-2)
+    efficiency when it has MIN_ROWS rows, and the scalars."""
+    count: dict = {}
+    for c in cases:
+        g = generation(c.hw.name)
+        count[g] = count.get(g, 0) + 1
+    gens = sorted(g for g, n in count.items() if n >= MIN_ROWS)
+    return ([("gemm_eff", g) for g in gens] + [("attn_eff", g) for g in gens]
+            + [(s, None) for s in SCALARS])
 
 
 def _to_params(u, names, base: StepParams) -> StepParams:
-    ge, kw = dict(base.gemm_eff), {}
+    dicts = {"gemm_eff": dict(base.gemm_eff), "attn_eff": dict(base.attn_eff)}
+    kw = {}
     for (name, g), x in zip(names, u, strict=True):
         lo, hi = BOUNDS[name]
         v = lo + min(1.0, max(0.0, float(x))) * (hi - lo)
         if g is None:
             kw[name] = v
         else:
-            ge[g] = v
-    return base.replace(gemm_eff=ge, **kw)
+            dicts[name][g] = v
+    return base.replace(**dicts, **kw)
 
 
 def _to_unit(p: StepParams, names) -> list[float]:
     out = []
     for name, g in names:
         lo, hi = BOUNDS[name]
-        v = p.gemm_for(g) if g is not None else getattr(p, name)
+        v = getattr(p, name) if g is None else (
+            p.gemm_for(g) if name == "gemm_eff" else p.attn_eff.get(g, 0.5))
         out.append(min(1.0, max(0.0, (v - lo) / (hi - lo))))
     return out
 
@@ -197,11 +210,6 @@ def leave_one_out(cases: list[Case], start: StepParams | None = None, iters: int
     out = []
     for i, c in enumerate(cases):
         rest = cases[:i] + cases[i + 1:]
-        gen = generation(c.hw.name)
-        if not any(generation(x.hw.name) == gen for x in rest):
-            out.append(Record(c.id, c.source, c.metric, c.reported, None,
-                              f"no other row on {gen} to fit its GEMM efficiency"))
-            continue
         p = fit(rest, start, iters)
         out.append(Record(c.id, c.source, c.metric, c.reported, predict(c, p)))
     return out
@@ -210,8 +218,9 @@ def leave_one_out(cases: list[Case], start: StepParams | None = None, iters: int
 def write_params(params: StepParams, path: str | Path, provenance: list[str]) -> Path:
     lines = [f"# {line}" for line in provenance]
     lines += [f"{k} = {getattr(params, k):.6g}" for k in SCALARS]
-    lines += ["", "[gemm_eff]"]
-    lines += [f'"{k}" = {v:.4f}' for k, v in sorted(params.gemm_eff.items())]
+    for table in ("gemm_eff", "attn_eff"):
+        lines += ["", f"[{table}]"]
+        lines += [f'"{k}" = {v:.4f}' for k, v in sorted(getattr(params, table).items())]
     out = Path(path)
     out.write_text("\n".join(lines) + "\n")
     return out

@@ -56,6 +56,7 @@ class Rates:
     attn_eff: float
     hbm_eff: float
     kernel_s: float
+    fusion: float = 1.0  # element-wise bytes over the fused count (overlap.Engine.fusion)
 
 
 @dataclass(frozen=True)
@@ -121,7 +122,7 @@ def block_cost(m: ModelShape, M: int, seq_len: int, tp: int, cp: int, sp: bool, 
     lin("out", d, H * dv // tp)
     b_seqs = M * cp / seq_len
     heads = H // tp
-    if attention == "flash":  # causal: half the s x s scores, 1/cp of them on this rank
+    if attention != "eager":  # flash(3), causal: half the s x s scores, 1/cp on this rank
         attn_flops = 2.0 * b_seqs * seq_len * seq_len / 2 * heads * (dqk + dv) / cp
         attn_f = attn_flops / (hw.peak_flops * r.attn_eff)
         fwd["attention"], bwd["attention"] = attn_f, 2.5 * attn_f
@@ -154,7 +155,7 @@ def block_cost(m: ModelShape, M: int, seq_len: int, tp: int, cp: int, sp: bool, 
     seq_part = (M / tp if sp else M)
     elems = seq_part * (4 + 6 + (4 if m.bias else 0)) * d + M * (
         f_act + (0 if m.learned_positions else 2 * (H + G) * hd / tp))
-    mem_f = (elems * 2.0 + scores) / (hw.hbm_bw * he)
+    mem_f = (elems * 2.0 * r.fusion + scores) / (hw.hbm_bw * he)
     kernels = KERNELS_FWD + (4 if moe else 0)
     return BlockCost(fwd, bwd, mem_f, 2 * mem_f, 3 * kernels * r.kernel_s, attn_f)
 

@@ -25,10 +25,16 @@ xla         0.5   0.5   1     1     0.5   unit     TPU/JAX: collective matmuls o
                                                    (Wang et al. 2023)
 ==========  ====  ====  ====  ====  ====  =======  ======================================
 
-``attention`` is the kernel an engine runs by default: fused (FlashAttention, Dao et al.
-2022; every engine here since 2023) or eager (the s x s scores through HBM: DeepSpeed's
-and Megatron-DeepSpeed's default; any run in fp16 predates FlashAttention's adoption,
-:func:`paratrain.systems.fitting.case_attention`).
+``attention`` is the kernel an engine runs by default: ``flash3`` (Hopper-native fused
+attention: cuDNN's through Transformer Engine in NeMo, XLA's on GPUs; FlashAttention-2 on
+older chips), ``flash`` (FlashAttention-2, Dao 2023) or ``eager`` (the s x s scores
+through HBM: DeepSpeed's and Megatron-DeepSpeed's default; any run in fp16 predates
+FlashAttention's adoption, :func:`paratrain.systems.fitting.case_attention`).
+
+``fusion`` is the element-wise traffic (norms, activations, RoPE, adds) over the fully
+fused count of :mod:`paratrain.systems.layer_cost`: 1 where kernels are fused (Transformer
+Engine, apex, XLA), 1.5 where some run as separate PyTorch kernels (DeepSpeed, llm-foundry
+FSDP), 2 for eager PyTorch modules (torchtitan's default, without torch.compile).
 
 ``gather`` is how a ZeRO-3/FSDP engine gathers weights: ``bucket`` (whole-stage buckets
 on NCCL rings), ``unit`` (one collective per block), ``param`` (one per weight tensor:
@@ -52,16 +58,17 @@ class Engine:
     ep: float
     gather: str
     attention: str = "flash"  # the attention kernel it runs by default
+    fusion: float = 1.0  # element-wise HBM traffic over the fully fused count
 
 
 ENGINES = {
-    "megatron": Engine("megatron", 0.0, 0.0, 1.0, 1.0, 0.0, "bucket"),
-    "nemo": Engine("nemo", 0.5, 0.5, 1.0, 1.0, 0.5, "bucket"),
-    "megascale": Engine("megascale", 0.8, 1.0, 1.0, 1.0, 0.5, "bucket"),
-    "deepspeed": Engine("deepspeed", 0.0, 0.0, 1.0, 0.5, 0.0, "param", "eager"),
-    "fsdp": Engine("fsdp", 0.0, 0.0, 1.0, 1.0, 0.0, "unit"),
-    "torchtitan": Engine("torchtitan", 0.5, 0.5, 1.0, 1.0, 0.5, "unit"),
-    "xla": Engine("xla", 0.5, 0.5, 1.0, 1.0, 0.5, "unit"),
+    "megatron": Engine("megatron", 0.0, 0.0, 1.0, 1.0, 0.0, "bucket", "flash"),
+    "nemo": Engine("nemo", 0.5, 0.5, 1.0, 1.0, 0.5, "bucket", "flash3"),
+    "megascale": Engine("megascale", 0.8, 1.0, 1.0, 1.0, 0.5, "bucket", "flash"),
+    "deepspeed": Engine("deepspeed", 0.0, 0.0, 1.0, 0.5, 0.0, "param", "eager", 1.5),
+    "fsdp": Engine("fsdp", 0.0, 0.0, 1.0, 1.0, 0.0, "unit", "flash", 1.5),
+    "torchtitan": Engine("torchtitan", 0.5, 0.5, 1.0, 1.0, 0.5, "unit", "flash", 2.0),
+    "xla": Engine("xla", 0.5, 0.5, 1.0, 1.0, 0.5, "unit", "flash3"),
 }
 DEFAULT_ENGINE = "megatron"
 

@@ -22,6 +22,7 @@ the way the step runs on the busiest pipeline rank (docs/systems-model.md):
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -221,9 +222,9 @@ def predict_step(model, plan: ParallelPlan, hw: Hardware, tokens_per_step: int,
     eng = engine_name if isinstance(engine_name, Engine) else engine(engine_name)
     batch = split_batch(tokens_per_step, seq_len, plan)
     chip = chip_of(hw.name)
-    rates = sp.rates(hw.name)
     mb, M = plan.micro_batches, batch.micro_batch * batch.local_seq
     kernel = attention or eng.attention
+    rates = dataclasses.replace(sp.rates(hw.name, kernel), fusion=eng.fusion)
     blk = _block_summary(m, M, seq_len, plan.tp, plan.cp, plan.sp, plan.ep, hw, chip, rates,
                          kernel, plan.recompute)
     blk_f, blk_b = blk["fwd"], blk["bwd"]

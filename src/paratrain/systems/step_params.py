@@ -1,6 +1,7 @@
 """The step-time model's free parameters: few, physical, each with its provenance.
 
-Eight numbers, all efficiencies in (0, 1] of a catalogue figure, except one latency:
+Ten numbers, all efficiencies in (0, 1] of a catalogue figure, except one latency (the
+TPU's GEMM efficiency is kept at its start value when a table has too few TPU rows):
 
 =================  =======  ==============================================================
 parameter          start    provenance of the starting value and bound
@@ -10,8 +11,13 @@ gemm_eff[a100]     0.85     cuBLAS bf16 on large GEMMs reaches ~265 of 312 TF/s 
 gemm_eff[h100]     0.75     ~740 of 989 TF/s for large bf16 GEMMs on H100 SXM
                             (NVIDIA's Transformer Engine / cuBLAS figures)
 gemm_eff[tpu-v4]   0.85     large matmuls on the 128 x 128 MXUs (Jouppi et al. 2023)
-attn_eff           0.55     FlashAttention-2 forward+backward at ~50-70% of peak on A100
-                            (Dao 2023); FlashAttention-3 similar on H100 (Shah et al. 2024)
+attn_eff[a100]     0.60     FlashAttention-2 forward+backward at ~50-70% of peak on A100
+                            (Dao 2023)
+attn_eff[h100]     0.35     FlashAttention-2 on H100 reaches ~35-40% of peak: it does not
+                            use Hopper's asynchronous tensor cores (Shah et al. 2024)
+attn3_eff          0.60     Hopper-native fused attention (FlashAttention-3, cuDNN's, as
+                            Transformer Engine runs it): ~600-750 of 989 TF/s forward
+                            (Shah et al. 2024); engines that run it: overlap.py
 hbm_eff            0.85     STREAM-like copies reach ~85-90% of nominal HBM bandwidth
 nvlink_eff         0.80     NCCL all-reduce bus bandwidth ~360 of 450 GB/s (H100 NVLink 4),
                             ~230 of 300 GB/s (A100), nccl-tests
@@ -33,15 +39,18 @@ from paratrain.systems.gemm import chip_of
 from paratrain.systems.layer_cost import Rates
 
 GEMM_EFF = {"a100": 0.85, "h100": 0.75, "tpu-v4": 0.85}
-SCALARS = ("attn_eff", "hbm_eff", "nvlink_eff", "net_eff", "kernel_s")
-BOUNDS = {"gemm_eff": (0.3, 1.0), "attn_eff": (0.2, 1.0), "hbm_eff": (0.3, 1.0),
+ATTN_EFF = {"a100": 0.60, "h100": 0.35}
+SCALARS = ("attn3_eff", "hbm_eff", "nvlink_eff", "net_eff", "kernel_s")
+BOUNDS = {"gemm_eff": (0.3, 1.0), "attn_eff": (0.15, 1.0), "attn3_eff": (0.2, 1.0),
+          "hbm_eff": (0.3, 1.0),
           "nvlink_eff": (0.2, 1.0), "net_eff": (0.1, 1.0), "kernel_s": (0.0, 20e-6)}
 
 
 @dataclass(frozen=True)
 class StepParams:
     gemm_eff: dict = field(default_factory=lambda: dict(GEMM_EFF))
-    attn_eff: float = 0.55
+    attn_eff: dict = field(default_factory=lambda: dict(ATTN_EFF))
+    attn3_eff: float = 0.60
     hbm_eff: float = 0.85
     nvlink_eff: float = 0.80
     net_eff: float = 0.80
@@ -51,14 +60,24 @@ class StepParams:
         gen = chip_of(hw_name).generation
         return self.gemm_eff.get(gen, GEMM_EFF.get(gen, 0.75))
 
-    def rates(self, hw_name: str) -> Rates:
-        return Rates(self.gemm_for(hw_name), self.attn_eff, self.hbm_eff, self.kernel_s)
+    def attn_for(self, hw_name: str, kernel: str = "flash") -> float:
+        """Attention efficiency of ``kernel`` on this chip: "flash3" (Hopper-native) runs at
+        attn3_eff on H100-class chips and falls back to FlashAttention-2 elsewhere."""
+        gen = chip_of(hw_name).generation
+        if kernel == "flash3" and gen in ("h100", "b200"):
+            return self.attn3_eff
+        return self.attn_eff.get(gen, ATTN_EFF.get(gen, self.gemm_for(hw_name) * 0.7))
+
+    def rates(self, hw_name: str, kernel: str = "flash") -> Rates:
+        return Rates(self.gemm_for(hw_name), self.attn_for(hw_name, kernel), self.hbm_eff,
+                     self.kernel_s)
 
     def replace(self, **kw) -> StepParams:
         return dataclasses.replace(self, **kw)
 
     def as_dict(self) -> dict:
-        return {"gemm_eff": dict(self.gemm_eff), **{k: getattr(self, k) for k in SCALARS}}
+        return {"gemm_eff": dict(self.gemm_eff), "attn_eff": dict(self.attn_eff),
+                **{k: getattr(self, k) for k in SCALARS}}
 
     def count(self) -> int:
-        return len(self.gemm_eff) + len(SCALARS)
+        return len(self.gemm_eff) + len(self.attn_eff) + len(SCALARS)
