@@ -12,8 +12,10 @@ megatron    0     0     1     1     0     bucket   Megatron-LM: TP collectives b
                                                    blocking; ring attention overlaps the
                                                    next K/V with the current block;
                                                    overlap_grad_reduce / param_gather
-nemo        0.5   0.5   1     1     0.5   bucket   NeMo adds TP comm overlap (userbuffers)
-                                                   and overlapped p2p
+nemo        0.8   1     1     1     0.5   bucket   NeMo's H100 recipes turn on
+                                                   tp_comm_overlap (Transformer Engine
+                                                   userbuffers split each AG/RS under its
+                                                   GEMM) and overlap_p2p_comm
 megascale   0.8   1     1     1     0.5   bucket   MegaScale (Jiang et al. 2024) overlaps
                                                    TP with GEMMs and PP sends with compute
 deepspeed   0     0     1     0.5   0     param    ZeRO-3 gathers each parameter with its
@@ -63,7 +65,7 @@ class Engine:
 
 ENGINES = {
     "megatron": Engine("megatron", 0.0, 0.0, 1.0, 1.0, 0.0, "bucket", "flash"),
-    "nemo": Engine("nemo", 0.5, 0.5, 1.0, 1.0, 0.5, "bucket", "flash3"),
+    "nemo": Engine("nemo", 0.8, 1.0, 1.0, 1.0, 0.5, "bucket", "flash3"),
     "megascale": Engine("megascale", 0.8, 1.0, 1.0, 1.0, 0.5, "bucket", "flash"),
     "deepspeed": Engine("deepspeed", 0.0, 0.0, 1.0, 0.5, 0.0, "param", "eager", 1.5),
     "fsdp": Engine("fsdp", 0.0, 0.0, 1.0, 1.0, 0.0, "unit", "flash", 1.5),
