@@ -16,9 +16,10 @@ parameter per accelerator generation); ``q`` <= 1 is the work a GPU wastes on pa
   wave is partly empty, q_wave = tiles / (ceil(tiles / SMs) SMs) (NVIDIA's "Matrix
   multiplication background user's guide" describes both).
 
-The tile is the output tile the library picks for large bf16 GEMMs on that chip
+The library picks the tile per shape: the largest tile for large bf16 GEMMs on that chip
 (A100: 128 x 128 with 108 SMs; H100 SXM: 128 x 256 with 132 SMs, from the A100 and H100
-whitepapers' SM counts and CUTLASS's default tile shapes); TPUs have no waves, only the
+whitepapers' SM counts and CUTLASS's default tile shapes), or a smaller one (128 x 128,
+64 x 128, 64 x 64) when that wastes less; we take the least wasteful. TPUs have no waves, only the
 128 x 128 systolic array (Jouppi et al. 2023, TPU v4), so their tile is 128 x 128 and
 their "SM" count 1 (no wave loss). Small GEMMs (thin micro-batches, narrow tensor-parallel
 shards) lose efficiency through both terms, which is what keeps the search off absurdly
@@ -69,14 +70,19 @@ def chip_of(name: str) -> Chip:
     return Chip(low, 128, 128, 108)
 
 
-def quantisation(M: int, N: int, chip: Chip) -> float:
-    """Useful fraction of the tiles and waves a GEMM with an M x N output occupies."""
-    tm, tn = chip.tile_m, chip.tile_n
+def _quantisation(M: int, N: int, tm: int, tn: int, sms: int) -> float:
     rows, cols = -(-M // tm), -(-N // tn)
-    q_tile = (M * N) / (rows * tm * cols * tn)
     tiles = rows * cols
-    waves = -(-tiles // chip.sms)
-    return q_tile * tiles / (waves * chip.sms)
+    waves = -(-tiles // sms)
+    return (M * N) / (rows * tm * cols * tn) * tiles / (waves * sms)
+
+
+@lru_cache(maxsize=65536)
+def quantisation(M: int, N: int, chip: Chip) -> float:
+    """Useful fraction of the tiles and waves a GEMM with an M x N output occupies, under
+    the least wasteful of the chip's large tile and the smaller ones libraries fall back to."""
+    tiles = {(chip.tile_m, chip.tile_n), (128, 128), (64, 128), (64, 64)}
+    return max(_quantisation(M, N, tm, tn, chip.sms) for tm, tn in tiles)
 
 
 def gemm_s(M: int, N: int, K: int, hw: Hardware, chip: Chip, gemm_eff: float,
