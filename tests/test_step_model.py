@@ -140,3 +140,52 @@ def test_search_picks_a_practical_layout_for_llama3_70b_on_256_h100():
         assert f"{res.top[0].time.dp_comm_s:.3g} s" in sync
     else:
         assert "no gradient sync" in sync
+
+
+def _published_layouts():
+    """One published run per (engine, model, accelerator, sequence), the smallest GPU count:
+    the test's time budget; benchmarks/search.py --self-check runs every row."""
+    from paratrain.systems.runs import cases_and_skips, read_runs
+
+    cases, _ = cases_and_skips(read_runs())
+    pick: dict = {}
+    for c in sorted(cases, key=lambda c: c.plan.world_size):
+        key = (getattr(c, "engine", ""), c.model.name, c.hw.name, c.seq_len)
+        if c.plan.world_size <= 1024:
+            pick.setdefault(key, c)
+    return list(pick.values())
+
+
+def test_search_self_check_on_published_runs():
+    """The search's best layout is predicted no slower than each published layout it could
+    have chosen (a valid plan, power-of-two tp, that fits in memory): same model, engine,
+    parameters, ZeRO stage and recomputation."""
+    from paratrain.systems.fitting import case_attention, case_engine
+    from paratrain.systems.memory import memory
+
+    p = load_params()
+    checked = 0
+    for c in _published_layouts():
+        tp = c.plan.tp
+        if tp & (tp - 1) or not memory(c.model, c.plan, c.hw, c.tokens, c.seq_len,
+                                       attention="flash").fits:
+            continue
+        eng = case_engine(c)
+        pub = predict_step(c.model, c.plan, c.hw, c.tokens, c.seq_len, p, eng,
+                           case_attention(c)).step_s
+        res = search(c.model, c.hw, c.plan.world_size, c.tokens, c.seq_len, top=1,
+                     keep_points=False, params=p, engine=eng.name, attention="flash",
+                     zero_stages=(c.plan.zero,), recomputes=(c.plan.recompute,))
+        assert res.top[0].step_s <= pub * (1 + 1e-9), c.id
+        checked += 1
+    assert checked >= 15
+
+
+def test_validate_explain_prints_one_rows_breakdown(capsys):
+    assert main(["validate", "--explain", "dgxc_gpt3_175b_128"]) == 0
+    out = capsys.readouterr().out
+    for part in ("GEMM mlp", "memory-bound work", "pipeline bubble",
+                 "tensor parallel (exposed)", "reported: mfu 53.5%"):
+        assert part in out, part
+    assert main(["validate", "--explain", "no_such_row"]) == 2
+    assert "no_such_row" in capsys.readouterr().err

@@ -62,17 +62,20 @@ def pp_send_s(plan: ParallelPlan, act_bytes: float, hw: Hardware, nvlink_eff: fl
 
 
 def cp_s(m: ModelShape, plan: ParallelPlan, seq_len: int, micro_batch: int, hw: Hardware,
-         nvlink_eff: float, net_eff: float, elem: int = 2) -> tuple[float, float]:
+         nvlink_eff: float, net_eff: float, elem: int = 2, kernel_s: float = 0.0
+         ) -> tuple[float, float]:
     """(forward, backward) seconds of one block's context-parallel exchange for a
     micro-batch: the runtime's bytes (:func:`cp_bytes_per_sequence_layer`, ring or
-    all-to-all), plus one latency per ring hop or all-to-all peer."""
+    all-to-all), plus one latency and one launch per ring hop or all-to-all peer (each
+    ring step also launches its block's attention kernel: two launches a hop)."""
     if plan.cp == 1:
         return 0.0, 0.0
     shaped = m if m.context == seq_len else m.replace(context=seq_len)
     fwd, bwd = cp_bytes_per_sequence_layer(shaped, plan, elem)
     a, bw = group_bw(plan, "cp", plan.cp, hw, nvlink_eff, net_eff)
     hops = plan.cp - 1
-    return hops * a + micro_batch * fwd / bw, 2 * hops * a + micro_batch * bwd / bw
+    step = a + 2 * kernel_s
+    return hops * step + micro_batch * fwd / bw, 2 * hops * step + micro_batch * bwd / bw
 
 
 def ep_s(plan: ParallelPlan, routed_bytes: float, hw: Hardware, nvlink_eff: float,

@@ -68,8 +68,8 @@ ENGINES = {
     "nemo": Engine("nemo", 0.8, 1.0, 1.0, 1.0, 0.5, "bucket", "flash3"),
     "megascale": Engine("megascale", 0.8, 1.0, 1.0, 1.0, 0.5, "bucket", "flash"),
     "deepspeed": Engine("deepspeed", 0.0, 0.0, 1.0, 0.5, 0.0, "param", "eager", 1.5),
-    "fsdp": Engine("fsdp", 0.0, 0.0, 1.0, 1.0, 0.0, "unit", "flash", 1.5),
-    "torchtitan": Engine("torchtitan", 0.5, 0.5, 1.0, 1.0, 0.5, "unit", "flash", 2.0),
+    "fsdp": Engine("fsdp", 0.0, 0.0, 1.0, 1.0, 0.0, "unit", "flash", 2.0),
+    "torchtitan": Engine("torchtitan", 0.5, 0.5, 1.0, 1.0, 0.5, "unit", "flash", 3.0),
     "xla": Engine("xla", 0.5, 0.5, 1.0, 1.0, 0.5, "unit", "flash3"),
 }
 DEFAULT_ENGINE = "megatron"

@@ -6,7 +6,7 @@ least 1024 tokens per rank; ring or all-to-all when the heads divide over cp x t
 (divisors of what is left, at most the layers), dp (the rest, dividing the batch), ep (MoE:
 powers of two dividing dp and the experts), micro-batch size (divisors of the per-replica
 batch, so accumulation or pipeline micro-batches follow), schedule (GPipe, 1F1B, interleaved
-with v = 2 or 4, ZB-H1), ZeRO stage 0-3, recomputation none/selective/full. Sequence
+with v in VIRTUAL_STAGES, ZB-H1), ZeRO stage 0-3, recomputation none/selective/full. Sequence
 parallelism is always on when tp > 1: it moves the same bytes as tensor parallelism alone
 (all-gather + reduce-scatter = all-reduce) and divides the remaining activations by tp, so
 it dominates.
@@ -38,6 +38,7 @@ from paratrain.systems.step_params import StepParams
 from paratrain.systems.step_time import StepTime, bubble_fraction, step_time
 
 ZERO_STAGES = (0, 1, 2, 3)
+VIRTUAL_STAGES = (2, 3, 4, 5, 6, 8, 12)  # chunks per rank the published runs use
 RECOMPUTES = ("none", "selective", "full")
 
 
@@ -116,7 +117,8 @@ def enumerate_plans(model: ModelConfig, hw: Hardware, gpus: int, sequences: int,
                     scheds = [("1f1b", 1)] if pp == 1 else [("gpipe", 1), ("1f1b", 1),
                                                             ("zb-h1", 1)]
                     if pp > 1 and mb % pp == 0:
-                        scheds += [("interleaved", v) for v in (2, 4) if pp * v <= m.n_layers]
+                        scheds += [("interleaved", v) for v in VIRTUAL_STAGES
+                                   if pp * v <= m.n_layers]
                     algos = ("ring",) if cp == 1 else ("ring", "all-to-all") if (
                         m.n_heads % (cp * tp) == 0 and m.kv_heads % (cp * tp) == 0
                         and not m.is_moe) else ("ring",)

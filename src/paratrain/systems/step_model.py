@@ -239,7 +239,8 @@ def predict_step(model, plan: ParallelPlan, hw: Hardware, tokens_per_step: int,
     # exposed tensor / context / expert communication, per block per micro-batch
     act = M * m.d_model * 2.0
     tp_t = ct.tp_s(plan, act, hw, sp.nvlink_eff, sp.net_eff)
-    cp_f, cp_b = ct.cp_s(m, plan, seq_len, batch.micro_batch, hw, sp.nvlink_eff, sp.net_eff)
+    cp_f, cp_b = ct.cp_s(m, plan, seq_len, batch.micro_batch, hw, sp.nvlink_eff, sp.net_eff,
+                         kernel_s=sp.kernel_s)
     if plan.recompute != "none":
         cp_b += cp_f
     if plan.cp_algorithm == "ring":
