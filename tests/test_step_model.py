@@ -143,16 +143,15 @@ def test_search_picks_a_practical_layout_for_llama3_70b_on_256_h100():
 
 
 def _published_layouts():
-    """One published run per (engine, model, accelerator, sequence), the smallest GPU count:
-    the test's time budget; benchmarks/search.py --self-check runs every row."""
+    """One published run per (engine, accelerator, pipelined or not), the smallest GPU
+    count: the test's time budget; benchmarks/search.py --self-check runs every row."""
     from paratrain.systems.runs import cases_and_skips, read_runs
 
     cases, _ = cases_and_skips(read_runs())
     pick: dict = {}
     for c in sorted(cases, key=lambda c: c.plan.world_size):
-        key = (getattr(c, "engine", ""), c.model.name, c.hw.name, c.seq_len)
-        if c.plan.world_size <= 1024:
-            pick.setdefault(key, c)
+        key = (getattr(c, "engine", ""), c.hw.name, c.plan.pp > 1)
+        pick.setdefault(key, c)
     return list(pick.values())
 
 
@@ -178,7 +177,7 @@ def test_search_self_check_on_published_runs():
                      zero_stages=(c.plan.zero,), recomputes=(c.plan.recompute,))
         assert res.top[0].step_s <= pub * (1 + 1e-9), c.id
         checked += 1
-    assert checked >= 15
+    assert checked >= 8
 
 
 def test_validate_explain_prints_one_rows_breakdown(capsys):
