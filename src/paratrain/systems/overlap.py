@@ -38,6 +38,11 @@ fused count of :mod:`paratrain.systems.layer_cost`: 1 where kernels are fused (T
 Engine, apex, XLA), 1.5 where some run as separate PyTorch kernels (DeepSpeed, llm-foundry
 FSDP), 2 for eager PyTorch modules (torchtitan's default, without torch.compile).
 
+``selective`` is what "selective" recomputation reruns besides the attention core
+(Korthikanti et al. 2022's selective recompute, Megatron's: nothing else); torchtitan's
+op-level selective checkpointing saves every other matmul's output and recomputes the rest
+of the forward: half its GEMMs and all its element-wise work.
+
 ``gather`` is how a ZeRO-3/FSDP engine gathers weights: ``bucket`` (whole-stage buckets
 on NCCL rings), ``unit`` (one collective per block), ``param`` (one per weight tensor:
 ``COLLECTIVES_PER_BLOCK``, each paying the ring's (p-1) latencies).
@@ -61,6 +66,7 @@ class Engine:
     gather: str
     attention: str = "flash"  # the attention kernel it runs by default
     fusion: float = 1.0  # element-wise HBM traffic over the fully fused count
+    selective: float = 0.0  # share of the forward's GEMMs "selective" recompute reruns
 
 
 ENGINES = {
@@ -69,7 +75,7 @@ ENGINES = {
     "megascale": Engine("megascale", 0.8, 1.0, 1.0, 1.0, 0.5, "bucket", "flash"),
     "deepspeed": Engine("deepspeed", 0.0, 0.0, 1.0, 0.5, 0.0, "param", "eager", 1.5),
     "fsdp": Engine("fsdp", 0.0, 0.0, 1.0, 1.0, 0.0, "unit", "flash", 2.0),
-    "torchtitan": Engine("torchtitan", 0.5, 0.5, 1.0, 1.0, 0.5, "unit", "flash", 3.0),
+    "torchtitan": Engine("torchtitan", 0.5, 0.5, 1.0, 1.0, 0.5, "unit", "flash", 3.0, 0.5),
     "xla": Engine("xla", 0.5, 0.5, 1.0, 1.0, 0.5, "unit", "flash3"),
 }
 DEFAULT_ENGINE = "megatron"

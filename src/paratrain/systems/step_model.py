@@ -127,10 +127,12 @@ def _params_per_gpu(m, tp: int, pp: int, ep: int):
 
 @lru_cache(maxsize=8192)
 def _block_summary(m, M: int, seq_len: int, tp: int, cp: int, sp: bool, ep: int, hw, chip,
-                   rates, kernel: str, recompute: str) -> dict:
+                   rates, kernel: str, recompute: str, selective: float = 0.0) -> dict:
     """One average block (dense and MoE blocks weighted by their counts) for a
     micro-batch: forward and backward seconds (recomputation in backward), per GEMM class,
-    memory-bound and launch seconds, and the attention core's forward."""
+    memory-bound and launch seconds, and the attention core's forward. ``selective``: the
+    share of the other forward GEMMs (and all the element-wise work) that selective
+    recomputation reruns (the engine's)."""
     args = (M, seq_len, tp, cp, sp, ep, hw, chip, rates)
     dense = block_cost(m, *args, moe=False, attention=kernel)
     moe = block_cost(m, *args, moe=True, attention=kernel) if m.is_moe else None
@@ -142,18 +144,20 @@ def _block_summary(m, M: int, seq_len: int, tp: int, cp: int, sp: bool, ep: int,
     full, sel = recompute == "full", recompute == "selective"
     attn_f = avg(lambda b: b.attn_fwd_s)
     fwd = avg(lambda b: b.fwd_s)
-    bwd = avg(lambda b: b.bwd_s) + (fwd if full else attn_f if sel else 0.0)
-    gemm = {}
+    gemm, again = {}, 0.0
     for cls in GEMM_CLASSES:
         f = avg(lambda b, c=cls: b.fwd.get(c, 0.0))
         b_ = avg(lambda b, c=cls: b.bwd.get(c, 0.0))
-        if full or (sel and cls == "attention"):
-            b_ += f
+        share = 1.0 if full or (sel and cls == "attention") else selective if sel else 0.0
+        b_ += share * f
+        again += share * f
         if f + b_:
             gemm[cls] = f + b_
-    rc = 1.0 if full else 0.0
+    rc = 1.0 if full else selective if sel else 0.0  # element-wise work rerun
+    mem_again = rc * avg(lambda b: b.mem_fwd_s)
+    bwd = avg(lambda b: b.bwd_s) + again + mem_again + rc * avg(lambda b: b.overhead_s) / 3
     return {"fwd": fwd, "bwd": bwd, "attn_f": attn_f, "gemm": gemm,
-            "mem": avg(lambda b: b.mem_fwd_s * (1 + rc) + b.mem_bwd_s),
+            "mem": avg(lambda b: b.mem_fwd_s + b.mem_bwd_s) + mem_again,
             "overhead": avg(lambda b: b.overhead_s * (1 + rc / 3))}
 
 
@@ -226,7 +230,7 @@ def predict_step(model, plan: ParallelPlan, hw: Hardware, tokens_per_step: int,
     kernel = attention or eng.attention
     rates = dataclasses.replace(sp.rates(hw.name, kernel), fusion=eng.fusion)
     blk = _block_summary(m, M, seq_len, plan.tp, plan.cp, plan.sp, plan.ep, hw, chip, rates,
-                         kernel, plan.recompute)
+                         kernel, plan.recompute, eng.selective)
     blk_f, blk_b = blk["fwd"], blk["bwd"]
     L = m.n_layers
     frac_moe = m.moe_layers / L if m.is_moe else 0.0
