@@ -28,10 +28,11 @@ xla         0.5   0.5   1     1     0.5   unit     TPU/JAX: collective matmuls o
 ==========  ====  ====  ====  ====  ====  =======  ======================================
 
 ``attention`` is the kernel an engine runs by default: ``flash3`` (Hopper-native fused
-attention: cuDNN's through Transformer Engine in NeMo, XLA's on GPUs; FlashAttention-2 on
-older chips), ``flash`` (FlashAttention-2, Dao 2023) or ``eager`` (the s x s scores
-through HBM: DeepSpeed's and Megatron-DeepSpeed's default; any run in fp16 predates
-FlashAttention's adoption, :func:`paratrain.systems.fitting.case_attention`).
+attention: cuDNN's through Transformer Engine in NeMo; FlashAttention-2 on older chips),
+``flash`` (FlashAttention-2 class, Dao 2023: PyTorch's SDPA, flash-attn, and how we price
+XLA's fused attention) or ``eager`` (the s x s scores through HBM: DeepSpeed's and
+Megatron-DeepSpeed's default; any run in fp16 predates FlashAttention's adoption,
+:func:`paratrain.systems.fitting.case_attention`).
 
 ``fusion`` is the element-wise traffic (norms, activations, RoPE, adds) over the fully
 fused count of :mod:`paratrain.systems.layer_cost`: 1 where kernels are fused (Transformer
@@ -76,7 +77,7 @@ ENGINES = {
     "deepspeed": Engine("deepspeed", 0.0, 0.0, 1.0, 0.5, 0.0, "param", "eager", 1.5),
     "fsdp": Engine("fsdp", 0.0, 0.0, 1.0, 1.0, 0.0, "unit", "flash", 2.0),
     "torchtitan": Engine("torchtitan", 0.5, 0.5, 1.0, 1.0, 0.5, "unit", "flash", 3.0, 0.5),
-    "xla": Engine("xla", 0.5, 0.5, 1.0, 1.0, 0.5, "unit", "flash3"),
+    "xla": Engine("xla", 0.5, 0.5, 1.0, 1.0, 0.5, "unit", "flash"),
 }
 DEFAULT_ENGINE = "megatron"
 
