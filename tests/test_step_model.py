@@ -56,13 +56,13 @@ def test_zero3_strong_scaling_loses_throughput(engine):
     per-parameter gathers."""
     m = load_model("llama2-70b") if engine == "fsdp" else load_model("llama2-13b")
     p = load_params()
-    tokens, seq = 512 * 4096, 4096
+    tokens, seq = 1024 * 4096, 4096
     tf = []
-    for gpus in (64, 128, 256, 512):
-        plan = ParallelPlan(dp=gpus, zero=3, micro_batches=512 // gpus, recompute="full")
+    for gpus in (128, 256, 512, 1024):
+        plan = ParallelPlan(dp=gpus, zero=3, micro_batches=1024 // gpus, recompute="full")
         tf.append(predict_step(m, plan, H100, tokens, seq, p, engine).tflops_per_gpu)
     assert tf == sorted(tf, reverse=True)
-    assert tf[-1] < 0.85 * tf[0]
+    assert tf[-1] < 0.8 * tf[0]
 
 
 def test_moe_prices_active_flops_all_to_all_and_imbalance():

@@ -105,13 +105,15 @@ def test_cli_json_records(capsys):
     res = json.loads(capsys.readouterr().out)
     for r in res["records"]:
         assert {"id", "metric", "reported", "predicted", "skipped_reason"} <= set(r)
-    assert res["summary"]["overall"]["n"] == len(read_runs())
+    rows = read_runs()
+    assert res["summary"]["overall"]["n"] == sum(r["confirmed"] != "no" for r in rows)
+    assert res["summary"]["skipped"] == sum(r["confirmed"] == "no" for r in rows)
     assert "Narayanan et al." in res["summary"]["per_source"]
 
 
 def test_cli_fit_writes_parameters_and_holdout(tmp_path, capsys):
     rows = read_runs()
-    keep = [r for r in rows if r["id"].startswith(("narayanan", "dgxc_gpt3"))]
+    keep = [r for r in rows if r["id"].startswith(("narayanan21_t1", "dgxc_gpt3"))]
     runs = _write(tmp_path / "runs.csv", keep)
     out = tmp_path / "fitted.toml"
     assert main(["validate", "--runs", str(runs), "--fit", "--out", str(out), "--holdout",

@@ -18,8 +18,8 @@ nemo        0.8   1     1     1     0.5   bucket   NeMo's H100 recipes turn on
                                                    GEMM) and overlap_p2p_comm
 megascale   0.8   1     1     1     0.5   bucket   MegaScale (Jiang et al. 2024) overlaps
                                                    TP with GEMMs and PP sends with compute
-deepspeed   0     0     1     0.5   0     param    ZeRO-3 gathers each parameter with its
-                                                   own all-gather (prefetch bucket)
+deepspeed   0     0     1     0.5   0     param    ZeRO-3 gathers each submodule's
+                                                   parameters with its own all-gather
 fsdp        0     0     1     1     0     unit     FSDP1/2: one all-gather per wrapped
                                                    block, prefetched one block ahead
 torchtitan  0.5   0.5   1     1     0.5   unit     FSDP2 + async TP (Liang et al. 2024)
@@ -36,8 +36,10 @@ Megatron-DeepSpeed's default; any run in fp16 predates FlashAttention's adoption
 
 ``fusion`` is the element-wise traffic (norms, activations, RoPE, adds) over the fully
 fused count of :mod:`paratrain.systems.layer_cost`: 1 where kernels are fused (Transformer
-Engine, apex, XLA), 1.5 where some run as separate PyTorch kernels (DeepSpeed, llm-foundry
-FSDP), 2 for eager PyTorch modules (torchtitan's default, without torch.compile).
+Engine, apex, XLA), 1.5 where a few run as separate kernels (Megatron-DeepSpeed), 2 where
+norms and activations are PyTorch modules (llm-foundry's FSDP models), 3 for eager
+PyTorch blocks without torch.compile (torchtitan's default: an RMSNorm alone is five
+kernels, each reading and writing the activations).
 
 ``selective`` is what "selective" recomputation reruns besides the attention core
 (Korthikanti et al. 2022's selective recompute, Megatron's: nothing else); torchtitan's
@@ -45,15 +47,17 @@ op-level selective checkpointing saves every other matmul's output and recompute
 of the forward: half its GEMMs and all its element-wise work.
 
 ``gather`` is how a ZeRO-3/FSDP engine gathers weights: ``bucket`` (whole-stage buckets
-on NCCL rings), ``unit`` (one collective per block), ``param`` (one per weight tensor:
-``COLLECTIVES_PER_BLOCK``, each paying the ring's (p-1) latencies).
+on NCCL rings), ``unit`` (one collective per block), ``param`` (DeepSpeed ZeRO-3 gathers each
+submodule's parameters with its own coalesced all-gather: attention's projections, its
+output, the MLP's two layers, ``COLLECTIVES_PER_BLOCK``; each pays the ring's (p-1)
+latencies and a launch).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-COLLECTIVES_PER_BLOCK = {"bucket": 1, "unit": 1, "param": 9}
+COLLECTIVES_PER_BLOCK = {"bucket": 1, "unit": 1, "param": 4}
 
 
 @dataclass(frozen=True)

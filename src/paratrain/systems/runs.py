@@ -36,7 +36,8 @@ MOE_COLUMNS = {"experts": "n_experts", "top_k": "top_k", "moe_ffn_hidden": "d_ff
                "shared_experts": "n_shared_experts"}
 # shape columns -> ModelShape fields
 SHAPE_COLUMNS = {"layers": "n_layers", "hidden": "d_model", "heads": "n_heads",
-                 "kv_heads": "n_kv_heads", "ffn_hidden": "d_ff", "vocab": "vocab_size"}
+                 "kv_heads": "n_kv_heads", "ffn_hidden": "d_ff", "vocab": "vocab_size",
+                 "head_dim": "head_size"}
 
 
 class Skip(Exception):
@@ -63,6 +64,7 @@ class Case:
     precision: str = ""
     step_time_s: float | None = None  # as published, when published
     tokens_per_s: float | None = None  # per accelerator, as published or derived
+    shard_group: int | None = None  # ZeRO/FSDP group when smaller than DP (hybrid sharding)
 
 
 @dataclass(frozen=True)
@@ -158,10 +160,10 @@ def _recompute(text: str) -> str:
 
 
 def _catalogue_model(row: dict) -> ModelShape | None:
-    """The catalogue model a row names: its ``model_key`` column, else its ``model`` text
-    (whole, then without a trailing parenthetical such as "(NeMo)")."""
-    text = (row.get("model") or "").strip()
-    for name in ((row.get("model_key") or "").strip(), text, text.split("(")[0].strip()):
+    """The catalogue model a row names: its ``model_key`` column if set (nothing else),
+    else its ``model`` text (whole, then without a trailing parenthetical like "(NeMo)")."""
+    key, text = (row.get("model_key") or "").strip(), (row.get("model") or "").strip()
+    for name in ((key,) if key else (text, text.split("(")[0].strip())):
         if name:
             try:
                 return load_model(name)
@@ -181,6 +183,18 @@ def _moe_fields(row: dict, n_layers: int) -> dict:
     return out
 
 
+def _style(row: dict) -> dict:
+    """The ``mlp`` (swiglu/gelu: three or two matrices) and ``tied`` (yes/no) columns."""
+    out: dict = {}
+    mlp = (row.get("mlp") or "").strip().lower()
+    if mlp:
+        out["mlp"] = mlp
+    tied = (row.get("tied") or "").strip().lower()
+    if tied:
+        out["tie_embeddings"] = tied in ("yes", "true", "1")
+    return out
+
+
 def row_shape(row: dict, seq: int) -> ModelShape:
     """The model a row ran: its shape columns, or the catalogue model it names with the
     non-empty shape and MoE columns applied on top. Raises Skip with the reason."""
@@ -195,6 +209,7 @@ def row_shape(row: dict, seq: int) -> ModelShape:
         if base is not None:
             over = {f: _num(row, c, int) for c, f in SHAPE_COLUMNS.items()}
             over = {k: v for k, v in over.items() if v}
+            over.update(_style(row))
             n_layers = over.get("n_layers", base.n_layers)
             over.update(_moe_fields(row, n_layers))
             if "n_dense_layers" not in over and base.is_moe:
@@ -207,13 +222,15 @@ def row_shape(row: dict, seq: int) -> ModelShape:
         ffn = _num(row, "ffn_hidden", int)
         hd = re.search(r"head dim (\d+)", row.get("notes") or "")
         kv = _num(row, "kv_heads", int)
+        style = {"mlp": "gelu" if ffn == 4 * h else "swiglu",
+                 "tie_embeddings": "palm" in (row.get("model") or "").lower(),
+                 **_style(row)}
         return ModelShape(
             name=row.get("model") or rid, n_layers=L, d_model=h, n_heads=heads,
             n_kv_heads=kv if kv and kv != heads else None, d_ff=ffn or 4 * h,
             vocab_size=_num(row, "vocab", int) or 51200, context=seq,
-            mlp="gelu" if ffn == 4 * h else "swiglu",
-            head_size=int(hd.group(1)) if hd else None,
-            tie_embeddings="palm" in (row.get("model") or "").lower(), **_moe_fields(row, L))
+            head_size=_num(row, "head_dim", int) or (int(hd.group(1)) if hd else None),
+            **style, **_moe_fields(row, L))
     except (ValueError, TypeError) as e:
         raise Skip(f"model shape invalid: {e}") from None
 
@@ -222,8 +239,7 @@ def row_to_case(row: dict) -> Case:
     """Turn one CSV row into a priceable case, or raise Skip with the reason."""
     rid = row.get("id", "?")
     if (row.get("confirmed") or "").strip().lower() == "no":
-        raise Skip("confirmed=no: the figure is not verified against its source "
-                   "(kept for reference, not scored)")
+        raise Skip("confirmed=no: unverified, kept for reference")
     seq = _num(row, "seq_len", int)
     if not seq:
         raise Skip("no seq_len")
@@ -234,6 +250,9 @@ def row_to_case(row: dict) -> Case:
     model = row_shape(row, seq)
     L = model.n_layers
     hw_key, hw = _hardware(row.get("accelerator") or "")
+    domain = _num(row, "accel_per_domain", int)
+    if domain:  # the job's fast-interconnect domain (a TPU slice) differs from the catalogue's
+        hw = dataclasses.replace(hw, gpus_per_node=domain)
     tp, pp = _num(row, "TP", int) or 1, _num(row, "PP", int) or 1
     cp, ep = _num(row, "CP", int) or 1, _num(row, "EP", int) or 1
     dp = _num(row, "DP", int) or gpus // (tp * pp * cp)
@@ -275,7 +294,8 @@ def row_to_case(row: dict) -> Case:
                 engine=(row.get("engine") or "").strip(), split=split,
                 precision=(row.get("precision") or "").strip(),
                 step_time_s=_num(row, "step_time_s"),
-                tokens_per_s=_num(row, "tokens_per_s_per_accel"))
+                tokens_per_s=_num(row, "tokens_per_s_per_accel"),
+                shard_group=_num(row, "shard_group", int))
 
 
 def _reported(row: dict, model: ModelShape, seq: int) -> tuple[str, str, float]:
