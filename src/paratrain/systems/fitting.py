@@ -23,7 +23,7 @@ from pathlib import Path
 
 from paratrain.systems._toml import tomllib
 from paratrain.systems.catalogue import DATA_DIR
-from paratrain.systems.gemm import chip_of
+from paratrain.systems.gemm import family
 from paratrain.systems.overlap import Engine, engine, infer_engine
 from paratrain.systems.runs import Case, Record
 from paratrain.systems.step_model import Breakdown, predict_step
@@ -34,9 +34,9 @@ Params = StepParams
 
 
 def generation(hw_key: str) -> str:
-    """Accelerators that share a chip share a GEMM efficiency (A100 40/80 GB;
-    H100/H800/H200), keyed by :func:`paratrain.systems.gemm.chip_of`."""
-    return chip_of(hw_key).generation
+    """Accelerators that share a chip share its efficiencies (A100 40/80 GB; H100/H800/H200;
+    every TPU): :func:`paratrain.systems.gemm.family`."""
+    return family(hw_key)
 
 
 def load_params(path: str | Path | None = None) -> StepParams:
@@ -48,8 +48,10 @@ def load_params(path: str | Path | None = None) -> StepParams:
         d = tomllib.load(f)
     base = StepParams()
     kw = {k: float(d[k]) for k in SCALARS if k in d}
-    return base.replace(gemm_eff={**base.gemm_eff, **d.get("gemm_eff", {})},
-                        attn_eff={**base.attn_eff, **d.get("attn_eff", {})}, **kw)
+    known = {t: {k: v for k, v in d.get(t, {}).items() if k in getattr(base, t)}
+             for t in ("gemm_eff", "attn_eff")}  # a stale family key is no parameter
+    return base.replace(gemm_eff={**base.gemm_eff, **known["gemm_eff"]},
+                        attn_eff={**base.attn_eff, **known["attn_eff"]}, **kw)
 
 
 def case_engine(case: Case) -> Engine:
@@ -133,7 +135,7 @@ def _names(cases: list[Case]) -> list[tuple[str, str | None]]:
         g = generation(c.hw.name)
         count[g] = count.get(g, 0) + 1
     gens = sorted(g for g, n in count.items() if n >= MIN_ROWS)
-    return ([("gemm_eff", g) for g in gens] + [("attn_eff", g) for g in gens]
+    return ([("gemm_eff", g) for g in gens] + [("attn_eff", g) for g in gens if g != "tpu"]
             + [(s, None) for s in SCALARS])
 
 

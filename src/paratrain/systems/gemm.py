@@ -50,13 +50,16 @@ _CHIPS = {
     "b200": Chip("b200", 128, 256, 148),
     "v100": Chip("v100", 128, 128, 80),
     "mi300x": Chip("mi300x", 256, 256, 304),
+    "tpu-v3": Chip("tpu-v3", 128, 128, 1),
     "tpu-v4": Chip("tpu-v4", 128, 128, 1),
+    "tpu-v5e": Chip("tpu-v5e", 128, 128, 1),
     "tpu-v5p": Chip("tpu-v5p", 128, 128, 1),
 }
 _NAME_KEYS = (("a100", "a100"), ("h100", "h100"), ("h800", "h100"), ("h200", "h100"),
               ("gh200", "h100"), ("b200", "b200"), ("gb200", "b200"), ("v100", "v100"),
-              ("mi300", "mi300x"), ("tpu-v4", "tpu-v4"), ("tpu v4", "tpu-v4"),
-              ("tpu-v5p", "tpu-v5p"), ("tpu v5p", "tpu-v5p"))
+              ("mi300", "mi300x"), ("tpu-v3", "tpu-v3"), ("tpu v3", "tpu-v3"),
+              ("tpu-v4", "tpu-v4"), ("tpu v4", "tpu-v4"), ("tpu-v5e", "tpu-v5e"),
+              ("tpu v5e", "tpu-v5e"), ("tpu-v5p", "tpu-v5p"), ("tpu v5p", "tpu-v5p"))
 
 
 @lru_cache(maxsize=64)
@@ -75,6 +78,13 @@ def _quantisation(M: int, N: int, tm: int, tn: int, sms: int) -> float:
     tiles = rows * cols
     waves = -(-tiles // sms)
     return (M * N) / (rows * tm * cols * tn) * tiles / (waves * sms)
+
+
+def family(name: str) -> str:
+    """The key the fitted efficiencies share: a GPU generation (a100, h100, ...) or "tpu"
+    for every TPU (the same 128 x 128 systolic arrays, compiled by XLA)."""
+    gen = chip_of(name).generation
+    return "tpu" if gen.startswith("tpu") else gen
 
 
 @lru_cache(maxsize=65536)

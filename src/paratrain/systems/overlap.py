@@ -50,7 +50,8 @@ of the forward: half its GEMMs and all its element-wise work.
 on NCCL rings), ``unit`` (one collective per block), ``param`` (DeepSpeed ZeRO-3 gathers each
 submodule's parameters with its own coalesced all-gather: attention's projections, its
 output, the MLP's two layers, ``COLLECTIVES_PER_BLOCK``; each pays the ring's (p-1)
-latencies and a launch).
+latencies and a launch, and, being small, runs on one or two NCCL channels: one NIC's
+bandwidth per node instead of the node's aggregate).
 """
 
 from __future__ import annotations

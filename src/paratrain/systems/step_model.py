@@ -191,6 +191,10 @@ def _dp_sync(plan: ParallelPlan, payloads, hw: Hardware, sp: StepParams, eng: En
         if plan.zero == 3 and plan.pp == 1:
             # gather block by block, each under the previous block's compute
             n_coll = COLLECTIVES_PER_BLOCK[eng.gather]
+            if eng.gather == "param" and a == hw.inter_alpha:
+                # small per-submodule gathers run on one or two NCCL channels: one NIC's
+                # bandwidth per node, not the node's aggregate
+                bw = min(bw, hw.inter_bw * sp.net_eff)
             per = payload / blocks / n_coll
             ag = n_coll * (ct.ring_s("all_gather", d, per, a, bw) + sp.kernel_s)
             rs = n_coll * (ct.ring_s("reduce_scatter", d, per, a, bw) + sp.kernel_s)

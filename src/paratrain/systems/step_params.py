@@ -1,7 +1,7 @@
 """The step-time model's free parameters: few, physical, each with its provenance.
 
-Ten numbers, all efficiencies in (0, 1] of a catalogue figure, except one latency (the
-TPU's GEMM efficiency is kept at its start value when a table has too few TPU rows):
+Ten numbers, all efficiencies in (0, 1] of a catalogue figure, except one latency (a
+family's efficiencies keep their start values when a table has too few rows on it):
 
 =================  =======  ==============================================================
 parameter          start    provenance of the starting value and bound
@@ -10,15 +10,16 @@ gemm_eff[a100]     0.85     cuBLAS bf16 on large GEMMs reaches ~265 of 312 TF/s 
                             "Matrix multiplication background" guide's A100 curves)
 gemm_eff[h100]     0.75     ~740 of 989 TF/s for large bf16 GEMMs on H100 SXM
                             (NVIDIA's Transformer Engine / cuBLAS figures)
-gemm_eff[tpu-v4]   0.85     large matmuls on the 128 x 128 MXUs (Jouppi et al. 2023)
+gemm_eff[tpu]      0.85     large matmuls on the 128 x 128 MXUs (Jouppi et al. 2023), every
+                            TPU generation
 attn_eff[a100]     0.60     FlashAttention-2 forward+backward at ~50-70% of peak on A100
                             (Dao 2023); bounded by 0.75 (its best forward is 73%)
 attn_eff[h100]     0.35     FlashAttention-2 on H100 reaches ~35-40% of peak: it does not
                             use Hopper's asynchronous tensor cores (Shah et al. 2024)
-attn3_eff          0.60     Hopper-native fused attention (FlashAttention-3, cuDNN's, as
-                            Transformer Engine runs it): ~600-750 of 989 TF/s forward
-                            (Shah et al. 2024), bounded by 0.8; engines that run it:
-                            overlap.py
+attn3_eff          0.60     native fused attention: Hopper's (FlashAttention-3, cuDNN's, as
+                            Transformer Engine runs it: ~600-750 of 989 TF/s forward,
+                            Shah et al. 2024) and the TPU compiler's, bounded by 0.8;
+                            engines that run it: overlap.py
 hbm_eff            0.85     STREAM-like copies reach ~85-90% of nominal HBM bandwidth
 nvlink_eff         0.80     NCCL all-reduce bus bandwidth ~360 of 450 GB/s (H100 NVLink 4),
                             ~230 of 300 GB/s (A100), nccl-tests; never below half
@@ -36,10 +37,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from paratrain.systems.gemm import chip_of
+from paratrain.systems.gemm import family
 from paratrain.systems.layer_cost import Rates
 
-GEMM_EFF = {"a100": 0.85, "h100": 0.75, "tpu-v4": 0.85}
+GEMM_EFF = {"a100": 0.85, "h100": 0.75, "tpu": 0.85}
 ATTN_EFF = {"a100": 0.60, "h100": 0.35}
 SCALARS = ("attn3_eff", "hbm_eff", "nvlink_eff", "net_eff", "kernel_s")
 BOUNDS = {"gemm_eff": (0.3, 1.0), "attn_eff": (0.15, 0.75), "attn3_eff": (0.2, 0.8),
@@ -58,16 +59,18 @@ class StepParams:
     kernel_s: float = 4e-6
 
     def gemm_for(self, hw_name: str) -> float:
-        gen = chip_of(hw_name).generation
-        return self.gemm_eff.get(gen, GEMM_EFF.get(gen, 0.75))
+        fam = family(hw_name)
+        return self.gemm_eff.get(fam, GEMM_EFF.get(fam, 0.75))
 
     def attn_for(self, hw_name: str, kernel: str = "flash") -> float:
-        """Attention efficiency of ``kernel`` on this chip: "flash3" (Hopper-native) runs at
-        attn3_eff on H100-class chips and falls back to FlashAttention-2 elsewhere."""
-        gen = chip_of(hw_name).generation
-        if kernel == "flash3" and gen in ("h100", "b200"):
+        """Attention efficiency of ``kernel`` on this chip: the chip's native fused
+        attention (FlashAttention-3 / cuDNN on Hopper, "flash3"; on TPUs the compiler's
+        fused kernel, always) at attn3_eff; FlashAttention-2 class at the generation's
+        attn_eff."""
+        fam = family(hw_name)
+        if fam == "tpu" or (kernel == "flash3" and fam in ("h100", "b200")):
             return self.attn3_eff
-        return self.attn_eff.get(gen, ATTN_EFF.get(gen, self.gemm_for(hw_name) * 0.7))
+        return self.attn_eff.get(fam, ATTN_EFF.get(fam, self.gemm_for(hw_name) * 0.7))
 
     def rates(self, hw_name: str, kernel: str = "flash") -> Rates:
         return Rates(self.gemm_for(hw_name), self.attn_for(hw_name, kernel), self.hbm_eff,
