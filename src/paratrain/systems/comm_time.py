@@ -16,7 +16,7 @@ from paratrain.layout.context import cp_bytes_per_sequence_layer
 from paratrain.plan import ParallelPlan
 from paratrain.systems import collectives as coll
 from paratrain.systems.hardware import Hardware
-from paratrain.systems.layout import per_node, span, strides
+from paratrain.systems.layout import span, strides
 from paratrain.systems.models import ModelShape
 from paratrain.systems.tp_bytes import tp_forward_backward
 
@@ -24,10 +24,15 @@ from paratrain.systems.tp_bytes import tp_forward_backward
 def group_bw(plan: ParallelPlan, axis: str, size: int, hw: Hardware, nvlink_eff: float,
              net_eff: float) -> tuple[float, float]:
     """(alpha_s, achieved bytes/s per rank) of an ``axis`` group of ``size`` ranks."""
-    stride = strides(plan)[axis]
+    return strided_bw(strides(plan)[axis], size, hw, nvlink_eff, net_eff)
+
+
+def strided_bw(stride: int, size: int, hw: Hardware, nvlink_eff: float, net_eff: float
+               ) -> tuple[float, float]:
+    """(alpha_s, achieved bytes/s per rank) of ``size`` ranks ``stride`` apart."""
     if span(size, stride) <= hw.gpus_per_node:
         return hw.intra_alpha, hw.intra_bw * nvlink_eff
-    g = per_node(plan, axis, hw, size)
+    g = max(1, min(size, hw.gpus_per_node // stride))
     bw = min(g * hw.inter_bw * net_eff, hw.intra_bw * nvlink_eff if g > 1 else float("inf"))
     return hw.inter_alpha, bw
 

@@ -181,12 +181,23 @@ def _dp_sync(plan: ParallelPlan, payloads, hw: Hardware, sp: StepParams, eng: En
              blk_f: float, blk_b: float, blocks: int, stage_f: float, stage_b: float
              ) -> tuple[float, float]:
     """(total, exposed) data-parallel seconds per step; ``payloads`` is a list of (bytes,
-    group size, axis) for the dense and expert gradients."""
+    group size, sharding group size) for the dense and expert gradients."""
     total = exposed = 0.0
     m = plan.micro_batches
-    for payload, d in payloads:
+    for payload, d, shard in payloads:
         if d == 1 or payload == 0:
             continue
+        if plan.zero >= 1 and shard < d:
+            # hybrid sharding: ZeRO over ``shard`` neighbouring ranks, then the gradient
+            # shards all-reduced across the d / shard replicas, under the backward
+            a, bw = ct.strided_bw(plan.tp * plan.cp * shard, d // shard, hw, sp.nvlink_eff,
+                                  sp.net_eff)
+            ar = ct.ring_s("all_reduce", d // shard, payload / shard, a, bw)
+            total += ar
+            exposed += max(0.0, ar - eng.dp * stage_b)
+            d = shard
+            if d == 1:
+                continue
         a, bw = ct.group_bw(plan, "dp", d, hw, sp.nvlink_eff, sp.net_eff)
         if plan.zero == 3 and plan.pp == 1:
             # gather block by block, each under the previous block's compute
@@ -221,10 +232,11 @@ def _dp_sync(plan: ParallelPlan, payloads, hw: Hardware, sp: StepParams, eng: En
 
 def predict_step(model, plan: ParallelPlan, hw: Hardware, tokens_per_step: int,
                  seq_len: int, params: StepParams | None = None,
-                 engine_name: str | Engine | None = None, attention: str | None = None
-                 ) -> Breakdown:
+                 engine_name: str | Engine | None = None, attention: str | None = None,
+                 shard_group: int | None = None) -> Breakdown:
     """Price one optimizer step of ``plan`` (see the module docstring); ``attention``
-    (flash or eager) defaults to the engine's kernel."""
+    (flash or eager) defaults to the engine's kernel; ``shard_group`` (hybrid sharding,
+    HSDP / multi-slice FSDP): ZeRO runs over that many data ranks, replicas all-reduce."""
     m = as_shape(model)
     sp = params or StepParams()
     eng = engine_name if isinstance(engine_name, Engine) else engine(engine_name)
@@ -282,12 +294,14 @@ def predict_step(model, plan: ParallelPlan, hw: Hardware, tokens_per_step: int,
 
     p = _params_per_gpu(m, plan.tp, plan.pp, plan.ep)
     grad = 2.0
-    payloads = [(p.dense * grad, plan.dp * plan.cp),
-                (p.expert * grad, plan.dp * plan.cp // plan.ep)]
+    d_dense, d_exp = plan.dp * plan.cp, plan.dp * plan.cp // plan.ep
+    sg = shard_group or d_dense
+    if d_dense % sg:
+        raise ValueError(f"shard_group={sg} does not divide dp*cp={d_dense}; pick a divisor")
+    payloads = [(p.dense * grad, d_dense, sg), (p.expert * grad, d_exp, min(sg, d_exp))]
     comm["dp"], exposed["dp"] = _dp_sync(plan, payloads, hw, sp, eng, blk_f, blk_b, blocks,
                                          blocks * blk_f, blocks * blk_b)
-    shard = (p.dense / (plan.dp * plan.cp) + p.expert / (plan.dp * plan.cp // plan.ep)
-             if plan.zero >= 1 else p.total)
+    shard = (p.dense / sg + p.expert / min(sg, d_exp) if plan.zero >= 1 else p.total)
     opt_s = shard * OPTIMIZER_BYTES_PER_PARAM / (hw.hbm_bw * sp.hbm_eff)
 
     per_token, extra = _flops_per_token(m, seq_len, plan.recompute)
