@@ -12,7 +12,8 @@ megatron    0     0     1     1     0     bucket   Megatron-LM: TP collectives b
                                                    blocking; ring attention overlaps the
                                                    next K/V with the current block;
                                                    overlap_grad_reduce / param_gather
-nemo        0.8   1     1     1     0.5   bucket   NeMo's H100 recipes turn on
+nemo        0.8   1     1     1     0.5   bucket   NeMo's (and Megatron-Core's published
+                                                   H100 runs') recipes turn on
                                                    tp_comm_overlap (Transformer Engine
                                                    userbuffers split each AG/RS under its
                                                    GEMM) and overlap_p2p_comm
@@ -87,7 +88,8 @@ ENGINES = {
 DEFAULT_ENGINE = "megatron"
 
 # words in a runs-table row's engine / source / sharding text -> engine
-_KEYWORDS = (("nemo", "nemo"), ("dgxc", "nemo"), ("deepspeed", "deepspeed"),
+_KEYWORDS = (("nemo", "nemo"), ("dgxc", "nemo"), ("megatron-core", "nemo"), ("mcore", "nemo"),
+             ("megatron-bridge", "nemo"), ("deepspeed", "deepspeed"),
              ("torchtitan", "torchtitan"), ("fsdp", "fsdp"), ("composer", "fsdp"),
              ("llm-foundry", "fsdp"), ("mosaic", "fsdp"), ("pax", "xla"), ("jax", "xla"),
              ("t5x", "xla"), ("maxtext", "xla"), ("tpu", "xla"), ("megatron", "megatron"),
