@@ -61,12 +61,16 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--self-check", action="store_true")
     args = ap.parse_args()
+    import contextlib
+    import io
+
     from paratrain.cli import main as cli
 
     t = []
     for _ in range(args.repeats):
         t0 = time.perf_counter()
-        cli(["plan", "--json"])
+        with contextlib.redirect_stdout(io.StringIO()):
+            cli(["plan", "--json"])
         t.append(time.perf_counter() - t0)
     plan_s = statistics.median(t)
     model, hw, params = load_model("llama3-405b"), load_hardware("h100"), load_params()
