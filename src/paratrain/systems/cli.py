@@ -236,9 +236,10 @@ def validate(
     runs: str | None = typer.Option(None, help="CSV of published runs in the columns of "
                                                "calibration.csv (default: the shipped one)."),
     json_out: bool = typer.Option(False, "--json", help="Print records and summary as JSON."),
-    fit: bool = typer.Option(False, "--fit", help="Fit eta, bandwidth efficiency, overlap "
-                                                  "and overhead by least squares; report "
-                                                  "leave-one-out and held-out error."),
+    fit: bool = typer.Option(False, "--fit", help="Refit the step model's physical "
+                                                  "parameters by least squares; report "
+                                                  "in-table, leave-one-out and held-out "
+                                                  "error."),
     out: str | None = typer.Option(None, help="With --fit: write the fitted values here "
                                               "(TOML)."),
     params: str | None = typer.Option(None, help="Fitted parameters to use (default: the "
