@@ -75,7 +75,8 @@ def case_attention(case: Case) -> str | None:
 def breakdown(case: Case, params: StepParams) -> Breakdown:
     return predict_step(case.model, case.plan, case.hw, case.tokens, case.seq_len, params,
                         case_engine(case), case_attention(case),
-                        getattr(case, "shard_group", None))
+                        getattr(case, "shard_group", None),
+                        "fp8" in (getattr(case, "precision", "") or "").lower())
 
 
 def _figure(case: Case, st) -> float:

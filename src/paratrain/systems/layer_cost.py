@@ -52,7 +52,7 @@ GEMM_CLASSES = ("qkv", "attention", "out", "mlp", "router", "experts")
 class Rates:
     """The physical efficiencies the compute terms use."""
 
-    gemm_eff: float
+    gemm_eff: float  # of the 16-bit peak (x FP8/BF16 peak ratio for FP8 GEMMs)
     attn_eff: float
     hbm_eff: float
     kernel_s: float

@@ -233,10 +233,12 @@ def _dp_sync(plan: ParallelPlan, payloads, hw: Hardware, sp: StepParams, eng: En
 def predict_step(model, plan: ParallelPlan, hw: Hardware, tokens_per_step: int,
                  seq_len: int, params: StepParams | None = None,
                  engine_name: str | Engine | None = None, attention: str | None = None,
-                 shard_group: int | None = None) -> Breakdown:
+                 shard_group: int | None = None, fp8: bool = False) -> Breakdown:
     """Price one optimizer step of ``plan`` (see the module docstring); ``attention``
     (flash or eager) defaults to the engine's kernel; ``shard_group`` (hybrid sharding,
-    HSDP / multi-slice FSDP): ZeRO runs over that many data ranks, replicas all-reduce."""
+    HSDP / multi-slice FSDP): ZeRO runs over that many data ranks, replicas all-reduce;
+    ``fp8``: the linear layers' GEMMs run at the accelerator's FP8 peak (attention and
+    element-wise work stay 16-bit; MFU stays relative to the BF16 peak)."""
     m = as_shape(model)
     sp = params or StepParams()
     eng = engine_name if isinstance(engine_name, Engine) else engine(engine_name)
@@ -245,6 +247,9 @@ def predict_step(model, plan: ParallelPlan, hw: Hardware, tokens_per_step: int,
     mb, M = plan.micro_batches, batch.micro_batch * batch.local_seq
     kernel = attention or eng.attention
     rates = dataclasses.replace(sp.rates(hw.name, kernel), fusion=eng.fusion)
+    if fp8 and hw.peak_flops_fp8:  # the GEMM roofline's compute term at the FP8 peak
+        rates = dataclasses.replace(rates, gemm_eff=rates.gemm_eff * hw.peak_flops_fp8
+                                    / hw.peak_flops)
     blk = _block_summary(m, M, seq_len, plan.tp, plan.cp, plan.sp, plan.ep, hw, chip, rates,
                          kernel, plan.recompute, eng.selective)
     blk_f, blk_b = blk["fwd"], blk["bwd"]
