@@ -51,10 +51,9 @@ class ParallelPlan:
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp", "cp", "ep", "micro_batches", "virtual_stages"):
             v = getattr(self, name)
-            _require(
-                isinstance(v, int) and v >= 1,
-                f"{name}={v!r} must be an integer >= 1; {pass_hint(name, 1)}",
-            )
+            if not (isinstance(v, int) and v >= 1):  # the message only when it is wrong
+                raise ValueError(f"{name}={v!r} must be an integer >= 1; "
+                                 f"{pass_hint(name, 1)}")
         _require(self.zero in (0, 1, 2, 3), f"zero={self.zero!r} must be 0, 1, 2 or 3")
         _require(
             self.schedule in SCHEDULES,
