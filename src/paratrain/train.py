@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from paratrain import checkpoint, shutdown
 from paratrain.config import ModelConfig, TrainConfig
-from paratrain.data import Corpus
+from paratrain.data import Corpus, bits_per_byte
 from paratrain.model import Decoder, take_moe_stats
 from paratrain.optim import lr_at
 from paratrain.parallel.api import build_engine
@@ -27,6 +27,7 @@ from paratrain.parallel.memory import ActivationMeter, format_report, memory_rep
 from paratrain.parallel.precision import working_dtype
 from paratrain.perf import matmul_peak_flops
 from paratrain.plan import ParallelPlan
+from paratrain.sources import write_atomic
 
 
 @dataclass(frozen=True)
@@ -180,7 +181,12 @@ def train(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan | None = None
             raise ValueError(f"global batch {tcfg.global_batch} is not divisible by "
                              f"--simulate-workers {opts.simulate_workers}; use a multiple")
     device = device or torch.device("cpu")
-    corpus = Corpus.load(tcfg.data, tcfg.val_fraction, mcfg.context)
+    corpus = Corpus.load(tcfg.data, tcfg.val_fraction, mcfg.context, tcfg.tokenizer,
+                         tcfg.text_field)
+    if corpus.vocab_size > mcfg.vocab_size:
+        raise ValueError(f"vocab_size={mcfg.vocab_size} is smaller than the {corpus.vocab_size} "
+                         f"tokens of --tokenizer {tcfg.tokenizer}; set vocab_size to "
+                         f"{corpus.vocab_size} (paratrain train does)")
     model = build_model(mcfg, tcfg, device)
     engine = build_engine(model, tcfg, plan, device, opts.simulate_workers)
     if rank == 0 and not opts.quiet and hasattr(engine, "describe_layout"):
@@ -188,7 +194,8 @@ def train(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan | None = None
 
     start = 0
     meta = {"model": asdict(mcfg), "plan": asdict(plan), "seed": tcfg.seed,
-            "dtype": tcfg.dtype, "global_batch": tcfg.global_batch}
+            "dtype": tcfg.dtype, "global_batch": tcfg.global_batch,
+            "tokenizer": asdict(corpus.tokenizer.info)}
     if opts.resume:
         if not opts.checkpoint_dir:
             raise ValueError("--resume needs --checkpoint-dir DIR to resume from")
@@ -200,6 +207,10 @@ def train(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan | None = None
                              f"but --steps is {tcfg.steps}; pass --steps above {start} to "
                              "train further")
 
+    if opts.checkpoint_dir and rank == 0:  # what generate and export decode with
+        write_atomic(Path(opts.checkpoint_dir) / "tokenizer.json", corpus.tokenizer.json.encode())
+    val_bytes = corpus.val_bytes(tcfg.eval_batches, tcfg.global_batch, mcfg.context)
+    val_tokens = tcfg.eval_batches * tcfg.global_batch * mcfg.context
     run_dir = Path(opts.run_dir) if opts.run_dir else None
     log = _Log(run_dir, rank == 0, opts.quiet, tcfg.steps, start)
     peak = matmul_peak_flops(working_dtype(tcfg)) \
@@ -255,6 +266,7 @@ def train(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan | None = None
         if (tcfg.eval_every and (step + 1) % tcfg.eval_every == 0) or last:
             val_loss = evaluate(engine, corpus, tcfg, mcfg.context)
             rec["val_loss"] = val_loss
+            rec["val_bpb"] = bits_per_byte(val_loss, val_tokens, val_bytes)
         log.step(rec, step + 1, f"loss {loss:.4f} | {tokens / dt:,.0f} tok/s | "
                  f"MFU {100 * rec['mfu']:.1f}%")
         every = tcfg.checkpoint_every
@@ -281,7 +293,8 @@ def train(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan | None = None
         "params": mcfg.num_params(), "active_params": mcfg.active_params(),
         "tokens_per_step": tokens,
         "final_loss": losses[-1] if losses else float("nan"),
-        "val_loss": val_loss, "losses": losses, "moe_steps": moe_steps,
+        "val_loss": val_loss, "losses": losses, "tokenizer": tcfg.tokenizer,
+        "val_bpb": bits_per_byte(val_loss, val_tokens, val_bytes), "moe_steps": moe_steps,
         "step_s": step_s, "tokens_per_s": tokens / step_s,
         "compute_s_per_step": step_s - comm_s, "comm_s_per_step": comm_s,
         "payload_bytes_per_step": payload, "wire_bytes_per_step": wire,

@@ -27,6 +27,7 @@ import typer
 
 from paratrain import shutdown
 from paratrain.config import ModelConfig, TrainConfig, build, check_types, load_toml
+from paratrain.data_check import settle_vocab
 from paratrain.plan import ParallelPlan
 
 Opt = typer.Option
@@ -272,6 +273,9 @@ def register(app: typer.Typer) -> None:
                                                 )] = None,
         eval_every: Annotated[int | None, Opt(help="Validate every K steps.")] = None,
         data: Annotated[str | None, Opt(help="Text file or folder (default: stdlib).")] = None,
+        tokenizer: Annotated[str | None, Opt(help="bytes | bpe:N | tokenizer.json path.")] = None,
+        text_field: Annotated[str | None, Opt(help="Text field of .jsonl/.parquet records."
+                                              )] = None,
         run_dir: Annotated[str | None, Opt(help="Metrics dir, new or empty unless --resume "
                                                "(default runs/<time>-<pid>).")] = None,
         checkpoint_dir: Annotated[str | None, Opt(help="Checkpoint directory.")] = None,
@@ -314,7 +318,7 @@ def register(app: typer.Typer) -> None:
                  aux_loss_coef=aux_loss_coef, capacity_factor=capacity_factor),
             dict(steps=steps, global_batch=global_batch, lr=lr, warmup_steps=warmup_steps,
                  seed=seed, dtype=dtype, reduce_dtype=reduce_dtype, eval_every=eval_every,
-                 data=data,
+                 data=data, tokenizer=tokenizer, text_field=text_field,
                  checkpoint_every=checkpoint_every),
             dict(dp=dp, tp=tp, pp=pp, sp=sp, cp=cp, cp_algorithm=cp_algorithm, ep=ep, zero=zero,
                  micro_batches=micro_batches,
@@ -328,6 +332,8 @@ def register(app: typer.Typer) -> None:
             raise ValueError("--simulate-workers runs in one process; add --nproc 1")
         if tcfg.data is not None:
             check_data(tcfg.data)
+        mcfg = settle_vocab(mcfg, tcfg, config)  # tokenizer trained, ids cached, vocab set
+        plan.check(mcfg, nproc, tcfg.global_batch)  # again: the vocabulary may have changed
         if resume and not checkpoint_dir:
             raise ValueError("--resume needs --checkpoint-dir DIR to resume from")
         lead = not in_torchrun or os.environ.get("RANK") == "0"  # checks once
