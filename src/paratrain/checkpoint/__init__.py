@@ -199,3 +199,6 @@ def _meta(root: Path, step: int) -> dict | None:
         return json.loads((step_dir(root, step) / "meta.json").read_text())
     except (OSError, ValueError):
         return None
+
+
+from paratrain.checkpoint.full import load_full_model as load_full_model  # noqa: E402
