@@ -23,6 +23,7 @@ TRAIN_FLAGS = {
     "--reduce-dtype", "--resume",
     "--run-dir", "--schedule", "--seed", "--simulate-workers", "--sp", "--steps",
     "--tie-embeddings", "--tp", "--virtual-stages", "--warmup-steps", "--zero",
+    "--tokenizer", "--text-field",
 }
 
 

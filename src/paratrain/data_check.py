@@ -9,13 +9,14 @@ is one ``error:`` line from the launcher, not one per rank. No torch here.
 from __future__ import annotations
 
 from paratrain.config import ModelConfig, TrainConfig, load_toml
-from paratrain.sources import data_files, prepare
-from paratrain.tokenizer import parse_spec
 
 
 def settle_vocab(mcfg: ModelConfig, tcfg: TrainConfig, config: str | None) -> ModelConfig:
     """``mcfg`` with ``vocab_size`` = the tokenizer's (a larger ``vocab_size`` set in the
     TOML is kept: unused rows; a smaller one is refused)."""
+    from paratrain.sources import data_files, prepare  # numpy: not at CLI start-up
+    from paratrain.tokenizer import parse_spec
+
     kind, _ = parse_spec(tcfg.tokenizer)
     if not tcfg.text_field:
         raise ValueError("--text-field '' is empty; pass the records' text field, e.g. "
