@@ -332,8 +332,6 @@ def register(app: typer.Typer) -> None:
             raise ValueError("--simulate-workers runs in one process; add --nproc 1")
         if tcfg.data is not None:
             check_data(tcfg.data)
-        mcfg = settle_vocab(mcfg, tcfg, config)  # tokenizer trained, ids cached, vocab set
-        plan.check(mcfg, nproc, tcfg.global_batch)  # again: the vocabulary may have changed
         if resume and not checkpoint_dir:
             raise ValueError("--resume needs --checkpoint-dir DIR to resume from")
         lead = not in_torchrun or os.environ.get("RANK") == "0"  # checks once
@@ -347,6 +345,8 @@ def register(app: typer.Typer) -> None:
             check_output_dir("--checkpoint-dir", checkpoint_dir)
         if resume and lead:
             check_resume(checkpoint_dir, tcfg.steps, nproc)
+        mcfg = settle_vocab(mcfg, tcfg, config)  # last, slow: BPE trained, ids cached
+        plan.check(mcfg, nproc, tcfg.global_batch)  # again: the vocabulary may have changed
         if run_dir is None:
             if in_torchrun:  # every rank must name the same directory: torchrun's run id
                 rid = os.environ.get("TORCHELASTIC_RUN_ID", "none")
