@@ -272,7 +272,8 @@ def register(app: typer.Typer) -> None:
         reduce_dtype: Annotated[str | None, Opt(help="bf16 grads reduced in bfloat16|float32."
                                                 )] = None,
         eval_every: Annotated[int | None, Opt(help="Validate every K steps.")] = None,
-        data: Annotated[str | None, Opt(help="Text file or folder (default: stdlib).")] = None,
+        data: Annotated[str | None, Opt(help="Text, .jsonl or .parquet file, or a folder "
+                                        "(default: stdlib).")] = None,
         tokenizer: Annotated[str | None, Opt(help="bytes | bpe:N | tokenizer.json path.")] = None,
         text_field: Annotated[str | None, Opt(help="Text field of .jsonl/.parquet records."
                                               )] = None,
