@@ -35,7 +35,8 @@ class RunOptions:
 
     run_dir: str | None = None
     checkpoint_dir: str | None = None
-    resume: bool = False
+    resume: bool | str = False  # True: from --checkpoint-dir; "auto": if it has one
+    keep_checkpoints: int = 0  # 0 = keep every step's checkpoint
     simulate_workers: int = 1
     quiet: bool = False
     measure_peak: bool = True
@@ -187,14 +188,13 @@ def train(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan | None = None
         print(engine.describe_layout(), flush=True)  # mesh / stages / buckets chosen
 
     start = 0
-    meta = {"model": asdict(mcfg), "plan": asdict(plan), "seed": tcfg.seed,
-            "dtype": tcfg.dtype, "global_batch": tcfg.global_batch}
+    meta = checkpoint.run_settings(mcfg, tcfg, plan, corpus) if opts.checkpoint_dir else {}
     if opts.resume:
         if not opts.checkpoint_dir:
             raise ValueError("--resume needs --checkpoint-dir DIR to resume from")
-        start, state = checkpoint.load(opts.checkpoint_dir, rank, world, expect=meta,
-                                       device=device)
-        engine.load_state_dict(state)
+        if opts.resume != "auto" or checkpoint.peek(opts.checkpoint_dir) is not None:
+            start = checkpoint.load(opts.checkpoint_dir, engine, mcfg, plan, expect=meta,
+                                    device=device)
         if start >= tcfg.steps:
             raise ValueError(f"the checkpoint in {opts.checkpoint_dir!r} is at step {start} "
                              f"but --steps is {tcfg.steps}; pass --steps above {start} to "
@@ -260,8 +260,8 @@ def train(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan | None = None
         every = tcfg.checkpoint_every
         sig = _stop_agreed(world, device)
         if opts.checkpoint_dir and ((every and (step + 1) % every == 0) or last or sig):
-            checkpoint.save(opts.checkpoint_dir, step + 1, engine.state_dict(),
-                            meta, rank, world)
+            checkpoint.save(opts.checkpoint_dir, step + 1, engine, mcfg, plan, meta,
+                            opts.keep_checkpoints)
         if sig and not last:
             log.close()
             raise shutdown.Stopped(sig, step + 1, str(checkpoint.step_dir(

@@ -102,19 +102,15 @@ def check_output_dir(flag: str, path: str) -> None:
         raise ValueError(f"{flag} {path!r} is not writable ({str(a)!r}); pass a writable path")
 
 
-def check_resume(checkpoint_dir: str, steps: int, nproc: int) -> None:
-    """A checkpoint exists, is below ``--steps`` and has this world size (the settings
-    themselves are compared by the workers, against the checkpoint's meta.json)."""
+def check_resume(checkpoint_dir: str, steps: int) -> None:
+    """A checkpoint exists and is below ``--steps`` (the settings themselves are compared
+    by the workers, against the checkpoint's meta.json; any layout may resume it)."""
     from paratrain import checkpoint
 
     meta = checkpoint.peek(checkpoint_dir)
     if meta is None:
         raise ValueError(f"no checkpoint found in {checkpoint_dir!r}; run without --resume "
                          "first, or point --checkpoint-dir at a directory that has one")
-    if meta.get("world_size") != nproc:
-        raise ValueError(f"the checkpoint in {checkpoint_dir!r} was written by "
-                         f"{meta.get('world_size')} processes but this run has {nproc}; "
-                         f"resume with --nproc {meta.get('world_size')}")
     if meta.get("step", 0) >= steps:
         raise ValueError(f"the checkpoint in {checkpoint_dir!r} is at step {meta.get('step')} "
                          f"but --steps is {steps}; pass --steps above {meta.get('step')} to "
@@ -340,7 +336,7 @@ def register(app: typer.Typer) -> None:
         if checkpoint_dir is not None:
             check_output_dir("--checkpoint-dir", checkpoint_dir)
         if resume and lead:
-            check_resume(checkpoint_dir, tcfg.steps, nproc)
+            check_resume(checkpoint_dir, tcfg.steps)
         if run_dir is None:
             if in_torchrun:  # every rank must name the same directory: torchrun's run id
                 rid = os.environ.get("TORCHELASTIC_RUN_ID", "none")

@@ -2,8 +2,10 @@
 
 What ``paratrain generate`` / ``export`` build on: the names are those of
 :class:`paratrain.model.Decoder` (``tok_emb.weight``, ``blocks.0.attn.wq.weight``, ...),
-every tensor full size, on the CPU. No process group is needed, whatever layout wrote
-the checkpoint.
+every tensor full size, on the CPU, in the optimizer's master dtype (FP32 for a
+``--dtype bfloat16`` run). No process group is needed, whatever layout wrote the
+checkpoint (format 2: DCP pieces; format 1, the older per-rank pickles: one process,
+dp, ZeRO 1-3).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 
 
 def load_full_model(root: str | Path, step: int | None = None
@@ -32,8 +35,18 @@ def load_full_model(root: str | Path, step: int | None = None
             meta = checkpoint._meta(root, s)
             if meta is None:
                 raise ValueError("meta.json is missing or unreadable")
-            return meta, _assemble(d, meta)
-        except (OSError, ValueError, RuntimeError, KeyError) as e:
+            if meta.get("format", 1) == 1:
+                return meta, _assemble(d, meta)
+            bad = checkpoint.verify_files(d, meta, range(len(meta["files"])))
+            if bad:
+                raise ValueError(bad[0])
+            from paratrain.checkpoint.sharded import load_full
+
+            sd = load_full(d)
+            if meta["model"].get("tie_embeddings"):
+                sd["head.weight"] = sd["tok_emb.weight"]
+            return meta, sd
+        except (OSError, ValueError, RuntimeError, KeyError, CheckpointException) as e:
             why = f"{d}: {e}".splitlines()[0]
     raise ValueError(f"no intact checkpoint in {str(root)!r} ({why})")
 
