@@ -16,6 +16,7 @@ import datetime
 import os
 import sys
 import tempfile
+import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -25,6 +26,66 @@ import torch
 import torch.distributed as dist
 
 DEFAULT_TIMEOUT_S = 120.0
+
+
+# ---- naming a hang: which collective, which group, which ranks did not arrive -------------
+class CollectiveTimeout(RuntimeError):
+    """A collective waited longer than ``--timeout`` for its peers."""
+
+
+# The phase of the step this process is in: breadcrumbs for the timeout message only
+# (like torch's flight recorder, process-wide; nothing reads it to decide anything).
+_where = {"phase": "start-up", "group": "world", "step": -1, "timeout_s": DEFAULT_TIMEOUT_S}
+
+
+def at(phase: str, group: str, step: int | None = None) -> None:
+    """Record that this process enters ``phase``, whose collectives run on ``group``."""
+    _where.update(phase=phase, group=group)
+    if step is not None:
+        _where["step"] = step
+
+
+def is_timeout(e: BaseException) -> bool:
+    """gloo: "Timed out waiting Nms for recv operation"; NCCL's watchdog: "Timeout"."""
+    return isinstance(e, RuntimeError) and ("timed out" in str(e).lower()
+                                            or "timeout" in str(e).lower())
+
+
+def _store():
+    """The default group's store (private in torch: this is its one adapter)."""
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:  # no group, or the API moved: the message loses the rank list only
+        return None
+
+
+def timeout_error(e: BaseException, settle_s: float = 3.0) -> CollectiveTimeout:
+    """Name the phase, its group and the ranks that did not arrive. Every rank that
+    times out marks itself on the store; after ``settle_s`` the ranks without a mark are
+    the ones that never reached a collective (stopped, hung, or far behind)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    missing: list[int] | None = None
+    store = _store()
+    if store is not None:
+        try:
+            store.set(f"paratrain/timeout/{attempt}/{rank}", _where["phase"])
+            keys = [f"paratrain/timeout/{attempt}/{r}" for r in range(world)]
+            deadline = time.monotonic() + settle_s
+            while True:
+                missing = [r for r, k in enumerate(keys) if not store.check([k])]
+                if not missing or time.monotonic() > deadline:
+                    break
+                time.sleep(0.1)
+        except Exception:
+            missing = None
+    who = (f"rank(s) {', '.join(map(str, missing))} of {world} did not arrive"
+           if missing else "every rank arrived or the store could not tell which did not")
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return CollectiveTimeout(
+        f"{_where['phase']} at step {_where['step']} (group {_where['group']}) timed out "
+        f"after {_where['timeout_s']:g} s: {who} ({first[:160]}); check those processes, "
+        "or raise --timeout")
 
 
 def pick_backend() -> tuple[str, torch.device]:
@@ -41,6 +102,7 @@ def init_from_env(timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[int, int, torch
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    _where["timeout_s"] = timeout_s
     return dist.get_rank(), dist.get_world_size(), device
 
 

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from paratrain import checkpoint, shutdown
 from paratrain.config import ModelConfig, TrainConfig
 from paratrain.data import Corpus
+from paratrain.distributed import at
 from paratrain.model import Decoder, take_moe_stats
 from paratrain.optim import lr_at
 from paratrain.parallel.api import build_engine
@@ -220,16 +221,20 @@ def train(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan | None = None
         x, y = corpus.batch(tcfg.seed, step, tcfg.global_batch, mcfg.context,
                             engine.dp_rank, engine.dp_size)
         loss_sum = 0.0
+        at("forward/backward (tp, pp, cp, ep exchanges)", "mesh", step)
         for i, (xs, ys) in enumerate(zip(x.chunk(micro), y.chunk(micro), strict=True)):
             with meter.watch(step == start and i == 0):
                 loss_sum += engine.forward_backward(xs, ys, tokens)
+        at("gradient reduction", "dp")
         comm = engine.reduce_gradients()
         if step == end - 1:
             meter.snapshot(engine)  # grads, optimizer state and buffers all exist now
+        at("loss all-reduce", "world")
         (loss_sum,) = engine.all_sum([loss_sum])
         moe = engine.all_sum(take_moe_stats(engine.model, mcfg.experts)) \
             if mcfg.experts else None
         lr = lr_at(step, tcfg)
+        at("gradient-norm all-reduce and optimizer step", "world, then dp")
         gnorm = engine.clip_and_step(lr)
         t2 = time.perf_counter()
         loss = loss_sum / tokens
@@ -253,13 +258,16 @@ def train(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan | None = None
             rec.update(moe_steps[-1])
         last = step == end - 1
         if (tcfg.eval_every and (step + 1) % tcfg.eval_every == 0) or last:
+            at("evaluation", "mesh")
             val_loss = evaluate(engine, corpus, tcfg, mcfg.context)
             rec["val_loss"] = val_loss
         log.step(rec, step + 1, f"loss {loss:.4f} | {tokens / dt:,.0f} tok/s | "
                  f"MFU {100 * rec['mfu']:.1f}%")
         every = tcfg.checkpoint_every
+        at("stop-signal all-reduce", "world")
         sig = _stop_agreed(world, device)
         if opts.checkpoint_dir and ((every and (step + 1) % every == 0) or last or sig):
+            at("checkpoint save", "world")
             checkpoint.save(opts.checkpoint_dir, step + 1, engine, mcfg, plan, meta,
                             opts.keep_checkpoints)
         if sig and not last:
