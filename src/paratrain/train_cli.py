@@ -187,9 +187,10 @@ def register(app: typer.Typer) -> None:
                                                "(default runs/<time>-<pid>).")] = None,
         checkpoint_dir: Annotated[str | None, Opt(help="Checkpoint directory.")] = None,
         checkpoint_every: Annotated[int | None, Opt(help="Checkpoint every K steps.")] = None,
-        resume: Annotated[str | None, Opt(
-            flag_value="yes", help="Resume from --checkpoint-dir; 'auto': if it holds a "
-                                   "checkpoint, else start.")] = None,
+        resume: Annotated[bool, Opt(help="Resume from --checkpoint-dir; '--resume auto': "
+                                         "if it holds a checkpoint, else start.")] = False,
+        resume_mode: Annotated[str | None, typer.Argument(
+            hidden=True, help="'auto' after --resume.")] = None,
         keep_checkpoints: Annotated[int, Opt(help="Keep the newest K checkpoints (0 = all)."
                                              )] = 0,
         max_restarts: Annotated[int, Opt(help="Elastic restarts of failed workers (torchrun)."
@@ -228,6 +229,8 @@ def register(app: typer.Typer) -> None:
             nproc = int(os.environ["WORLD_SIZE"])
         if nproc < 1:
             raise ValueError(f"--nproc {nproc} must be >= 1")
+        launcher.check_endpoint(rdzv_endpoint, nnodes, node_rank)
+        world = nproc if in_torchrun else nproc * nnodes
         if simulate_workers < 1:
             raise ValueError(f"--simulate-workers {simulate_workers} must be >= 1")
         mcfg, tcfg, plan = resolve(
@@ -246,16 +249,17 @@ def register(app: typer.Typer) -> None:
                  schedule=schedule, virtual_stages=virtual_stages, recompute=recompute,
                  bucket_mb=bucket_mb, overlap=overlap, compress=compress,
                  collectives=collectives),
-            nproc)
-        plan.check(mcfg, nproc, tcfg.global_batch)
+            world)
+        plan.check(mcfg, world, tcfg.global_batch)
         plan.check_runtime(mcfg)
-        if simulate_workers > 1 and nproc > 1:
+        if simulate_workers > 1 and world > 1:
             raise ValueError("--simulate-workers runs in one process; add --nproc 1")
         if tcfg.data is not None:
             check_data(tcfg.data)
-        if resume not in (None, "yes", "auto"):
-            raise ValueError(f"--resume {resume!r} is unknown; pass --resume (required) or "
-                             "--resume auto (if the checkpoint dir has one)")
+        if resume_mode is not None and (resume_mode != "auto" or not resume):
+            raise ValueError(f"unexpected argument {resume_mode!r}; pass --resume (the "
+                             "checkpoint must exist) or --resume auto (if it exists)")
+        resume = ("auto" if resume_mode else "yes") if resume else None
         for flag, v, low in (("--keep-checkpoints", keep_checkpoints, 0),
                              ("--max-restarts", max_restarts, 0)):
             if v < low:
@@ -263,11 +267,7 @@ def register(app: typer.Typer) -> None:
         for flag, v in (("--timeout", timeout), ("--grace", grace)):
             if not (v > 0 and math.isfinite(v)):
                 raise ValueError(f"{flag} {v} must be a positive number of seconds")
-        if (max_restarts or nnodes > 1) and nproc == 1 and not in_torchrun:
-            raise ValueError("--max-restarts and --nnodes run under torchrun; use --nproc 2 "
-                             "or more")
         check_lr(tcfg)
-        launcher.check_endpoint(rdzv_endpoint, nnodes, node_rank)
         launcher.check_memory(mcfg, tcfg, plan, 1 if in_torchrun else nproc)
         if resume and not checkpoint_dir:
             raise ValueError("--resume needs --checkpoint-dir DIR to resume from")
@@ -302,7 +302,7 @@ def register(app: typer.Typer) -> None:
             from paratrain.worker import run_worker
 
             run_worker(spec)  # ends the process
-        if nproc == 1:
+        if world == 1 and not max_restarts:
             from paratrain.worker import run_local
 
             try:
@@ -317,7 +317,7 @@ def register(app: typer.Typer) -> None:
         cmd = launcher.torchrun_command(nproc, str(spec_path), nnodes, node_rank,
                                         rdzv_endpoint, max_restarts)
         if not quiet:
-            print(f"launching {nproc} workers: {' '.join(cmd[1:])}", flush=True)
+            print(f"launching {nproc} of {world} workers: {' '.join(cmd[1:])}", flush=True)
         rc = launcher.launch(cmd, run_dir, grace)
         if rc != 0:
             raise typer.Exit(rc)

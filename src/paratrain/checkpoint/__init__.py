@@ -12,6 +12,8 @@ Each rank writes the pieces of the plain model's tensors it owns (:mod:`.pieces`
 last. A crash at any point leaves the previous checkpoint intact; the next save or load
 removes the stale ``.tmp``. ``keep``: only the newest K steps are kept.
 
+Importing this package does not import torch (the launcher reads meta.json with it).
+
 Loading does not trust ``latest``: it tries the step directories newest first. The
 ranks split the files of a step between them, each checks its share (present, sha256),
 and they agree with one all-reduce before anyone reads; a step that fails anywhere, or
@@ -32,9 +34,6 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
-
-import torch
-import torch.distributed as dist
 
 FORMAT = 2  # 1: one torch.save pickle per rank (world size locked)
 
@@ -57,12 +56,16 @@ def _atomic_write_bytes(path: Path, data: bytes) -> None:
 
 
 def _rank_world() -> tuple[int, int]:
+    import torch.distributed as dist
+
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
 
 
 def _barrier() -> None:
+    import torch.distributed as dist
+
     if dist.is_initialized():
         dist.barrier()
 
@@ -186,8 +189,11 @@ def verify_files(d: Path, meta: dict, share) -> list[str]:
     return bad
 
 
-def _failed_ranks(ok: bool, world: int, device: torch.device | None) -> list[int]:
+def _failed_ranks(ok: bool, world: int, device) -> list[int]:
     """Ranks whose check failed, the same list on every rank (one all-reduce)."""
+    import torch
+    import torch.distributed as dist
+
     if world == 1 or not dist.is_initialized():
         return [] if ok else [0]
     flags = torch.zeros(world, dtype=torch.int32, device=device or "cpu")
@@ -221,10 +227,11 @@ def check_settings(meta: dict, expect: dict, where: Path) -> None:
 
 
 def load(root: str | Path, engine, mcfg, plan, expect: dict | None = None,
-         device: torch.device | None = None) -> int:
+         device=None) -> int:
     """Load the newest intact checkpoint under ``root`` into ``engine`` (any layout);
     return its step. Collective when a process group exists; ``device``: where the
     agreement all-reduce runs (the group's device, e.g. CUDA under NCCL)."""
+    import torch.distributed as dist
     from torch.distributed.checkpoint.api import CheckpointException
 
     from paratrain.checkpoint.sharded import load_pieces

@@ -11,9 +11,11 @@ dp, ZeRO 1-3).
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-from torch.distributed.checkpoint.api import CheckpointException
+if TYPE_CHECKING:
+    import torch
+
 
 
 def load_full_model(root: str | Path, step: int | None = None
@@ -21,6 +23,8 @@ def load_full_model(root: str | Path, step: int | None = None
     """(meta, state_dict) of the checkpoint at ``step`` (default: the newest intact one)
     under ``root``. ``meta`` is the step's meta.json (``model`` holds the ModelConfig
     fields, ``step`` the step). Raises ValueError (one line) when there is none."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
     from paratrain import checkpoint
 
     root = Path(root)
@@ -52,6 +56,8 @@ def load_full_model(root: str | Path, step: int | None = None
 
 
 def _rank_states(d: Path, meta: dict) -> list[dict]:
+    import torch
+
     from paratrain.checkpoint import _sha256
 
     out = []
@@ -62,8 +68,10 @@ def _rank_states(d: Path, meta: dict) -> list[dict]:
     return out
 
 
-def _assemble(d: Path, meta: dict) -> dict[str, torch.Tensor]:
+def _assemble(d: Path, meta: dict) -> dict:
     """Per-rank pickles (format 1) -> the plain model's state_dict."""
+    import torch
+
     from paratrain.config import ModelConfig
     from paratrain.model import Decoder
 
