@@ -52,25 +52,30 @@ def is_timeout(e: BaseException) -> bool:
 
 
 def _store():
-    """The default group's store (private in torch: this is its one adapter)."""
+    """The default group's store (private in torch: this is its one adapter); under
+    :func:`init_from_env` already this attempt's prefix."""
     try:
         return dist.distributed_c10d._get_default_store()
     except Exception:  # no group, or the API moved: the message loses the rank list only
         return None
 
 
-def timeout_error(e: BaseException, settle_s: float = 3.0) -> CollectiveTimeout:
+def timeout_error(e: BaseException, settle_s: float = 2.0) -> CollectiveTimeout:
     """Name the phase, its group and the ranks that did not arrive. Every rank that
     times out marks itself on the store; after ``settle_s`` the ranks without a mark are
     the ones that never reached a collective (stopped, hung, or far behind)."""
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    if not dist.is_initialized():
+        return CollectiveTimeout(f"joining the process group timed out ({first[:160]}); "
+                                 "check that every worker and node started, or raise "
+                                 "--timeout")
     rank, world = dist.get_rank(), dist.get_world_size()
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     missing: list[int] | None = None
     store = _store()
     if store is not None:
         try:
-            store.set(f"paratrain/timeout/{attempt}/{rank}", _where["phase"])
-            keys = [f"paratrain/timeout/{attempt}/{r}" for r in range(world)]
+            store.set(f"paratrain/timeout/{rank}", _where["phase"])
+            keys = [f"paratrain/timeout/{r}" for r in range(world)]
             deadline = time.monotonic() + settle_s
             while True:
                 missing = [r for r, k in enumerate(keys) if not store.check([k])]
@@ -81,7 +86,6 @@ def timeout_error(e: BaseException, settle_s: float = 3.0) -> CollectiveTimeout:
             missing = None
     who = (f"rank(s) {', '.join(map(str, missing))} of {world} did not arrive"
            if missing else "every rank arrived or the store could not tell which did not")
-    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     return CollectiveTimeout(
         f"{_where['phase']} at step {_where['step']} (group {_where['group']}) timed out "
         f"after {_where['timeout_s']:g} s: {who} ({first[:160]}); check those processes, "
@@ -97,11 +101,22 @@ def pick_backend() -> tuple[str, torch.device]:
 
 
 def init_from_env(timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[int, int, torch.device]:
-    """Join the group torchrun describes (RANK, WORLD_SIZE, MASTER_ADDR/PORT)."""
+    """Join the group torchrun describes (RANK, WORLD_SIZE, MASTER_ADDR/PORT).
+
+    The group's store is keyed by torchrun's restart count: after an elastic restart the
+    agent's store still holds the previous attempt's gloo addresses, and workers that
+    read them connect to dead ports (seen with torch 2.13's ``--standalone``)."""
     backend, device = pick_backend()
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    timeout = datetime.timedelta(seconds=timeout_s)
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                          is_master=not agent and rank == 0, timeout=timeout)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.PrefixStore(f"paratrain/attempt_{attempt}", store)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
     _where["timeout_s"] = timeout_s
     return dist.get_rank(), dist.get_world_size(), device
 

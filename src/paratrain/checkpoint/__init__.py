@@ -21,7 +21,7 @@ whose read fails, is skipped by every rank together, with one ``warning:`` line 
 0). The settings that decide the loss trajectory (model, seed, batch, optimizer, dtype,
 data identity) must match the checkpoint's; the refusal names the field. The layout
 (world size, dp/tp/pp/ep/cp, ZeRO stage, micro-batches) may differ: every rank reads
-the pieces its new layout owns.
+the pieces its new layout owns. Design notes: docs/faults.md.
 """
 
 from __future__ import annotations
