@@ -119,9 +119,13 @@ def test_export_of_a_bytes_model_with_tied_embeddings(tmp_path, capsys):
     """The other mapping cases without another training run: bytes tokenizer (its
     equivalent tokenizer.json), tied head, plain multi-head attention, a checkpoint
     from before tokenizers were recorded."""
+    from dataclasses import asdict
+
     from paratrain import checkpoint
-    from paratrain.config import ModelConfig
+    from paratrain.config import ModelConfig, TrainConfig
     from paratrain.model import Decoder
+    from paratrain.parallel.engine import Engine
+    from paratrain.plan import ParallelPlan
 
     cfg = ModelConfig(n_layers=2, d_model=32, n_heads=2, d_ff=48, context=24,
                       tie_embeddings=True, rope_theta=500.0)
@@ -130,8 +134,8 @@ def test_export_of_a_bytes_model_with_tied_embeddings(tmp_path, capsys):
     with torch.no_grad():
         for p in model.parameters():  # norms away from 1, so a misplaced gain shows
             p.add_(0.1 * torch.randn_like(p))
-    meta = {"model": cfg.__dict__, "plan": {"dp": 1, "tp": 1, "pp": 1}}
-    checkpoint.save(tmp_path / "ck", 1, {"model": model.state_dict()}, meta)
+    engine = Engine(model, TrainConfig(), torch.device("cpu"))
+    checkpoint.save(tmp_path / "ck", 1, engine, cfg, ParallelPlan(), {"model": asdict(cfg)})
     assert main(["export", "--checkpoint", str(tmp_path / "ck"),
                  "--out", str(tmp_path / "hf")]) == 0
     capsys.readouterr()

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from paratrain import checkpoint, shutdown
 from paratrain.config import ModelConfig, TrainConfig
 from paratrain.data import Corpus, bits_per_byte
+from paratrain.distributed import at
 from paratrain.model import Decoder, take_moe_stats
 from paratrain.optim import lr_at
 from paratrain.parallel.api import build_engine
@@ -36,7 +37,8 @@ class RunOptions:
 
     run_dir: str | None = None
     checkpoint_dir: str | None = None
-    resume: bool = False
+    resume: bool | str = False  # True: from --checkpoint-dir; "auto": if it has one
+    keep_checkpoints: int = 0  # 0 = keep every step's checkpoint
     simulate_workers: int = 1
     quiet: bool = False
     measure_peak: bool = True
@@ -193,15 +195,14 @@ def train(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan | None = None
         print(engine.describe_layout(), flush=True)  # mesh / stages / buckets chosen
 
     start = 0
-    meta = {"model": asdict(mcfg), "plan": asdict(plan), "seed": tcfg.seed,
-            "dtype": tcfg.dtype, "global_batch": tcfg.global_batch,
-            "tokenizer": asdict(corpus.tokenizer.info)}
+    meta = {"tokenizer": asdict(corpus.tokenizer.info),  # checked first on resume
+            **checkpoint.run_settings(mcfg, tcfg, plan, corpus)} if opts.checkpoint_dir else {}
     if opts.resume:
         if not opts.checkpoint_dir:
             raise ValueError("--resume needs --checkpoint-dir DIR to resume from")
-        start, state = checkpoint.load(opts.checkpoint_dir, rank, world, expect=meta,
-                                       device=device)
-        engine.load_state_dict(state)
+        if opts.resume != "auto" or checkpoint.peek(opts.checkpoint_dir) is not None:
+            start = checkpoint.load(opts.checkpoint_dir, engine, mcfg, plan, expect=meta,
+                                    device=device)
         if start >= tcfg.steps:
             raise ValueError(f"the checkpoint in {opts.checkpoint_dir!r} is at step {start} "
                              f"but --steps is {tcfg.steps}; pass --steps above {start} to "
@@ -231,16 +232,20 @@ def train(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan | None = None
         x, y = corpus.batch(tcfg.seed, step, tcfg.global_batch, mcfg.context,
                             engine.dp_rank, engine.dp_size)
         loss_sum = 0.0
+        at("forward/backward (tp, pp, cp, ep exchanges)", "mesh", step)
         for i, (xs, ys) in enumerate(zip(x.chunk(micro), y.chunk(micro), strict=True)):
             with meter.watch(step == start and i == 0):
                 loss_sum += engine.forward_backward(xs, ys, tokens)
+        at("gradient reduction", "dp")
         comm = engine.reduce_gradients()
         if step == end - 1:
             meter.snapshot(engine)  # grads, optimizer state and buffers all exist now
+        at("loss all-reduce", "world")
         (loss_sum,) = engine.all_sum([loss_sum])
         moe = engine.all_sum(take_moe_stats(engine.model, mcfg.experts)) \
             if mcfg.experts else None
         lr = lr_at(step, tcfg)
+        at("gradient-norm all-reduce and optimizer step", "world, then dp")
         gnorm = engine.clip_and_step(lr)
         t2 = time.perf_counter()
         loss = loss_sum / tokens
@@ -264,16 +269,19 @@ def train(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan | None = None
             rec.update(moe_steps[-1])
         last = step == end - 1
         if (tcfg.eval_every and (step + 1) % tcfg.eval_every == 0) or last:
+            at("evaluation", "mesh")
             val_loss = evaluate(engine, corpus, tcfg, mcfg.context)
             rec["val_loss"] = val_loss
             rec["val_bpb"] = bits_per_byte(val_loss, val_tokens, val_bytes)
         log.step(rec, step + 1, f"loss {loss:.4f} | {tokens / dt:,.0f} tok/s | "
                  f"MFU {100 * rec['mfu']:.1f}%")
         every = tcfg.checkpoint_every
+        at("stop-signal all-reduce", "world")
         sig = _stop_agreed(world, device)
         if opts.checkpoint_dir and ((every and (step + 1) % every == 0) or last or sig):
-            checkpoint.save(opts.checkpoint_dir, step + 1, engine.state_dict(),
-                            meta, rank, world)
+            at("checkpoint save", "world")
+            checkpoint.save(opts.checkpoint_dir, step + 1, engine, mcfg, plan, meta,
+                            opts.keep_checkpoints)
         if sig and not last:
             log.close()
             raise shutdown.Stopped(sig, step + 1, str(checkpoint.step_dir(

@@ -2,15 +2,20 @@
 
 What ``paratrain generate`` / ``export`` build on: the names are those of
 :class:`paratrain.model.Decoder` (``tok_emb.weight``, ``blocks.0.attn.wq.weight``, ...),
-every tensor full size, on the CPU. No process group is needed, whatever layout wrote
-the checkpoint.
+every tensor full size, on the CPU, in the optimizer's master dtype (FP32 for a
+``--dtype bfloat16`` run). No process group is needed, whatever layout wrote the
+checkpoint (format 2: DCP pieces; format 1, the older per-rank pickles: one process,
+dp, ZeRO 1-3).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
+
 
 
 def load_full_model(root: str | Path, step: int | None = None
@@ -18,6 +23,8 @@ def load_full_model(root: str | Path, step: int | None = None
     """(meta, state_dict) of the checkpoint at ``step`` (default: the newest intact one)
     under ``root``. ``meta`` is the step's meta.json (``model`` holds the ModelConfig
     fields, ``step`` the step). Raises ValueError (one line) when there is none."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
     from paratrain import checkpoint
 
     root = Path(root)
@@ -32,13 +39,25 @@ def load_full_model(root: str | Path, step: int | None = None
             meta = checkpoint._meta(root, s)
             if meta is None:
                 raise ValueError("meta.json is missing or unreadable")
-            return meta, _assemble(d, meta)
-        except (OSError, ValueError, RuntimeError, KeyError) as e:
+            if meta.get("format", 1) == 1:
+                return meta, _assemble(d, meta)
+            bad = checkpoint.verify_files(d, meta, range(len(meta["files"])))
+            if bad:
+                raise ValueError(bad[0])
+            from paratrain.checkpoint.sharded import load_full
+
+            sd = load_full(d)
+            if meta["model"].get("tie_embeddings"):
+                sd["head.weight"] = sd["tok_emb.weight"]
+            return meta, sd
+        except (OSError, ValueError, RuntimeError, KeyError, CheckpointException) as e:
             why = f"{d}: {e}".splitlines()[0]
     raise ValueError(f"no intact checkpoint in {str(root)!r} ({why})")
 
 
 def _rank_states(d: Path, meta: dict) -> list[dict]:
+    import torch
+
     from paratrain.checkpoint import _sha256
 
     out = []
@@ -49,8 +68,10 @@ def _rank_states(d: Path, meta: dict) -> list[dict]:
     return out
 
 
-def _assemble(d: Path, meta: dict) -> dict[str, torch.Tensor]:
+def _assemble(d: Path, meta: dict) -> dict:
     """Per-rank pickles (format 1) -> the plain model's state_dict."""
+    import torch
+
     from paratrain.config import ModelConfig
     from paratrain.model import Decoder
 
