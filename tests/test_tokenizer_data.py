@@ -83,6 +83,11 @@ def test_bpe_trained_on_the_training_split_cached_and_exact(tmp_path, docs, home
     assert list(val) == tok.hf.encode(text).ids  # chunked encoding = whole-text encoding
     assert sum(len(c) for c in chunks(text, 100)) == len(text)
     assert int(tok.token_bytes()[val.astype(np.int64)].sum()) == len(raw) - cut
+    (tmp_path / "tok.json").write_text(tok.json)  # --tokenizer PATH: the same ids
+    for f in home.glob("tokens-*.npz"):
+        f.unlink()
+    t2, v2, tok2 = prepare(str(path), 0.1, str(tmp_path / "tok.json"))
+    assert tok2.vocab_size == 300 and np.array_equal(t2, train) and np.array_equal(v2, val)
     c = Corpus.load(str(path), 0.1, 16, "bpe:300")
     nb = c.val_bytes(2, 4, 16)
     assert 2 * 4 * 16 < nb  # a BPE token is more than one byte on average
