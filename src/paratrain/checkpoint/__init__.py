@@ -166,11 +166,13 @@ def latest(root: str | Path) -> Path | None:
 
 
 def peek(root: str | Path) -> dict | None:
-    """meta.json of the newest step whose meta parses (no tensor files are read): what
-    the launcher checks before starting workers. None when there is none."""
+    """meta.json of the newest intact step (meta parses, every file present with its
+    sha256; no tensor is read): what the launcher checks before starting workers, so
+    a damaged newest step does not decide the checks. None when there is none."""
     for step in steps(root):
-        meta = _meta(Path(root), step)
-        if meta is not None:
+        d = step_dir(root, step)
+        meta = read_meta(d)
+        if meta is not None and not verify_files(d, meta, range(len(meta.get("files", {})))):
             return meta
     return None
 
