@@ -213,19 +213,23 @@ def test_killed_worker_restarts_and_resumes_bitwise(tmp_path, text_file, reaper,
 # ---- a worker's user error: once, exit 2, no torchrun traceback --------------------------
 @pytest.mark.parametrize("nproc", [1, 2])
 @pytest.mark.parametrize("change, fragment", [(["--seed", "7"], "has train.seed=0 but"),
-                                              ("data", "trained on data")])
-def test_resume_with_other_settings_is_one_error(tmp_path, text_file, reaper, reference,
+                                              ("data", "trained on data"),
+                                              (["--d-ff", "96"], "has model.d_ff=64 but")])
+def test_resume_with_other_settings_is_one_error(tmp_path, text_file, capsys, reference,
                                                  nproc, change, fragment):
+    """Refused before launch, naming the field (the workers check again when torchrun is
+    run directly; a worker's error reaching the launcher is the diverged-loss test)."""
     ck = _copy_ck(reference, tmp_path)
     if change == "data":
         other = tmp_path / "other.txt"
         other.write_text(Path(text_file).read_text()[::-1])
         change = ["--data", str(other)]
-    r = _run(["--nproc", str(nproc), *TINY, "--steps", str(REF_STEPS + 2), "--data",
-              text_file, *change, "--run-dir", str(tmp_path / "r2"), "--checkpoint-dir",
-              str(ck), "--resume"], tmp_path)
-    _one_clean_error(r, fragment)
-    assert "ChildFailedError" not in r.stderr
+    code = main(["train", "--nproc", str(nproc), *TINY, "--steps", str(REF_STEPS + 2),
+                 "--data", text_file, *change, "--run-dir", str(tmp_path / "r2"),
+                 "--checkpoint-dir", str(ck), "--resume"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and err.startswith("error: "), err
+    assert fragment in err, err
 
 
 @pytest.mark.parametrize("nproc", [1, 2])

@@ -189,7 +189,9 @@ def train(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan | None = None
         print(engine.describe_layout(), flush=True)  # mesh / stages / buckets chosen
 
     start = 0
-    meta = checkpoint.run_settings(mcfg, tcfg, plan, corpus) if opts.checkpoint_dir else {}
+    meta = checkpoint.run_settings(mcfg, tcfg, plan, checkpoint.data_sha256(
+        corpus.train.numpy().tobytes() + corpus.val.numpy().tobytes())) \
+        if opts.checkpoint_dir else {}
     if opts.resume:
         if not opts.checkpoint_dir:
             raise ValueError("--resume needs --checkpoint-dir DIR to resume from")
