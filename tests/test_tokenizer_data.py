@@ -3,6 +3,7 @@ bits per byte, and bad --tokenizer / --text-field values refused by the launcher
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 
@@ -66,11 +67,12 @@ def test_jsonl_and_parquet_records_streamed_in_file_order(tmp_path, docs):
 def test_bpe_trained_on_the_training_split_cached_and_exact(tmp_path, docs, home):
     path = tmp_path / "notes.jsonl"
     path.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs[:60]))
-    train, val, tok = prepare(str(path), 0.1, "bpe:300")
+    train, val, tok, digest = prepare(str(path), 0.1, "bpe:300")
     assert tok.vocab_size == 300 and train.dtype == np.uint16
     cached = sorted(p.name for p in home.iterdir())
     assert len(cached) == 2 and cached[0].startswith("bpe-") and cached[0].endswith("-300.json")
     raw = read_corpus(str(path))
+    assert digest == hashlib.sha256(raw).hexdigest()  # the data's identity: its text
     cut = len(raw) - int(len(raw) * 0.1)
     assert tok.json == load("bpe:300", raw[:cut]).json  # cache hit = retrained: deterministic
     from paratrain.tokenizer import train_bpe
@@ -86,7 +88,7 @@ def test_bpe_trained_on_the_training_split_cached_and_exact(tmp_path, docs, home
     (tmp_path / "tok.json").write_text(tok.json)  # --tokenizer PATH: the same ids
     for f in home.glob("tokens-*.npz"):
         f.unlink()
-    t2, v2, tok2 = prepare(str(path), 0.1, str(tmp_path / "tok.json"))
+    t2, v2, tok2, _ = prepare(str(path), 0.1, str(tmp_path / "tok.json"))
     assert tok2.vocab_size == 300 and np.array_equal(t2, train) and np.array_equal(v2, val)
     c = Corpus.load(str(path), 0.1, 16, "bpe:300")
     nb = c.val_bytes(2, 4, 16)

@@ -37,11 +37,12 @@ class Corpus:
     val: torch.Tensor
     tokenizer: Tokenizer | None = None  # None: bytes
     token_bytes: torch.Tensor | None = None  # (V,) UTF-8 bytes per token id
+    text_sha256: str = ""  # of the corpus bytes: the data's identity in checkpoints
 
     @classmethod
     def load(cls, path: str | None, val_fraction: float, context: int,
              tokenizer: str = "bytes", text_field: str = "text") -> Corpus:
-        train, val, tok = prepare(path, val_fraction, tokenizer, text_field)
+        train, val, tok, digest = prepare(path, val_fraction, tokenizer, text_field)
         need = context + 1
         if len(train) < need or len(val) < need:
             n = len(train) + len(val)
@@ -55,7 +56,7 @@ class Corpus:
             return torch.from_numpy(a if a.dtype == np.uint8 else a.astype(np.int32))
 
         return cls(train=as_tensor(train), val=as_tensor(val), tokenizer=tok,
-                   token_bytes=torch.from_numpy(tok.token_bytes()))
+                   token_bytes=torch.from_numpy(tok.token_bytes()), text_sha256=digest)
 
     @property
     def vocab_size(self) -> int:

@@ -24,7 +24,7 @@ def settle_vocab(mcfg: ModelConfig, tcfg: TrainConfig, config: str | None) -> Mo
     records = tcfg.data is not None and data_files(tcfg.data)[1]
     if kind == "bytes" and not records:
         return mcfg  # bytes of text files: nothing to prepare (as before tokenizers)
-    _, _, tok = prepare(tcfg.data, tcfg.val_fraction, tcfg.tokenizer, tcfg.text_field)
+    _, _, tok, _ = prepare(tcfg.data, tcfg.val_fraction, tcfg.tokenizer, tcfg.text_field)
     if kind == "bytes":
         return mcfg
     set_in_toml = config is not None and "vocab_size" in load_toml(config).get("model", {})

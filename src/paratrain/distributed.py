@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 DEFAULT_TIMEOUT_S = 120.0
+JOIN_TIMEOUT_S = 300.0  # the longest a worker waits for its peers to start
 
 
 # ---- naming a hang: which collective, which group, which ranks did not arrive -------------
@@ -112,8 +113,11 @@ def init_from_env(timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[int, int, torch
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     timeout = datetime.timedelta(seconds=timeout_s)
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    # joining waits for the slowest worker to start (seconds to minutes on a loaded
+    # machine): the store gets its own generous timeout, collectives get ``timeout_s``
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
-                          is_master=not agent and rank == 0, timeout=timeout)
+                          is_master=not agent and rank == 0,
+                          timeout=datetime.timedelta(seconds=max(timeout_s, JOIN_TIMEOUT_S)))
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     store = dist.PrefixStore(f"paratrain/attempt_{attempt}", store)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)

@@ -133,21 +133,23 @@ def split_point(data: bytes, val_fraction: float, utf8: bool) -> int:
 
 
 def prepare(path: str | None, val_fraction: float, spec: str = "bytes",
-            text_field: str = "text") -> tuple[np.ndarray, np.ndarray, tk.Tokenizer]:
-    """(train ids, validation ids, tokenizer): the tokenizer trained on the training
-    split if it is ``bpe:N``; ids cached (see the module note)."""
+            text_field: str = "text") -> tuple[np.ndarray, np.ndarray, tk.Tokenizer, str]:
+    """(train ids, validation ids, tokenizer, sha256 of the corpus bytes): the tokenizer
+    trained on the training split if it is ``bpe:N``; ids cached (see the module note).
+    The sha256 is the data's identity in checkpoints, whatever the tokenizer."""
     data = read_corpus(path, text_field)
+    digest = tk.sha256(data)
     kind, _ = tk.parse_spec(spec)
     cut = split_point(data, val_fraction, utf8=kind != "bytes")
     if kind == "bytes":
         tok = tk.load(spec)
-        return tok.encode(data[:cut]), tok.encode(data[cut:]), tok
+        return tok.encode(data[:cut]), tok.encode(data[cut:]), tok, digest
     tok = tk.load(spec, data[:cut])
-    key = tk.sha256(f"{tk.sha256(data)} {cut} {tok.info.sha256}")[:24]
+    key = tk.sha256(f"{digest} {cut} {tok.info.sha256}")[:24]
     cache = cache_dir() / f"tokens-{key}.npz"
     if cache.is_file():
         with np.load(cache) as z:
-            return z["train"], z["val"], tok
+            return z["train"], z["val"], tok, digest
     train, val = tok.encode(data[:cut]), tok.encode(data[cut:])
     try:
         import io
@@ -157,4 +159,4 @@ def prepare(path: str | None, val_fraction: float, spec: str = "bytes",
         write_atomic(cache, buf.getvalue())
     except OSError:  # read-only home: encode again next time
         pass
-    return train, val, tok
+    return train, val, tok, digest

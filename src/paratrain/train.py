@@ -196,7 +196,8 @@ def train(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan | None = None
 
     start = 0
     meta = {"tokenizer": asdict(corpus.tokenizer.info),  # checked first on resume
-            **checkpoint.run_settings(mcfg, tcfg, plan, corpus)} if opts.checkpoint_dir else {}
+            **checkpoint.run_settings(mcfg, tcfg, plan, corpus.text_sha256)} \
+        if opts.checkpoint_dir else {}
     if opts.resume:
         if not opts.checkpoint_dir:
             raise ValueError("--resume needs --checkpoint-dir DIR to resume from")

@@ -100,19 +100,24 @@ def check_output_dir(flag: str, path: str) -> None:
         raise ValueError(f"{flag} {path!r} is not writable ({str(a)!r}); pass a writable path")
 
 
-def check_resume(checkpoint_dir: str, steps: int) -> None:
-    """A checkpoint exists and is below ``--steps`` (the settings themselves are compared
-    by the workers, against the checkpoint's meta.json; any layout may resume it)."""
+def check_resume(checkpoint_dir: str, mcfg: ModelConfig, tcfg: TrainConfig,
+                 plan: ParallelPlan) -> None:
+    """The newest intact checkpoint exists, is below ``--steps`` and was trained with the
+    same trajectory settings and data (the workers check again; any layout may resume)."""
     from paratrain import checkpoint
+    from paratrain.data import read_corpus
 
     meta = checkpoint.peek(checkpoint_dir)
     if meta is None:
         raise ValueError(f"no checkpoint found in {checkpoint_dir!r}; run without --resume "
                          "first, or point --checkpoint-dir at a directory that has one")
-    if meta.get("step", 0) >= steps:
+    if meta.get("step", 0) >= tcfg.steps:
         raise ValueError(f"the checkpoint in {checkpoint_dir!r} is at step {meta.get('step')} "
-                         f"but --steps is {steps}; pass --steps above {meta.get('step')} to "
-                         "train further")
+                         f"but --steps is {tcfg.steps}; pass --steps above {meta.get('step')} "
+                         "to train further")
+    text = read_corpus(tcfg.data, tcfg.text_field)
+    want = checkpoint.run_settings(mcfg, tcfg, plan, checkpoint.data_sha256(text))
+    checkpoint.check_settings(meta, want, checkpoint.step_dir(checkpoint_dir, meta["step"]))
 
 
 FLOAT_MAX = {"float32": 3.4028234663852886e38, "bfloat16": 3.3895313892515355e38,
@@ -285,12 +290,10 @@ def register(app: typer.Typer) -> None:
                                  "one, or add --resume to continue into it")
         if checkpoint_dir is not None:
             check_output_dir("--checkpoint-dir", checkpoint_dir)
-        if resume == "yes" and lead:
-            check_resume(checkpoint_dir, tcfg.steps)
-        if resume == "auto" and lead and _has_checkpoint(checkpoint_dir):
-            check_resume(checkpoint_dir, tcfg.steps)
-        mcfg = settle_vocab(mcfg, tcfg, config)  # last, slow: BPE trained, ids cached
+        mcfg = settle_vocab(mcfg, tcfg, config)  # slow, so late: BPE trained, ids cached
         plan.check(mcfg, world, tcfg.global_batch)  # again: the vocabulary may have changed
+        if lead and (resume == "yes" or (resume == "auto" and _has_checkpoint(checkpoint_dir))):
+            check_resume(checkpoint_dir, mcfg, tcfg, plan)
         if run_dir is None:
             if in_torchrun:  # every rank must name the same directory: torchrun's run id
                 rid = os.environ.get("TORCHELASTIC_RUN_ID", "none")

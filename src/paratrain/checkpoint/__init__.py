@@ -110,20 +110,24 @@ TRAJECTORY = ("seed", "global_batch", "lr", "min_lr_ratio", "warmup_steps", "wei
               "beta1", "beta2", "grad_clip", "dtype", "val_fraction")
 
 
-def run_settings(mcfg, tcfg, plan, corpus) -> dict:
+def run_settings(mcfg, tcfg, plan, data_sha256: str) -> dict:
     """What decides the loss trajectory, recorded in meta.json and checked on resume:
     the model, the optimisation settings, gradient compression (lossy, with state of its
-    own) and the data's identity (content sha256; the path for the message). Not the
-    layout, and not ``steps`` (a run may be extended; the cosine schedule follows)."""
+    own) and the data's identity (sha256 of the corpus bytes, :func:`data_sha256`; the
+    path for the message). Not the layout, and not ``steps`` (a run may be extended;
+    the cosine schedule follows)."""
     from dataclasses import asdict
 
     train = {k: getattr(tcfg, k) for k in TRAJECTORY}
     if tcfg.dtype == "bfloat16":
         train["reduce_dtype"] = tcfg.reduce_dtype
-    h = hashlib.sha256(corpus.train.numpy().tobytes())
-    h.update(corpus.val.numpy().tobytes())
     return {"model": asdict(mcfg), "train": train, "compress": plan.compress,
-            "data": {"sha256": h.hexdigest(), "path": tcfg.data or "(standard library)"}}
+            "data": {"sha256": data_sha256, "path": tcfg.data or "(standard library)"}}
+
+
+def data_sha256(data: bytes) -> str:
+    """The corpus's identity: sha256 of its bytes (train and validation, in order)."""
+    return hashlib.sha256(data).hexdigest()
 
 
 def save(root: str | Path, step: int, engine, mcfg, plan, meta: dict, keep: int = 0) -> Path:
@@ -166,11 +170,13 @@ def latest(root: str | Path) -> Path | None:
 
 
 def peek(root: str | Path) -> dict | None:
-    """meta.json of the newest step whose meta parses (no tensor files are read): what
-    the launcher checks before starting workers. None when there is none."""
+    """meta.json of the newest intact step (meta parses, every file present with its
+    sha256; no tensor is read): what the launcher checks before starting workers, so
+    a damaged newest step does not decide the checks. None when there is none."""
     for step in steps(root):
-        meta = _meta(Path(root), step)
-        if meta is not None:
+        d = step_dir(root, step)
+        meta = read_meta(d)
+        if meta is not None and not verify_files(d, meta, range(len(meta.get("files", {})))):
             return meta
     return None
 
