@@ -140,3 +140,20 @@ def test_export_of_a_bytes_model_with_tied_embeddings(tmp_path, capsys):
                  "--out", str(tmp_path / "hf")]) == 0
     capsys.readouterr()
     _hf_logits_equal(tmp_path / "ck", tmp_path / "hf", "é = {'x': 1}\n")
+
+
+def test_resume_with_the_same_tokenizer_only(trained, capsys):
+    """Last (it extends the shared checkpoint): the BPE run resumes from its checkpoint;
+    another tokenizer is refused by the launcher, naming what differs."""
+    root, _ = trained
+    args = ["train", "--data", str(root / "notes.jsonl"), "--nproc", "1", *MODEL,
+            "--global-batch", "8", "--eval-every", "3", "--checkpoint-dir", str(root / "ck"),
+            "--run-dir", str(root / "run"), "--quiet", "--resume", "--steps", "8"]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HOME", str(root / "home"))
+        assert main([*args, "--tokenizer", "bpe:300"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "model.vocab_size=512 but this run has 300" in err[0], err
+        assert main([*args, "--tokenizer", "bpe:512"]) == 0
+    recs = [json.loads(line) for line in (root / "run" / "metrics.jsonl").open()]
+    assert [r["step"] for r in recs] == list(range(8))
