@@ -108,6 +108,9 @@ def check_resume(checkpoint_dir: str, mcfg: ModelConfig, tcfg: TrainConfig,
     from paratrain.data import read_corpus
 
     meta = checkpoint.peek(checkpoint_dir)
+    if meta is None and checkpoint.steps(checkpoint_dir):
+        raise ValueError(f"no intact checkpoint in {checkpoint_dir!r} (every step failed "
+                         "verification); start again without --resume")
     if meta is None:
         raise ValueError(f"no checkpoint found in {checkpoint_dir!r}; run without --resume "
                          "first, or point --checkpoint-dir at a directory that has one")
