@@ -1,6 +1,12 @@
 """Faults with real processes and real signals (issue 14): the launcher's signal handling,
 no orphans, a checkpoint on SIGTERM, workers' errors reported once, corrupt checkpoints
-fallen back from, unique run directories, and bad input refused before launch.
+fallen back from, a worker killed and restarted (elastic), a worker stopped (collective
+timeout), resume on another world size and layout, two launchers as two nodes, unique
+run directories, and bad input refused before launch.
+
+One uninterrupted reference run (``reference``: 2 processes, ZeRO-3, float64, 40 steps,
+a checkpoint every 2 steps, the newest 3 kept) serves every test that compares losses or
+needs a checkpoint; each such test works on its own copy of the checkpoints.
 
 Every process a test starts is found afterwards by its run directory (a unique tmp path)
 in its command line and killed, so a failing test leaves no orphan behind.
@@ -21,7 +27,10 @@ import pytest
 from paratrain.cli import main
 
 TINY = ["--layers", "2", "--d-model", "32", "--heads", "4", "--d-ff", "64", "--context", "16",
-        "--global-batch", "4", "--eval-every", "0", "--quiet"]
+        "--global-batch", "4", "--eval-every", "0", "--quiet", "--dtype", "float64"]
+REF = ["--nproc", "2", "--zero", "3", *TINY]  # the reference layout (warm-up 20 steps, so
+# the learning rate of steps < 20 does not depend on --steps)
+REF_STEPS, REF_KEEP = 40, 3
 CMD = [sys.executable, "-m", "paratrain.cli", "train"]
 
 
@@ -71,6 +80,33 @@ def _steps(run: Path) -> list[int]:
     return [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
+def _losses(run: Path) -> list[float]:
+    return [json.loads(x)["loss"] for x in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, text_file):
+    """(checkpoint dir, losses) of the uninterrupted reference run."""
+    tmp = tmp_path_factory.mktemp("reference")
+    r = _run([*REF, "--steps", str(REF_STEPS), "--data", text_file, "--run-dir",
+              str(tmp / "run"), "--checkpoint-dir", str(tmp / "ck"), "--checkpoint-every", "2",
+              "--keep-checkpoints", str(REF_KEEP)], tmp)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return tmp / "ck", _losses(tmp / "run")
+
+
+def _copy_ck(reference, tmp_path, newest: int | None = None) -> Path:
+    """A copy of the reference checkpoints, without the steps above ``newest``."""
+    import shutil
+
+    ck = tmp_path / "ck"
+    shutil.copytree(reference[0], ck)
+    for d in ck.glob("step_*"):
+        if newest is not None and int(d.name[5:]) > newest:
+            shutil.rmtree(d)
+    return ck
+
+
 def _one_clean_error(r, fragment: str) -> None:
     assert r.returncode == 2, (r.returncode, r.stderr[-3000:])
     assert _errors(r.stderr) == [line for line in r.stderr.splitlines() if line.strip()], \
@@ -91,20 +127,15 @@ def test_subprocesses_import_this_worktree(tmp_path):
 @pytest.mark.parametrize("nproc, sig", [(2, signal.SIGTERM), (2, signal.SIGINT),
                                         (1, signal.SIGTERM), (2, signal.SIGKILL)])
 def test_signal_to_launcher_leaves_no_process_and_checkpoints(tmp_path, text_file, reaper,
-                                                              nproc, sig):
+                                                              reference, nproc, sig):
     run, ck = tmp_path / "run", tmp_path / "ck"
+    layout = REF if nproc == 2 else ["--nproc", "1", *TINY]
     with open(tmp_path / "out", "w") as out, open(tmp_path / "err", "w") as err:
-        p = subprocess.Popen([*CMD, "--nproc", str(nproc), *TINY, "--steps", "100000",
+        p = subprocess.Popen([*CMD, *layout, "--steps", "100000",
                               "--data", text_file, "--run-dir", str(run),
                               "--checkpoint-dir", str(ck)], stdout=out, stderr=err,
                              cwd=tmp_path)
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and p.poll() is None:
-            metrics = run / "metrics.jsonl"
-            if metrics.is_file() and len(metrics.read_text().splitlines()) >= 2:
-                break
-            time.sleep(0.2)
-        assert p.poll() is None, (tmp_path / "err").read_text()[-3000:]
+        _wait_for_steps(p, run, 2, tmp_path)
         assert len(_procs_mentioning(str(run))) >= (3 if nproc == 2 else 1)
         os.kill(p.pid, sig)  # the launcher alone, as `kill PID` does
         t0 = time.monotonic()
@@ -124,52 +155,100 @@ def test_signal_to_launcher_leaves_no_process_and_checkpoints(tmp_path, text_fil
     assert steps == list(range(stopped_at))  # every finished step logged, each once
     assert (ck / f"step_{stopped_at:06d}" / "meta.json").is_file()
     assert "Traceback" not in (tmp_path / "err").read_text()
-    if (nproc, sig) == (2, signal.SIGTERM):  # preempted, resumed: nothing lost or repeated
-        common = ["--nproc", "2", *TINY, "--steps", str(stopped_at + 2), "--data", text_file]
-        r = _run([*common, "--run-dir", str(run), "--checkpoint-dir", str(ck), "--resume"],
-                 tmp_path)
+    if (nproc, sig) == (2, signal.SIGTERM) and stopped_at + 2 <= 20:
+        # preempted, resumed: nothing lost or repeated, the reference's losses bit for bit
+        r = _run([*REF, "--steps", str(stopped_at + 2), "--data", text_file, "--run-dir",
+                  str(run), "--checkpoint-dir", str(ck), "--resume"], tmp_path)
         assert r.returncode == 0, r.stderr[-3000:]
-        ref = _run([*common, "--run-dir", str(tmp_path / "ref")], tmp_path)
-        assert ref.returncode == 0, ref.stderr[-3000:]
         assert _steps(run) == list(range(stopped_at + 2))
-        losses = [[json.loads(x)["loss"] for x in (d / "metrics.jsonl").read_text().splitlines()]
-                  for d in (run, tmp_path / "ref")]
-        assert losses[0] == losses[1]
+        assert _losses(run) == reference[1][:stopped_at + 2]
+
+
+def _wait_for_steps(p, run: Path, n: int, tmp_path) -> None:
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and p.poll() is None:
+        metrics = run / "metrics.jsonl"
+        if metrics.is_file() and len(metrics.read_text().splitlines()) >= n:
+            break
+        time.sleep(0.05)
+    assert p.poll() is None, (tmp_path / "err").read_text()[-3000:]
+
+
+def _workers(run: Path) -> dict[int, int]:
+    """rank -> pid of the torchrun workers of ``run``."""
+    out = {}
+    for pid in _procs_mentioning(str(run)):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"paratrain.worker" in cmd:
+            for kv in env:
+                if kv.startswith(b"RANK="):
+                    out[int(kv[5:])] = pid
+    return out
+
+
+# ---- a worker killed: torchrun restarts the workers, they resume (elastic) ----------------
+def test_killed_worker_restarts_and_resumes_bitwise(tmp_path, text_file, reaper, reference):
+    run, ck = tmp_path / "run", tmp_path / "ck"
+    with open(tmp_path / "out", "w") as out, open(tmp_path / "err", "w") as err:
+        p = subprocess.Popen([*CMD, *REF, "--steps", str(REF_STEPS), "--data", text_file,
+                              "--run-dir", str(run), "--checkpoint-dir", str(ck),
+                              "--checkpoint-every", "4", "--max-restarts", "1", "--resume",
+                              "auto"], stdout=out, stderr=err, cwd=tmp_path)
+        _wait_for_steps(p, run, 6, tmp_path)
+        killed_after = len(_steps(run))
+        os.kill(_workers(run)[1], signal.SIGKILL)
+        rc = p.wait(timeout=300)
+    err = (tmp_path / "err").read_text()
+    assert rc == 0, err[-3000:]
+    assert killed_after < REF_STEPS  # the kill really landed mid-run
+    assert _steps(run) == list(range(REF_STEPS))  # no record lost or repeated
+    assert _losses(run) == reference[1]  # bit for bit
+    assert "exitcode: -9" in err  # torchrun saw the killed worker, and the run went on
 
 
 # ---- a worker's user error: once, exit 2, no torchrun traceback --------------------------
-def _checkpointed(tmp_path, text_file, nproc, steps=4, every=2):
-    ck, run = tmp_path / "ck", tmp_path / "first"
-    r = _run(["--nproc", str(nproc), *TINY, "--steps", str(steps), "--data", text_file,
-              "--run-dir", str(run), "--checkpoint-dir", str(ck), "--checkpoint-every",
-              str(every)], tmp_path)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return ck, run
-
-
 @pytest.mark.parametrize("nproc", [1, 2])
-def test_worker_error_reaches_the_launcher_once(tmp_path, text_file, reaper, nproc):
-    ck, _ = _checkpointed(tmp_path, text_file, nproc, steps=2, every=0)
-    r = _run(["--nproc", str(nproc), *TINY, "--steps", "4", "--seed", "7", "--data",
-              text_file, "--run-dir", str(tmp_path / "r2"), "--checkpoint-dir", str(ck),
-              "--resume"], tmp_path)
-    _one_clean_error(r, "has seed=0 but this run has 7")
-    assert "ChildFailedError" not in r.stderr
+@pytest.mark.parametrize("change, fragment", [(["--seed", "7"], "has train.seed=0 but"),
+                                              ("data", "trained on data"),
+                                              (["--d-ff", "96"], "has model.d_ff=64 but")])
+def test_resume_with_other_settings_is_one_error(tmp_path, text_file, capsys, reference,
+                                                 nproc, change, fragment):
+    """Refused before launch, naming the field (the workers check again when torchrun is
+    run directly; a worker's error reaching the launcher is the diverged-loss test)."""
+    ck = _copy_ck(reference, tmp_path)
+    if change == "data":
+        other = tmp_path / "other.txt"
+        other.write_text(Path(text_file).read_text()[::-1])
+        change = ["--data", str(other)]
+    code = main(["train", "--nproc", str(nproc), *TINY, "--steps", str(REF_STEPS + 2),
+                 "--data", text_file, *change, "--run-dir", str(tmp_path / "r2"),
+                 "--checkpoint-dir", str(ck), "--resume"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and err.startswith("error: "), err
+    assert fragment in err, err
 
 
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_diverged_loss_is_one_error(tmp_path, text_file, reaper, nproc):
     r = _run(["--nproc", str(nproc), *TINY, "--steps", "5", "--warmup-steps", "0", "--lr",
-              "1e30", "--data", text_file, "--run-dir", str(tmp_path / "r")], tmp_path)
+              "1e30", "--dtype", "float32", "--data", text_file, "--run-dir",
+              str(tmp_path / "r")], tmp_path)
     _one_clean_error(r, "lower --lr")
 
 
-# ---- corrupt / truncated / missing rank files: every rank falls back together ------------
+# ---- a flipped byte, a truncated or a missing file: every rank falls back together --------
 @pytest.mark.parametrize("damage", ["flip", "truncate", "missing"])
 def test_damaged_newest_checkpoint_falls_back_with_a_warning(tmp_path, text_file, reaper,
-                                                             damage):
-    ck, run = _checkpointed(tmp_path, text_file, 2, steps=4, every=2)
-    victim = ck / "step_000004" / "rank1.pt"
+                                                             reference, damage):
+    ck = _copy_ck(reference, tmp_path)
+    assert sorted(d.name for d in ck.glob("step_*")) == \
+        [f"step_{s:06d}" for s in range(REF_STEPS - 2 * REF_KEEP + 2, REF_STEPS + 1, 2)]
+    newest, prev = ck / f"step_{REF_STEPS:06d}", f"step_{REF_STEPS - 2:06d}"
+    victim = newest / "__1_0.distcp"  # rank 1's tensors
     if damage == "flip":
         b = bytearray(victim.read_bytes())
         b[len(b) // 2] ^= 0xFF
@@ -178,34 +257,121 @@ def test_damaged_newest_checkpoint_falls_back_with_a_warning(tmp_path, text_file
         victim.write_bytes(victim.read_bytes()[:100])
     else:
         victim.unlink()
-    (ck / "step_000009.tmp").mkdir()  # a stale temporary from a crashed save
-    r = _run(["--nproc", "2", *TINY, "--steps", "6", "--data", text_file, "--run-dir",
-              str(run), "--checkpoint-dir", str(ck), "--resume"], tmp_path)
+    (ck / "step_000099.tmp").mkdir()  # a stale temporary from a crashed save
+    run = tmp_path / "run"
+    r = _run([*REF, "--steps", str(REF_STEPS), "--data", text_file, "--run-dir", str(run),
+              "--checkpoint-dir", str(ck), "--resume"], tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     warnings = [line for line in r.stderr.splitlines() if line.startswith("warning:")]
-    assert len(warnings) == 1 and "step_000004" in warnings[0] and "rank 1" in warnings[0] \
-        and "falling back to step_000002" in warnings[0], r.stderr[-3000:]
-    assert _steps(run) == list(range(6))  # 0-1 from the first run, 2-5 resumed; no repeats
-    assert not (ck / "step_000009.tmp").exists()
-    # the resumed trajectory equals an uninterrupted one
-    ref = _run(["--nproc", "2", *TINY, "--steps", "6", "--data", text_file, "--run-dir",
-                str(tmp_path / "ref")], tmp_path)
-    assert ref.returncode == 0, ref.stderr[-3000:]
-    got = [json.loads(x)["loss"] for x in (run / "metrics.jsonl").read_text().splitlines()]
-    want = [json.loads(x)["loss"] for x in
-            (tmp_path / "ref" / "metrics.jsonl").read_text().splitlines()]
-    assert got == want
+    assert len(warnings) == 1 and newest.name in warnings[0] and "__1_0.distcp" in warnings[0] \
+        and f"falling back to {prev}" in warnings[0], r.stderr[-3000:]
+    assert not (ck / "step_000099.tmp").exists()
+    # the two steps after the fallback equal the uninterrupted run's, bit for bit
+    assert _steps(run) == [REF_STEPS - 2, REF_STEPS - 1]
+    assert _losses(run) == reference[1][-2:]
 
 
-def test_every_checkpoint_damaged_is_one_error(tmp_path, text_file, reaper):
-    ck, run = _checkpointed(tmp_path, text_file, 2, steps=4, every=2)
-    for step in (2, 4):
-        (ck / f"step_{step:06d}" / "rank0.pt").write_bytes(b"garbage")
-    r = _run(["--nproc", "2", *TINY, "--steps", "6", "--data", text_file, "--run-dir",
+def test_every_checkpoint_damaged_is_one_error(tmp_path, text_file, reaper, reference):
+    ck = _copy_ck(reference, tmp_path)
+    for d in ck.glob("step_*"):
+        (d / ".metadata").write_bytes(b"garbage")
+    r = _run([*REF, "--steps", str(REF_STEPS + 2), "--data", text_file, "--run-dir",
               str(tmp_path / "r2"), "--checkpoint-dir", str(ck), "--resume"], tmp_path)
     assert r.returncode == 2, r.stderr[-3000:]
     assert len(_errors(r.stderr)) == 1 and "no intact checkpoint" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr
+
+
+# ---- resharding: another world size, another layout -------------------------------------
+@pytest.mark.parametrize("layout", [["--nproc", "1"], ["--nproc", "2", "--tp", "2"]])
+def test_resume_on_another_world_size_and_layout(tmp_path, text_file, reaper, reference,
+                                                 layout):
+    """The reference's ZeRO-3 (dp 2) checkpoint of step 36, resumed in one process and as
+    2-way tensor parallelism: the next losses equal the uninterrupted run's within 1e-9."""
+    start = REF_STEPS - 2 * REF_KEEP + 2
+    ck = _copy_ck(reference, tmp_path, newest=start)
+    run = tmp_path / "run"
+    r = _run([*layout, *TINY, "--steps", str(REF_STEPS), "--data", text_file, "--run-dir",
+              str(run), "--checkpoint-dir", str(ck), "--resume"], tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert _steps(run) == list(range(start, REF_STEPS))
+    want = reference[1][start:]
+    assert max(abs(a - b) for a, b in zip(_losses(run), want, strict=True)) < 1e-9
+
+
+def test_load_full_model_gives_the_plain_model(reference, text_file):
+    """The ZeRO-3 checkpoint of step s, loaded in one process as the plain Decoder, gives
+    the loss the run logged at step s (computed from the same weights)."""
+    import torch
+
+    from paratrain.checkpoint import load_full_model
+    from paratrain.config import ModelConfig
+    from paratrain.data import Corpus
+    from paratrain.model import Decoder
+    from paratrain.parallel.engine import token_loss_sum
+
+    meta, sd = load_full_model(reference[0])
+    step = REF_STEPS  # the newest: what a missing step means
+    assert meta["step"] == step and meta["world_size"] == 2
+    cfg = ModelConfig(**meta["model"])
+    model = Decoder(cfg).double()
+    model.load_state_dict(sd, strict=True)
+    meta2, sd2 = load_full_model(reference[0], step=step - 2)
+    assert meta2["step"] == step - 2
+    model2 = Decoder(cfg).double()
+    model2.load_state_dict(sd2, strict=True)
+    corpus = Corpus.load(text_file, 0.05, cfg.context)
+    x, y = corpus.batch(0, step - 2, 4, cfg.context)
+    with torch.no_grad():
+        loss = float(token_loss_sum(model2(x), y)) / y.numel()
+    assert abs(loss - reference[1][step - 2]) < 1e-9
+    assert not torch.equal(sd["tok_emb.weight"], sd2["tok_emb.weight"])
+
+
+# ---- two launchers on loopback as two nodes -----------------------------------------------
+def test_two_launchers_as_two_nodes(tmp_path, text_file, reaper, reference):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ps = [subprocess.Popen([*CMD, "--nproc", "1", "--zero", "3", *TINY, "--steps", "4",
+                            "--data", text_file, "--nnodes", "2", "--node-rank", str(n),
+                            "--rdzv-endpoint", f"127.0.0.1:{port}", "--run-dir",
+                            str(tmp_path / f"node{n}")], cwd=tmp_path,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+          for n in (0, 1)]
+    for p in ps:
+        _, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err[-3000:]
+    # global rank 0 (which writes the metrics) is on whichever node joined first
+    logged = [d for d in (tmp_path / "node0", tmp_path / "node1")
+              if (d / "metrics.jsonl").is_file()]
+    assert len(logged) == 1
+    assert _losses(logged[0]) == reference[1][:4]
+
+
+# ---- a stopped worker: the collective times out, naming who did not arrive ----------------
+def test_stopped_worker_is_a_named_timeout(tmp_path, text_file, reaper):
+    run = tmp_path / "run"
+    timeout = 5
+    with open(tmp_path / "out", "w") as out, open(tmp_path / "err", "w") as err:
+        p = subprocess.Popen([*CMD, "--nproc", "2", *TINY, "--steps", "100000", "--data",
+                              text_file, "--run-dir", str(run), "--timeout", str(timeout)],
+                             stdout=out, stderr=err, cwd=tmp_path)
+        _wait_for_steps(p, run, 2, tmp_path)
+        os.kill(_workers(run)[1], signal.SIGSTOP)
+        t0 = time.monotonic()
+        rc = p.wait(timeout=timeout + 60)
+        took = time.monotonic() - t0
+    err = (tmp_path / "err").read_text()
+    assert rc == 2, err[-3000:]
+    assert took < timeout + 10, took
+    lines = [x for x in err.splitlines() if x.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), err[-3000:]
+    assert "timed out after 5 s" in err and "rank(s) 1 of 2 did not arrive" in err, err
+    assert "(group " in err
+    assert not _wait_gone(str(tmp_path), 5.0)
 
 
 # ---- run directories ---------------------------------------------------------------------
@@ -250,7 +416,12 @@ def _toml(tmp_path, text):
 def _fake_checkpoint(tmp_path, step, world):
     d = tmp_path / "ck" / f"step_{step:06d}"
     d.mkdir(parents=True)
-    (d / "meta.json").write_text(json.dumps({"step": step, "world_size": world}))
+    (d / ".metadata").write_bytes(b"m")
+    import hashlib
+
+    files = {".metadata": hashlib.sha256(b"m").hexdigest()}
+    (d / "meta.json").write_text(json.dumps({"format": 2, "step": step, "world_size": world,
+                                             "files": files}))
     return ["--checkpoint-dir", str(tmp_path / "ck"), "--resume"]
 
 
@@ -314,8 +485,23 @@ BAD = {  # name: (args from tmp_path and nproc, fragment of the one error line)
                             "no checkpoint found"),
     "--resume, --steps at the checkpoint": (lambda t, n: _fake_checkpoint(t, 2, n),
                                             "is at step 2 but --steps is 2"),
-    "--resume, other world size": (lambda t, n: _fake_checkpoint(t, 1, 3 - n),
-                                   f"resume with --nproc {3 - 0}"),
+    "--lr 1e300 in float32": (lambda t, n: ["--lr", "1e300", "--dtype", "float32"],
+                              "--lr 1e+300 does not fit in float32"),
+    "model too big for memory": (lambda t, n: ["--d-model", "65536", "--layers", "64",
+                                               "--heads", "64", "--d-ff", "262144"],
+                                 "GB of memory"),
+    "--timeout 0": (lambda t, n: ["--timeout", "0"], "--timeout 0.0 must be a positive"),
+    "--grace nan": (lambda t, n: ["--grace", "nan"], "--grace nan must be a positive"),
+    "--max-restarts -1": (lambda t, n: ["--max-restarts", "-1"], "--max-restarts -1 must"),
+    "--keep-checkpoints -1": (lambda t, n: ["--keep-checkpoints", "-1"],
+                              "--keep-checkpoints -1 must"),
+    "--nnodes 2 without endpoint": (lambda t, n: ["--nnodes", "2"], "needs --rdzv-endpoint"),
+    "--node-rank out of range": (lambda t, n: ["--nnodes", "2", "--node-rank", "2",
+                                               "--rdzv-endpoint", "127.0.0.1:1"],
+                                 "--node-rank 2 must lie in [0, 1]"),
+    "--rdzv-endpoint not host:port": (lambda t, n: ["--nnodes", "2", "--rdzv-endpoint",
+                                                    "nowhere"], "is not HOST:PORT"),
+    "a stray argument": (lambda t, n: ["auto"], "unexpected argument 'auto'"),
 }
 
 
@@ -328,8 +514,6 @@ def test_bad_input_is_one_error_line_before_launch(tmp_path, text_file, capsys, 
     args = make(tmp_path, nproc)
     if "--data" not in args:
         args = [*args, "--data", text_file]
-    if case == "--resume, other world size":
-        fragment = f"resume with --nproc {3 - nproc}"
     t0 = time.monotonic()
     code = main(["train", "--nproc", str(nproc), *TINY, "--steps", "2", *args])
     err = capsys.readouterr().err.strip()
@@ -347,7 +531,8 @@ def test_messages_name_only_flags_that_exist():
 
     from paratrain.cli import app
 
-    flags = {"--nproc-per-node", "--standalone", "--field-name"}  # torchrun's; a comment
+    flags = {"--nproc-per-node", "--standalone", "--field-name", "--rdzv-backend",
+             "--rdzv-id"}  # torchrun's; a comment
 
     def walk(cmd):
         for p in getattr(cmd, "params", []):

@@ -23,6 +23,10 @@ TRAIN_FLAGS = {
     "--reduce-dtype", "--resume",
     "--run-dir", "--schedule", "--seed", "--simulate-workers", "--sp", "--steps",
     "--tie-embeddings", "--tp", "--virtual-stages", "--warmup-steps", "--zero",
+    "--tokenizer", "--text-field",
+    "--keep-checkpoints", "--max-restarts", "--nnodes", "--node-rank", "--rdzv-endpoint",
+    "--timeout", "--grace",
+    "resume_mode",  # hidden argument: the 'auto' of '--resume auto'
 }
 
 

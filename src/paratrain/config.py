@@ -237,6 +237,8 @@ class TrainConfig:
     eval_batches: int = 8
     checkpoint_every: int = 0  # 0 = only at the end (when a checkpoint dir is set)
     data: str | None = None  # None = the Python standard library's own source
+    tokenizer: str = "bytes"  # bytes | bpe:N | path to a tokenizer.json (docs/data.md)
+    text_field: str = "text"  # the text of each .jsonl / .parquet record
     val_fraction: float = 0.05
 
     def __post_init__(self) -> None:

@@ -16,6 +16,7 @@ import datetime
 import os
 import sys
 import tempfile
+import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -25,6 +26,71 @@ import torch
 import torch.distributed as dist
 
 DEFAULT_TIMEOUT_S = 120.0
+JOIN_TIMEOUT_S = 300.0  # the longest a worker waits for its peers to start
+
+
+# ---- naming a hang: which collective, which group, which ranks did not arrive -------------
+class CollectiveTimeout(RuntimeError):
+    """A collective waited longer than ``--timeout`` for its peers."""
+
+
+# The phase of the step this process is in: breadcrumbs for the timeout message only
+# (like torch's flight recorder, process-wide; nothing reads it to decide anything).
+_where = {"phase": "start-up", "group": "world", "step": -1, "timeout_s": DEFAULT_TIMEOUT_S}
+
+
+def at(phase: str, group: str, step: int | None = None) -> None:
+    """Record that this process enters ``phase``, whose collectives run on ``group``."""
+    _where.update(phase=phase, group=group)
+    if step is not None:
+        _where["step"] = step
+
+
+def is_timeout(e: BaseException) -> bool:
+    """gloo: "Timed out waiting Nms for recv operation"; NCCL's watchdog: "Timeout"."""
+    return isinstance(e, RuntimeError) and ("timed out" in str(e).lower()
+                                            or "timeout" in str(e).lower())
+
+
+def _store():
+    """The default group's store (private in torch: this is its one adapter); under
+    :func:`init_from_env` already this attempt's prefix."""
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:  # no group, or the API moved: the message loses the rank list only
+        return None
+
+
+def timeout_error(e: BaseException, settle_s: float = 2.0) -> CollectiveTimeout:
+    """Name the phase, its group and the ranks that did not arrive. Every rank that
+    times out marks itself on the store; after ``settle_s`` the ranks without a mark are
+    the ones that never reached a collective (stopped, hung, or far behind)."""
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    if not dist.is_initialized():
+        return CollectiveTimeout(f"joining the process group timed out ({first[:160]}); "
+                                 "check that every worker and node started, or raise "
+                                 "--timeout")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    missing: list[int] | None = None
+    store = _store()
+    if store is not None:
+        try:
+            store.set(f"paratrain/timeout/{rank}", _where["phase"])
+            keys = [f"paratrain/timeout/{r}" for r in range(world)]
+            deadline = time.monotonic() + settle_s
+            while True:
+                missing = [r for r, k in enumerate(keys) if not store.check([k])]
+                if not missing or time.monotonic() > deadline:
+                    break
+                time.sleep(0.1)
+        except Exception:
+            missing = None
+    who = (f"rank(s) {', '.join(map(str, missing))} of {world} did not arrive"
+           if missing else "every rank arrived or the store could not tell which did not")
+    return CollectiveTimeout(
+        f"{_where['phase']} at step {_where['step']} (group {_where['group']}) timed out "
+        f"after {_where['timeout_s']:g} s: {who} ({first[:160]}); check those processes, "
+        "or raise --timeout")
 
 
 def pick_backend() -> tuple[str, torch.device]:
@@ -36,11 +102,26 @@ def pick_backend() -> tuple[str, torch.device]:
 
 
 def init_from_env(timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[int, int, torch.device]:
-    """Join the group torchrun describes (RANK, WORLD_SIZE, MASTER_ADDR/PORT)."""
+    """Join the group torchrun describes (RANK, WORLD_SIZE, MASTER_ADDR/PORT).
+
+    The group's store is keyed by torchrun's restart count: after an elastic restart the
+    agent's store still holds the previous attempt's gloo addresses, and workers that
+    read them connect to dead ports (seen with torch 2.13's ``--standalone``)."""
     backend, device = pick_backend()
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    timeout = datetime.timedelta(seconds=timeout_s)
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    # joining waits for the slowest worker to start (seconds to minutes on a loaded
+    # machine): the store gets its own generous timeout, collectives get ``timeout_s``
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                          is_master=not agent and rank == 0,
+                          timeout=datetime.timedelta(seconds=max(timeout_s, JOIN_TIMEOUT_S)))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.PrefixStore(f"paratrain/attempt_{attempt}", store)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+    _where["timeout_s"] = timeout_s
     return dist.get_rank(), dist.get_world_size(), device
 
 

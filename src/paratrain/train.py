@@ -19,7 +19,8 @@ import torch.distributed as dist
 
 from paratrain import checkpoint, shutdown
 from paratrain.config import ModelConfig, TrainConfig
-from paratrain.data import Corpus
+from paratrain.data import Corpus, bits_per_byte
+from paratrain.distributed import at
 from paratrain.model import Decoder, take_moe_stats
 from paratrain.optim import lr_at
 from paratrain.parallel.api import build_engine
@@ -27,6 +28,7 @@ from paratrain.parallel.memory import ActivationMeter, format_report, memory_rep
 from paratrain.parallel.precision import working_dtype
 from paratrain.perf import matmul_peak_flops
 from paratrain.plan import ParallelPlan
+from paratrain.sources import write_atomic
 
 
 @dataclass(frozen=True)
@@ -35,7 +37,8 @@ class RunOptions:
 
     run_dir: str | None = None
     checkpoint_dir: str | None = None
-    resume: bool = False
+    resume: bool | str = False  # True: from --checkpoint-dir; "auto": if it has one
+    keep_checkpoints: int = 0  # 0 = keep every step's checkpoint
     simulate_workers: int = 1
     quiet: bool = False
     measure_peak: bool = True
@@ -199,26 +202,36 @@ def train(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan | None = None
             raise ValueError(f"global batch {tcfg.global_batch} is not divisible by "
                              f"--simulate-workers {opts.simulate_workers}; use a multiple")
     device = device or torch.device("cpu")
-    corpus = Corpus.load(tcfg.data, tcfg.val_fraction, mcfg.context)
+    corpus = Corpus.load(tcfg.data, tcfg.val_fraction, mcfg.context, tcfg.tokenizer,
+                         tcfg.text_field)
+    if corpus.vocab_size > mcfg.vocab_size:
+        raise ValueError(f"vocab_size={mcfg.vocab_size} is smaller than the {corpus.vocab_size} "
+                         f"tokens of --tokenizer {tcfg.tokenizer}; set vocab_size to "
+                         f"{corpus.vocab_size} (paratrain train does)")
     model = build_model(mcfg, tcfg, device)
     engine = build_engine(model, tcfg, plan, device, opts.simulate_workers)
     if rank == 0 and not opts.quiet and hasattr(engine, "describe_layout"):
         print(engine.describe_layout(), flush=True)  # mesh / stages / buckets chosen
 
     start = 0
-    meta = {"model": asdict(mcfg), "plan": asdict(plan), "seed": tcfg.seed,
-            "dtype": tcfg.dtype, "global_batch": tcfg.global_batch}
+    meta = {"tokenizer": asdict(corpus.tokenizer.info),  # checked first on resume
+            **checkpoint.run_settings(mcfg, tcfg, plan, corpus.text_sha256)} \
+        if opts.checkpoint_dir else {}
     if opts.resume:
         if not opts.checkpoint_dir:
             raise ValueError("--resume needs --checkpoint-dir DIR to resume from")
-        start, state = checkpoint.load(opts.checkpoint_dir, rank, world, expect=meta,
-                                       device=device)
-        engine.load_state_dict(state)
+        if opts.resume != "auto" or checkpoint.peek(opts.checkpoint_dir) is not None:
+            start = checkpoint.load(opts.checkpoint_dir, engine, mcfg, plan, expect=meta,
+                                    device=device)
         if start >= tcfg.steps:
             raise ValueError(f"the checkpoint in {opts.checkpoint_dir!r} is at step {start} "
                              f"but --steps is {tcfg.steps}; pass --steps above {start} to "
                              "train further")
 
+    if opts.checkpoint_dir and rank == 0:  # what generate and export decode with
+        write_atomic(Path(opts.checkpoint_dir) / "tokenizer.json", corpus.tokenizer.json.encode())
+    val_bytes = corpus.val_bytes(tcfg.eval_batches, tcfg.global_batch, mcfg.context)
+    val_tokens = tcfg.eval_batches * tcfg.global_batch * mcfg.context
     run_dir = Path(opts.run_dir) if opts.run_dir else None
     log = _Log(run_dir, rank == 0, opts.quiet, tcfg.steps, start)
     peak = matmul_peak_flops(working_dtype(tcfg)) \
@@ -239,15 +252,19 @@ def train(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan | None = None
         x, y = corpus.batch(tcfg.seed, step, tcfg.global_batch, mcfg.context,
                             engine.dp_rank, engine.dp_size)
         loss_sum = 0.0
+        at("forward/backward (tp, pp, cp, ep exchanges)", "mesh", step)
         for i, (xs, ys) in enumerate(zip(x.chunk(micro), y.chunk(micro), strict=True)):
             with meter.watch(step == start and i == 0):
                 loss_sum += engine.forward_backward(xs, ys, tokens)
+        at("gradient reduction", "dp")
         comm = engine.reduce_gradients()
         if step == end - 1:
             meter.snapshot(engine)  # grads, optimizer state and buffers all exist now
+        at("loss all-reduce", "world")
         (loss_sum,) = engine.all_sum([loss_sum])
         moe = moe_stats(engine, mcfg.experts) if mcfg.experts else None
         lr = lr_at(step, tcfg)
+        at("gradient-norm all-reduce and optimizer step", "world, then dp")
         gnorm = engine.clip_and_step(lr)
         t2 = time.perf_counter()
         loss = loss_sum / tokens
@@ -271,15 +288,19 @@ def train(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan | None = None
             rec.update(moe_steps[-1])
         last = step == end - 1
         if (tcfg.eval_every and (step + 1) % tcfg.eval_every == 0) or last:
+            at("evaluation", "mesh")
             val_loss = evaluate(engine, corpus, tcfg, mcfg.context)
             rec["val_loss"] = val_loss
+            rec["val_bpb"] = bits_per_byte(val_loss, val_tokens, val_bytes)
         log.step(rec, step + 1, f"loss {loss:.4f} | {tokens / dt:,.0f} tok/s | "
                  f"MFU {100 * rec['mfu']:.1f}%")
         every = tcfg.checkpoint_every
+        at("stop-signal all-reduce", "world")
         sig = _stop_agreed(world, device)
         if opts.checkpoint_dir and ((every and (step + 1) % every == 0) or last or sig):
-            checkpoint.save(opts.checkpoint_dir, step + 1, engine.state_dict(),
-                            meta, rank, world)
+            at("checkpoint save", "world")
+            checkpoint.save(opts.checkpoint_dir, step + 1, engine, mcfg, plan, meta,
+                            opts.keep_checkpoints)
         if sig and not last:
             log.close()
             raise shutdown.Stopped(sig, step + 1, str(checkpoint.step_dir(
@@ -299,7 +320,8 @@ def train(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan | None = None
         "params": mcfg.num_params(), "active_params": mcfg.active_params(),
         "tokens_per_step": tokens,
         "final_loss": losses[-1] if losses else float("nan"),
-        "val_loss": val_loss, "losses": losses, "moe_steps": moe_steps,
+        "val_loss": val_loss, "losses": losses, "tokenizer": tcfg.tokenizer,
+        "val_bpb": bits_per_byte(val_loss, val_tokens, val_bytes), "moe_steps": moe_steps,
         "step_s": step_s, "tokens_per_s": tokens / step_s,
         "compute_s_per_step": step_s - comm_s, "comm_s_per_step": comm_s,
         "payload_bytes_per_step": payload, "wire_bytes_per_step": wire,

@@ -13,20 +13,18 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
-import signal
 import stat
-import subprocess
-import sys
-import threading
 import time
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from paratrain import shutdown
+from paratrain import launcher, shutdown
 from paratrain.config import ModelConfig, TrainConfig, build, check_types, load_toml
+from paratrain.data_check import settle_vocab
 from paratrain.plan import ParallelPlan
 
 Opt = typer.Option
@@ -102,23 +100,46 @@ def check_output_dir(flag: str, path: str) -> None:
         raise ValueError(f"{flag} {path!r} is not writable ({str(a)!r}); pass a writable path")
 
 
-def check_resume(checkpoint_dir: str, steps: int, nproc: int) -> None:
-    """A checkpoint exists, is below ``--steps`` and has this world size (the settings
-    themselves are compared by the workers, against the checkpoint's meta.json)."""
+def check_resume(checkpoint_dir: str, mcfg: ModelConfig, tcfg: TrainConfig,
+                 plan: ParallelPlan) -> None:
+    """The newest intact checkpoint exists, is below ``--steps`` and was trained with the
+    same trajectory settings and data (the workers check again; any layout may resume)."""
     from paratrain import checkpoint
+    from paratrain.data import read_corpus
 
     meta = checkpoint.peek(checkpoint_dir)
+    if meta is None and checkpoint.steps(checkpoint_dir):
+        raise ValueError(f"no intact checkpoint in {checkpoint_dir!r} (every step failed "
+                         "verification); start again without --resume")
     if meta is None:
         raise ValueError(f"no checkpoint found in {checkpoint_dir!r}; run without --resume "
                          "first, or point --checkpoint-dir at a directory that has one")
-    if meta.get("world_size") != nproc:
-        raise ValueError(f"the checkpoint in {checkpoint_dir!r} was written by "
-                         f"{meta.get('world_size')} processes but this run has {nproc}; "
-                         f"resume with --nproc {meta.get('world_size')}")
-    if meta.get("step", 0) >= steps:
+    if meta.get("step", 0) >= tcfg.steps:
         raise ValueError(f"the checkpoint in {checkpoint_dir!r} is at step {meta.get('step')} "
-                         f"but --steps is {steps}; pass --steps above {meta.get('step')} to "
-                         "train further")
+                         f"but --steps is {tcfg.steps}; pass --steps above {meta.get('step')} "
+                         "to train further")
+    text = read_corpus(tcfg.data, tcfg.text_field)
+    want = checkpoint.run_settings(mcfg, tcfg, plan, checkpoint.data_sha256(text))
+    checkpoint.check_settings(meta, want, checkpoint.step_dir(checkpoint_dir, meta["step"]))
+
+
+FLOAT_MAX = {"float32": 3.4028234663852886e38, "bfloat16": 3.3895313892515355e38,
+             "float64": 1.7976931348623157e308}
+
+
+def check_lr(tcfg: TrainConfig) -> None:
+    """A learning rate the parameters' dtype can hold (1e300 is finite as a Python float
+    but infinite in float32: the first step would turn every weight into inf or NaN)."""
+    top = FLOAT_MAX.get(tcfg.dtype, FLOAT_MAX["float64"])
+    if not math.isfinite(tcfg.lr) or tcfg.lr > top:
+        raise ValueError(f"--lr {tcfg.lr:g} does not fit in {tcfg.dtype} (largest "
+                         f"{top:.3g}); pass a learning rate such as --lr 3e-3")
+
+
+def _has_checkpoint(checkpoint_dir: str) -> bool:
+    from paratrain import checkpoint
+
+    return checkpoint.peek(checkpoint_dir) is not None
 
 
 def new_run_dir() -> str:
@@ -135,107 +156,6 @@ def new_run_dir() -> str:
             raise ValueError(f"cannot create the run directory {str(p)!r} ({e.strerror}); "
                              "pass a writable --run-dir") from None
     raise ValueError(f"cannot create a fresh run directory beside {str(base)!r}; pass --run-dir")
-
-
-# ---- the launcher: torchrun in its own session, signals forwarded, errors once ------------
-def _children() -> dict[int, int]:
-    """pid -> parent pid of every process (Linux /proc)."""
-    out = {}
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
-                out[int(d.name)] = int(fields[1])
-            except (OSError, IndexError, ValueError):
-                continue
-    return out
-
-
-def _descendants(pid: int) -> set[int]:
-    parents = _children()
-    found, frontier = set(), {pid}
-    while frontier:
-        frontier = {c for c, pp in parents.items() if pp in frontier and c not in found}
-        found |= frontier
-    return found
-
-
-def _kill(pids, sig) -> None:
-    for p in pids:
-        try:
-            os.kill(p, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
-
-
-def grace_s() -> float:
-    """After a forwarded signal: time to finish the step and checkpoint before SIGKILL
-    (``PARATRAIN_GRACE_S``, default 7 s; raise it when one step takes longer)."""
-    try:
-        return float(os.environ.get("PARATRAIN_GRACE_S", "7"))
-    except ValueError:
-        return 7.0
-
-
-def launch(cmd: list[str], run_dir: str) -> int:
-    """Run torchrun; forward SIGINT/SIGTERM to it and its workers (SIGKILL after
-    ``grace_s()`` or on a second signal); relay the first worker's user error once."""
-    (Path(run_dir) / shutdown.FAILURE_FILE).unlink(missing_ok=True)
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, start_new_session=True,
-                            preexec_fn=shutdown.set_pdeathsig if sys.platform == "linux" else None)
-    held: list[bytes] = []
-
-    def relay() -> None:  # our own warnings now; torchrun's noise only if it matters
-        for line in iter(proc.stderr.readline, b""):
-            if line.startswith(b"warning:"):
-                sys.stderr.buffer.write(line)
-                sys.stderr.flush()
-            else:
-                held.append(line)
-
-    reader = threading.Thread(target=relay, daemon=True)
-    reader.start()
-    got: list[tuple[int, float]] = []
-    grace = grace_s()
-    seen: set[int] = set()
-
-    def forward(signum, frame) -> None:
-        seen.update(_descendants(proc.pid))
-        if got:  # a second signal: stop now
-            _kill([proc.pid, *seen], signal.SIGKILL)
-            return
-        got.append((signum, time.monotonic()))
-        _kill([proc.pid, *seen], signum)
-
-    old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        while True:
-            try:
-                rc = proc.wait(timeout=0.2)
-                break
-            except subprocess.TimeoutExpired:
-                if got and time.monotonic() - got[0][1] > grace:
-                    seen.update(_descendants(proc.pid))
-                    _kill([proc.pid, *seen], signal.SIGKILL)
-    finally:
-        signal.signal(signal.SIGINT, old[signal.SIGINT])
-        signal.signal(signal.SIGTERM, old[signal.SIGTERM])
-        left = [p for p in seen if Path(f"/proc/{p}").exists()]
-        deadline = time.monotonic() + 2.0
-        while left and time.monotonic() < deadline:
-            time.sleep(0.05)
-            left = [p for p in left if Path(f"/proc/{p}").exists()]
-        _kill(left, signal.SIGKILL)  # nothing outlives the launcher
-        reader.join(timeout=5.0)
-    if got:
-        return 128 + got[0][0]
-    failure = shutdown.read_failure(run_dir)
-    if rc != 0 and failure:
-        print(f"error: {failure}", file=sys.stderr)
-        return 2
-    sys.stderr.buffer.write(b"".join(held))
-    sys.stderr.flush()
-    return rc
 
 
 def register(app: typer.Typer) -> None:
@@ -272,12 +192,31 @@ def register(app: typer.Typer) -> None:
         reduce_dtype: Annotated[str | None, Opt(help="bf16 grads reduced in bfloat16|float32."
                                                 )] = None,
         eval_every: Annotated[int | None, Opt(help="Validate every K steps.")] = None,
-        data: Annotated[str | None, Opt(help="Text file or folder (default: stdlib).")] = None,
+        data: Annotated[str | None, Opt(help="Text, .jsonl or .parquet file, or a folder "
+                                        "(default: stdlib).")] = None,
+        tokenizer: Annotated[str | None, Opt(help="bytes | bpe:N | tokenizer.json path.")] = None,
+        text_field: Annotated[str | None, Opt(help="Text field of .jsonl/.parquet records."
+                                              )] = None,
         run_dir: Annotated[str | None, Opt(help="Metrics dir, new or empty unless --resume "
                                                "(default runs/<time>-<pid>).")] = None,
         checkpoint_dir: Annotated[str | None, Opt(help="Checkpoint directory.")] = None,
         checkpoint_every: Annotated[int | None, Opt(help="Checkpoint every K steps.")] = None,
-        resume: Annotated[bool, Opt(help="Resume from --checkpoint-dir.")] = False,
+        resume: Annotated[bool, Opt(help="Resume from --checkpoint-dir; '--resume auto': "
+                                         "if it holds a checkpoint, else start.")] = False,
+        resume_mode: Annotated[str | None, typer.Argument(
+            hidden=True, help="'auto' after --resume.")] = None,
+        keep_checkpoints: Annotated[int, Opt(help="Keep the newest K checkpoints (0 = all)."
+                                             )] = 0,
+        max_restarts: Annotated[int, Opt(help="Elastic restarts of failed workers (torchrun)."
+                                         )] = 0,
+        nnodes: Annotated[int, Opt(help="Nodes (one launcher per node).")] = 1,
+        node_rank: Annotated[int, Opt(help="This node's index, 0..nnodes-1.")] = 0,
+        rdzv_endpoint: Annotated[str | None, Opt(help="HOST:PORT of the c10d rendezvous "
+                                                      "(multi-node).")] = None,
+        timeout: Annotated[float, Opt(help="Seconds a collective may wait for its peers."
+                                      )] = 120.0,
+        grace: Annotated[float, Opt(help="Seconds a signalled run has to checkpoint before "
+                                         "SIGKILL.")] = 7.0,
         quiet: Annotated[bool, Opt(help="No progress bar or summary table.")] = False,
         # plan
         dp: Annotated[int | None, Opt(help="Data-parallel size (default nproc/(tp*pp*cp))."
@@ -304,6 +243,8 @@ def register(app: typer.Typer) -> None:
             nproc = int(os.environ["WORLD_SIZE"])
         if nproc < 1:
             raise ValueError(f"--nproc {nproc} must be >= 1")
+        launcher.check_endpoint(rdzv_endpoint, nnodes, node_rank)
+        world = nproc if in_torchrun else nproc * nnodes
         if simulate_workers < 1:
             raise ValueError(f"--simulate-workers {simulate_workers} must be >= 1")
         mcfg, tcfg, plan = resolve(
@@ -316,20 +257,33 @@ def register(app: typer.Typer) -> None:
                  capacity_factor=capacity_factor),
             dict(steps=steps, global_batch=global_batch, lr=lr, warmup_steps=warmup_steps,
                  seed=seed, dtype=dtype, reduce_dtype=reduce_dtype, eval_every=eval_every,
-                 data=data,
+                 data=data, tokenizer=tokenizer, text_field=text_field,
                  checkpoint_every=checkpoint_every),
             dict(dp=dp, tp=tp, pp=pp, sp=sp, cp=cp, cp_algorithm=cp_algorithm, ep=ep, zero=zero,
                  micro_batches=micro_batches,
                  schedule=schedule, virtual_stages=virtual_stages, recompute=recompute,
                  bucket_mb=bucket_mb, overlap=overlap, compress=compress,
                  collectives=collectives),
-            nproc)
-        plan.check(mcfg, nproc, tcfg.global_batch)
+            world)
+        plan.check(mcfg, world, tcfg.global_batch)
         plan.check_runtime(mcfg)
-        if simulate_workers > 1 and nproc > 1:
+        if simulate_workers > 1 and world > 1:
             raise ValueError("--simulate-workers runs in one process; add --nproc 1")
         if tcfg.data is not None:
             check_data(tcfg.data)
+        if resume_mode is not None and (resume_mode != "auto" or not resume):
+            raise ValueError(f"unexpected argument {resume_mode!r}; pass --resume (the "
+                             "checkpoint must exist) or --resume auto (if it exists)")
+        resume = ("auto" if resume_mode else "yes") if resume else None
+        for flag, v, low in (("--keep-checkpoints", keep_checkpoints, 0),
+                             ("--max-restarts", max_restarts, 0)):
+            if v < low:
+                raise ValueError(f"{flag} {v} must be >= {low}")
+        for flag, v in (("--timeout", timeout), ("--grace", grace)):
+            if not (v > 0 and math.isfinite(v)):
+                raise ValueError(f"{flag} {v} must be a positive number of seconds")
+        check_lr(tcfg)
+        launcher.check_memory(mcfg, tcfg, plan, 1 if in_torchrun else nproc)
         if resume and not checkpoint_dir:
             raise ValueError("--resume needs --checkpoint-dir DIR to resume from")
         lead = not in_torchrun or os.environ.get("RANK") == "0"  # checks once
@@ -341,8 +295,10 @@ def register(app: typer.Typer) -> None:
                                  "one, or add --resume to continue into it")
         if checkpoint_dir is not None:
             check_output_dir("--checkpoint-dir", checkpoint_dir)
-        if resume and lead:
-            check_resume(checkpoint_dir, tcfg.steps, nproc)
+        mcfg = settle_vocab(mcfg, tcfg, config)  # slow, so late: BPE trained, ids cached
+        plan.check(mcfg, world, tcfg.global_batch)  # again: the vocabulary may have changed
+        if lead and (resume == "yes" or (resume == "auto" and _has_checkpoint(checkpoint_dir))):
+            check_resume(checkpoint_dir, mcfg, tcfg, plan)
         if run_dir is None:
             if in_torchrun:  # every rank must name the same directory: torchrun's run id
                 rid = os.environ.get("TORCHELASTIC_RUN_ID", "none")
@@ -352,13 +308,16 @@ def register(app: typer.Typer) -> None:
                 run_dir = new_run_dir()
         spec = {"model": dataclasses.asdict(mcfg), "train": dataclasses.asdict(tcfg),
                 "plan": dataclasses.asdict(plan),
-                "opts": dict(run_dir=run_dir, checkpoint_dir=checkpoint_dir, resume=resume,
-                             simulate_workers=simulate_workers, quiet=quiet)}
+                "opts": dict(run_dir=run_dir, checkpoint_dir=checkpoint_dir,
+                             resume={"yes": True, "auto": "auto"}.get(resume, False),
+                             keep_checkpoints=keep_checkpoints,
+                             simulate_workers=simulate_workers, quiet=quiet),
+                "timeout_s": timeout}
         if in_torchrun:
             from paratrain.worker import run_worker
 
             run_worker(spec)  # ends the process
-        if nproc == 1:
+        if world == 1 and not max_restarts:
             from paratrain.worker import run_local
 
             try:
@@ -370,10 +329,10 @@ def register(app: typer.Typer) -> None:
         Path(run_dir).mkdir(parents=True, exist_ok=True)
         spec_path = Path(run_dir) / "run.json"
         spec_path.write_text(json.dumps({**spec, "failure_file": True}, indent=1))
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc-per-node={nproc}", "-m", "paratrain.worker", str(spec_path)]
+        cmd = launcher.torchrun_command(nproc, str(spec_path), nnodes, node_rank,
+                                        rdzv_endpoint, max_restarts)
         if not quiet:
-            print(f"launching {nproc} workers: {' '.join(cmd[1:])}", flush=True)
-        rc = launch(cmd, run_dir)
+            print(f"launching {nproc} of {world} workers: {' '.join(cmd[1:])}", flush=True)
+        rc = launcher.launch(cmd, run_dir, grace)
         if rc != 0:
             raise typer.Exit(rc)

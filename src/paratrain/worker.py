@@ -7,6 +7,7 @@ hands to torchrun. The spec is the fully resolved settings written by the CLI.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import traceback
 
@@ -38,8 +39,9 @@ def print_summary(s: dict, run_dir: str | None) -> None:
         ("parameters", f"{s['params']:,}"),
         ("tokens per step", f"{s['tokens_per_step']:,}"),
         ("final train loss", f"{s['final_loss']:.6f}"),
-        ("validation loss", f"{s['val_loss']:.6f}"),
-        ("unigram baseline", f"{s['unigram_entropy']:.6f}  (context-free model, nats/byte)"),
+        ("validation loss", f"{s['val_loss']:.6f}  ({s.get('val_bpb', float('nan')):.4f} "
+                            f"bits/byte, tokenizer {s.get('tokenizer', 'bytes')})"),
+        ("unigram baseline", f"{s['unigram_entropy']:.6f}  (context-free model, nats/token)"),
         ("tokens/s", f"{s['tokens_per_s']:,.0f}"),
         ("MFU", f"{100 * s['mfu']:.1f}%  of {s['peak_flops_per_rank'] / 1e9:.1f} GFLOP/s "
                 "measured matmul peak per rank"),
@@ -77,7 +79,14 @@ def run_local(spec: dict) -> dict:
 
 def run_worker(spec: dict) -> None:
     """Inside torchrun: init from env, train, print on rank 0, end via ``finish``."""
-    from paratrain.distributed import finish, init_from_env
+    from paratrain.distributed import (
+        DEFAULT_TIMEOUT_S,
+        CollectiveTimeout,
+        finish,
+        init_from_env,
+        is_timeout,
+        timeout_error,
+    )
     from paratrain.train import train
 
     torch.set_num_threads(1)
@@ -87,7 +96,7 @@ def run_worker(spec: dict) -> None:
     code, rank = 0, -1
     try:
         mcfg, tcfg, plan, opts = _parse(spec)
-        rank, _, device = init_from_env()
+        rank, _, device = init_from_env(spec.get("timeout_s", DEFAULT_TIMEOUT_S))
         summary = train(mcfg, tcfg, plan, opts, device)
         if rank == 0 and not opts.quiet:
             print_summary(summary, opts.run_dir)
@@ -99,6 +108,20 @@ def run_worker(spec: dict) -> None:
         # Under `paratrain train --nproc N` the launcher prints the first rank's message
         # once; under torchrun directly every failing rank says it.
         if spec.get("failure_file") and spec["opts"].get("run_dir"):
+            shutdown.write_failure(spec["opts"]["run_dir"], str(e))
+        else:
+            print(f"error: {e}", file=sys.stderr)
+        code = 2
+    except RuntimeError as e:
+        if not is_timeout(e):
+            traceback.print_exc()
+            finish(1)
+        e = e if isinstance(e, CollectiveTimeout) else timeout_error(e)
+        # a restart may cure a hang (torchrun's agent restarts every worker): report it
+        # as the run's error only when no restart is left
+        left = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) - \
+            int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        if spec.get("failure_file") and spec["opts"].get("run_dir") and left <= 0:
             shutdown.write_failure(spec["opts"]["run_dir"], str(e))
         else:
             print(f"error: {e}", file=sys.stderr)
