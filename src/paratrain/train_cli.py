@@ -181,7 +181,10 @@ def launch(cmd: list[str], run_dir: str) -> int:
     """Run torchrun; forward SIGINT/SIGTERM to it and its workers (SIGKILL after
     ``grace_s()`` or on a second signal); relay the first worker's user error once."""
     (Path(run_dir) / shutdown.FAILURE_FILE).unlink(missing_ok=True)
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, start_new_session=True,
+    # torchrun prints an OMP_NUM_THREADS banner unless the variable is set; the workers
+    # run one intra-op thread each anyway (worker.run_worker)
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, start_new_session=True, env=env,
                             preexec_fn=shutdown.set_pdeathsig if sys.platform == "linux" else None)
     held: list[bytes] = []
 
@@ -243,7 +246,8 @@ def register(app: typer.Typer) -> None:
     def train(
         nproc: Annotated[int, Opt(help="Worker processes (torchrun).")] = 2,
         simulate_workers: Annotated[int, Opt(help="W simulated workers in one process.")] = 1,
-        config: Annotated[str | None, Opt(help="TOML with [model] [train] [plan].")] = None,
+        config: Annotated[str | None, Opt(help="TOML with \\[model] \\[train] \\[plan] "
+                                               "tables.")] = None,
         # model
         layers: Annotated[int | None, Opt(help="Transformer blocks.")] = None,
         d_model: Annotated[int | None, Opt(help="Model width.")] = None,
@@ -278,6 +282,8 @@ def register(app: typer.Typer) -> None:
         checkpoint_every: Annotated[int | None, Opt(help="Checkpoint every K steps.")] = None,
         resume: Annotated[bool, Opt(help="Resume from --checkpoint-dir.")] = False,
         quiet: Annotated[bool, Opt(help="No progress bar or summary table.")] = False,
+        tensorboard: Annotated[str | None, Opt(help="Also write TensorBoard event files "
+                                                   "here (rank 0).")] = None,
         # plan
         dp: Annotated[int | None, Opt(help="Data-parallel size (default nproc/(tp*pp*cp))."
                                       )] = None,
@@ -351,7 +357,8 @@ def register(app: typer.Typer) -> None:
         spec = {"model": dataclasses.asdict(mcfg), "train": dataclasses.asdict(tcfg),
                 "plan": dataclasses.asdict(plan),
                 "opts": dict(run_dir=run_dir, checkpoint_dir=checkpoint_dir, resume=resume,
-                             simulate_workers=simulate_workers, quiet=quiet)}
+                             simulate_workers=simulate_workers, quiet=quiet,
+                             tensorboard=tensorboard)}
         if in_torchrun:
             from paratrain.worker import run_worker
 
