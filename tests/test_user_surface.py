@@ -22,7 +22,7 @@ TRAIN_FLAGS = {
     "--micro-batches", "--nproc", "--overlap", "--pp", "--quiet", "--recompute",
     "--reduce-dtype", "--resume",
     "--run-dir", "--schedule", "--seed", "--simulate-workers", "--sp", "--steps",
-    "--tie-embeddings", "--tp", "--virtual-stages", "--warmup-steps", "--zero",
+    "--tensorboard", "--tie-embeddings", "--tp", "--virtual-stages", "--warmup-steps", "--zero",
 }
 
 
