@@ -116,7 +116,7 @@ def test_peak_tracker_remeasures_when_the_run_beats_it():
     assert t.observe(t.peak / 2) == pytest.approx(0.5) and t.remeasured == 1
 
 
-def test_every_help_text_renders():
+def test_every_help_text_renders(monkeypatch, capsys):
     """Rich markup must not eat a help text (``[model]`` once printed as blanks)."""
     from rich.markup import render
     from typer.main import get_command
@@ -132,7 +132,6 @@ def test_every_help_text_renders():
         for h in [cmd.help] + [getattr(p, "help", None) for p in cmd.params]:
             if h:
                 assert render(h).plain == h.replace("\\[", "["), (cmd.name, h)
-    env = {**os.environ, "COLUMNS": "200"}
-    out = subprocess.run(["python", "-m", "paratrain.cli", "train", "--help"],
-                         capture_output=True, text=True, env=env, timeout=60).stdout
-    assert "TOML with [model] [train] [plan] tables." in out
+    monkeypatch.setenv("COLUMNS", "200")
+    main(["train", "--help"])
+    assert "TOML with [model] [train] [plan] tables." in capsys.readouterr().out

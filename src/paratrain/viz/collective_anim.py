@@ -59,10 +59,12 @@ def _ranks_text(c: frozenset, p: int) -> str:
     return f"{len(c)} of {p}"
 
 
-def _ink(rgb) -> str:
-    """Black or white, whichever reads better on ``rgb`` (relative luminance)."""
-    r, g, b = rgb[:3]
-    return "black" if 0.2126 * r + 0.7152 * g + 0.0722 * b > 0.45 else "white"
+def ink(rgb) -> str:
+    """Black or white, whichever contrasts more with ``rgb`` (WCAG relative luminance;
+    the better of the two is always at least 4.5:1)."""
+    lin = [c / 12.92 if c <= 0.03928 else ((c + 0.055) / 1.055) ** 2.4 for c in rgb[:3]]
+    lum = 0.2126 * lin[0] + 0.7152 * lin[1] + 0.0722 * lin[2]
+    return "black" if (lum + 0.05) / 0.05 >= 1.05 / (lum + 0.05) else "white"
 
 
 def _cell(s: CollectiveSchedule, c: frozenset, cmap, owners):
@@ -121,16 +123,16 @@ def _grid_panel(ax, s: CollectiveSchedule, state, rnd, plt) -> None:
             edge = (_ADD if t.op == REDUCE else _COPY) if t else "#BBBBBB"
             ax.add_patch(Rectangle((g - 0.5, r - 0.5), 1, 1, fc=fill, ec=edge,
                                    lw=3 if t else 0.6, zorder=2 if t else 1))
-            ink = _ink(fill)
+            txt = ink(fill)
             if t:
                 ax.text(g, r - 0.14, text, ha="center", va="center", fontsize=8 if small
-                        else 10, color=ink, zorder=3)
+                        else 10, color=txt, zorder=3)
                 how = "+" if t.op == REDUCE else "copy"
                 ax.text(g, r + 0.22, f"{how} r{t.src}", ha="center", va="center",
-                        fontsize=7 if small else 8, color=ink, zorder=3, style="italic")
+                        fontsize=7 if small else 8, color=txt, zorder=3, style="italic")
             else:
                 ax.text(g, r, text, ha="center", va="center", fontsize=8 if small else 10,
-                        color=ink, zorder=3)
+                        color=txt, zorder=3)
     ax.set_xlim(-0.5, nseg - 0.5)
     ax.set_ylim(s.p - 0.5, -0.5)
     ax.set_xticks(range(nseg), [f"seg {g}" for g in range(nseg)],
@@ -163,35 +165,42 @@ def _pastel(cmap):
     return tint
 
 
-def draw(s: CollectiveSchedule, out_dir: str | Path, stem: str, fps: float = 1.5
-         ) -> tuple[list[Path], Path]:
-    """Write ``stem_stepNN.png`` per state and ``stem.gif``; return (pngs, gif)."""
+def frame_figure(s: CollectiveSchedule, k: int, state=None):
+    """The matplotlib figure of state ``k`` (0 = start, k = after round k)."""
     import matplotlib
 
     matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    state = state if state is not None else ownership(s)[k]
+    nseg = len(s.seg_sizes)
+    width = max(11.0, 5.5 + 0.75 * nseg)
+    rnd = s.rounds[k - 1] if k else ()
+    fig = plt.figure(figsize=(width, max(5.0, 1.9 + 0.5 * s.p)), dpi=100)
+    gs = fig.add_gridspec(1, 2, width_ratios=(4.2, width - 4.2), wspace=0.12)
+    _ring_panel(fig.add_subplot(gs[0]), s, rnd, plt)
+    _grid_panel(fig.add_subplot(gs[1]), s, state, rnd, plt)
+    what = "start" if k == 0 else f"round {k} of {s.steps}"
+    fig.suptitle(f"{s.algorithm} {s.op.replace('_', '-')}, p={s.p}: {what}",
+                 fontsize=13, fontweight="bold")
+    fig.text(0.5, 0.015, "red = received and added (reduce)    green = received as a "
+             "copy    bordered cells changed this round" + _growth_note(s), ha="center",
+             fontsize=9, color="#333333")
+    fig.subplots_adjust(left=0.03, right=0.98, top=0.86, bottom=0.12)
+    return fig
+
+
+def draw(s: CollectiveSchedule, out_dir: str | Path, stem: str, fps: float = 1.5
+         ) -> tuple[list[Path], Path]:
+    """Write ``stem_stepNN.png`` per state and ``stem.gif``; return (pngs, gif)."""
     import matplotlib.pyplot as plt
     from PIL import Image
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    frames = ownership(s)
-    nseg = len(s.seg_sizes)
-    width = max(11.0, 5.5 + 0.75 * nseg)
-    height = max(5.0, 1.9 + 0.5 * s.p)
     pngs = []
-    for k, state in enumerate(frames):
-        rnd = s.rounds[k - 1] if k else ()
-        fig = plt.figure(figsize=(width, height), dpi=100)
-        gs = fig.add_gridspec(1, 2, width_ratios=(4.2, width - 4.2), wspace=0.12)
-        _ring_panel(fig.add_subplot(gs[0]), s, rnd, plt)
-        _grid_panel(fig.add_subplot(gs[1]), s, state, rnd, plt)
-        what = "start" if k == 0 else f"round {k} of {s.steps}"
-        fig.suptitle(f"{s.algorithm} {s.op.replace('_', '-')}, p={s.p}: {what}",
-                     fontsize=13, fontweight="bold")
-        fig.text(0.5, 0.015, "red = received and added (reduce)    green = received as a "
-                 "copy    bordered cells changed this round" + _growth_note(s), ha="center",
-                 fontsize=9, color="#333333")
-        fig.subplots_adjust(left=0.03, right=0.98, top=0.86, bottom=0.12)
+    for k, state in enumerate(ownership(s)):
+        fig = frame_figure(s, k, state)
         path = out / f"{stem}_step{k:02d}.png"
         fig.savefig(path)
         plt.close(fig)
@@ -205,4 +214,4 @@ def draw(s: CollectiveSchedule, out_dir: str | Path, stem: str, fps: float = 1.5
     return pngs, gif
 
 
-__all__ = ["COPY", "REDUCE", "draw", "ownership"]
+__all__ = ["COPY", "REDUCE", "draw", "frame_figure", "ink", "ownership"]

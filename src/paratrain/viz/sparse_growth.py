@@ -29,7 +29,7 @@ def sent_bytes(p: int, n: int, ratio: int) -> tuple[int, int]:
 
 
 def draw_growth(p: int, out_dir: str | Path, n: int = 1 << 20, ratio: int = 16,
-                p_max: int = 64) -> Path:
+                p_max: int = 32) -> Path:
     """Write ``sparse_all_gather_growth.png``: bytes sent per rank for p = 2..p_max, the
     drawn ``p`` marked; return its path."""
     import matplotlib
