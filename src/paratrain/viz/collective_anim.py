@@ -8,8 +8,8 @@ runs. Each frame (1100 px wide) has two panels:
   schedule ever uses) with this round's sends as arrows labelled by segment; red adds
   into the receiver's copy (reduce), green replaces it (copy);
 - right, the rank x segment grid. For reductions a cell lists whose contributions the
-  rank's copy of that segment sums (``0+1``, ``all 4`` when complete), shaded by how
-  many; for gathers (all-gather, sparse all-gather, broadcast) a cell names whose piece
+  rank's copy of that segment sums (``0+1``, ``all 4`` when complete), shaded light to
+  mid blue by how many, dark once complete; for gathers (all-gather, sparse all-gather, broadcast) a cell names whose piece
   the rank holds (``r2's``), coloured by that owner, blank until it arrives. Cells that
   received something this round get a red (added) or green (copied) border and a second
   line saying from whom.
@@ -74,7 +74,9 @@ def _cell(s: CollectiveSchedule, c: frozenset, cmap, owners):
             return (1, 1, 1), ""
         (who,) = c if len(c) == 1 else (min(c),)
         return owners((2 * who) % 20 + (2 * who) // 20 % 2), f"r{who}'s"  # distinct hues
-    return cmap(0.08 + 0.62 * len(c) / s.p), _ranks_text(c, s.p)
+    # partial sums light to mid blue (black text), the complete sum dark (white text)
+    shade = 0.85 if len(c) == s.p else 0.08 + 0.4 * len(c) / s.p
+    return cmap(shade), _ranks_text(c, s.p)
 
 
 def _ring_panel(ax, s: CollectiveSchedule, rnd, plt) -> None:
