@@ -1,4 +1,5 @@
-"""`paratrain report RUN_DIR`: one self-contained HTML page about a finished run.
+"""`paratrain report RUN_DIR`: one self-contained HTML page about a finished run
+(docs/report.md).
 
 Why one file with everything inside: it can be mailed, attached to an issue or opened
 from a laptop with no network and no paratrain installed. Plots are PNGs embedded as
