@@ -1,6 +1,6 @@
 """Live curves: a run's step records as TensorBoard event files (``--tensorboard DIR``).
 
-Why TensorBoard's own format: ``tensorboard --logdir DIR`` (or any tool that reads event
+Why TensorBoard's own format: TensorBoard pointed at DIR (or any tool that reads event
 files) shows the curves while the run goes, with no paratrain code on the viewing side.
 Written by rank 0 only, through :class:`torch.utils.tensorboard.SummaryWriter`, from the
 same records that go to ``metrics.jsonl`` (one home for every number).
