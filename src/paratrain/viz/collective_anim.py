@@ -9,8 +9,9 @@ runs. Each frame (1100 px wide) has two panels:
   into the receiver's copy (reduce), green replaces it (copy);
 - right, the rank x segment grid. For reductions a cell lists whose contributions the
   rank's copy of that segment sums (``0+1``, ``all 4`` when complete), shaded light to
-  mid blue by how many, dark once complete; for gathers (all-gather, sparse all-gather, broadcast) a cell names whose piece
-  the rank holds (``r2's``), coloured by that owner, blank until it arrives. Cells that
+  mid blue by how many, dark once complete; for gathers (all-gather, sparse all-gather,
+  broadcast) a cell names whose piece the rank holds (``r2's``), coloured by that owner,
+  blank until it arrives. Cells that
   received something this round get a red (added) or green (copied) border and a second
   line saying from whom.
 
