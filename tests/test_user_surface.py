@@ -22,7 +22,7 @@ TRAIN_FLAGS = {
     "--micro-batches", "--nproc", "--overlap", "--pp", "--quiet", "--recompute",
     "--reduce-dtype", "--resume",
     "--run-dir", "--schedule", "--seed", "--simulate-workers", "--sp", "--steps",
-    "--tie-embeddings", "--tp", "--virtual-stages", "--warmup-steps", "--zero",
+    "--tensorboard", "--tie-embeddings", "--tp", "--virtual-stages", "--warmup-steps", "--zero",
     "--tokenizer", "--text-field",
     "--keep-checkpoints", "--max-restarts", "--nnodes", "--node-rank", "--rdzv-endpoint",
     "--timeout", "--grace",

@@ -26,7 +26,7 @@ from paratrain.optim import lr_at
 from paratrain.parallel.api import build_engine
 from paratrain.parallel.memory import ActivationMeter, format_report, memory_report
 from paratrain.parallel.precision import working_dtype
-from paratrain.perf import matmul_peak_flops
+from paratrain.perf import PeakTracker, memory_bytes
 from paratrain.plan import ParallelPlan
 from paratrain.sources import write_atomic
 
@@ -44,6 +44,7 @@ class RunOptions:
     measure_peak: bool = True
     stop_after: int | None = None  # end (and checkpoint) after this step, as if interrupted
     profile: str | None = None  # hardware profile for the prediction (default: calibrate's)
+    tensorboard: str | None = None  # rank 0 also writes TensorBoard event files here
 
 
 def _rank_world() -> tuple[int, int]:
@@ -63,9 +64,14 @@ class _Log:
     """Rank 0's outputs: the JSONL of steps, the progress bar, the summary."""
 
     def __init__(self, run_dir: Path | None, active: bool, quiet: bool, total: int,
-                 start: int = 0) -> None:
+                 start: int = 0, tensorboard: str | None = None) -> None:
         self.active = active
         self.file = None
+        self.tb = None
+        if active and tensorboard:
+            from paratrain.tensorboard_log import EventLog
+
+            self.tb = EventLog(tensorboard)
         if active and run_dir is not None:
             run_dir.mkdir(parents=True, exist_ok=True)
             path = run_dir / "metrics.jsonl"
@@ -86,6 +92,8 @@ class _Log:
         if self.file is not None:
             self.file.write(json.dumps(rec) + "\n")
             self.file.flush()
+        if self.tb is not None:
+            self.tb.step(rec)
         if self.progress is not None:
             self.progress.update(self.task, completed=advance_to, description=desc)
 
@@ -94,6 +102,8 @@ class _Log:
             self.progress.stop()
         if self.file is not None:
             self.file.close()
+        if self.tb is not None:
+            self.tb.close()
 
 
 def _records_before(path: Path, start: int) -> str:
@@ -233,9 +243,8 @@ def train(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan | None = None
     val_bytes = corpus.val_bytes(tcfg.eval_batches, tcfg.global_batch, mcfg.context)
     val_tokens = tcfg.eval_batches * tcfg.global_batch * mcfg.context
     run_dir = Path(opts.run_dir) if opts.run_dir else None
-    log = _Log(run_dir, rank == 0, opts.quiet, tcfg.steps, start)
-    peak = matmul_peak_flops(working_dtype(tcfg)) \
-        if opts.measure_peak and rank == 0 else float("nan")
+    log = _Log(run_dir, rank == 0, opts.quiet, tcfg.steps, start, opts.tensorboard)
+    peak = PeakTracker(working_dtype(tcfg), device, opts.measure_peak and rank == 0)
     tokens = tcfg.global_batch * mcfg.context
     micro = plan.micro_batches if plan.pp == 1 else 1  # the pipeline splits its own
     model_flops = mcfg.flops_per_token(mcfg.context) * tokens
@@ -277,8 +286,9 @@ def train(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan | None = None
         payload, wire = comm.payload_bytes, comm.wire_bytes
         rec = {"step": step, "loss": loss, "lr": lr, "grad_norm": gnorm,
                "tokens_per_s": tokens / dt, "step_s": dt, "compute_s": dt - comm.seconds,
-               "comm_s": comm.seconds, "mfu": model_flops / dt / (peak * world),
-               "cpu_s": time.process_time() - c0}
+               "comm_s": comm.seconds, "mfu": peak.observe(model_flops / dt / world),
+               "peak_flops": peak.peak, "cpu_s": time.process_time() - c0,
+               "mem_bytes": memory_bytes(device)}
         if moe is not None:
             moe_steps.append(moe_record(moe, mcfg, tcfg.global_batch))
             ex = getattr(engine, "ep", None)
@@ -305,6 +315,7 @@ def train(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan | None = None
             log.close()
             raise shutdown.Stopped(sig, step + 1, str(checkpoint.step_dir(
                 opts.checkpoint_dir, step + 1)) if opts.checkpoint_dir else None)
+    tb, log.tb = log.tb, None  # kept open for the summary's scalars
     log.close()
 
     skip = 1 if len(times) > 1 else 0  # the first step pays warm-up costs
@@ -325,7 +336,8 @@ def train(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan | None = None
         "step_s": step_s, "tokens_per_s": tokens / step_s,
         "compute_s_per_step": step_s - comm_s, "comm_s_per_step": comm_s,
         "payload_bytes_per_step": payload, "wire_bytes_per_step": wire,
-        "peak_flops_per_rank": peak, "mfu": model_flops / step_s / (peak * world),
+        "peak_flops_per_rank": peak.peak, "peak_remeasured": peak.remeasured,
+        "mfu": model_flops / step_s / (peak.peak * world),
         "unigram_entropy": corpus.unigram_entropy(),
         "memory": memory_report(engine, mcfg, plan, tcfg, meter),
         "dp": engine.report() if hasattr(engine, "report") else {},
@@ -333,6 +345,9 @@ def train(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan | None = None
         if hasattr(engine, "model_parallel_report") else {},
     }
     summary["prediction"] = _prediction(mcfg, tcfg, plan, world, summary, opts.profile)
+    if tb is not None:
+        tb.summary(summary, end)
+        tb.close()
     if rank == 0 and not opts.quiet:
         print(format_report(summary["memory"]))
         if summary["model_parallel"]:

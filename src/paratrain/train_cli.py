@@ -163,7 +163,8 @@ def register(app: typer.Typer) -> None:
     def train(
         nproc: Annotated[int, Opt(help="Worker processes (torchrun).")] = 2,
         simulate_workers: Annotated[int, Opt(help="W simulated workers in one process.")] = 1,
-        config: Annotated[str | None, Opt(help="TOML with [model] [train] [plan].")] = None,
+        config: Annotated[str | None, Opt(help="TOML with \\[model] \\[train] \\[plan] "
+                                               "tables.")] = None,
         # model
         layers: Annotated[int | None, Opt(help="Transformer blocks.")] = None,
         d_model: Annotated[int | None, Opt(help="Model width.")] = None,
@@ -218,6 +219,8 @@ def register(app: typer.Typer) -> None:
         grace: Annotated[float, Opt(help="Seconds a signalled run has to checkpoint before "
                                          "SIGKILL.")] = 7.0,
         quiet: Annotated[bool, Opt(help="No progress bar or summary table.")] = False,
+        tensorboard: Annotated[str | None, Opt(help="Also write TensorBoard event files "
+                                                   "here (rank 0).")] = None,
         # plan
         dp: Annotated[int | None, Opt(help="Data-parallel size (default nproc/(tp*pp*cp))."
                                       )] = None,
@@ -311,7 +314,8 @@ def register(app: typer.Typer) -> None:
                 "opts": dict(run_dir=run_dir, checkpoint_dir=checkpoint_dir,
                              resume={"yes": True, "auto": "auto"}.get(resume, False),
                              keep_checkpoints=keep_checkpoints,
-                             simulate_workers=simulate_workers, quiet=quiet),
+                             simulate_workers=simulate_workers, quiet=quiet,
+                             tensorboard=tensorboard),
                 "timeout_s": timeout}
         if in_torchrun:
             from paratrain.worker import run_worker

@@ -24,19 +24,25 @@ def pipeline(
 @app.command()
 def ring(
     p: int = typer.Option(4, help="Ranks in the ring."),
-    op: str = typer.Option("all_reduce", help="all_reduce | reduce_scatter | all_gather."),
+    op: str = typer.Option("all_reduce", help="all_reduce | reduce_scatter | all_gather | "
+                                              "sparse_all_gather."),
     out: str = typer.Option("plots", help="Output directory."),
 ) -> None:
     """Frames (PNG) and a GIF of a ring collective: chunk ownership per rank per step."""
     from paratrain.comm.algorithms import build
     from paratrain.viz.collective_anim import draw
 
-    if op not in ("all_reduce", "reduce_scatter", "all_gather"):
-        raise ValueError(f"--op {op!r}; ring draws all_reduce, reduce_scatter or all_gather")
+    if op not in ("all_reduce", "reduce_scatter", "all_gather", "sparse_all_gather"):
+        raise ValueError(f"--op {op!r}; ring draws all_reduce, reduce_scatter, all_gather or "
+                         "sparse_all_gather")
     if not 2 <= p <= 16:
         raise ValueError(f"--p {p}: draw between 2 and 16 ranks")
     pngs, gif = draw(build(op, "ring", p, p), out, f"ring_{op}_p{p}")
     print(f"wrote {len(pngs)} frames and {gif}")
+    if op == "sparse_all_gather":  # its cost grows with p: drawn beside the frames
+        from paratrain.viz.sparse_growth import draw_growth
+
+        print(f"wrote {draw_growth(p, out)}")
 
 
 @app.command()
