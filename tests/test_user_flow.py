@@ -1,5 +1,5 @@
 """The user's path from their own data to the ecosystem, each step a test on one shared
-run: `paratrain train --data notes.jsonl --tokenizer bpe:512`,
+run: `paratrain train --data notes.jsonl --tokenizer bpe:512 --tensorboard tb`,
 `paratrain generate --checkpoint ck --prompt "def "`, `paratrain export`, and the export
 loaded by `transformers` with paratrain's logits."""
 
@@ -40,7 +40,8 @@ def trained(tmp_path_factory, text_file):
         code = main(["train", "--data", str(root / "notes.jsonl"), "--tokenizer", "bpe:512",
                      "--nproc", "1", *MODEL, "--steps", "6", "--global-batch", "8",
                      "--eval-every", "3", "--checkpoint-dir", str(root / "ck"),
-                     "--run-dir", str(root / "run"), "--quiet"])
+                     "--run-dir", str(root / "run"), "--tensorboard", str(root / "tb"),
+                     "--quiet"])
     return root, code
 
 
@@ -59,6 +60,12 @@ def test_train_on_jsonl_with_bpe(trained):
     assert summary["tokenizer"] == "bpe:512"
     assert 0 < summary["val_bpb"] < summary["val_loss"] / torch.log(torch.tensor(2.0))
     assert recs[2]["val_bpb"] > recs[5]["val_bpb"] == summary["val_bpb"]  # it learns
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(root / "tb"), size_guidance={"scalars": 0})
+    events.Reload()
+    losses = [e.value for e in events.Scalars("loss/train")]
+    assert losses == pytest.approx([r["loss"] for r in recs], rel=1e-6)
 
 
 def test_generate_from_the_checkpoint(trained, capsys):
