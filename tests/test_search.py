@@ -64,10 +64,17 @@ def test_no_fitting_layout_is_a_clear_error():
 
 def test_llama3_405b_on_16k_gpus_scores_every_layout():
     """Its speed (layouts/s) is measured in benchmarks/search.py, not asserted here."""
+    from paratrain.systems.fitting import load_params
+
+    # priced as `paratrain plan --search` prices it: the shipped fitted parameters
     res = search(load_model("llama3-405b"), load_hardware("h100"), 16384, 16 * 2**20, 8192,
-                 keep_points=False)
+                 keep_points=False, params=load_params())
     assert res.scored > 10_000 and res.elapsed_s > 0
     assert res.top[0].memory.fits
+    # a layout a practitioner would recognise (Llama 3's own: tp 8, pp 16, dp 128), not
+    # 64 two-layer stages with tp 4 and cp 8 (what blocking TP collectives led to)
+    best = res.top[0].plan
+    assert (best.tp, best.pp) == (8, 16) and best.cp <= 4, best
 
 
 def test_cli_search_json_and_plot(tmp_path, capsys):

@@ -77,10 +77,11 @@ def plan(
     moe_ffn: int | None = typer.Option(None, help="With --experts: expert FFN width "
                                                   "(default: the model's d_ff)."),
     shared_experts: int = typer.Option(0, help="With --experts: always-on experts."),
-    engine: str = typer.Option("megatron", help="Training engine whose overlap and "
-                                                "collectives the step model prices: "
-                                                "megatron, nemo, megascale, deepspeed, fsdp, "
-                                                "torchtitan or xla."),
+    engine: str | None = typer.Option(None, help="Training engine whose overlap and "
+                                                 "collectives the step model prices: "
+                                                 "megatron, nemo, megascale, deepspeed, "
+                                                 "fsdp, torchtitan or xla (default: "
+                                                 "megatron; nemo for --search)."),
     explain: bool = typer.Option(False, "--explain", help="Show the step model's "
                                                          "breakdown: compute per GEMM class, "
                                                          "memory-bound work, each axis' "
@@ -107,6 +108,10 @@ def plan(
                          "(pass e.g. --attention flash)")
     m = _model(model, experts, top_k, moe_ffn, shared_experts)
     hw = load_hardware(hardware)
+    if engine is None:
+        from paratrain.systems.overlap import DEFAULT_ENGINE, SEARCH_ENGINE
+
+        engine = SEARCH_ENGINE if search else DEFAULT_ENGINE
     eng = find_engine(engine)
     step_params = None
     if not reference:

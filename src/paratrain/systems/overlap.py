@@ -26,6 +26,11 @@ fsdp        0     0     1     1     0     unit     FSDP1/2: one all-gather per w
 torchtitan  0.5   0.5   1     1     0.5   unit     FSDP2 + async TP (Liang et al. 2024)
 xla         0.5   0.5   1     1     0.5   unit     TPU/JAX: collective matmuls overlap TP
                                                    (Wang et al. 2023)
+dualpipe    0     1     1     1     1     bucket   DeepSeek's HAI-LLM: DualPipe runs one
+                                                   micro-batch's forward beside another's
+                                                   backward so the expert all-to-alls and
+                                                   PP sends hide under them ("full
+                                                   overlap", DeepSeek-V3 report Sec. 3.2.1)
 ==========  ====  ====  ====  ====  ====  =======  ======================================
 
 ``attention`` is the kernel an engine runs by default: ``flash3`` (Hopper-native fused
@@ -84,11 +89,21 @@ ENGINES = {
     "fsdp": Engine("fsdp", 0.0, 0.0, 1.0, 1.0, 0.0, "unit", "flash", 2.0),
     "torchtitan": Engine("torchtitan", 0.5, 0.5, 1.0, 1.0, 0.5, "unit", "flash", 3.0, 0.5),
     "xla": Engine("xla", 0.5, 0.5, 1.0, 1.0, 0.5, "unit", "flash"),
+    "dualpipe": Engine("dualpipe", 0.0, 1.0, 1.0, 1.0, 1.0, "bucket", "flash"),
 }
 DEFAULT_ENGINE = "megatron"
+# The search recommends a layout for a run someone would start today, so it prices the
+# engine large runs use now: Megatron-Core with Transformer Engine, TP collectives split
+# under their GEMMs and p2p overlapped (the published H100 recipes). Priced with blocking
+# TP collectives ("megatron", Megatron-LM 2021) every tensor-parallel byte is exposed and
+# the search trades tp 8 for context parallelism and 64 two-layer stages (tp 4, pp 64,
+# cp 8 for Llama 3 405B on 16K H100), which no one runs; under this engine it picks tp 8,
+# pp 16 (docs/systems-model.md).
+SEARCH_ENGINE = "nemo"
 
 # words in a runs-table row's engine / source / sharding text -> engine
-_KEYWORDS = (("nemo", "nemo"), ("dgxc", "nemo"), ("megatron-core", "nemo"), ("mcore", "nemo"),
+_KEYWORDS = (("dualpipe", "dualpipe"), ("hai-llm", "dualpipe"),
+             ("nemo", "nemo"), ("dgxc", "nemo"), ("megatron-core", "nemo"), ("mcore", "nemo"),
              ("megatron-bridge", "nemo"), ("deepspeed", "deepspeed"),
              ("torchtitan", "torchtitan"), ("fsdp", "fsdp"), ("composer", "fsdp"),
              ("llm-foundry", "fsdp"), ("mosaic", "fsdp"), ("pax", "xla"), ("jax", "xla"),

@@ -272,7 +272,9 @@ def row_to_case(row: dict) -> Case:
     if per_replica % mbs:
         raise Skip(f"micro-batch {mbs} does not divide {per_replica} sequences per replica")
     m = per_replica // mbs
-    v = _num(row, "vpp", int) or (2 if "interleaved" in notes.lower() else 1)
+    # interleaving noted without its depth: one block per virtual stage as far as the
+    # layers allow (Llama 3's paper: a first chunk holding only the embedding)
+    v = _num(row, "vpp", int) or (max(1, L // pp) if "interleaved" in notes.lower() else 1)
     sched = "interleaved" if pp > 1 and v > 1 and m % pp == 0 and pp * v <= L else "1f1b"
     if sched != "interleaved":
         v = 1

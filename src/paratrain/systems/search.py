@@ -33,6 +33,7 @@ from paratrain.plan import ParallelPlan
 from paratrain.systems.hardware import Hardware
 from paratrain.systems.memory import Memory, memory
 from paratrain.systems.models import as_shape
+from paratrain.systems.overlap import SEARCH_ENGINE
 from paratrain.systems.step_model import Breakdown, predict_step
 from paratrain.systems.step_params import StepParams
 from paratrain.systems.step_time import StepTime, bubble_fraction, step_time
@@ -142,7 +143,7 @@ def search(model: ModelConfig, hw: Hardware, gpus: int, tokens_per_step: int, se
     """Price every layout; return the ``top`` fitting ones by predicted step time: the
     step model under ``params`` and ``engine`` (default), or with ``reference`` the
     reference :func:`step_time` (``step_kwargs`` go to it); ``attention`` goes to
-    :func:`memory`."""
+    :func:`memory`. ``engine`` defaults to :data:`SEARCH_ENGINE` (why: overlap.py)."""
     if tokens_per_step % seq_len:
         raise ValueError(
             f"tokens_per_step={tokens_per_step} is not a multiple of seq_len={seq_len}; "
@@ -165,7 +166,8 @@ def search(model: ModelConfig, hw: Hardware, gpus: int, tokens_per_step: int, se
             continue
         fitting += 1
         st = (step_time(m, plan, hw, tokens_per_step, seq_len, **kw) if reference else
-              predict_step(m, plan, hw, tokens_per_step, seq_len, params, engine))
+              predict_step(m, plan, hw, tokens_per_step, seq_len, params,
+                           engine or SEARCH_ENGINE))
         if keep_points:
             points.append((st.step_s, mem.total_bytes))
         if len(best) < top or st.step_s < worst_kept:
