@@ -4,9 +4,12 @@
   independently; with capacity factor 1.0 the dropped assignments are exactly those
   over ceil(T k / E) per sequence and expert, and counted; one expert, top-1, no
   auxiliary loss is the dense model with the same weights; exact parameter counts.
+- The router z-loss (ST-MoE) and its gradient equal (log sum exp logits)^2 summed over
+  tokens, computed here independently.
 - ``--ep``: float64, 4 steps, every step's loss within 1e-9 relative of one process
   running the same MoE model (experts 4, top-k 2, dropless), and the MoE statistics
-  (auxiliary loss, load per expert) equal.
+  (auxiliary loss, z-loss, load per expert) equal; under ZeRO-3 the experts are sharded
+  over the expert-data-parallel group (model states per rank: paratrain.layout's count).
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ from paratrain.train import RunOptions, train
 MOE = ModelConfig(n_layers=2, d_model=32, n_heads=4, d_ff=64, context=16, experts=4,
                   top_k=2)
 QUIET = dict(quiet=True, measure_peak=False)
+CAPPED = MOE.replace(capacity_factor=1.0, shared_experts=1)
+ZMOE = MOE.replace(z_loss_coef=0.01)
 
 FOUR = {
     "ep4": ParallelPlan(dp=4, ep=4),
@@ -35,8 +40,10 @@ FOUR = {
     "ep2 tp2": ParallelPlan(dp=2, tp=2, ep=2),
     "ep2 zero2 accum2 (dp4)": ParallelPlan(dp=4, ep=2, zero=2, micro_batches=2),
     "ep2 pp2 m4": ParallelPlan(dp=2, pp=2, ep=2, micro_batches=4),
+    "ep2 zero3 (dp4) accum2 ours full recompute, z-loss": (
+        ZMOE, ParallelPlan(dp=4, ep=2, zero=3, micro_batches=2, collectives="ours",
+                           recompute="full")),
 }
-CAPPED = MOE.replace(capacity_factor=1.0, shared_experts=1)
 TWO = {"ep2": ParallelPlan(dp=2, ep=2),
        "ep2 capacity 1.0 shared 1": (CAPPED, ParallelPlan(dp=2, ep=2)),
        "ep2 ours": ParallelPlan(dp=2, ep=2, collectives="ours"),
@@ -60,13 +67,15 @@ def _worker(rank: int, world: int, data: str, combos: dict) -> dict:
         s = train(model, tcfg(data), plan, RunOptions(**QUIET))
         out[name] = (s["losses"], s["val_loss"], s["moe_steps"],
                      s["memory"]["measured_per_rank"],
-                     (s["wire_bytes_per_step"], dp_wire_bytes(model, plan, "float64", rank)))
+                     (s["wire_bytes_per_step"], dp_wire_bytes(model, plan, "float64", rank)),
+                     s["memory"]["predicted_per_rank"])
     return out
 
 
 @pytest.fixture(scope="module")
 def refs(text_file):
-    return {m: train(m, tcfg(text_file), None, RunOptions(**QUIET)) for m in (MOE, CAPPED)}
+    return {m: train(m, tcfg(text_file), None, RunOptions(**QUIET))
+            for m in (MOE, CAPPED, ZMOE)}
 
 
 @pytest.mark.parametrize("world,combos", [(2, TWO), (4, FOUR)], ids=["world2", "world4"])
@@ -76,7 +85,7 @@ def test_expert_parallel_reproduces_one_process(text_file, refs, world, combos):
     for name in combos:
         model, plan = _split(combos[name])
         ref = refs[model]
-        losses, val, moe, states, _ = results[0][name]
+        losses, val, moe, states, _, systems = results[0][name]
         for r, res in enumerate(results):  # dp sync bytes (both reducers): the formula's
             assert res[name][4][0] == pytest.approx(res[name][4][1], rel=1e-12), (name, r)
         d = max(abs(a - b) / abs(b) for a, b in zip(losses, ref["losses"], strict=True))
@@ -88,6 +97,8 @@ def test_expert_parallel_reproduces_one_process(text_file, refs, world, combos):
         for got, want in zip(moe, ref["moe_steps"], strict=True):
             assert got["moe_load"] == want["moe_load"], name
             assert got["aux_loss"] == pytest.approx(want["aux_loss"], rel=1e-9), name
+            assert got["z_loss"] == pytest.approx(want["z_loss"], rel=1e-9), name
+            assert (got["z_loss"] > 0) == (model.z_loss_coef > 0), name
             assert got["moe_dropped"] == want["moe_dropped"]
             assert (got["moe_dropped"] > 0) == (model.capacity_factor > 0)
             assert ("ep_wire_bytes" in got) == (plan.ep > 1)
@@ -95,6 +106,8 @@ def test_expert_parallel_reproduces_one_process(text_file, refs, world, combos):
         for r in range(world):  # model states per rank: paratrain.layout's exact count
             want = state_bytes(model, plan, "float64", r)
             assert {k: states[r][k] for k in want} == want, (name, r)
+            if plan.tp == plan.pp == 1:  # and the systems model's (no padding here)
+                assert {k: systems[k] for k in want} == want, (name, r)
     for name in combos:
         ref = refs[_split(combos[name])[0]]
         assert worst[name] <= 1e-9, f"{name}: {worst[name]:.2e}"
@@ -167,6 +180,24 @@ def test_aux_loss_gradient_is_coef_times_the_mean_over_sequences():
     torch.testing.assert_close(g_auto, moe.router.weight.grad, rtol=1e-12, atol=1e-15)
 
 
+def test_z_loss_and_its_gradient_match_the_formula():
+    torch.manual_seed(4)
+    cfg = MOE.replace(n_layers=1, aux_loss_coef=0.0, z_loss_coef=0.3)
+    moe = moe_modules(Decoder(cfg).double())[0]
+    x = torch.randn(2, 16, cfg.d_model, dtype=torch.float64)
+    n = 32
+    set_moe_loss_scale(moe, 1.0 / n)
+    moe(x).sum().backward()
+    g_auto = moe.router.weight.grad.clone()
+    moe.router.weight.grad = None
+    logits = x @ moe.router.weight.T  # ST-MoE eq. 5: (log sum_e exp x_e)^2 per token
+    z = torch.log(torch.exp(logits).sum(-1)).square().sum()
+    assert moe.stats["z_sum"] == pytest.approx(float(z.detach()), rel=1e-12)
+    set_moe_loss_scale(moe, None)
+    (moe(x).sum() + 0.3 * z / n).backward()
+    torch.testing.assert_close(g_auto, moe.router.weight.grad, rtol=1e-12, atol=1e-15)
+
+
 def test_one_expert_top1_is_the_dense_model():
     dense_cfg = ModelConfig(n_layers=2, d_model=32, n_heads=4, d_ff=64, context=16)
     torch.manual_seed(3)
@@ -184,7 +215,7 @@ def test_one_expert_top1_is_the_dense_model():
     gm = dict(moe.named_parameters())
     for k, p in dense.named_parameters():
         assert torch.equal(p.grad, gm[k.replace(".mlp.", ".mlp.experts.0.")].grad), k
-    assert take_moe_stats(moe, 1)[2] == 2 * 32  # two layers, every token to expert 0
+    assert take_moe_stats(moe, 1)[3] == 2 * 32  # two layers, every token to expert 0
 
 
 def test_exact_parameter_counts_total_and_active():
@@ -208,11 +239,32 @@ def test_bad_moe_settings_are_one_line(bad, match):
         ModelConfig(n_layers=2, **bad)
 
 
+def test_systems_model_prices_moe_states_as_the_runtime_holds_them():
+    """Experts over ep (ZeRO shards over dp / ep), router and shared experts dense:
+    the systems model's busiest-rank bytes equal paratrain.layout's per-rank count, for
+    uneven shapes too (moe_every 2, a shared expert, expert width 48)."""
+    from paratrain.systems.memory import Precision, model_states
+
+    odd = MOE.replace(n_layers=4, shared_experts=1, moe_every=2, moe_ffn=48)
+    for model in (MOE, odd):
+        for plan in (ParallelPlan(dp=4, ep=4), ParallelPlan(dp=4, ep=2, zero=1),
+                     ParallelPlan(dp=4, ep=2, zero=2), ParallelPlan(dp=8, ep=4, zero=3)):
+            ms = model_states(model, plan, Precision("float64", 8, 8, 16))
+            got = {"params": ms.weights_bytes, "grads": ms.grads_bytes,
+                   "optimizer": ms.optimizer_bytes}
+            for r in range(plan.dp):
+                assert got == state_bytes(model, plan, "float64", r), (plan, r)
+            if plan.zero < 3:  # weights: everything but the other ep ranks' experts
+                routed = model.moe_layers * model.experts * model.expert_params()
+                assert ms.weights_bytes == 8 * (model.num_params() - routed
+                                                + routed // plan.ep), plan
+
+
 def test_plans_refused_with_ep():
     with pytest.raises(ValueError, match="needs a Mixture-of-Experts"):
         ParallelPlan(dp=2, ep=2).check_runtime(ModelConfig())
-    with pytest.raises(ValueError, match="--zero 0, 1 or 2"):
-        ParallelPlan(dp=2, ep=2, zero=3).check_runtime(MOE)
+    with pytest.raises(ValueError, match="drop --compress"):
+        ParallelPlan(dp=2, ep=2, compress="topk:4").check_runtime(MOE)
     with pytest.raises(ValueError, match="does not divide experts"):
         ParallelPlan(dp=3, ep=3).check(MOE)
     with pytest.raises(ValueError, match="--cp"):
@@ -221,7 +273,9 @@ def test_plans_refused_with_ep():
 
 @pytest.mark.parametrize("args, fragment", [
     (["--ep", "2", "--nproc", "2"], "needs a Mixture-of-Experts model"),
-    (["--experts", "4", "--ep", "2", "--nproc", "2", "--zero", "3"], "--zero 0, 1 or 2"),
+    (["--experts", "4", "--ep", "2", "--nproc", "2", "--compress", "topk:4"],
+     "works without --compress"),
+    (["--experts", "4", "--z-loss-coef", "-1"], "z_loss_coef=-1.0"),
     (["--experts", "3", "--ep", "2", "--nproc", "2"], "does not divide experts=3"),
     (["--experts", "4", "--ep", "3", "--nproc", "2"], "ep=3 must divide dp=2"),
     (["--experts", "4", "--top-k", "5"], "top_k=5"),
@@ -258,6 +312,19 @@ def test_cli_ep_run_logs_expert_load(text_file, tmp_path):
         assert sum(rec["moe_load"]) == 8 * 16 * 2 * 2  # tokens x top-k x MoE layers
         assert rec["moe_tokens_mean"] == 128 and rec["moe_tokens_max"] >= 128
         assert rec["ep_wire_bytes"] > 0 and rec["aux_loss"] > 0
+        by_rank = rec["moe_load_by_rank"]  # each data rank routed its 4 sequences
+        assert [sum(r) for r in by_rank] == [4 * 16 * 2 * 2] * 2
+        assert [sum(c) for c in zip(*by_rank, strict=True)] == rec["moe_load"]
+    from paratrain.cli import main
+    from paratrain.viz.moe import read_run, send_matrix
+
+    assert main(["viz", "moe", str(run), "--out", str(tmp_path / "plots")]) == 0
+    png = (tmp_path / "plots" / "moe_routing.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and int.from_bytes(png[16:20], "big") >= 800
+    # the dispatch matrix: rank d keeps its rows for its own experts, sends the rest
+    last = read_run(str(run))["by_rank"][-1]
+    assert send_matrix(last, 2) == [[sum(last[0][:2]), sum(last[0][2:])],
+                                    [sum(last[1][:2]), sum(last[1][2:])]]
 
 
 def _resume_worker(rank: int, world: int, data: str, ckpt: str) -> tuple[list, list]:

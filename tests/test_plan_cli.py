@@ -103,15 +103,41 @@ def test_plan_command_does_not_import_torch():
     assert r.returncode == 0, r.stderr
 
 
-def test_calibrated_uses_the_fitted_parameters(capsys):
-    from paratrain.systems.validate import load_params
+def test_step_model_beside_the_reference_and_reference_mode(capsys):
+    from paratrain.systems.fitting import load_params
+    from paratrain.systems.step_model import predict_step
 
-    assert main(["plan", "--json", "--calibrated"]) == 0
+    assert main(["plan", "--json"]) == 0
     rep = json.loads(capsys.readouterr().out)
-    assert rep["hardware"]["eta"] == pytest.approx(load_params().eta["h100"])
-    assert rep["step"]["mfu_overlap"] != pytest.approx(0.473)
-    # the gradient-sync table keeps DESIGN.md's flat ring
-    assert round(rep["gradient_sync"]["ring_allreduce_dp_s"], 2) == 0.53
-    assert main(["plan", "--search", "--calibrated", "--gpus", "8", "--global-batch", "64",
+    # the reference figures are untouched; the step model (fitted parameters) sits beside
+    assert (round(rep["step"]["step_sync_s"], 2), round(rep["step"]["step_overlap_s"], 2)) \
+        == (2.17, 1.64)
+    from paratrain.plan import ParallelPlan
+    from paratrain.systems.hardware import load_hardware
+    from paratrain.systems.models import load_model
+
+    bd = predict_step(load_model("llama2-7b"), ParallelPlan(dp=64), load_hardware("h100"),
+                      1_048_576, 4096, load_params(), "megatron")
+    assert rep["predicted"]["step_s"] == pytest.approx(bd.step_s)
+    assert rep["predicted"]["engine"] == "megatron"
+    assert main(["plan", "--json", "--reference"]) == 0
+    assert "predicted" not in json.loads(capsys.readouterr().out)
+    assert main(["plan", "--search", "--reference", "--gpus", "8", "--global-batch", "64",
                  "--top", "1", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["top"][0]["mfu"] > 0
+
+
+def test_moe_and_cp_flags(capsys):
+    args = ["plan", "--json", "--model", "llama3-8b", "--gpus", "16", "--tokens",
+            str(32 * 8192), "--seq-len", "8192"]
+    assert main([*args, "--experts", "8", "--top-k", "2", "--ep", "4"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["predicted"]["comm_s"]["ep"] > 0 and "experts" in rep["predicted"]["gemm_s"]
+    assert rep["model"]["active_params"] < rep["model"]["params"] / 2
+    assert main([*args, "--cp", "2", "--cp-algorithm", "all-to-all", "--engine", "nemo"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["predicted"]["comm_s"]["cp"] > 0 and rep["predicted"]["engine"] == "nemo"
+    assert main([*args, "--ep", "2"]) == 2
+    assert "needs an MoE model" in capsys.readouterr().err
+    assert main([*args, "--engine", "horovod"]) == 2
+    assert "engine 'horovod' is unknown" in capsys.readouterr().err

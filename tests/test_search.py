@@ -12,7 +12,7 @@ from paratrain.systems.hardware import load_hardware
 from paratrain.systems.memory import memory
 from paratrain.systems.models import ModelShape, load_model
 from paratrain.systems.search import enumerate_plans, search
-from paratrain.systems.step_time import step_time
+from paratrain.systems.step_model import predict_step
 
 SMALL = ModelShape(name="small", n_layers=8, d_model=1024, n_heads=8, d_ff=2816,
                    vocab_size=32000, context=2048)
@@ -43,9 +43,10 @@ def test_best_is_the_minimum_over_all_fitting_layouts():
     hw = load_hardware("a100-40gb")
     m = load_model("llama2-7b")
     tokens, seq = 64 * 4096, 4096
-    res = search(m, hw, 16, tokens, seq, top=20)
-    brute = min(step_time(m, p, hw, tokens, seq).step_s
-                for p, _ in enumerate_plans(m, hw, 16, 64, seq)
+    space = {"zero_stages": (0, 1, 3), "recomputes": ("none", "full")}  # the time budget
+    res = search(m, hw, 16, tokens, seq, top=20, **space)
+    brute = min(predict_step(m, p, hw, tokens, seq).step_s
+                for p, _ in enumerate_plans(m, hw, 16, 64, seq, **space)
                 if memory(m, p, hw, tokens, seq).fits)
     assert res.top[0].step_s == pytest.approx(brute)
     steps = [c.step_s for c in res.top]

@@ -14,7 +14,7 @@ README = (Path(__file__).parents[1] / "README.md").read_text()
 
 TRAIN_FLAGS = {
     "--attention", "--aux-loss-coef", "--bucket-mb", "--capacity-factor", "--ep",
-    "--experts", "--moe-every", "--moe-ffn", "--shared-experts", "--top-k",
+    "--experts", "--moe-every", "--moe-ffn", "--shared-experts", "--top-k", "--z-loss-coef",
     "--checkpoint-dir", "--checkpoint-every", "--collectives",
     "--compress", "--config", "--context", "--cp", "--cp-algorithm", "--d-ff", "--d-model",
     "--data", "--dp", "--dtype",
@@ -22,7 +22,8 @@ TRAIN_FLAGS = {
     "--micro-batches", "--nproc", "--overlap", "--pp", "--quiet", "--recompute",
     "--reduce-dtype", "--resume",
     "--run-dir", "--schedule", "--seed", "--simulate-workers", "--sp", "--steps",
-    "--tie-embeddings", "--tp", "--virtual-stages", "--warmup-steps", "--zero",
+    "--tensorboard", "--tie-embeddings", "--tp", "--virtual-stages", "--warmup-steps", "--zero",
+    "--tokenizer", "--text-field",
     "--keep-checkpoints", "--max-restarts", "--nnodes", "--node-rank", "--rdzv-endpoint",
     "--timeout", "--grace",
     "resume_mode",  # hidden argument: the 'auto' of '--resume auto'

@@ -1,4 +1,4 @@
-"""`paratrain train | plan | validate | bench | viz`.
+"""`paratrain train | plan | validate | report | bench | viz | generate | export`.
 
 This module and the command modules it imports must not import torch at import time:
 `paratrain plan` has to answer instantly. Commands import torch inside their bodies.
@@ -13,6 +13,8 @@ import typer
 
 from paratrain.bench.cli import app as bench_app
 from paratrain.check_cli import register as register_check
+from paratrain.model_cli import register as register_model
+from paratrain.run_report import register as register_report
 from paratrain.systems.cli import register as register_systems
 from paratrain.train_cli import register as register_train
 from paratrain.viz.cli import app as viz_app
@@ -27,6 +29,8 @@ app = typer.Typer(
 register_train(app)
 register_systems(app, plotter=write_plan_output)  # viz -> systems, never back
 register_check(app)
+register_model(app)  # generate, export
+register_report(app)
 app.add_typer(bench_app, name="bench", help="Benchmarks: collectives, calibration.")
 app.add_typer(viz_app, name="viz", help="Draw schedules: ring, tree, pipeline.")
 

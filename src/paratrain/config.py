@@ -78,6 +78,7 @@ class ModelConfig:
     shared_experts: int = 0
     moe_every: int = 1
     aux_loss_coef: float = 0.01
+    z_loss_coef: float = 0.0  # router z-loss weight (ST-MoE: 1e-3); 0 = off
     capacity_factor: float = 0.0  # 0 = dropless; C > 0: ceil(C T k / E) per sequence
 
     def __post_init__(self) -> None:
@@ -129,6 +130,9 @@ class ModelConfig:
         _require(self.aux_loss_coef >= 0,
                  f"aux_loss_coef={self.aux_loss_coef} must be >= 0; pass e.g. "
                  "--aux-loss-coef 0.01")
+        _require(self.z_loss_coef >= 0,
+                 f"z_loss_coef={self.z_loss_coef} must be >= 0 (0 = off); pass e.g. "
+                 "--z-loss-coef 0.001")
         _require(self.capacity_factor >= 0,
                  f"capacity_factor={self.capacity_factor} must be >= 0 (0 = dropless); "
                  "pass e.g. --capacity-factor 1.25")
@@ -233,6 +237,8 @@ class TrainConfig:
     eval_batches: int = 8
     checkpoint_every: int = 0  # 0 = only at the end (when a checkpoint dir is set)
     data: str | None = None  # None = the Python standard library's own source
+    tokenizer: str = "bytes"  # bytes | bpe:N | path to a tokenizer.json (docs/data.md)
+    text_field: str = "text"  # the text of each .jsonl / .parquet record
     val_fraction: float = 0.05
 
     def __post_init__(self) -> None:

@@ -1,104 +1,70 @@
-"""Byte-level corpus and global batches that are identical for any world size.
+"""Token corpus and global batches that are identical for any world size.
 
-- Tokens are bytes (vocabulary 256).
-- Default corpus: the Python standard library's own ``.py`` source, found through
-  ``sysconfig`` (present wherever Python is), files in sorted order, joined by newlines.
-  It is cached once per Python version under ``~/.cache/paratrain`` as raw bytes.
-- ``--data PATH``: any text file, or a folder (every regular file under it, sorted).
-- Split: the last ``val_fraction`` of the bytes is validation, the rest training.
+- Where the text comes from, the train/validation split and the tokenizer (bytes by
+  default, vocabulary 256): :mod:`paratrain.sources` and :mod:`paratrain.tokenizer`.
 - The global batch of step k is a pure function of (seed, k): ``global_batch`` window
   starts drawn from a generator seeded with (seed, k). Rank r of W takes the contiguous
   slice ``[r*B/W, (r+1)*B/W)``, so 1 worker with 16 windows and 4 workers with 4 each
-  see the same 16 windows.
+  see the same 16 windows. The tokenizer changes what a window holds, never which
+  windows a step draws.
 """
 
 from __future__ import annotations
 
 import math
-import os
-import sys
-import sysconfig
-import tempfile
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
 
-VOCAB = 256
+from paratrain.sources import prepare, read_corpus, stdlib_corpus  # noqa: F401 - re-exported
+from paratrain.tokenizer import BYTES_VOCAB, Tokenizer
+
+VOCAB = BYTES_VOCAB
 
 
-def _stdlib_files() -> list[Path]:
-    root = Path(sysconfig.get_paths()["stdlib"])
-    skip = {"site-packages", "dist-packages", "__pycache__"}
-    return sorted(p for p in root.rglob("*.py") if not skip.intersection(p.parts))
-
-
-def _cache_dir() -> Path:
-    return Path.home() / ".cache" / "paratrain"  # beside the calibration profile
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".")
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
-
-
-def stdlib_corpus() -> bytes:
-    """The standard library's .py files, sorted and newline-joined (cached)."""
-    ver = ".".join(map(str, sys.version_info[:3]))
-    cache = _cache_dir() / f"stdlib-{ver}-{sys.implementation.name}.bytes"
-    if cache.is_file():
-        return cache.read_bytes()
-    data = b"\n".join(p.read_bytes() for p in _stdlib_files())
-    try:
-        _write_atomic(cache, data)
-    except OSError:  # read-only home: fine, just slower next time
-        pass
-    return data
-
-
-def read_corpus(path: str | None) -> bytes:
-    """Bytes of the corpus at ``path`` (file or folder), or the default corpus."""
-    if path is None:
-        return stdlib_corpus()
-    p = Path(path)
-    if not p.exists():
-        raise ValueError(f"data path {path!r} does not exist; pass an existing file or folder "
-                         "to --data, or omit it to use the Python standard library")
-    files = [p] if p.is_file() else sorted(f for f in p.rglob("*") if f.is_file())
-    data = b"\n".join(f.read_bytes() for f in files)
-    if not data.strip():
-        raise ValueError(f"data path {path!r} holds no text; point --data at a non-empty "
-                         "text file or folder")
-    return data
+def bits_per_byte(loss_nats: float, tokens: int, nbytes: int) -> float:
+    """Loss in bits per byte of text: comparable across tokenizers (nats per token x
+    tokens per byte / ln 2)."""
+    return loss_nats * tokens / nbytes / math.log(2)
 
 
 @dataclass
 class Corpus:
-    """Train/validation split of a byte corpus, and the batches drawn from it."""
+    """Train/validation split of a tokenized corpus, and the batches drawn from it."""
 
-    train: torch.Tensor  # uint8, 1-D
+    train: torch.Tensor  # token ids, 1-D (uint8 for bytes, int32 otherwise)
     val: torch.Tensor
+    tokenizer: Tokenizer | None = None  # None: bytes
+    token_bytes: torch.Tensor | None = None  # (V,) UTF-8 bytes per token id
+    text_sha256: str = ""  # of the corpus bytes: the data's identity in checkpoints
 
     @classmethod
-    def load(cls, path: str | None, val_fraction: float, context: int) -> Corpus:
-        data = torch.from_numpy(np.frombuffer(read_corpus(path), dtype=np.uint8).copy())
-        n_val = int(len(data) * val_fraction)
+    def load(cls, path: str | None, val_fraction: float, context: int,
+             tokenizer: str = "bytes", text_field: str = "text") -> Corpus:
+        train, val, tok, digest = prepare(path, val_fraction, tokenizer, text_field)
         need = context + 1
-        if len(data) - n_val < need or n_val < need:
+        if len(train) < need or len(val) < need:
+            n = len(train) + len(val)
             raise ValueError(
-                f"corpus of {len(data)} bytes is too small for context {context} with "
+                f"corpus of {n} tokens is too small for context {context} with "
                 f"val_fraction {val_fraction}; use more text (at least "
-                f"{math.ceil(need / min(val_fraction, 1 - val_fraction))} bytes) or a "
+                f"{math.ceil(need / min(val_fraction, 1 - val_fraction))} tokens) or a "
                 "shorter --context")
-        return cls(train=data[: len(data) - n_val], val=data[len(data) - n_val:])
+
+        def as_tensor(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(a if a.dtype == np.uint8 else a.astype(np.int32))
+
+        return cls(train=as_tensor(train), val=as_tensor(val), tokenizer=tok,
+                   token_bytes=torch.from_numpy(tok.token_bytes()), text_sha256=digest)
+
+    @property
+    def vocab_size(self) -> int:
+        return VOCAB if self.tokenizer is None else self.tokenizer.vocab_size
 
     def unigram_entropy(self) -> float:
-        """Cross-entropy (nats/byte) of the best context-free model: the baseline to beat."""
-        counts = torch.bincount(self.train.long(), minlength=VOCAB).double()
+        """Cross-entropy (nats/token) of the best context-free model: the baseline to beat."""
+        counts = torch.bincount(self.train.long(), minlength=self.vocab_size).double()
         p = counts[counts > 0] / counts.sum()
         return float(-(p * p.log()).sum())
 
@@ -129,3 +95,11 @@ class Corpus:
         for b in range(n_batches):
             s = starts[b * global_batch:(b + 1) * global_batch]
             yield self._windows(self.val, s[rank * per:(rank + 1) * per], context)
+
+    def val_bytes(self, n_batches: int, global_batch: int, context: int) -> int:
+        """UTF-8 bytes the targets of every rank's validation windows stand for (the
+        denominator of :func:`bits_per_byte`; the tokens are n_batches * B * T)."""
+        if self.token_bytes is None:
+            return n_batches * global_batch * context
+        return sum(int(self.token_bytes[y.long()].sum())
+                   for _, y in self.val_batches(n_batches, global_batch, context))

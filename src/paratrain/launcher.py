@@ -143,7 +143,10 @@ def launch(cmd: list[str], run_dir: str, grace_s: float = 7.0) -> int:
     """Run torchrun; forward SIGINT/SIGTERM to it and its workers (SIGKILL after
     ``grace_s`` or on a second signal); relay the first worker's user error once."""
     (Path(run_dir) / shutdown.FAILURE_FILE).unlink(missing_ok=True)
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, start_new_session=True,
+    # torchrun prints an OMP_NUM_THREADS banner unless the variable is set; the workers
+    # run one intra-op thread each anyway (worker.run_worker)
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, start_new_session=True, env=env,
                             preexec_fn=shutdown.set_pdeathsig if sys.platform == "linux" else None)
     held: list[bytes] = []
 

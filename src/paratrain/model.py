@@ -177,6 +177,12 @@ class MoE(nn.Module):
     same shape). The engine sets ``loss_scale`` = 1 / global tokens before each forward;
     while it is None (a plain forward) the auxiliary loss adds no gradient.
 
+    Router z-loss (ST-MoE, Zoph et al. 2022, eq. 5), when ``z_loss_coef`` > 0: the
+    squared log-sum-exp of each token's router logits, z_n = (log sum_e exp x_ne)^2,
+    which keeps the logits small (bf16 round-off in the softmax). It is a sum over
+    tokens, so the step loss adds z_coef x sum_n z_n / (global tokens) = z_coef x the
+    mean over tokens, exactly under any split, like the auxiliary loss.
+
     Capacity (``capacity_factor`` C > 0): each expert takes at most ceil(C T k / E)
     assignments per sequence, first come first served in position order (a token's k
     slots in rank order); the rest are dropped (the token keeps its residual) and counted.
@@ -187,6 +193,7 @@ class MoE(nn.Module):
         super().__init__()
         self.num_experts, self.top_k = cfg.experts, cfg.top_k
         self.coef, self.capacity_factor = cfg.aux_loss_coef, cfg.capacity_factor
+        self.z_coef = cfg.z_loss_coef
         self.router = nn.Linear(cfg.d_model, cfg.experts, bias=False)
         self.experts = nn.ModuleList(Expert(cfg.d_model, cfg.expert_ffn)
                                      for _ in range(cfg.experts))
@@ -197,15 +204,17 @@ class MoE(nn.Module):
         self.reset_stats()
 
     def reset_stats(self) -> None:
-        self.stats = {"aux_sum": 0.0, "dropped": 0,
+        self.stats = {"aux_sum": 0.0, "z_sum": 0.0, "dropped": 0,
                       "load": torch.zeros(self.num_experts, dtype=torch.long)}
 
     def route(self, x_ND: torch.Tensor, T: int):
-        """(top-k expert index, renormalised weight, keep mask or None, aux sum, probs)."""
+        """(top-k expert index, renormalised weight, keep mask or None, aux sum, z sum
+        (None when the z-loss is off))."""
         N, E, K = x_ND.shape[0], self.num_experts, self.top_k
         logits = self.router(x_ND)
         if logits.dtype in (torch.float16, torch.bfloat16):
             logits = logits.float()
+        z = logits.logsumexp(-1).square().sum() if self.z_coef > 0 else None
         probs_NE = logits.softmax(-1)
         w_NK, idx_NK = probs_NE.topk(K, dim=-1)
         w_NK = w_NK / w_NK.sum(-1, keepdim=True)
@@ -218,7 +227,7 @@ class MoE(nn.Module):
             cap = math.ceil(self.capacity_factor * T * K / E)
             pos_BA = (onehot_BAE.cumsum(1) * onehot_BAE).sum(-1)  # 1-based place in line
             keep = (pos_BA <= cap).view(N, K)
-        return idx_NK, w_NK.to(x_ND.dtype), keep, aux, probs_NE
+        return idx_NK, w_NK.to(x_ND.dtype), keep, aux, z
 
     def run_sorted(self, x_SD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
         """Rows sorted by expert, ``counts_E`` rows each -> expert outputs, same order.
@@ -230,7 +239,7 @@ class MoE(nn.Module):
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
         B, T, D = x_BTD.shape
         x_ND = x_BTD.reshape(B * T, D)
-        idx_NK, w_NK, keep, aux, _ = self.route(x_ND, T)
+        idx_NK, w_NK, keep, aux, z = self.route(x_ND, T)
         tok_S, w_S, counts_E = sort_assignments(idx_NK, w_NK, keep, self.num_experts)
         x_SD = x_ND[tok_S]
         if self.exchange is None:
@@ -245,10 +254,13 @@ class MoE(nn.Module):
         if torch._C._current_graph_task_id() == -1:  # not a recompute inside backward
             st = self.stats
             st["aux_sum"] += float(aux.detach())
+            st["z_sum"] += 0.0 if z is None else float(z.detach())
             st["dropped"] += 0 if keep is None else int((~keep).sum())
             st["load"] += counts_E.cpu()
         if self.loss_scale is not None and self.coef > 0:
             y_ND = _AuxGrad.apply(y_ND, aux, self.coef * T * self.loss_scale)
+        if self.loss_scale is not None and z is not None:
+            y_ND = _AuxGrad.apply(y_ND, z, self.z_coef * self.loss_scale)
         return y_ND.view(B, T, D)
 
 
@@ -327,16 +339,18 @@ def set_moe_loss_scale(model: nn.Module, scale: float | None) -> None:
 
 def take_moe_stats(model: nn.Module, experts: int) -> list[float]:
     """This rank's MoE statistics since the last call, as one flat list to be summed over
-    ranks: [aux sum over layers and sequences, dropped assignments, load of expert 0..E-1
-    summed over layers] (a rank holding a subset of the experts counts all E: the load
-    is counted where the tokens are routed). Resets them."""
-    aux, dropped, load = 0.0, 0, torch.zeros(experts, dtype=torch.long)
+    ranks: [aux sum over layers and sequences, z-loss sum over layers and tokens,
+    dropped assignments, load of expert 0..E-1 summed over layers] (a rank holding a
+    subset of the experts counts all E: the load is counted where the tokens are routed).
+    Resets them."""
+    aux, z, dropped, load = 0.0, 0.0, 0, torch.zeros(experts, dtype=torch.long)
     for m in moe_modules(model):
         aux += m.stats["aux_sum"]
+        z += m.stats["z_sum"]
         dropped += m.stats["dropped"]
         load += m.stats["load"]
         m.reset_stats()
-    return [aux, float(dropped), *map(float, load.tolist())]
+    return [aux, z, float(dropped), *map(float, load.tolist())]
 
 
 def num_params(cfg: ModelConfig) -> int:

@@ -51,10 +51,9 @@ class ParallelPlan:
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp", "cp", "ep", "micro_batches", "virtual_stages"):
             v = getattr(self, name)
-            _require(
-                isinstance(v, int) and v >= 1,
-                f"{name}={v!r} must be an integer >= 1; {pass_hint(name, 1)}",
-            )
+            if not (isinstance(v, int) and v >= 1):  # the message only when it is wrong
+                raise ValueError(f"{name}={v!r} must be an integer >= 1; "
+                                 f"{pass_hint(name, 1)}")
         _require(self.zero in (0, 1, 2, 3), f"zero={self.zero!r} must be 0, 1, 2 or 3")
         _require(
             self.schedule in SCHEDULES,
@@ -133,9 +132,10 @@ class ParallelPlan:
                 f"{self.dp}*{self.micro_batches}={per_mb}; pick a multiple of {per_mb}",
             )
         _require(
-            not (self.sp and model.context % self.tp),
-            f"sequence parallelism needs context ({model.context}) divisible by tp "
-            f"({self.tp}); choose a multiple of {self.tp}",
+            not (self.sp and model.context % (self.tp * self.cp)),
+            f"sequence parallelism needs context ({model.context}) divisible by "
+            f"cp*tp={self.cp * self.tp} (it cuts each cp rank's tokens over tp); choose a "
+            f"multiple of {self.cp * self.tp}",
         )
         if self.cp > 1:
             _require(
@@ -188,15 +188,10 @@ class ParallelPlan:
             )
         if self.ep > 1:
             _require(
-                self.zero <= 2 and self.compress is None,
-                f"--ep {self.ep} works with --zero 0, 1 or 2 and no --compress (expert and "
-                "dense gradients go to two reducers); use --zero 2",
+                self.compress is None,
+                f"--ep {self.ep} works without --compress (expert and dense gradients go to "
+                "two reducers); drop --compress",
             )
-        _require(
-            not (self.cp > 1 and self.sp),
-            f"--sp with --cp {self.cp} is not supported (sequence parallelism would cut the "
-            "cp rank's tokens again); drop --sp or use --cp 1",
-        )
 
     def replace(self, **changes) -> ParallelPlan:
         return dataclasses.replace(self, **changes)

@@ -19,15 +19,16 @@ import torch.distributed as dist
 
 from paratrain import checkpoint, shutdown
 from paratrain.config import ModelConfig, TrainConfig
-from paratrain.data import Corpus
+from paratrain.data import Corpus, bits_per_byte
 from paratrain.distributed import at
 from paratrain.model import Decoder, take_moe_stats
 from paratrain.optim import lr_at
 from paratrain.parallel.api import build_engine
 from paratrain.parallel.memory import ActivationMeter, format_report, memory_report
 from paratrain.parallel.precision import working_dtype
-from paratrain.perf import matmul_peak_flops
+from paratrain.perf import PeakTracker, memory_bytes
 from paratrain.plan import ParallelPlan
+from paratrain.sources import write_atomic
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,7 @@ class RunOptions:
     measure_peak: bool = True
     stop_after: int | None = None  # end (and checkpoint) after this step, as if interrupted
     profile: str | None = None  # hardware profile for the prediction (default: calibrate's)
+    tensorboard: str | None = None  # rank 0 also writes TensorBoard event files here
 
 
 def _rank_world() -> tuple[int, int]:
@@ -62,9 +64,14 @@ class _Log:
     """Rank 0's outputs: the JSONL of steps, the progress bar, the summary."""
 
     def __init__(self, run_dir: Path | None, active: bool, quiet: bool, total: int,
-                 start: int = 0) -> None:
+                 start: int = 0, tensorboard: str | None = None) -> None:
         self.active = active
         self.file = None
+        self.tb = None
+        if active and tensorboard:
+            from paratrain.tensorboard_log import EventLog
+
+            self.tb = EventLog(tensorboard)
         if active and run_dir is not None:
             run_dir.mkdir(parents=True, exist_ok=True)
             path = run_dir / "metrics.jsonl"
@@ -85,6 +92,8 @@ class _Log:
         if self.file is not None:
             self.file.write(json.dumps(rec) + "\n")
             self.file.flush()
+        if self.tb is not None:
+            self.tb.step(rec)
         if self.progress is not None:
             self.progress.update(self.task, completed=advance_to, description=desc)
 
@@ -93,6 +102,8 @@ class _Log:
             self.progress.stop()
         if self.file is not None:
             self.file.close()
+        if self.tb is not None:
+            self.tb.close()
 
 
 def _records_before(path: Path, start: int) -> str:
@@ -154,14 +165,33 @@ def _prediction(mcfg, tcfg, plan, world, summary, profile) -> dict | None:
     return rep
 
 
+def moe_stats(engine, experts: int) -> list[float]:
+    """:func:`paratrain.model.take_moe_stats` of this rank, followed by a dp x E block
+    in which this rank fills its own row with its load (tokens it routed, per expert),
+    summed over the world in one collective: the totals, and each data rank's routing."""
+    mine = take_moe_stats(engine.model, experts)
+    by_rank = [0.0] * (engine.dp_size * experts)
+    r = engine.dp_rank * experts
+    by_rank[r:r + experts] = mine[3:]
+    return engine.all_sum(mine + by_rank)
+
+
 def moe_record(stats: list[float], mcfg: ModelConfig, sequences: int) -> dict:
     """Metrics of a step's MoE layers from :func:`paratrain.model.take_moe_stats` summed
     over ranks: ``aux_loss`` is the term the step's loss adds (coef x the mean over
     sequences of the per-layer balance losses, summed over layers; each is 1.0 when
-    perfectly balanced), ``moe_load`` the assignments each expert received (summed over
-    layers), ``moe_dropped`` the assignments over capacity."""
-    aux, dropped, load = stats[0], stats[1], [int(v) for v in stats[2:]]
+    perfectly balanced), ``z_loss`` the router z-loss term it adds (z_coef x the mean
+    over tokens, summed over layers; with the coefficient 0 it is 0.0), ``moe_load`` the
+    assignments each expert received (summed over layers), ``moe_dropped`` the
+    assignments over capacity, ``moe_load_by_rank`` the load per data rank (the tokens
+    each routed: the all-to-all's send counts, ``paratrain viz moe``)."""
+    E = mcfg.experts
+    aux, z, dropped, load = stats[0], stats[1], stats[2], [int(v) for v in stats[3:3 + E]]
+    rest = [int(v) for v in stats[3 + E:]]  # moe_stats: each data rank's load
+    by_rank = [rest[i:i + E] for i in range(0, len(rest), E)] if rest else [load]
     return {"aux_loss": mcfg.aux_loss_coef * aux / sequences,
+            "moe_load_by_rank": by_rank,
+            "z_loss": mcfg.z_loss_coef * z / (sequences * mcfg.context),
             "moe_balance": aux / sequences / max(1, mcfg.moe_layers),
             "moe_load": load, "moe_tokens_max": max(load),
             "moe_tokens_mean": sum(load) / len(load), "moe_dropped": int(dropped)}
@@ -182,15 +212,20 @@ def train(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan | None = None
             raise ValueError(f"global batch {tcfg.global_batch} is not divisible by "
                              f"--simulate-workers {opts.simulate_workers}; use a multiple")
     device = device or torch.device("cpu")
-    corpus = Corpus.load(tcfg.data, tcfg.val_fraction, mcfg.context)
+    corpus = Corpus.load(tcfg.data, tcfg.val_fraction, mcfg.context, tcfg.tokenizer,
+                         tcfg.text_field)
+    if corpus.vocab_size > mcfg.vocab_size:
+        raise ValueError(f"vocab_size={mcfg.vocab_size} is smaller than the {corpus.vocab_size} "
+                         f"tokens of --tokenizer {tcfg.tokenizer}; set vocab_size to "
+                         f"{corpus.vocab_size} (paratrain train does)")
     model = build_model(mcfg, tcfg, device)
     engine = build_engine(model, tcfg, plan, device, opts.simulate_workers)
     if rank == 0 and not opts.quiet and hasattr(engine, "describe_layout"):
         print(engine.describe_layout(), flush=True)  # mesh / stages / buckets chosen
 
     start = 0
-    meta = checkpoint.run_settings(mcfg, tcfg, plan, checkpoint.data_sha256(
-        corpus.train.numpy().tobytes() + corpus.val.numpy().tobytes())) \
+    meta = {"tokenizer": asdict(corpus.tokenizer.info),  # checked first on resume
+            **checkpoint.run_settings(mcfg, tcfg, plan, corpus.text_sha256)} \
         if opts.checkpoint_dir else {}
     if opts.resume:
         if not opts.checkpoint_dir:
@@ -203,10 +238,13 @@ def train(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan | None = None
                              f"but --steps is {tcfg.steps}; pass --steps above {start} to "
                              "train further")
 
+    if opts.checkpoint_dir and rank == 0:  # what generate and export decode with
+        write_atomic(Path(opts.checkpoint_dir) / "tokenizer.json", corpus.tokenizer.json.encode())
+    val_bytes = corpus.val_bytes(tcfg.eval_batches, tcfg.global_batch, mcfg.context)
+    val_tokens = tcfg.eval_batches * tcfg.global_batch * mcfg.context
     run_dir = Path(opts.run_dir) if opts.run_dir else None
-    log = _Log(run_dir, rank == 0, opts.quiet, tcfg.steps, start)
-    peak = matmul_peak_flops(working_dtype(tcfg)) \
-        if opts.measure_peak and rank == 0 else float("nan")
+    log = _Log(run_dir, rank == 0, opts.quiet, tcfg.steps, start, opts.tensorboard)
+    peak = PeakTracker(working_dtype(tcfg), device, opts.measure_peak and rank == 0)
     tokens = tcfg.global_batch * mcfg.context
     micro = plan.micro_batches if plan.pp == 1 else 1  # the pipeline splits its own
     model_flops = mcfg.flops_per_token(mcfg.context) * tokens
@@ -233,8 +271,7 @@ def train(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan | None = None
             meter.snapshot(engine)  # grads, optimizer state and buffers all exist now
         at("loss all-reduce", "world")
         (loss_sum,) = engine.all_sum([loss_sum])
-        moe = engine.all_sum(take_moe_stats(engine.model, mcfg.experts)) \
-            if mcfg.experts else None
+        moe = moe_stats(engine, mcfg.experts) if mcfg.experts else None
         lr = lr_at(step, tcfg)
         at("gradient-norm all-reduce and optimizer step", "world, then dp")
         gnorm = engine.clip_and_step(lr)
@@ -249,8 +286,9 @@ def train(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan | None = None
         payload, wire = comm.payload_bytes, comm.wire_bytes
         rec = {"step": step, "loss": loss, "lr": lr, "grad_norm": gnorm,
                "tokens_per_s": tokens / dt, "step_s": dt, "compute_s": dt - comm.seconds,
-               "comm_s": comm.seconds, "mfu": model_flops / dt / (peak * world),
-               "cpu_s": time.process_time() - c0}
+               "comm_s": comm.seconds, "mfu": peak.observe(model_flops / dt / world),
+               "peak_flops": peak.peak, "cpu_s": time.process_time() - c0,
+               "mem_bytes": memory_bytes(device)}
         if moe is not None:
             moe_steps.append(moe_record(moe, mcfg, tcfg.global_batch))
             ex = getattr(engine, "ep", None)
@@ -263,6 +301,7 @@ def train(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan | None = None
             at("evaluation", "mesh")
             val_loss = evaluate(engine, corpus, tcfg, mcfg.context)
             rec["val_loss"] = val_loss
+            rec["val_bpb"] = bits_per_byte(val_loss, val_tokens, val_bytes)
         log.step(rec, step + 1, f"loss {loss:.4f} | {tokens / dt:,.0f} tok/s | "
                  f"MFU {100 * rec['mfu']:.1f}%")
         every = tcfg.checkpoint_every
@@ -276,6 +315,7 @@ def train(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan | None = None
             log.close()
             raise shutdown.Stopped(sig, step + 1, str(checkpoint.step_dir(
                 opts.checkpoint_dir, step + 1)) if opts.checkpoint_dir else None)
+    tb, log.tb = log.tb, None  # kept open for the summary's scalars
     log.close()
 
     skip = 1 if len(times) > 1 else 0  # the first step pays warm-up costs
@@ -291,11 +331,13 @@ def train(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan | None = None
         "params": mcfg.num_params(), "active_params": mcfg.active_params(),
         "tokens_per_step": tokens,
         "final_loss": losses[-1] if losses else float("nan"),
-        "val_loss": val_loss, "losses": losses, "moe_steps": moe_steps,
+        "val_loss": val_loss, "losses": losses, "tokenizer": tcfg.tokenizer,
+        "val_bpb": bits_per_byte(val_loss, val_tokens, val_bytes), "moe_steps": moe_steps,
         "step_s": step_s, "tokens_per_s": tokens / step_s,
         "compute_s_per_step": step_s - comm_s, "comm_s_per_step": comm_s,
         "payload_bytes_per_step": payload, "wire_bytes_per_step": wire,
-        "peak_flops_per_rank": peak, "mfu": model_flops / step_s / (peak * world),
+        "peak_flops_per_rank": peak.peak, "peak_remeasured": peak.remeasured,
+        "mfu": model_flops / step_s / (peak.peak * world),
         "unigram_entropy": corpus.unigram_entropy(),
         "memory": memory_report(engine, mcfg, plan, tcfg, meter),
         "dp": engine.report() if hasattr(engine, "report") else {},
@@ -303,6 +345,9 @@ def train(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan | None = None
         if hasattr(engine, "model_parallel_report") else {},
     }
     summary["prediction"] = _prediction(mcfg, tcfg, plan, world, summary, opts.profile)
+    if tb is not None:
+        tb.summary(summary, end)
+        tb.close()
     if rank == 0 and not opts.quiet:
         print(format_report(summary["memory"]))
         if summary["model_parallel"]:

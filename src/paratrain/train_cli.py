@@ -24,6 +24,7 @@ import typer
 
 from paratrain import launcher, shutdown
 from paratrain.config import ModelConfig, TrainConfig, build, check_types, load_toml
+from paratrain.data_check import settle_vocab
 from paratrain.plan import ParallelPlan
 
 Opt = typer.Option
@@ -117,8 +118,8 @@ def check_resume(checkpoint_dir: str, mcfg: ModelConfig, tcfg: TrainConfig,
         raise ValueError(f"the checkpoint in {checkpoint_dir!r} is at step {meta.get('step')} "
                          f"but --steps is {tcfg.steps}; pass --steps above {meta.get('step')} "
                          "to train further")
-    want = checkpoint.run_settings(mcfg, tcfg, plan,
-                                   checkpoint.data_sha256(read_corpus(tcfg.data)))
+    text = read_corpus(tcfg.data, tcfg.text_field)
+    want = checkpoint.run_settings(mcfg, tcfg, plan, checkpoint.data_sha256(text))
     checkpoint.check_settings(meta, want, checkpoint.step_dir(checkpoint_dir, meta["step"]))
 
 
@@ -162,7 +163,8 @@ def register(app: typer.Typer) -> None:
     def train(
         nproc: Annotated[int, Opt(help="Worker processes (torchrun).")] = 2,
         simulate_workers: Annotated[int, Opt(help="W simulated workers in one process.")] = 1,
-        config: Annotated[str | None, Opt(help="TOML with [model] [train] [plan].")] = None,
+        config: Annotated[str | None, Opt(help="TOML with \\[model] \\[train] \\[plan] "
+                                               "tables.")] = None,
         # model
         layers: Annotated[int | None, Opt(help="Transformer blocks.")] = None,
         d_model: Annotated[int | None, Opt(help="Model width.")] = None,
@@ -178,6 +180,7 @@ def register(app: typer.Typer) -> None:
         shared_experts: Annotated[int | None, Opt(help="Always-on shared experts.")] = None,
         moe_every: Annotated[int | None, Opt(help="Every L-th block's MLP is MoE.")] = None,
         aux_loss_coef: Annotated[float | None, Opt(help="Load-balancing loss weight.")] = None,
+        z_loss_coef: Annotated[float | None, Opt(help="Router z-loss weight (0 = off).")] = None,
         capacity_factor: Annotated[float | None, Opt(help="Expert capacity (0 = dropless)."
                                                      )] = None,
         # training
@@ -190,7 +193,11 @@ def register(app: typer.Typer) -> None:
         reduce_dtype: Annotated[str | None, Opt(help="bf16 grads reduced in bfloat16|float32."
                                                 )] = None,
         eval_every: Annotated[int | None, Opt(help="Validate every K steps.")] = None,
-        data: Annotated[str | None, Opt(help="Text file or folder (default: stdlib).")] = None,
+        data: Annotated[str | None, Opt(help="Text, .jsonl or .parquet file, or a folder "
+                                        "(default: stdlib).")] = None,
+        tokenizer: Annotated[str | None, Opt(help="bytes | bpe:N | tokenizer.json path.")] = None,
+        text_field: Annotated[str | None, Opt(help="Text field of .jsonl/.parquet records."
+                                              )] = None,
         run_dir: Annotated[str | None, Opt(help="Metrics dir, new or empty unless --resume "
                                                "(default runs/<time>-<pid>).")] = None,
         checkpoint_dir: Annotated[str | None, Opt(help="Checkpoint directory.")] = None,
@@ -212,6 +219,8 @@ def register(app: typer.Typer) -> None:
         grace: Annotated[float, Opt(help="Seconds a signalled run has to checkpoint before "
                                          "SIGKILL.")] = 7.0,
         quiet: Annotated[bool, Opt(help="No progress bar or summary table.")] = False,
+        tensorboard: Annotated[str | None, Opt(help="Also write TensorBoard event files "
+                                                   "here (rank 0).")] = None,
         # plan
         dp: Annotated[int | None, Opt(help="Data-parallel size (default nproc/(tp*pp*cp))."
                                       )] = None,
@@ -247,10 +256,11 @@ def register(app: typer.Typer) -> None:
                  d_ff=d_ff, context=context, tie_embeddings=tie_embeddings,
                  attention=attention, experts=experts, top_k=top_k, moe_ffn=moe_ffn,
                  shared_experts=shared_experts, moe_every=moe_every,
-                 aux_loss_coef=aux_loss_coef, capacity_factor=capacity_factor),
+                 aux_loss_coef=aux_loss_coef, z_loss_coef=z_loss_coef,
+                 capacity_factor=capacity_factor),
             dict(steps=steps, global_batch=global_batch, lr=lr, warmup_steps=warmup_steps,
                  seed=seed, dtype=dtype, reduce_dtype=reduce_dtype, eval_every=eval_every,
-                 data=data,
+                 data=data, tokenizer=tokenizer, text_field=text_field,
                  checkpoint_every=checkpoint_every),
             dict(dp=dp, tp=tp, pp=pp, sp=sp, cp=cp, cp_algorithm=cp_algorithm, ep=ep, zero=zero,
                  micro_batches=micro_batches,
@@ -288,6 +298,8 @@ def register(app: typer.Typer) -> None:
                                  "one, or add --resume to continue into it")
         if checkpoint_dir is not None:
             check_output_dir("--checkpoint-dir", checkpoint_dir)
+        mcfg = settle_vocab(mcfg, tcfg, config)  # slow, so late: BPE trained, ids cached
+        plan.check(mcfg, world, tcfg.global_batch)  # again: the vocabulary may have changed
         if lead and (resume == "yes" or (resume == "auto" and _has_checkpoint(checkpoint_dir))):
             check_resume(checkpoint_dir, mcfg, tcfg, plan)
         if run_dir is None:
@@ -302,7 +314,8 @@ def register(app: typer.Typer) -> None:
                 "opts": dict(run_dir=run_dir, checkpoint_dir=checkpoint_dir,
                              resume={"yes": True, "auto": "auto"}.get(resume, False),
                              keep_checkpoints=keep_checkpoints,
-                             simulate_workers=simulate_workers, quiet=quiet),
+                             simulate_workers=simulate_workers, quiet=quiet,
+                             tensorboard=tensorboard),
                 "timeout_s": timeout}
         if in_torchrun:
             from paratrain.worker import run_worker

@@ -39,8 +39,9 @@ def print_summary(s: dict, run_dir: str | None) -> None:
         ("parameters", f"{s['params']:,}"),
         ("tokens per step", f"{s['tokens_per_step']:,}"),
         ("final train loss", f"{s['final_loss']:.6f}"),
-        ("validation loss", f"{s['val_loss']:.6f}"),
-        ("unigram baseline", f"{s['unigram_entropy']:.6f}  (context-free model, nats/byte)"),
+        ("validation loss", f"{s['val_loss']:.6f}  ({s.get('val_bpb', float('nan')):.4f} "
+                            f"bits/byte, tokenizer {s.get('tokenizer', 'bytes')})"),
+        ("unigram baseline", f"{s['unigram_entropy']:.6f}  (context-free model, nats/token)"),
         ("tokens/s", f"{s['tokens_per_s']:,.0f}"),
         ("MFU", f"{100 * s['mfu']:.1f}%  of {s['peak_flops_per_rank'] / 1e9:.1f} GFLOP/s "
                 "measured matmul peak per rank"),

@@ -24,11 +24,13 @@ import threading
 from collections import defaultdict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 import torch
 import torch.distributed as dist
 
 from paratrain.comm.algorithms import SEGMENTED, build
+from paratrain.comm.direct import ring_shift
 from paratrain.comm.executor import DEFAULT_PIECE_BYTES, ExecStats, execute
 from paratrain.comm.schedule import chunk_sizes, offsets
 
@@ -114,13 +116,15 @@ def _flat(t: torch.Tensor, name: str) -> torch.Tensor:
 
 
 def _run(op, algorithm, n, planes, group, reduce_op, async_op, stats, result, *, root=0,
-         segments=None, piece_bytes=None, timeout_s=None, after=None, gpus_per_node=8):
+         segments=None, piece_bytes=None, timeout_s=None, after=None, gpus_per_node=8,
+         sched=None):
     p = dist.get_world_size(group)
     if (op, algorithm) in SEGMENTED and segments is None:
         nbytes = n * planes[0][0].element_size()
         segments = max(1, min(n, 64, max(2, nbytes // SEGMENT_BYTES)))
-    sched = build(op, algorithm, p, n, root=root, segments=segments,
-                  gpus_per_node=gpus_per_node)
+    if sched is None:
+        sched = build(op, algorithm, p, n, root=root, segments=segments,
+                      gpus_per_node=gpus_per_node)
 
     def go():
         s = execute(sched, planes, group=group, reduce_op=reduce_op,
@@ -235,6 +239,24 @@ def all_to_all(output: torch.Tensor, input: torch.Tensor, group=None,
     out[r * sizes[r]:(r + 1) * sizes[r]].copy_(inp[o:o + sizes[r]])  # own block stays home
     return _run("all_to_all", algorithm, n, [(out, inp)], group, "sum", async_op, stats,
                 output, **kw)
+
+
+def shift(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False,
+          stats: CollectiveCounts | None = None, **kw):
+    """Rank r sends ``input`` to group rank r+1 and receives rank r-1's into ``output``
+    (same shape), mod p: one round of :func:`paratrain.comm.direct.ring_shift`."""
+    inp, out = _flat(input, "input"), _flat(output, "output")
+    if out.numel() != inp.numel():
+        raise ValueError(f"output has {out.numel()} elements, input {inp.numel()}; "
+                         "a shift receives what it sends: allocate torch.empty_like(input)")
+    sched = _ring_shift(dist.get_world_size(group), inp.numel())
+    return _run("shift", "ring", inp.numel(), [(out, inp)], group, "sum", async_op, stats,
+                output, sched=sched, **kw)
+
+
+@lru_cache(maxsize=64)
+def _ring_shift(p: int, n: int):
+    return ring_shift(p, n)
 
 
 def topk_all_reduce(tensor: torch.Tensor, k: int, group=None, async_op: bool = False,

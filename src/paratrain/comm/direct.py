@@ -68,3 +68,12 @@ def pairwise_all_to_all(p: int, n: int, algorithm: str = "pairwise") -> Collecti
                    for k in range(1, p))
     return CollectiveSchedule("all_to_all", algorithm, p, n, _block_sizes(p, n), rounds,
                               layout="blocks")
+
+
+def ring_shift(p: int, n: int) -> CollectiveSchedule:
+    """One round: rank r sends its block of n elements to r+1 and receives r-1's (mod p).
+    The step of ring attention's K/V and dK/dV pass (:mod:`paratrain.parallel.context`):
+    each rank sends n elements; it is not a collective of the systems model's catalogue
+    (the cp price counts these bytes itself: :func:`paratrain.layout.cp_wire_bytes`)."""
+    rounds = (tuple(Transfer(r, (r + 1) % p, r, COPY) for r in range(p)),) if p > 1 else ()
+    return CollectiveSchedule("shift", "ring", p, n, (n,) * p, rounds, layout="pair")

@@ -94,6 +94,8 @@ def _place(s: CollectiveSchedule, rank: int, seg: int, sending: bool) -> tuple[i
     """(where, offset) of a segment in this rank's buffers."""
     if s.layout == "flat":
         return 0, s.seg_offsets[seg]
+    if s.layout == "pair":  # the rank's own block from its input, the peer's into output
+        return (1, 0) if sending else (0, 0)
     i, j = divmod(seg, s.p)  # block (i, j): rank i's chunk j, received by rank j
     if sending:
         return 1, offsets(chunk_sizes(s.n, s.p))[j]

@@ -27,12 +27,14 @@ REDUCE = "reduce"
 COPY = "copy"
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "all_to_all",
-       "sparse_all_gather")
+       "sparse_all_gather", "shift")
 
 #: Buffer layouts. ``flat``: segments tile one vector in order (offsets are cumulative).
 #: ``blocks``: all-to-all; segment ``i * p + j`` is the block rank ``i`` sends to rank ``j``;
 #: a rank only ever holds the blocks of its own row (input) and column (output).
-LAYOUTS = ("flat", "blocks")
+#: ``pair``: point to point; segment ``i`` is rank ``i``'s block: a rank sends its own from
+#: its input and receives one into its output (the ring shift of ring attention).
+LAYOUTS = ("flat", "blocks", "pair")
 
 
 def chunk_sizes(n: int, k: int) -> tuple[int, ...]:

@@ -35,17 +35,20 @@ def bucket_sizes(sizes: list[int], elem: int, cap_bytes: int) -> list[int]:
 
 def fsdp_unit_sizes(lay: RankLayout) -> list[list[int]]:
     """Per chunk, element counts of its ZeRO-3 units (:func:`paratrain.parallel.fsdp.
-    default_units`): [tok_emb], each block, [norm, head]; tied: [tok_emb + norm] first."""
+    default_units`): [tok_emb], each block, [norm, head]; tied: [tok_emb + norm] first.
+    A layout of one part (:func:`reducers`) has only the units holding some of it: the
+    dense part every unit less the routed experts, the expert part one unit of local
+    experts per MoE block (:func:`paratrain.parallel.expert.expert_units`)."""
     out = []
     counts = lay.block_counts or tuple((PER_BLOCK,) * (b - a) for a, b in lay.ranges)
     for k, sizes, per in zip(lay.stages, lay.chunks, counts, strict=True):
         rest = list(sizes)
-        emb = [rest.pop(0)] if k == 0 else []
         nb = sum(per)
+        emb = [rest.pop(0)] if k == 0 and len(rest) > nb else []  # the expert part: none
         starts = [sum(per[:j]) for j in range(len(per))]
-        blocks = [sum(rest[a:a + n]) for a, n in zip(starts, per, strict=True)]
+        blocks = [sum(rest[a:a + n]) for a, n in zip(starts, per, strict=True) if n]
         tail = rest[nb:]
-        if lay.tied:
+        if lay.tied and emb:
             out.append([emb[0] + sum(tail), *blocks])
         else:
             out.append([*emb, *blocks, *([sum(tail)] if tail else [])])

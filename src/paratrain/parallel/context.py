@@ -38,15 +38,18 @@ reruns the CP attention, communication included):
 **Bytes**: :class:`CPComm` counts what each rank sends (training only: evaluation's
 traffic is put back), the torch-free formula is :func:`paratrain.layout.cp_wire_bytes`.
 
-Composition: TP shards heads first (cp then splits the local heads for Ulysses); a
-pipeline passes (B, T/cp, D) hidden states; ZeRO 0-3 reduce over dp x cp. SP with CP is
-refused (:meth:`ParallelPlan.check_runtime`).
+Composition: TP shards heads first (cp then splits the local heads for Ulysses); with
+SP each tp rank holds T/(cp tp) of the cp rank's tokens outside attention, and the SP
+all-gather before wq/wk/wv restores the cp rank's T/cp tokens in its local order, so
+the core sees what it sees without SP; a pipeline passes (B, T/cp, D) hidden states
+((B, T/(cp tp), D) with SP); ZeRO 0-3 reduce over dp x cp.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -67,29 +70,65 @@ class CPComm:
     nxt: int
     prev: int
     algorithm: str = "ring"
+    collectives: str = "native"  # "ours": paratrain.comm's executor moves the bytes
     wire_bytes: int = 0
     calls: int = 0
+    exposed_s: float = 0.0  # seconds spent waiting for transfers: what overlap did not hide
+    step_marks: list = field(default_factory=list)  # exposed_s at the end of each step
 
     def pass_on(self, t: torch.Tensor, tag: int):
         """Post: send ``t`` to the next rank, receive the same shape from the previous.
-        Returns a waiter giving the received tensor."""
+        Returns a waiter giving the received tensor. Native: ``isend`` / ``irecv``;
+        ours: :func:`paratrain.comm.api.shift` queued on paratrain's communication
+        thread (the bytes counted are those its executor reports having sent)."""
         t = t.contiguous()
         buf = torch.empty_like(t)
         self.calls += 1
+        if self.collectives == "ours":
+            from paratrain.comm import api
+
+            pending = api.shift(buf, t, group=self.group, async_op=True)
+
+            def wait_ours() -> torch.Tensor:
+                t0 = time.perf_counter()
+                pending.wait()
+                self.exposed_s += time.perf_counter() - t0
+                self.wire_bytes += pending.stats.bytes_sent
+                return buf
+            return wait_ours
         self.wire_bytes += t.numel() * t.element_size()
         works = [dist.isend(t, dst=self.nxt, group=self.group, tag=tag),
                  dist.irecv(buf, src=self.prev, group=self.group, tag=tag)]
 
         def wait() -> torch.Tensor:
+            t0 = time.perf_counter()
             for w in works:
                 w.wait()
+            self.exposed_s += time.perf_counter() - t0
             return buf
         return wait
 
     def all_to_all(self, pieces: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Piece r to rank r, what each rank sent me in rank order (equal shapes)."""
         pieces = [p.contiguous() for p in pieces]
-        outs = [torch.empty_like(p) for p in pieces]
         self.calls += 1
+        t0 = time.perf_counter()
+        try:
+            return self._all_to_all(pieces)
+        finally:  # blocking: all of it is exposed
+            self.exposed_s += time.perf_counter() - t0
+
+    def _all_to_all(self, pieces: list[torch.Tensor]) -> list[torch.Tensor]:
+        if self.collectives == "ours":
+            from paratrain.comm import api
+
+            flat = torch.cat([p.view(-1) for p in pieces])
+            out = torch.empty_like(flat)
+            stats = api.CollectiveCounts()
+            api.all_to_all(out, flat, group=self.group, stats=stats)
+            self.wire_bytes += stats.bytes_sent()
+            return [o.view_as(p) for o, p in zip(out.chunk(self.size), pieces, strict=True)]
+        outs = [torch.empty_like(p) for p in pieces]
         self.wire_bytes += sum(p.numel() * p.element_size()
                                for r, p in enumerate(pieces) if r != self.rank)
         dist.all_to_all(outs, pieces, group=self.group)
@@ -165,7 +204,10 @@ class RingAttention(torch.autograd.Function):
                     lse[a] = new
             if pending is not None:
                 kv = pending()
-        out_t, lse_t = torch.cat(out, dim=2), torch.cat(lse, dim=2)
+        # out in (B, L, H, E) memory, seen as (B, H, L, E): the core's transpose + flatten
+        # for wo is then a view, so wo keeps the same storage (no second s a E copy)
+        out_t = torch.cat([o.transpose(1, 2) for o in out], dim=1).transpose(1, 2)
+        lse_t = torch.cat(lse, dim=2)
         ctx.save_for_backward(q, k, v, out_t, lse_t)
         ctx.comm, ctx.in_dtype = comm, in_dtype
         return out_t.to(in_dtype)
@@ -236,22 +278,32 @@ class AllToAll(torch.autograd.Function):
                           dim=ctx.split), None, None, None)
 
 
+def _to_global(x_BThE: torch.Tensor, N: int) -> torch.Tensor:
+    """Arrival order (rank r's chunks r and 2N-1-r, ranks in order) -> global order.
+    Views, a flip and a cat: autograd keeps no index tensor for backward."""
+    B, T, h, E = x_BThE.shape
+    x = x_BThE.view(B, N, 2, T // (2 * N), h, E)
+    return torch.cat((x[:, :, 0], x[:, :, 1].flip(1)), dim=1).view(B, T, h, E)
+
+
+def _to_arrival(y_BThE: torch.Tensor, N: int) -> torch.Tensor:
+    """The inverse of :func:`_to_global`."""
+    B, T, h, E = y_BThE.shape
+    y = y_BThE.view(B, 2 * N, T // (2 * N), h, E)
+    return torch.stack((y[:, :N], y[:, N:].flip(1)), dim=2).view(B, T, h, E)
+
+
 def ulysses_core(comm: CPComm, plain_core, T: int):
     """A replacement for ``Attention.core``: sequence-sharded -> head-sharded, the plain
     causal core on the full sequence in global order, and back."""
     N = comm.size
-    order = [p for r in range(N) for p in cp_positions(T, N, r)]  # arrival -> global
-    to_global = torch.tensor(sorted(range(T), key=lambda t: order[t]))
-    to_arrival = torch.tensor(order)
 
     def core(q_BLHE, k_BLKE, v_BLKE):
-        idx = to_global.to(q_BLHE.device)
-        q, k, v = (AllToAll.apply(t, comm, 2, 1).index_select(1, idx)
+        q, k, v = (_to_global(AllToAll.apply(t, comm, 2, 1), N)
                    for t in (q_BLHE, k_BLKE, v_BLKE))
         y = plain_core(q, k, v)  # (B, T, H/cp * E), global order
         B, _, HE = y.shape
-        y = y.view(B, T, q.shape[2], HE // q.shape[2]).index_select(
-            1, to_arrival.to(y.device))
+        y = _to_arrival(y.view(B, T, q.shape[2], HE // q.shape[2]), N)
         return AllToAll.apply(y, comm, 1, 2).flatten(2)
     return core
 
@@ -270,11 +322,11 @@ def apply_context_parallel(chunk: nn.Module, comm: CPComm, T: int) -> None:
             blk.attn.core = ulysses_core(comm, blk.attn.core, T)
 
 
-def cp_comm(mesh, algorithm: str) -> CPComm:
+def cp_comm(mesh, algorithm: str, collectives: str = "native") -> CPComm:
     """The :class:`CPComm` of this rank on ``mesh``'s cp axis."""
     N, i = mesh.size("cp"), mesh.index("cp")
     return CPComm(mesh.group("cp"), N, i, mesh.peer("cp", (i + 1) % N),
-                  mesh.peer("cp", (i - 1) % N), algorithm)
+                  mesh.peer("cp", (i - 1) % N), algorithm, collectives)
 
 
 def local_tokens(x_BT: torch.Tensor, comm: CPComm) -> torch.Tensor:

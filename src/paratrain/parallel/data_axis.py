@@ -61,9 +61,11 @@ class DataAxis:
     """The dp-axis reducer of this rank's chunks, and the optimizer that goes with it."""
 
     def __init__(self, chunks: list[nn.Module], group, dp: int, plan: ParallelPlan,
-                 cfg: TrainConfig, counted, select=None) -> None:
+                 cfg: TrainConfig, counted, select=None, units_of=None) -> None:
         """``select(p)``: the parameters this reducer takes (default all); expert
-        parallelism builds two, dense over dp and experts over the edp group."""
+        parallelism builds two, dense over dp and experts over the edp group.
+        ``units_of(chunk)``: ZeRO-3's units (default :func:`.fsdp.default_units`), of
+        which the reducer takes the selected parameters."""
         self.kind = kind_of(plan, dp)
         self.plan = plan
         self.deferred = plan.pp > 1
@@ -73,8 +75,8 @@ class DataAxis:
         sel = select or (lambda p: True)
         lists = [[p for p in c.parameters() if p.requires_grad and sel(p)] for c in chunks]
         self.params = [p for p in self.container.parameters() if sel(p)]
-        if select is not None and self.kind in ("topk", "fsdp"):
-            raise ValueError(f"the {self.kind} reducer takes whole chunks; use --zero 0, 1 or 2")
+        if select is not None and self.kind == "topk":
+            raise ValueError("the topk reducer takes whole chunks; drop --compress")
         self.buckets: list[GradBuckets] = []
         self.zo = self.fs = self.tk = None
         self.comm = None
@@ -112,12 +114,13 @@ class DataAxis:
 
             units, owner = [], []
             for c, chunk in enumerate(chunks):
-                for u in default_units(chunk):
-                    units.append(u)
-                    owner.append(c)
+                for u in (units_of or default_units)(chunk):
+                    if any(sel(q) for m in u for q in m.parameters()):
+                        units.append(u)
+                        owner.append(c)
             self.fs = FullyShard(units, group, cfg, plan.collectives, reduce_dtype=rdt,
                                  overlap=plan.overlap, deferred=self.deferred,
-                                 unit_chunks=owner, counted=counted)
+                                 unit_chunks=owner, counted=counted, select=select)
             self.comm = self.fs.comm
             self.opt = self.fs.adam.opt
         if self.deferred:

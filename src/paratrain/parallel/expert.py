@@ -27,7 +27,10 @@ Gradients: dense parameters are reduced over dp (the usual :class:`.data_axis.Da
 expert parameters (tagged ``expert = True``) by a second DataAxis over the ``edp`` group
 of the dp / ep ranks holding the same experts; :class:`SplitDataAxis` drives the two as
 one. Each expert parameter's square enters the global norm once: on edp rank 0 (or its
-ZeRO-1 shard's owner).
+ZeRO shard's owner). Under ZeRO-3 both reducers are FSDP: the dense one shards each
+block's other parameters over dp (units as without ep), the expert one shards each MoE
+layer's local experts over edp, one unit per layer (:func:`expert_units`), gathered
+around the experts' own forward and backward, inside the block's.
 """
 
 from __future__ import annotations
@@ -127,6 +130,13 @@ class ExpertExchange:
 
 def is_expert(p: nn.Parameter) -> bool:
     return getattr(p, "expert", False)
+
+
+def expert_units(chunk: nn.Module) -> list[list[nn.Module]]:
+    """ZeRO-3 units of the expert reducer: each MoE layer's local experts, one unit,
+    gathered at the first expert's forward and freed after the last's (every local
+    expert runs each forward, in order: :meth:`paratrain.model.MoE.run_sorted`)."""
+    return [list(m.experts) for m in moe_modules(chunk)]
 
 
 def apply_expert_parallel(chunks: list[nn.Module], mesh, collectives: str = "native"

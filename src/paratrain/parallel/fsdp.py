@@ -68,6 +68,12 @@ from paratrain.parallel.zero import FlatShard, ShardedAdamW, owned_segments
 MAX_IN_FLIGHT = 2  # units' gradient reduce-scatters in flight at once
 
 
+def _in_backward() -> bool:
+    """Whether autograd is running a backward now (a checkpointed forward being
+    recomputed; :class:`paratrain.model.MoE` asks the same)."""
+    return torch._C._current_graph_task_id() != -1
+
+
 def default_units(model: nn.Module) -> list[list[nn.Module]]:
     """The units of a Decoder or a pipeline chunk (same attribute names, absent parts
     None) in forward order: embedding, each block, (final norm, head); with tied
@@ -108,7 +114,10 @@ class FullyShard:
                  impl: str = "native", param_dtype: torch.dtype | None = None,
                  reduce_dtype: torch.dtype | None = None, overlap: bool = True,
                  deferred: bool = False, unit_chunks: list[int] | None = None,
-                 counted=lambda q: True) -> None:
+                 counted=lambda q: True, select=None) -> None:
+        """``select(q)``: the parameters of the units' modules this instance shards
+        (default all); expert parallelism runs two, dense over dp and the experts over
+        the expert-data-parallel group (:mod:`.expert`)."""
         self.comm = GroupComm(group, impl)
         self.overlap, self.deferred = overlap, deferred
         unit_chunks = unit_chunks or [0] * len(units)
@@ -119,6 +128,8 @@ class FullyShard:
             params = []
             for m in mods:
                 for q in m.parameters():
+                    if select is not None and not select(q):
+                        continue
                     if id(q) in owner and owner[id(q)] != i:
                         raise ValueError(f"a parameter of shape {tuple(q.shape)} is shared by "
                                          f"units {owner[id(q)]} and {i}; put those modules "
@@ -226,11 +237,18 @@ class FullyShard:
     # ---- hooks ----------------------------------------------------------------------
     def _pre_forward(self, u: Unit) -> None:
         self._ensure(u)
+        if _in_backward():  # a recomputed forward: backward is about to use this unit
+            return
         i = self.units.index(u)  # prefetch the next unit of the same chunk
         if self.overlap and i + 1 < len(self.units) and self.units[i + 1].chunk == u.chunk:
             self._launch_gather(self.units[i + 1])
 
     def _post_forward(self, u: Unit, out) -> None:
+        if _in_backward():
+            # Recompute inside backward (a unit within a checkpointed block, e.g. an MoE
+            # layer's experts): keep it gathered for the backward that follows; its last
+            # gradient frees it. Freeing here would gather it a third time.
+            return
         training = torch.is_grad_enabled() and torch.is_tensor(out) and out.requires_grad
         if training and self.deferred:
             return  # stays gathered until its chunk is reduced

@@ -100,7 +100,7 @@ class MeshEngine(Engine):
             sum_partial_grads_over_tp(chunks, mesh.group("tp"))
         self.cp = None
         if plan.cp > 1:
-            self.cp = cp_comm(mesh, plan.cp_algorithm)
+            self.cp = cp_comm(mesh, plan.cp_algorithm, plan.collectives)
             for c in chunks:
                 apply_context_parallel(c, self.cp, self.mcfg.context)
         for c in chunks:
@@ -112,13 +112,13 @@ class MeshEngine(Engine):
         if plan.ep > 1:
             from paratrain.parallel import expert
 
-
             self.ep = expert.apply_expert_parallel(chunks, mesh, plan.collectives)
             self.data = expert.SplitDataAxis(
                 DataAxis(chunks, mesh.group("dpcp"), mesh.size("dpcp"), plan, cfg,
                          self._counted, select=lambda p: not expert.is_expert(p)),
                 DataAxis(chunks, mesh.group("edp"), mesh.size("edp"), plan, cfg,
-                         self._counted, select=expert.is_expert))
+                         self._counted, select=expert.is_expert,
+                         units_of=expert.expert_units))
         else:
             self.data = DataAxis(chunks, mesh.group("dpcp"), mesh.size("dpcp"), plan, cfg,
                                  self._counted)
@@ -232,7 +232,8 @@ class MeshEngine(Engine):
         self.model.eval()
         counts = [(c.wire_bytes, c.payload_bytes, c.calls) for st in self.tp_states
                   for c in (st.blocks, st.edges)]  # evaluation traffic is not training's
-        cp_counts = (self.cp.wire_bytes, self.cp.calls) if self.cp else None
+        cp_counts = (self.cp.wire_bytes, self.cp.calls, self.cp.exposed_s) if self.cp \
+            else None
         ep_counts = (self.ep.wire_bytes, self.ep.calls) if self.ep else None
         try:
             x_BT, y_BT, T = self._local(x_BT, y_BT)
@@ -243,7 +244,7 @@ class MeshEngine(Engine):
         finally:
             self.model.train()
             if self.cp is not None:
-                self.cp.wire_bytes, self.cp.calls = cp_counts
+                self.cp.wire_bytes, self.cp.calls, self.cp.exposed_s = cp_counts
             if self.ep is not None:
                 self.ep.wire_bytes, self.ep.calls = ep_counts
             comms = [c for st in self.tp_states for c in (st.blocks, st.edges)]
@@ -254,6 +255,8 @@ class MeshEngine(Engine):
     def reduce_gradients(self) -> CommStats:
         t0 = time.perf_counter()
         self._micro = 0
+        if self.cp is not None:
+            self.cp.step_marks.append(self.cp.exposed_s)
         stats = self.data.finish()
         if self.data.kind == "none":
             stats.seconds = time.perf_counter() - t0

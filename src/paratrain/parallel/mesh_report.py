@@ -62,7 +62,7 @@ def model_parallel_report(engine) -> dict:
     per_seq = block_activation_bytes(
         m, m.context // plan.cp, tp=plan.tp, sp=plan.sp, recompute=plan.recompute,
         attention="eager" if m.attention == "eager" else "flash",
-        element_bytes=_elem(engine.dtype))
+        element_bytes=_elem(engine.dtype), cp=plan.cp, cp_algorithm=plan.cp_algorithm)
     from paratrain.parallel.memory import predicted_activations
 
     out["activation"] = {
@@ -85,7 +85,7 @@ def model_parallel_report(engine) -> dict:
             "collectives_per_layer_per_microbatch":
                 sum(st.blocks.calls for st in st_blk) / layers / mbs,
             "formula_wire_bytes_per_layer_per_microbatch": tp_wire_bytes_per_layer(
-                b_mb, m.context, m.d_model, plan.tp,
+                b_mb, m.context // plan.cp, m.d_model, plan.tp,
                 _elem(engine.dtype), _elem(engine.dtype), plan.recompute),
         }
     if engine.cp is not None:
@@ -103,12 +103,17 @@ def cp_report(engine) -> dict:
     steps = max(1, engine.data.steps_done or len(engine.act_peaks))
     layers = sum(len(c.blocks) for c in engine.model)
     batch = engine.cfg.global_batch // engine.dp_size
+    marks = engine.cp.step_marks
+    exposed = [b - a for a, b in zip([0.0] + marks[:-1], marks, strict=True)]
     bal = attention_pairs_per_rank(m.context, plan.cp, True)
     con = attention_pairs_per_rank(m.context, plan.cp, False)
     return {
         "cp": plan.cp, "algorithm": plan.cp_algorithm,
         "wire_bytes_per_step": engine.cp.wire_bytes / steps,
         "transfers_per_step": engine.cp.calls / steps,
+        # waiting for K/V (ring) or in the all-to-alls: what overlap did not hide; the
+        # mean over steps after the first (which also opens gloo's connections)
+        "exposed_comm_s_per_step": statistics.mean(exposed[1:] or exposed or [0.0]),
         "formula_wire_bytes_per_step": cp_wire_bytes(m, plan, _elem(engine.dtype), batch,
                                                      layers),
         "attention_pairs_per_rank": bal,

@@ -51,10 +51,12 @@ def is_paratrain_block(model: ModelConfig) -> bool:
 
 def block_activation_bytes(model: ModelConfig, seq: int, *, tp: int = 1, sp: bool = False,
                            recompute: str = "none", attention: str = "flash",
-                           element_bytes: float = 2.0) -> float:
-    """Bytes one layer keeps for backward, per sequence of ``seq`` tokens, on one
-    tensor-parallel rank of ``tp`` (with sequence parallelism if ``sp``), at
-    ``element_bytes`` per element. The one activation formula of paratrain.
+                           element_bytes: float = 2.0, cp: int = 1,
+                           cp_algorithm: str = "ring") -> float:
+    """Bytes one layer keeps for backward, per sequence of ``seq`` tokens held by this
+    rank (T / cp under context parallelism), on one tensor-parallel rank of ``tp`` (with
+    sequence parallelism if ``sp``), at ``element_bytes`` per element. The one
+    activation formula of paratrain.
 
     For paratrain's block (:func:`is_paratrain_block`) it is exact: the tensors autograd
     keeps in model.py, counted once per storage as
@@ -79,6 +81,28 @@ def block_activation_bytes(model: ModelConfig, seq: int, *, tp: int = 1, sp: boo
     full recompute        only the block input                                   s h / u
     ====================  =====================================================  ========
 
+    Context parallelism (cp > 1, :mod:`paratrain.parallel.context`) changes only the
+    attention row (selective and full recompute keep the same tensors as without cp):
+
+    ====================  =====================================================  ========
+    ring (any kernel)     q; k, v as the rank holds them (kv heads, not         (2 s a E
+                          repeated: GQA repeats per block); the merged output,  + 2 s K E
+                          which is also wo's input (a view); one log-sum-exp     + s a)/t
+                          per row. Blocks are computed and dropped one by one:
+                          no s x s scores are kept, whatever ``attention`` says
+    all-to-all, flash     as flash, over the whole sequence T = cp s on a / cp   (5 s a E
+                          heads (the same element count), plus wo's input: the   + s a)/t
+                          output after the return all-to-all is a new tensor
+    all-to-all, eager     q, k, v, the a / cp heads' T x T probabilities, wo's   (4 s a E
+                          input                                                  + cp a s^2)/t
+    ====================  =====================================================  ========
+
+    The K/V blocks in flight around the ring (the rank's own and the one arriving: 4 s K E
+    elements; in backward also the travelling dK/dV accumulators), the ring's per-block
+    scores, and all-to-all's received pieces before they are put in global order are
+    working memory of one layer at a time, freed before the next layer runs: they are not
+    kept for backward and not counted here (docs/context-parallel.md).
+
     How it differs from Korthikanti's 34 s b h (16 bit): RMSNorm keeps the normalised
     tensor before and after its weight (LayerNorm in Megatron keeps its input only);
     SwiGLU keeps four d_ff-wide tensors where GeLU keeps two 4h-wide ones; there is no
@@ -93,9 +117,15 @@ def block_activation_bytes(model: ModelConfig, seq: int, *, tp: int = 1, sp: boo
     """
     _check_kinds(recompute, attention)
     m = as_shape(model)
+    ring = cp > 1 and cp_algorithm == "ring"
     if not is_paratrain_block(m):
-        return layer_activation_bytes(seq, 1, m.d_model, m.n_heads, tp, sp, recompute,
-                                      attention) * element_bytes / 2.0
+        def korthikanti(kind: str) -> float:
+            return layer_activation_bytes(seq, 1, m.d_model, m.n_heads, tp, sp, recompute,
+                                          kind) * element_bytes / 2.0
+        if ring or attention == "flash" or cp == 1:
+            return korthikanti("flash" if ring else attention)
+        # all-to-all, unfused: each rank's a / cp heads keep T x T = cp s x s scores
+        return korthikanti("eager") + (cp - 1) * (korthikanti("eager") - korthikanti("flash"))
     s, h, f, a, t = seq, m.d_model, m.d_ff, m.n_heads, tp
     u = t if sp else 1
     ae, ke = a * m.head_dim, m.kv_heads * m.head_dim
@@ -105,10 +135,12 @@ def block_activation_bytes(model: ModelConfig, seq: int, *, tp: int = 1, sp: boo
     linear_inputs = 2 * s * h
     if recompute == "selective":
         attn = (2 * s * ae + 2 * s * ke) / t
+    elif ring:
+        attn = (2 * s * ae + 2 * s * ke + s * a) / t
     elif attention == "eager":
-        attn = (4 * s * ae + a * s * s) / t
+        attn = (4 * s * ae + cp * a * s * s) / t
     else:
-        attn = (4 * s * ae + s * a) / t
+        attn = (4 * s * ae + s * a + (s * ae if cp > 1 else 0)) / t
     mlp = 4 * s * f / t
     return (norms + linear_inputs + attn + mlp) * element_bytes
 
@@ -116,7 +148,7 @@ def block_activation_bytes(model: ModelConfig, seq: int, *, tp: int = 1, sp: boo
 def edge_activation_bytes(model: ModelConfig, seq: int, micro_batch: int, *,
                           window_sequences: int, tp: int = 1, sp: bool = False,
                           first: bool = True, last: bool = True,
-                          element_bytes: float = 2.0) -> float:
+                          element_bytes: float = 2.0, cp_ids: bool = False) -> float:
     """Bytes paratrain's runtime keeps for backward outside the blocks, for one
     micro-batch of ``micro_batch`` sequences on a chunk that holds the embedding
     (``first``) and/or the final norm, head and loss (``last``); each storage counted
@@ -140,11 +172,15 @@ def edge_activation_bytes(model: ModelConfig, seq: int, micro_batch: int, *,
     loss, tp > 1          the local softmax, local target ids, mask   l b s V / t
                                                                       + 9 b s
     ====================  =========================================  ================
+
+    ``cp_ids`` (context parallelism): x and y are this cp rank's columns, gathered into
+    two new (W, s) tensors, so with tp = 1 the embedding keeps 8 W s (x) and the loss
+    8 W s (its targets, a view of y whatever b is), W the sequences gathered at once.
     """
     m = as_shape(model)
     s, b, h, e = seq, micro_batch, m.d_model, element_bytes
     u = tp if sp else 1
-    window = 8.0 * window_sequences * (s + 1)
+    window = 8.0 * window_sequences * (s if cp_ids else s + 1)
     out = 0.0
     if first:
         out += window if tp == 1 else 9.0 * b * s
@@ -152,7 +188,10 @@ def edge_activation_bytes(model: ModelConfig, seq: int, micro_batch: int, *,
         loss_e = max(e, 4.0)
         out += e * b * ((2 * s * h + s) / u + s * h)
         if tp == 1:
-            target = 8.0 * b * s if b > 1 else (0.0 if first else window)
+            if cp_ids:
+                target = window
+            else:
+                target = 8.0 * b * s if b > 1 else (0.0 if first else window)
             out += loss_e * b * s * m.vocab_size + target + loss_e
         else:
             out += loss_e * b * s * -(-m.vocab_size // tp) + 9.0 * b * s
@@ -166,7 +205,7 @@ def rank_activation_peaks(model: ModelConfig, plan: ParallelPlan, tokens_per_ste
     for its own model (float32 / float64; bf16 approximately).
 
     Each (micro-batch, chunk) keeps its blocks (:func:`block_activation_bytes`), the
-    RoPE tables (the model's (context, E/2) cos and sin buffers, shared by its layers:
+    RoPE tables (the model's (context / cp, E/2) cos and sin buffers, shared by its layers:
     counted once per micro-batch; under full recompute the checkpoints keep them as
     inputs) and the terms
     outside the blocks (:func:`edge_activation_bytes`), from its forward until its
@@ -187,15 +226,20 @@ def rank_activation_peaks(model: ModelConfig, plan: ParallelPlan, tokens_per_ste
     ranges = split_layers(model, S)
     per_block = b * block_activation_bytes(m, s, tp=plan.tp, sp=plan.sp,
                                            recompute=plan.recompute, attention=attention,
-                                           element_bytes=element_bytes)
-    rope = m.context * m.head_dim * element_bytes  # full recompute: checkpoint inputs
+                                           element_bytes=element_bytes, cp=plan.cp,
+                                           cp_algorithm=plan.cp_algorithm)
+    # full recompute: checkpoint inputs; cp: the rank's own T / cp rows of the tables
+    rope = m.context // plan.cp * m.head_dim * element_bytes
+    # cp: the ids are gathered per forward_backward call (one micro-batch without a
+    # pipeline, the rank's whole batch with one)
+    window = b * plan.micro_batches if plan.cp == 1 or plan.pp > 1 else b
 
     def chunk_bytes(rank: int, chunk: int) -> float:
         k = chunk * plan.pp + rank
         n = ranges[k][1] - ranges[k][0]
         return n * per_block + (rope if n else 0.0) + edge_activation_bytes(
-            m, s, b, window_sequences=b * plan.micro_batches, tp=plan.tp, sp=plan.sp,
-            first=k == 0, last=k == S - 1, element_bytes=element_bytes)
+            m, s, b, window_sequences=window, tp=plan.tp, sp=plan.sp,
+            first=k == 0, last=k == S - 1, element_bytes=element_bytes, cp_ids=plan.cp > 1)
 
     if plan.pp == 1:
         return [chunk_bytes(0, 0)]

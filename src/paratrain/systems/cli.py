@@ -35,12 +35,6 @@ class PlanOutput(NamedTuple):
 Plotter = Callable[[PlanOutput, str], list[Path]]
 
 
-def _holdout_default() -> tuple[str, ...]:
-    from paratrain.systems.validate import HOLDOUT
-
-    return HOLDOUT
-
-
 def plan(
     model: str = typer.Option("llama2-7b", help="Catalogue model name or a .toml/.json file."),
     hardware: str = typer.Option("h100", help="Catalogue accelerator or a .toml/.json file."),
@@ -75,40 +69,57 @@ def plan(
     top: int = typer.Option(10, help="With --search: how many layouts to show."),
     global_batch: int | None = typer.Option(None, help="Global batch in sequences "
                                                        "(overrides --tokens)."),
-    calibrated: bool = typer.Option(False, "--calibrated", help="Use the parameters fitted "
-                                    "on published runs (paratrain validate) instead of "
-                                    "docs/design.md's eta 0.473 and flat ring."),
+    cp_algorithm: str = typer.Option("ring", help="Context parallelism: ring (K/V pass "
+                                                  "around the cp ring) or all-to-all."),
+    experts: int = typer.Option(0, help="Routed experts per MoE layer (0: the catalogue "
+                                        "model's own; makes a dense model MoE)."),
+    top_k: int = typer.Option(2, help="With --experts: experts per token."),
+    moe_ffn: int | None = typer.Option(None, help="With --experts: expert FFN width "
+                                                  "(default: the model's d_ff)."),
+    shared_experts: int = typer.Option(0, help="With --experts: always-on experts."),
+    engine: str = typer.Option("megatron", help="Training engine whose overlap and "
+                                                "collectives the step model prices: "
+                                                "megatron, nemo, megascale, deepspeed, fsdp, "
+                                                "torchtitan or xla."),
+    explain: bool = typer.Option(False, "--explain", help="Show the step model's "
+                                                         "breakdown: compute per GEMM class, "
+                                                         "memory-bound work, each axis' "
+                                                         "exposed communication, bubble."),
+    reference: bool = typer.Option(False, "--reference", help="Price with docs/design.md's "
+                                                             "reference model only (one eta, "
+                                                             "flat ring); --search too."),
+    params: str | None = typer.Option(None, help="Step-model parameters (default: the "
+                                                 "shipped data/fitted.toml)."),
 ) -> PlanOutput:
     """Price a parallel plan: memory per GPU, wire bytes, step time, MFU (no GPU needed).
 
-    With no flags: docs/design.md's reference example, LLaMA 2 7B on 64 H100.
+    With no flags: docs/design.md's reference example, LLaMA 2 7B on 64 H100, with its
+    figures from the reference model, and beside them the step model's prediction.
     """
     from paratrain.plan import ParallelPlan
     from paratrain.systems.hardware import load_hardware
     from paratrain.systems.memory import ATTENTION
-    from paratrain.systems.models import load_model
+    from paratrain.systems.overlap import engine as find_engine
     from paratrain.systems.report import build_report, render
 
     if attention not in ATTENTION:
         raise ValueError(f"attention={attention!r} is unknown; choose flash or eager "
                          "(pass e.g. --attention flash)")
-    m = load_model(model)
+    m = _model(model, experts, top_k, moe_ffn, shared_experts)
     hw = load_hardware(hardware)
-    step_kwargs = None
-    if calibrated:
-        from paratrain.systems.catalogue import lookup
-        from paratrain.systems.validate import load_params
+    eng = find_engine(engine)
+    step_params = None
+    if not reference:
+        from paratrain.systems.fitting import load_params
 
-        fitted = load_params()
-        hw = fitted.apply(lookup(hardware, "hardware.toml", "hardware")[0], hw)
-        step_kwargs = fitted.step_kwargs()
+        step_params = load_params(params)
     if gpus < 1:
         raise ValueError(f"gpus={gpus} must be >= 1; pass e.g. --gpus 64")
     if global_batch is not None:
         tokens = global_batch * seq_len
     if search:
-        return _search(m, hw, gpus, tokens, seq_len, top, eta, json_out, plot, step_kwargs,
-                       attention)
+        return _search(m, hw, gpus, tokens, seq_len, top, eta, json_out, plot, attention,
+                       step_params, eng.name)
     if dp is None:
         rest = tp * pp * cp
         if rest < 1 or gpus % rest:
@@ -119,31 +130,72 @@ def plan(
         dp = gpus // rest
     p = ParallelPlan(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=zero, sp=sp,
                      micro_batches=micro_batches, schedule=schedule,
-                     virtual_stages=virtual_stages, recompute=recompute, overlap=overlap)
+                     virtual_stages=virtual_stages, recompute=recompute, overlap=overlap,
+                     cp_algorithm=cp_algorithm)
     p.check(m, world_size=gpus)
-    from paratrain.systems.step_time import OVERLAP_FRACTION
-
-    kw = dict(step_kwargs or {})
+    if ep > 1 and (not m.is_moe or m.n_experts % ep):
+        raise ValueError(f"ep={ep} needs an MoE model whose experts it divides (model has "
+                         f"{m.n_experts}); pass --experts 8 or a catalogue MoE model")
     rep = build_report(m, hw, p, tokens, seq_len, eta=eta, precision=precision,
-                       overlap_fraction=kw.pop("overlap_fraction", OVERLAP_FRACTION),
-                       step_kwargs=kw, attention=attention)
+                       attention=attention)
+    lines = []
+    if step_params is not None:
+        from paratrain.systems.explain import explain_lines
+        from paratrain.systems.step_model import predict_step
+
+        bd = predict_step(m, p, hw, tokens, seq_len, step_params, eng)
+        rep["predicted"] = bd.as_dict()
+        if explain:
+            lines = explain_lines(bd)
+            rep["predicted"]["explain"] = lines
     if json_out:
         import json
 
         print(json.dumps(rep, indent=2))
     else:
         render(rep)
+        if "predicted" in rep:
+            _render_predicted(rep["predicted"], lines)
     return PlanOutput("report", rep, f"{m.name} on {gpus} x {hw.name}")
 
 
-def _search(m, hw, gpus, tokens, seq_len, top, eta, json_out, plot, step_kwargs,
-            attention) -> PlanOutput:
+def _model(name: str, experts: int, top_k: int, moe_ffn: int | None, shared: int):
+    """The catalogue model, made MoE by ``--experts`` (every layer routed)."""
+    from paratrain.systems.models import load_model
+
+    m = load_model(name)
+    if experts < 0:
+        raise ValueError(f"experts={experts} must be >= 0; pass e.g. --experts 8")
+    if not experts:
+        return m
+    if not 1 <= top_k <= experts:
+        raise ValueError(f"top_k={top_k} must be in 1..experts={experts}; pass e.g. "
+                         "--top-k 2")
+    return m.replace(n_experts=experts, top_k=top_k, d_ff_expert=moe_ffn or m.d_ff,
+                     n_shared_experts=shared, n_dense_layers=0, experts=experts,
+                     moe_ffn=moe_ffn, shared_experts=shared)
+
+
+def _render_predicted(pred: dict, lines: list[str]) -> None:
+    from rich.console import Console
+
+    con = Console()
+    con.print(f"[bold]step model[/] (engine {pred['engine']}, fitted parameters): step "
+              f"{pred['step_s']:.3g} s, MFU {100 * pred['mfu']:.1f} %, HFU "
+              f"{100 * pred['hfu']:.1f} %")
+    for line in lines:
+        print(line)
+
+
+def _search(m, hw, gpus, tokens, seq_len, top, eta, json_out, plot, attention,
+            step_params, engine) -> PlanOutput:
     from paratrain.systems.search import candidate_record, explain, render_search, search
 
     if top < 1:
         raise ValueError(f"top={top} must be >= 1; pass e.g. --top 10")
     res = search(m, hw, gpus, tokens, seq_len, top=top, eta=eta, keep_points=bool(plot),
-                 step_kwargs=step_kwargs, attention=attention)
+                 attention=attention, reference=step_params is None, params=step_params,
+                 engine=engine)
     hw = hw if eta is None else hw.replace(eta=eta)
     lines = explain(res, m, hw)
     if json_out:
@@ -184,29 +236,77 @@ def validate(
     runs: str | None = typer.Option(None, help="CSV of published runs in the columns of "
                                                "calibration.csv (default: the shipped one)."),
     json_out: bool = typer.Option(False, "--json", help="Print records and summary as JSON."),
-    fit: bool = typer.Option(False, "--fit", help="Fit eta, bandwidth efficiency, overlap "
-                                                  "and overhead by least squares; report "
-                                                  "leave-one-out and held-out error."),
+    fit: bool = typer.Option(False, "--fit", help="Refit the step model's physical "
+                                                  "parameters by least squares; report "
+                                                  "in-table, leave-one-out and held-out "
+                                                  "error."),
     out: str | None = typer.Option(None, help="With --fit: write the fitted values here "
                                               "(TOML)."),
     params: str | None = typer.Option(None, help="Fitted parameters to use (default: the "
                                                  "shipped data/fitted.toml)."),
-    unfitted: bool = typer.Option(False, "--unfitted", help="Use docs/design.md's raw model "
-                                                            "(catalogue eta, flat ring)."),
-    holdout: str = typer.Option(",".join(_holdout_default()),
-                                help="With --fit: comma-separated row ids kept out of the fit."),
+    unfitted: bool = typer.Option(False, "--unfitted", help="Use the step model at its "
+                                                            "parameters' provenance values."),
+    reference: bool = typer.Option(False, "--reference", help="Use docs/design.md's "
+                                                             "reference model (catalogue "
+                                                             "eta, flat ring)."),
+    holdout: str = typer.Option("", help="With --fit: comma-separated row ids kept out of "
+                                         "the fit (default: the table's split=heldout "
+                                         "rows)."),
+    explain: str | None = typer.Option(None, help="Print one row's breakdown (compute per "
+                                                  "GEMM class, memory-bound work, each "
+                                                  "axis' exposed communication, bubble) "
+                                                  "beside its reported figure."),
 ) -> None:
     """Score the systems model against published training runs (MFU / HFU / TFLOP/s)."""
     from paratrain.systems.validate import render_validate, run_validate
 
-    ids = tuple(x.strip() for x in holdout.split(",") if x.strip())
-    res = run_validate(runs, params, unfitted, fit, ids, out)
+    if explain:
+        _explain_row(runs, params, unfitted, explain, json_out)
+        return
+    ids = tuple(x.strip() for x in holdout.split(",") if x.strip()) or None
+    res = run_validate(runs, params, unfitted, fit, ids, out, reference=reference)
     if json_out:
         import json
 
         print(json.dumps(res, indent=2))
     else:
         render_validate(res)
+
+
+def _explain_row(runs, params, unfitted, row_id, json_out) -> None:
+    from paratrain.systems.explain import explain_lines
+    from paratrain.systems.fitting import _figure, breakdown
+    from paratrain.systems.runs import Skip, read_runs, row_to_case
+    from paratrain.systems.validate import UNFITTED, load_params
+
+    rows = {r["id"]: r for r in read_runs(runs)}
+    if row_id not in rows:
+        raise ValueError(f"row {row_id!r} is not in the runs table; pass an id from its "
+                         "'id' column")
+    try:
+        case = row_to_case(rows[row_id])
+    except Skip as e:
+        raise ValueError(f"row {row_id!r} cannot be priced: {e}") from None
+    p = UNFITTED if unfitted else load_params(params)
+    bd = breakdown(case, p)
+    pred = _figure(case, bd)
+    unit = (lambda x: f"{x:.1f} TFLOP/s") if case.metric == "tflops" else \
+        (lambda x: f"{100 * x:.1f}%")
+    rep = f"{case.metric} {unit(case.reported)}, predicted {unit(pred)} " \
+          f"({100 * (pred / case.reported - 1):+.1f}%)"
+    lines = [f"{row_id}: {case.model.name} on {case.plan.world_size} x {case.hw.name}, "
+             f"dp {case.plan.dp} tp {case.plan.tp} pp {case.plan.pp} cp {case.plan.cp} "
+             f"ep {case.plan.ep}, ZeRO-{case.plan.zero}, {case.plan.micro_batches} "
+             f"micro-batches, recompute {case.plan.recompute}"] + explain_lines(bd, rep)
+    if json_out:
+        import json
+
+        print(json.dumps({"id": row_id, "metric": case.metric, "reported": case.reported,
+                          "predicted": pred, "breakdown": bd.as_dict(), "lines": lines},
+                         indent=2))
+    else:
+        for line in lines:
+            print(line)
 
 
 def register(app: typer.Typer, plotter: Plotter | None = None) -> None:

@@ -1,4 +1,4 @@
-"""The systems model's free parameters, scoring against published runs, and fitting.
+"""Scoring the systems model against published runs, and fitting its free parameters.
 
 We predict each case's reported quantity like for like:
 
@@ -9,78 +9,77 @@ We predict each case's reported quantity like for like:
 
 Errors: MAE in percentage points (or TFLOP/s) and MAPE, overall and per source.
 
-The free parameters (:class:`Params`) are few and physical: the matmul efficiency eta per
-accelerator generation, one bandwidth efficiency applied to every link, the share of
-compute that data-parallel sync can hide under (backward, 2/3 by default) and a
-non-matmul overhead width. :func:`fit` finds them by least squares on relative error.
+The default model is :func:`paratrain.systems.step_model.predict_step` with the physical
+parameters of :class:`paratrain.systems.step_params.StepParams`; ``reference=True`` prices
+with docs/design.md's model (:func:`paratrain.systems.step_time.step_time`, catalogue eta,
+flat ring). :func:`fit` is a projected Levenberg-Marquardt on relative error inside each
+parameter's physical bounds; :func:`leave_one_out` refits without each row in turn,
+warm-started from the full fit.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from paratrain.systems._toml import tomllib
 from paratrain.systems.catalogue import DATA_DIR
-from paratrain.systems.hardware import Hardware
+from paratrain.systems.gemm import family
+from paratrain.systems.overlap import Engine, engine, infer_engine
 from paratrain.systems.runs import Case, Record
-from paratrain.systems.step_time import OVERLAP_FRACTION, step_time
+from paratrain.systems.step_model import Breakdown, predict_step
+from paratrain.systems.step_params import BOUNDS, SCALARS, StepParams
 
 FITTED = DATA_DIR / "fitted.toml"
-
-
-@dataclass(frozen=True)
-class Params:
-    """Free parameters of the systems model, fitted on the published runs."""
-
-    eta: dict = field(default_factory=dict)  # accelerator generation -> matmul efficiency
-    bw_eff: float = 1.0  # achieved / nominal bandwidth on every link
-    overlap_fraction: float = OVERLAP_FRACTION
-    overhead_width: float = 0.0  # h0: non-matmul time = matmul time x h0 / d_model
-    dp_algorithm: str = "auto"
-
-    def apply(self, key: str, hw: Hardware) -> Hardware:
-        return hw.replace(eta=self.eta.get(generation(key), hw.eta),
-                          intra_bw=hw.intra_bw * self.bw_eff, inter_bw=hw.inter_bw * self.bw_eff)
-
-    def step_kwargs(self) -> dict:
-        """Keyword arguments of :func:`step_time` these parameters set."""
-        return {"overlap_fraction": self.overlap_fraction, "dp_algorithm": self.dp_algorithm,
-                "overhead_width": self.overhead_width}
-
-    def replace(self, **kw) -> Params:
-        import dataclasses
-
-        return dataclasses.replace(self, **kw)
-
-
-_GENERATIONS = {"a100-40gb": "a100", "h800": "h100", "h200": "h100"}
+Params = StepParams
 
 
 def generation(hw_key: str) -> str:
-    """Accelerators that share a chip share an eta (A100 40/80 GB; H100/H800/H200)."""
-    return _GENERATIONS.get(hw_key, hw_key)
+    """Accelerators that share a chip share its efficiencies (A100 40/80 GB; H100/H800/H200;
+    every TPU): :func:`paratrain.systems.gemm.family`."""
+    return family(hw_key)
 
 
-def load_params(path: str | Path | None = None) -> Params:
+def load_params(path: str | Path | None = None) -> StepParams:
     """Fitted parameters (default: the shipped ``data/fitted.toml``)."""
     p = Path(path) if path else FITTED
     if not p.is_file():
         raise ValueError(f"fitted parameters {str(p)!r} do not exist; run validate --fit")
     with p.open("rb") as f:
         d = tomllib.load(f)
-    return Params(eta=dict(d.get("eta", {})), bw_eff=d.get("bw_eff", 1.0),
-                  overlap_fraction=d.get("overlap_fraction", OVERLAP_FRACTION),
-                  overhead_width=d.get("overhead_width", 0.0),
-                  dp_algorithm=d.get("dp_algorithm", "auto"))
+    base = StepParams()
+    kw = {k: float(d[k]) for k in SCALARS if k in d}
+    known = {t: {k: v for k, v in d.get(t, {}).items() if k in getattr(base, t)}
+             for t in ("gemm_eff", "attn_eff")}  # a stale family key is no parameter
+    return base.replace(gemm_eff={**base.gemm_eff, **known["gemm_eff"]},
+                        attn_eff={**base.attn_eff, **known["attn_eff"]}, **kw)
 
 
-def predict(case: Case, params: Params) -> float:
-    """The model's figure for ``case.metric`` under ``params``."""
-    hw = params.apply(case.hw_key, case.hw)
-    st = step_time(case.model, case.plan, hw, case.tokens, case.seq_len,
-                   **params.step_kwargs())
+def case_engine(case: Case) -> Engine:
+    """The engine a row names (its ``engine`` column), else the one its id or source
+    names, else Megatron-LM (:mod:`paratrain.systems.overlap`)."""
+    named = getattr(case, "engine", None)
+    if named:
+        try:
+            return engine(named)
+        except ValueError:
+            pass
+    return infer_engine(case.id, case.source, case.hw_key)
+
+
+def case_attention(case: Case) -> str | None:
+    """Eager attention for a run in fp16 (before FlashAttention's adoption in 2022-23),
+    else the engine's kernel (None)."""
+    return "eager" if "fp16" in (getattr(case, "precision", "") or "").lower() else None
+
+
+def breakdown(case: Case, params: StepParams) -> Breakdown:
+    return predict_step(case.model, case.plan, case.hw, case.tokens, case.seq_len, params,
+                        case_engine(case), case_attention(case),
+                        getattr(case, "shard_group", None),
+                        "fp8" in (getattr(case, "precision", "") or "").lower())
+
+
+def _figure(case: Case, st) -> float:
     if case.metric == "mfu":
         return st.mfu
     if case.metric == "hfu":
@@ -89,8 +88,21 @@ def predict(case: Case, params: Params) -> float:
     return flops / st.step_s / st.gpus / 1e12
 
 
-def score(cases: list[Case], params: Params) -> list[Record]:
-    return [Record(c.id, c.source, c.metric, c.reported, predict(c, params)) for c in cases]
+def predict(case: Case, params: StepParams | None = None, reference: bool = False) -> float:
+    """The model's figure for ``case.metric``: the step model under ``params``, or
+    docs/design.md's reference model."""
+    if reference:
+        from paratrain.systems.step_time import step_time
+
+        return _figure(case, step_time(case.model, case.plan, case.hw, case.tokens,
+                                       case.seq_len))
+    return _figure(case, breakdown(case, params or StepParams()))
+
+
+def score(cases: list[Case], params: StepParams | None, reference: bool = False
+          ) -> list[Record]:
+    return [Record(c.id, c.source, c.metric, c.reported, predict(c, params, reference))
+            for c in cases]
 
 
 def summarize(records: list[Record]) -> dict:
@@ -113,156 +125,106 @@ def summarize(records: list[Record]) -> dict:
             "skipped": sum(r.predicted is None for r in records)}
 
 
-# ---- fitting -------------------------------------------------------------------------------
-def _loss(cases: list[Case], params: Params) -> float:
-    return sum((predict(c, params) / c.reported - 1) ** 2 for c in cases)
+# ---- fitting: projected Levenberg-Marquardt in the unit box of the bounds ------------------
+MIN_ROWS = 3  # a generation's efficiencies are fitted only with this many rows on it
 
 
-def _golden(f, lo: float, hi: float, iters: int) -> float:
-    g = (math.sqrt(5) - 1) / 2
-    a, b = lo, hi
-    c, d = b - g * (b - a), a + g * (b - a)
-    fc, fd = f(c), f(d)
-    for _ in range(iters):
-        if fc < fd:
-            b, d, fd = d, c, fc
-            c = b - g * (b - a)
-            fc = f(c)
+def _names(cases: list[Case]) -> list[tuple[str, str | None]]:
+    """The parameters the rows can inform: each generation's GEMM (and FlashAttention-2)
+    efficiency when it has MIN_ROWS rows, and the scalars."""
+    count: dict = {}
+    for c in cases:
+        g = generation(c.hw.name)
+        count[g] = count.get(g, 0) + 1
+    gens = sorted(g for g, n in count.items() if n >= MIN_ROWS)
+    return ([("gemm_eff", g) for g in gens] + [("attn_eff", g) for g in gens if g != "tpu"]
+            + [(s, None) for s in SCALARS])
+
+
+def _to_params(u, names, base: StepParams) -> StepParams:
+    dicts = {"gemm_eff": dict(base.gemm_eff), "attn_eff": dict(base.attn_eff)}
+    kw = {}
+    for (name, g), x in zip(names, u, strict=True):
+        lo, hi = BOUNDS[name]
+        v = lo + min(1.0, max(0.0, float(x))) * (hi - lo)
+        if g is None:
+            kw[name] = v
         else:
-            a, c, fc = c, d, fd
-            d = a + g * (b - a)
-            fd = f(d)
-    return (a + b) / 2
+            dicts[name][g] = v
+    return base.replace(**dicts, **kw)
 
 
-BOUNDS = {"eta": (0.2, 1.0), "bw_eff": (0.2, 1.0), "overlap_fraction": (0.0, 1.0),
-          "overhead_width": (0.0, 2000.0)}
-SCALARS = ("bw_eff", "overlap_fraction", "overhead_width")
+def _to_unit(p: StepParams, names) -> list[float]:
+    out = []
+    for name, g in names:
+        lo, hi = BOUNDS[name]
+        v = getattr(p, name) if g is None else (
+            p.gemm_for(g) if name == "gemm_eff" else p.attn_eff.get(g, 0.5))
+        out.append(min(1.0, max(0.0, (v - lo) / (hi - lo))))
+    return out
 
 
-def _nelder_mead(f, x0: list[float], step: float = 0.1, max_evals: int = 400,
-                 tol: float = 1e-12) -> list[float]:
-    """Minimise ``f`` over the unit box [0, 1]^n (points are clipped into it)."""
-    clip = lambda x: [min(1.0, max(0.0, v)) for v in x]  # noqa: E731
-    n = len(x0)
-    pts = [clip(x0)] + [clip([v + (step if k == i else 0.0) for k, v in enumerate(x0)])
-                        for i in range(n)]
-    vals = [f(x) for x in pts]
-    evals = len(pts)
-    while evals < max_evals:
-        order = sorted(range(n + 1), key=vals.__getitem__)
-        pts, vals = [pts[i] for i in order], [vals[i] for i in order]
-        if vals[-1] - vals[0] < tol:
-            break
-        cen = [sum(p[k] for p in pts[:-1]) / n for k in range(n)]
-        refl = clip([c + (c - w) for c, w in zip(cen, pts[-1], strict=True)])
-        fr = f(refl)
-        evals += 1
-        if fr < vals[0]:
-            exp = clip([c + 2 * (c - w) for c, w in zip(cen, pts[-1], strict=True)])
-            fe = f(exp)
-            evals += 1
-            pts[-1], vals[-1] = (exp, fe) if fe < fr else (refl, fr)
-        elif fr < vals[-2]:
-            pts[-1], vals[-1] = refl, fr
-        else:
-            con = clip([c + 0.5 * (w - c) for c, w in zip(cen, pts[-1], strict=True)])
-            fc = f(con)
-            evals += 1
-            if fc < vals[-1]:
-                pts[-1], vals[-1] = con, fc
-            else:
-                best = pts[0]
-                pts = [best] + [[b + 0.5 * (v - b) for b, v in zip(best, p, strict=True)]
-                                for p in pts[1:]]
-                vals = [vals[0]] + [f(p) for p in pts[1:]]
-                evals += n
-    return pts[min(range(n + 1), key=vals.__getitem__)]
+def fit(cases: list[Case], start: StepParams | None = None, iters: int = 30,
+        tol: float = 1e-9) -> StepParams:
+    """Least squares on relative error, each parameter inside its physical bound
+    (:data:`paratrain.systems.step_params.BOUNDS`): Levenberg-Marquardt with a
+    forward-difference Jacobian, steps projected back into the box."""
+    import numpy as np
 
-
-def fit(cases: list[Case], start: Params | None = None, sweeps: int = 2,
-        iters: int = 25, max_evals: int = 400, restarts: int = 3) -> Params:
-    """Least squares on relative error, within physical bounds: eta per accelerator
-    generation in the table, one bandwidth efficiency, one overlap fraction, one non-matmul
-    overhead width h0. Coordinate descent (golden-section search per parameter) finds the
-    basin; Nelder-Mead then follows the eta-h0 valley (both scale compute time), restarted
-    from its best point up to ``restarts`` times while that lowers the loss by > 0.1%."""
     if not cases:
         raise ValueError("no priceable rows to fit on; check the runs table")
-    p = start or Params()
-    gens = sorted({generation(c.hw_key) for c in cases})
-    p = p.replace(eta={g: p.eta.get(g, 0.5) for g in gens})
-    for _ in range(sweeps):
-        for g in gens:
-            sub = [c for c in cases if generation(c.hw_key) == g]
+    base = start or StepParams()
+    names = _names(cases)
 
-            def f_eta(x, g=g, sub=sub, p=p):
-                return _loss(sub, p.replace(eta={**p.eta, g: x}))
+    def resid(u) -> np.ndarray:
+        p = _to_params(u, names, base)
+        return np.array([predict(c, p) / c.reported - 1 for c in cases])
 
-            p = p.replace(eta={**p.eta, g: _golden(f_eta, *BOUNDS["eta"], iters)})
-        for name in SCALARS:
-            best = _golden(lambda x, name=name, p=p: _loss(cases, p.replace(**{name: x})),
-                           *BOUNDS[name], iters)
-            p = p.replace(**{name: best})
-    names = [("eta", g) for g in gens] + [(n, None) for n in SCALARS]
-
-    def to_params(u: list[float]) -> Params:
-        eta, kw = {}, {}
-        for (name, g), x in zip(names, u, strict=True):
-            lo, hi = BOUNDS[name]
-            if g is None:
-                kw[name] = lo + x * (hi - lo)
-            else:
-                eta[g] = lo + x * (hi - lo)
-        return p.replace(eta=eta, **kw)
-
-    def to_unit(q: Params) -> list[float]:
-        out = []
-        for name, g in names:
-            lo, hi = BOUNDS[name]
-            v = q.eta[g] if g is not None else getattr(q, name)
-            out.append((v - lo) / (hi - lo))
-        return out
-
-    def loss_u(x: list[float]) -> float:
-        return _loss(cases, to_params(x))
-
-    # Restart from the best point while that helps: a simplex that has collapsed against
-    # a bound (bw_eff at 1, say) stops short of the valley's floor; a fresh one does not.
-    u, best = to_unit(p), _loss(cases, p)
-    for _ in range(restarts + 1):
-        v = _nelder_mead(loss_u, u, max_evals=max_evals)
-        lv = loss_u(v)
-        if lv >= best * (1 - 1e-3):
-            if lv < best:
-                u, best = v, lv
+    u = np.array(_to_unit(base, names))
+    r = resid(u)
+    cost, lam, h = float(r @ r), 1e-2, 1e-4
+    for _ in range(iters):
+        J = np.empty((len(cases), len(u)))
+        for k in range(len(u)):
+            du = u.copy()
+            step = h if u[k] + h <= 1 else -h
+            du[k] += step
+            J[:, k] = (resid(du) - r) / step
+        g, A = J.T @ r, J.T @ J
+        improved = False
+        for _ in range(8):
+            delta = np.linalg.solve(A + lam * np.diag(np.diag(A) + 1e-9), -g)
+            v = np.clip(u + delta, 0.0, 1.0)
+            rv = resid(v)
+            cv = float(rv @ rv)
+            if cv < cost:
+                improved = cost - cv > tol * max(cost, 1e-12)
+                u, r, cost, lam = v, rv, cv, max(lam / 3, 1e-7)
+                break
+            lam *= 4
+        if not improved:
             break
-        u, best = v, lv
-    return to_params(u)
+    return _to_params(u, names, base)
 
 
-def leave_one_out(cases: list[Case], start: Params | None = None, sweeps: int = 1,
-                  iters: int = 20) -> list[Record]:
-    """Refit without each row in turn and predict it: the honest error."""
+def leave_one_out(cases: list[Case], start: StepParams | None = None, iters: int = 4
+                  ) -> list[Record]:
+    """Refit without each row in turn (warm-started from ``start``, the full fit) and
+    predict it: the honest error."""
     out = []
     for i, c in enumerate(cases):
         rest = cases[:i] + cases[i + 1:]
-        if not any(generation(x.hw_key) == generation(c.hw_key) for x in rest):
-            out.append(Record(c.id, c.source, c.metric, c.reported, None,
-                              f"no other row on {generation(c.hw_key)} to fit its eta"))
-            continue
-        p = fit(rest, start, sweeps, iters)
+        p = fit(rest, start, iters)
         out.append(Record(c.id, c.source, c.metric, c.reported, predict(c, p)))
     return out
 
 
-def write_params(params: Params, path: str | Path, provenance: list[str]) -> Path:
+def write_params(params: StepParams, path: str | Path, provenance: list[str]) -> Path:
     lines = [f"# {line}" for line in provenance]
-    lines += [f"bw_eff = {params.bw_eff:.4f}",
-              f"overlap_fraction = {params.overlap_fraction:.4f}",
-              f"overhead_width = {params.overhead_width:.1f}",
-              f'dp_algorithm = "{params.dp_algorithm}"', "", "[eta]"]
-    lines += [f'"{k}" = {v:.4f}' for k, v in sorted(params.eta.items())]
+    lines += [f"{k} = {getattr(params, k):.6g}" for k in SCALARS]
+    for table in ("gemm_eff", "attn_eff"):
+        lines += ["", f"[{table}]"]
+        lines += [f'"{k}" = {v:.4f}' for k, v in sorted(getattr(params, table).items())]
     out = Path(path)
     out.write_text("\n".join(lines) + "\n")
     return out

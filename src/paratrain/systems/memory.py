@@ -9,7 +9,9 @@ BF16 weights (2 bytes) and gradients (2) plus FP32 master weights, Adam m and v 
 
 with d the data-parallel degree (dp x cp: context-parallel ranks hold the same weights).
 Tensor and pipeline parallelism divide the parameters a GPU holds; expert parallelism
-divides the routed experts.
+divides the routed experts, whose ZeRO shards are over the d / ep ranks holding the same
+experts (the dense parameters' over d). paratrain's runtime keeps an MoE MLP whole on
+every tp rank; published MoE shapes are priced with experts split over tp too.
 
 Activations per layer: :func:`block_activation_bytes` is the one formula (the runtime's
 prediction, the plan's memory and the pipeline report all call it). For paratrain's own
@@ -97,7 +99,13 @@ class ParamsPerGPU:
 def params_per_gpu(model: ModelConfig, plan: ParallelPlan) -> ParamsPerGPU:
     """Parameters on the busiest GPU: its pipeline stage's layers (plus the embedding or
     head; with pp > 1 the vocabulary matrix of the first or last stage), over tp; routed
-    experts also over ep. Exact for tp = pp = 1."""
+    experts also over ep. Exact for tp = pp = 1.
+
+    paratrain's own MoE model (a :class:`ModelConfig` with ``experts``) as its runtime
+    holds it (:func:`_runtime_moe_params`); a published MoE shape (:class:`ModelShape`
+    with ``n_experts``) as Megatron-LM splits it, routed experts over tp x ep."""
+    if getattr(model, "experts", 0) and not isinstance(model, ModelShape):
+        return _runtime_moe_params(model, plan)
     m = as_shape(model)
     share = stage_layers(m.n_layers, plan.pp) / m.n_layers
     if plan.pp == 1:
@@ -108,6 +116,29 @@ def params_per_gpu(model: ModelConfig, plan: ParallelPlan) -> ParamsPerGPU:
     dense = m.num_layer_params() * share - expert + emb
     return ParamsPerGPU(dense / plan.tp, expert / (plan.tp * plan.ep),
                         m.num_layer_params() / m.n_layers / plan.tp)
+
+
+def _runtime_moe_params(model: ModelConfig, plan: ParallelPlan) -> ParamsPerGPU:
+    """paratrain's runtime (:mod:`paratrain.parallel.expert`, :mod:`paratrain.layout`):
+    each ep rank keeps E / ep routed experts of every MoE layer; the router and shared
+    experts are dense parameters; the whole MoE MLP is replicated over tp (attention,
+    dense MLPs and the vocabulary are split as in a dense model)."""
+    share = stage_layers(model.n_layers, plan.pp) / model.n_layers
+    emb = model.embedding_params() if plan.pp == 1 else model.vocab_size * model.d_model
+    one = model.expert_params()  # one routed expert: gate, up, down
+    moe = model.moe_layers * share
+    routed = moe * model.experts * one
+    whole = moe * (model.d_model * model.experts + model.shared_experts * one)
+    blocks = (model.num_params() - model.embedding_params()) * share
+    dense = (blocks - routed - whole + emb) / plan.tp + whole
+
+    def block(i: int) -> float:  # block i's parameters on one rank (ZeRO-3's gather)
+        if not model.is_moe_layer(i):
+            return model.layer_params(i) / plan.tp
+        mlp = model.moe_mlp_params() - model.experts * one * (1 - 1 / plan.ep)
+        return (model.layer_params(i) - model.moe_mlp_params()) / plan.tp + mlp
+
+    return ParamsPerGPU(dense, routed / plan.ep, max(map(block, range(model.n_layers))))
 
 
 @dataclass(frozen=True)
@@ -201,7 +232,8 @@ def activation_bytes(model: ModelConfig, plan: ParallelPlan, tokens_per_step: in
     batch = split_batch(tokens_per_step, seq_len, plan)
     per_layer = batch.micro_batch * block_activation_bytes(
         m, batch.local_seq, tp=plan.tp, sp=plan.sp, recompute=plan.recompute,
-        attention=attention, element_bytes=element_bytes)
+        attention=attention, element_bytes=element_bytes, cp=plan.cp,
+        cp_algorithm=plan.cp_algorithm)
     layers = stage_layers(m.n_layers, plan.pp)
     inflight = micro_batches_in_flight(plan.schedule, plan.pp, plan.micro_batches,
                                        plan.virtual_stages)
@@ -214,12 +246,12 @@ def memory(model: ModelConfig, plan: ParallelPlan, hw: Hardware, tokens_per_step
     """Everything the busiest GPU holds at its peak, against ``hw.hbm_bytes``."""
     m: ModelShape = as_shape(model)
     prec = recipe(precision) if isinstance(precision, str) else precision
-    st = model_states(m, plan, prec)
+    st = model_states(model, plan, prec)
     act = activation_bytes(m, plan, tokens_per_step, seq_len, attention)
     batch = split_batch(tokens_per_step, seq_len, plan)
     logits = 4.0 * batch.local_seq * batch.micro_batch * m.vocab_size / plan.tp \
         if plan.pp == 1 else 0.0
-    buffers = 2 * params_per_gpu(m, plan).layer_full * prec.weight_bytes if plan.zero == 3 \
+    buffers = 2 * params_per_gpu(model, plan).layer_full * prec.weight_bytes if plan.zero == 3 \
         else 0.0
     return Memory(st.weights_bytes, st.grads_bytes, st.optimizer_bytes, act, logits, buffers,
                   hw.hbm_bytes)

@@ -1,18 +1,24 @@
 """The published-runs table (``data/calibration.csv``): reading it and turning rows into
 priceable cases.
 
-Each row gives a model shape, an accelerator and count, the layout (TP/PP/DP/CP/EP,
-virtual stages, micro-batch size, sharding, recomputation), the batch, and what was
-reported: MFU, HFU or TFLOP/s per GPU. :func:`row_to_case` builds the model shape,
-hardware, :class:`~paratrain.plan.ParallelPlan` and batch of one row, or raises
-:class:`Skip` with the reason the model cannot price it (kept as a skipped
-:class:`Record`). Preference when a row reports several metrics: mfu, then hfu, then
-tflops.
+Each row gives a model (its shape columns, or the name of a catalogue model: empty shape
+columns are filled from ``data/models.toml`` and non-empty ones override it, so a
+benchmark that ran a truncated model names the model and its layer count), an
+accelerator and count, the layout (TP/PP/DP/CP/EP, virtual stages, micro-batch size,
+sharding, recomputation), the batch, the engine that ran it, and what was reported.
+:func:`row_to_case` builds the model shape, hardware, :class:`~paratrain.plan.ParallelPlan`
+and batch of one row, or raises :class:`Skip` with the reason the model cannot price it
+(kept as a skipped :class:`Record`). The figure compared is the row's ``metric`` column
+if set, else the first reported of mfu, hfu, tflops, tokens/s per accelerator; tokens/s
+is priced as model TFLOP/s (tokens/s x the model's FLOPs per token, the count the step
+model uses, so this compares throughput). Rows marked ``confirmed=no`` are skipped with
+that reason. Columns, sources policy and the held-out rule: docs/runs.md.
 """
 
 from __future__ import annotations
 
 import csv
+import dataclasses
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,9 +27,17 @@ from paratrain.plan import ParallelPlan
 from paratrain.systems.catalogue import DATA_DIR
 from paratrain.systems.hardware import Hardware, load_hardware
 from paratrain.systems.layout import split_batch
-from paratrain.systems.models import ModelShape
+from paratrain.systems.models import ModelShape, load_model
 
 DEFAULT_RUNS = DATA_DIR / "calibration.csv"
+SPLITS = ("fit", "heldout")
+# the expert-parallel issue's column names -> ModelShape fields
+MOE_COLUMNS = {"experts": "n_experts", "top_k": "top_k", "moe_ffn_hidden": "d_ff_expert",
+               "shared_experts": "n_shared_experts"}
+# shape columns -> ModelShape fields
+SHAPE_COLUMNS = {"layers": "n_layers", "hidden": "d_model", "heads": "n_heads",
+                 "kv_heads": "n_kv_heads", "ffn_hidden": "d_ff", "vocab": "vocab_size",
+                 "head_dim": "head_size"}
 
 
 class Skip(Exception):
@@ -45,6 +59,12 @@ class Case:
     metric: str  # mfu, hfu or tflops
     tflops_kind: str  # model or hardware (for tflops)
     reported: float  # fraction for mfu/hfu, TFLOP/s for tflops
+    engine: str = ""  # the software that ran the job (Megatron-LM, NeMo, FSDP, ...)
+    split: str = "fit"  # fit or heldout (docs/runs.md)
+    precision: str = ""
+    step_time_s: float | None = None  # as published, when published
+    tokens_per_s: float | None = None  # per accelerator, as published or derived
+    shard_group: int | None = None  # ZeRO/FSDP group when smaller than DP (hybrid sharding)
 
 
 @dataclass(frozen=True)
@@ -102,7 +122,8 @@ def _hardware(name: str) -> tuple[str, Hardware]:
 
     candidates = [name, name.split("(")[0].strip()]
     low = name.lower()
-    for key in ("a100", "h100", "h800", "h200", "b200", "v100", "mi300x", "tpu v4", "tpu v5p"):
+    for key in ("a100", "h100", "h800", "h200", "b200", "v100", "mi300x", "tpu v3", "tpu v4",
+                "tpu v5p", "tpu v5e"):
         if key in low:
             candidates.append(key.replace(" ", "-"))
     for c in candidates:
@@ -138,33 +159,100 @@ def _recompute(text: str) -> str:
     return "none"
 
 
+def _catalogue_model(row: dict) -> ModelShape | None:
+    """The catalogue model a row names: its ``model_key`` column if set (nothing else),
+    else its ``model`` text (whole, then without a trailing parenthetical like "(NeMo)")."""
+    key, text = (row.get("model_key") or "").strip(), (row.get("model") or "").strip()
+    for name in ((key,) if key else (text, text.split("(")[0].strip())):
+        if name:
+            try:
+                return load_model(name)
+            except ValueError:
+                continue
+    return None
+
+
+def _moe_fields(row: dict, n_layers: int) -> dict:
+    out = {field: _num(row, col, int) for col, field in MOE_COLUMNS.items()}
+    out = {k: v for k, v in out.items() if v is not None}
+    moe_layers = _num(row, "moe_layers", int)
+    if moe_layers is not None:
+        out["n_dense_layers"] = n_layers - moe_layers
+    if out.get("n_experts") and "d_ff_expert" not in out:
+        out["d_ff_expert"] = _num(row, "ffn_hidden", int) or 0
+    return out
+
+
+def _style(row: dict) -> dict:
+    """The ``mlp`` (swiglu/gelu: three or two matrices) and ``tied`` (yes/no) columns."""
+    out: dict = {}
+    mlp = (row.get("mlp") or "").strip().lower()
+    if mlp:
+        out["mlp"] = mlp
+    tied = (row.get("tied") or "").strip().lower()
+    if tied:
+        out["tie_embeddings"] = tied in ("yes", "true", "1")
+    return out
+
+
+def row_shape(row: dict, seq: int) -> ModelShape:
+    """The model a row ran: its shape columns, or the catalogue model it names with the
+    non-empty shape and MoE columns applied on top. Raises Skip with the reason."""
+    rid = row.get("id", "?")
+    L, h, heads = _num(row, "layers", int), _num(row, "hidden", int), _num(row, "heads", int)
+    base = _catalogue_model(row) if (row.get("model_key") or "").strip() or not (
+        L and h and heads) else None
+    if (row.get("model_key") or "").strip() and base is None:
+        raise Skip(f"model_key {row['model_key']!r} is not in the model catalogue "
+                   "(data/models.toml); use a catalogue name or fill the shape columns")
+    try:
+        if base is not None:
+            over = {f: _num(row, c, int) for c, f in SHAPE_COLUMNS.items()}
+            over = {k: v for k, v in over.items() if v}
+            over.update(_style(row))
+            n_layers = over.get("n_layers", base.n_layers)
+            over.update(_moe_fields(row, n_layers))
+            if "n_dense_layers" not in over and base.is_moe:
+                over["n_dense_layers"] = min(base.n_dense_layers, n_layers - 1)
+            return dataclasses.replace(base, context=seq, **over)
+        if not (L and h and heads):
+            raise Skip(f"model shape incomplete (layers, hidden, heads) and model "
+                       f"{row.get('model') or rid!r} is not in the model catalogue; fill the "
+                       "shape columns or set model_key")
+        ffn = _num(row, "ffn_hidden", int)
+        hd = re.search(r"head dim (\d+)", row.get("notes") or "")
+        kv = _num(row, "kv_heads", int)
+        style = {"mlp": "gelu" if ffn == 4 * h else "swiglu",
+                 "tie_embeddings": "palm" in (row.get("model") or "").lower(),
+                 **_style(row)}
+        return ModelShape(
+            name=row.get("model") or rid, n_layers=L, d_model=h, n_heads=heads,
+            n_kv_heads=kv if kv and kv != heads else None, d_ff=ffn or 4 * h,
+            vocab_size=_num(row, "vocab", int) or 51200, context=seq,
+            head_size=_num(row, "head_dim", int) or (int(hd.group(1)) if hd else None),
+            **style, **_moe_fields(row, L))
+    except (ValueError, TypeError) as e:
+        raise Skip(f"model shape invalid: {e}") from None
+
+
 def row_to_case(row: dict) -> Case:
     """Turn one CSV row into a priceable case, or raise Skip with the reason."""
     rid = row.get("id", "?")
-    L, h, heads = _num(row, "layers", int), _num(row, "hidden", int), _num(row, "heads", int)
-    if not (L and h and heads):
-        raise Skip("model shape incomplete (layers, hidden, heads)")
+    if (row.get("confirmed") or "").strip().lower() == "no":
+        raise Skip("confirmed=no: unverified, kept for reference")
     seq = _num(row, "seq_len", int)
     if not seq:
         raise Skip("no seq_len")
     gpus = _num(row, "num_accel", int)
     if not gpus:
         raise Skip("no num_accel")
-    ffn = _num(row, "ffn_hidden", int)
     notes = row.get("notes") or ""
-    hd = re.search(r"head dim (\d+)", notes)
-    kv = _num(row, "kv_heads", int)
-    mlp = "gelu" if ffn == 4 * h else "swiglu"
-    try:
-        model = ModelShape(
-            name=row.get("model") or rid, n_layers=L, d_model=h, n_heads=heads,
-            n_kv_heads=kv if kv and kv != heads else None, d_ff=ffn or 4 * h,
-            vocab_size=_num(row, "vocab", int) or 51200, context=seq, mlp=mlp,
-            head_size=int(hd.group(1)) if hd else None,
-            tie_embeddings="palm" in (row.get("model") or "").lower())
-    except ValueError as e:
-        raise Skip(f"model shape invalid: {e}") from None
+    model = row_shape(row, seq)
+    L = model.n_layers
     hw_key, hw = _hardware(row.get("accelerator") or "")
+    domain = _num(row, "accel_per_domain", int)
+    if domain:  # the job's fast-interconnect domain (a TPU slice) differs from the catalogue's
+        hw = dataclasses.replace(hw, gpus_per_node=domain)
     tp, pp = _num(row, "TP", int) or 1, _num(row, "PP", int) or 1
     cp, ep = _num(row, "CP", int) or 1, _num(row, "EP", int) or 1
     dp = _num(row, "DP", int) or gpus // (tp * pp * cp)
@@ -198,18 +286,42 @@ def row_to_case(row: dict) -> Case:
         raise Skip(f"layout invalid: {e}") from None
     if pp > L:
         raise Skip(f"PP {pp} exceeds layers {L}")
+    metric, kind, rep = _reported(row, model, seq)
+    split = (row.get("split") or "fit").strip() or "fit"
+    if split not in SPLITS:
+        raise Skip(f"split {split!r} is unknown; use one of {', '.join(SPLITS)}")
+    return Case(rid, source_key(row), hw_key, hw, model, plan, tokens, seq, metric, kind, rep,
+                engine=(row.get("engine") or "").strip(), split=split,
+                precision=(row.get("precision") or "").strip(),
+                step_time_s=_num(row, "step_time_s"),
+                tokens_per_s=_num(row, "tokens_per_s_per_accel"),
+                shard_group=_num(row, "shard_group", int))
+
+
+def _reported(row: dict, model: ModelShape, seq: int) -> tuple[str, str, float]:
+    """(metric, tflops kind, reported value) of a row; see the module docstring."""
     mfu, hfu = _num(row, "mfu_pct"), _num(row, "hfu_pct")
-    tfl = _num(row, "tflops_per_accel_reported")
+    tfl, tps = _num(row, "tflops_per_accel_reported"), _num(row, "tokens_per_s_per_accel")
     kind = "hardware" if "hardware" in (row.get("tflops_kind") or "").lower() else "model"
-    if mfu:
-        metric, rep = "mfu", mfu / 100
-    elif hfu:
-        metric, rep = "hfu", hfu / 100
-    elif tfl:
-        metric, rep = "tflops", tfl
-    else:
-        raise Skip("reports none of MFU, HFU or TFLOP/s per accelerator")
-    return Case(rid, source_key(row), hw_key, hw, model, plan, tokens, seq, metric, kind, rep)
+    found = {"mfu": mfu and ("mfu", kind, mfu / 100), "hfu": hfu and ("hfu", kind, hfu / 100),
+             "tflops": tfl and ("tflops", kind, tfl),
+             "tokens": tps and ("tflops", "model", tps * model.flops_per_token(seq) / 1e12)}
+    want = (row.get("metric") or "").strip().lower()
+    if want:
+        if want not in found:
+            raise Skip(f"metric {want!r} is unknown; use one of {', '.join(found)}")
+        if not found[want]:
+            raise Skip(f"metric {want!r} requested but its column is empty")
+        return found[want]
+    for key in found:
+        if found[key]:
+            return found[key]
+    raise Skip("reports none of MFU, HFU, TFLOP/s or tokens/s per accelerator")
+
+
+def heldout_ids(rows: list[dict]) -> tuple[str, ...]:
+    """Ids of the rows kept aside for judging (``split`` = heldout); see docs/runs.md."""
+    return tuple(r["id"] for r in rows if (r.get("split") or "").strip() == "heldout")
 
 
 def cases_and_skips(rows: list[dict]) -> tuple[list[Case], list[Record]]:

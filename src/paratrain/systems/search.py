@@ -1,18 +1,25 @@
-"""`paratrain plan --search`: enumerate every valid layout, drop those that do not fit,
-rank the rest by predicted step time.
+"""`paratrain plan --search`: enumerate every valid layout, drop those that do not fit, rank
+the rest by predicted step time.
 
-Axes: tp (powers of two up to one node, dividing the heads), cp (powers of two up to 16,
-at least 1024 tokens per rank), pp (divisors of what is left, at most the layers), dp
-(the rest, dividing the batch), ep (MoE: powers of two dividing dp and the experts),
-micro-batch size (divisors of the per-replica batch, so accumulation or pipeline
-micro-batches follow), schedule (GPipe, 1F1B, interleaved with v = 2 or 4, ZB-H1), ZeRO
-stage 0-3, recomputation none/selective/full. Sequence parallelism is always on when
-tp > 1: it moves the same bytes as tensor parallelism alone (all-gather + reduce-scatter
-= all-reduce) and divides the remaining activations by tp, so it dominates.
+Axes: tp (powers of two up to one node, dividing the heads), cp (powers of two up to 16, at
+least 1024 tokens per rank; ring or all-to-all when the heads divide over cp x tp), pp
+(divisors of what is left, at most the layers), dp (the rest, dividing the batch), ep (MoE:
+powers of two dividing dp and the experts), micro-batch size (divisors of the per-replica
+batch, so accumulation or pipeline micro-batches follow), schedule (GPipe, 1F1B, interleaved
+with v in VIRTUAL_STAGES, ZB-H1), ZeRO stage 0-3, recomputation none/selective/full. Sequence
+parallelism is always on when tp > 1: it moves the same bytes as tensor parallelism alone
+(all-gather + reduce-scatter = all-reduce) and divides the remaining activations by tp, so
+it dominates.
 
-The winner is explained in the rules of thumb of docs/design.md: tensor parallel inside a node,
-pipeline or FSDP across nodes until the model fits, data parallel for the rest, gradient
-accumulation when the batch is small.
+Layouts are priced by the step model (:func:`paratrain.systems.step_model.predict_step`:
+per-GEMM efficiency, so thin micro-batches and narrow shards cost what they cost; kernel
+launches and p2p latency per micro-batch; the busiest stage's share of the layers) unless
+``reference=True`` asks for docs/design.md's model. Memory (in-flight activations of the
+schedule included) is :func:`paratrain.systems.memory.memory`'s.
+
+The winner is explained in the rules of thumb of docs/design.md: tensor parallel inside a
+node, pipeline or FSDP across nodes until the model fits, data parallel for the rest,
+gradient accumulation when the batch is small.
 """
 
 from __future__ import annotations
@@ -26,9 +33,12 @@ from paratrain.plan import ParallelPlan
 from paratrain.systems.hardware import Hardware
 from paratrain.systems.memory import Memory, memory
 from paratrain.systems.models import as_shape
+from paratrain.systems.step_model import Breakdown, predict_step
+from paratrain.systems.step_params import StepParams
 from paratrain.systems.step_time import StepTime, bubble_fraction, step_time
 
 ZERO_STAGES = (0, 1, 2, 3)
+VIRTUAL_STAGES = (2, 3, 4, 5, 6, 8, 12)  # chunks per rank the published runs use
 RECOMPUTES = ("none", "selective", "full")
 
 
@@ -50,7 +60,7 @@ class Candidate:
     plan: ParallelPlan
     micro_batch: int  # sequences per micro-batch per data-parallel rank
     memory: Memory
-    time: StepTime
+    time: StepTime | Breakdown
 
     @property
     def step_s(self) -> float:
@@ -107,23 +117,32 @@ def enumerate_plans(model: ModelConfig, hw: Hardware, gpus: int, sequences: int,
                     scheds = [("1f1b", 1)] if pp == 1 else [("gpipe", 1), ("1f1b", 1),
                                                             ("zb-h1", 1)]
                     if pp > 1 and mb % pp == 0:
-                        scheds += [("interleaved", v) for v in (2, 4) if pp * v <= m.n_layers]
+                        scheds += [("interleaved", v) for v in VIRTUAL_STAGES
+                                   if pp * v <= m.n_layers]
+                    algos = ("ring",) if cp == 1 else ("ring", "all-to-all") if (
+                        m.n_heads % (cp * tp) == 0 and m.kv_heads % (cp * tp) == 0
+                        and not m.is_moe) else ("ring",)
                     for sched, v in scheds:
                         for ep in eps:
-                            for zero in (zero_stages if dp * cp > 1 else (0,)):
-                                for rc in recomputes:
-                                    yield ParallelPlan(
-                                        dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=zero,
-                                        sp=tp > 1, micro_batches=mb, schedule=sched,
-                                        virtual_stages=v, recompute=rc), b
+                            for algo in algos:
+                                for zero in (zero_stages if dp * cp > 1 else (0,)):
+                                    for rc in recomputes:
+                                        yield ParallelPlan(
+                                            dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=zero,
+                                            sp=tp > 1, micro_batches=mb, schedule=sched,
+                                            virtual_stages=v, recompute=rc,
+                                            cp_algorithm=algo), b
 
 
 def search(model: ModelConfig, hw: Hardware, gpus: int, tokens_per_step: int, seq_len: int,
            *, top: int = 10, eta: float | None = None, keep_points: bool = True,
            step_kwargs: dict | None = None, attention: str = "eager",
-           **enum_kw) -> SearchResult:
-    """Price every layout; return the ``top`` fitting ones by predicted step time
-    (``step_kwargs`` go to :func:`step_time`; ``attention`` to :func:`memory`)."""
+           reference: bool = False, params: StepParams | None = None,
+           engine: str | None = None, **enum_kw) -> SearchResult:
+    """Price every layout; return the ``top`` fitting ones by predicted step time: the
+    step model under ``params`` and ``engine`` (default), or with ``reference`` the
+    reference :func:`step_time` (``step_kwargs`` go to it); ``attention`` goes to
+    :func:`memory`."""
     if tokens_per_step % seq_len:
         raise ValueError(
             f"tokens_per_step={tokens_per_step} is not a multiple of seq_len={seq_len}; "
@@ -145,7 +164,8 @@ def search(model: ModelConfig, hw: Hardware, gpus: int, tokens_per_step: int, se
         if not mem.fits:
             continue
         fitting += 1
-        st = step_time(m, plan, hw, tokens_per_step, seq_len, **kw)
+        st = (step_time(m, plan, hw, tokens_per_step, seq_len, **kw) if reference else
+              predict_step(m, plan, hw, tokens_per_step, seq_len, params, engine))
         if keep_points:
             points.append((st.step_s, mem.total_bytes))
         if len(best) < top or st.step_s < worst_kept:
@@ -192,11 +212,20 @@ def explain(result: SearchResult, model: ModelConfig, hw: Hardware) -> list[str]
     else:
         lines.append(f"no pipeline or sharding needed: the model states "
                      f"({mem.states_bytes / gb:.1f} GB) fit replicated")
-    lines.append(f"data parallel {p.dp} for the rest: gradient sync {st.dp_comm_s:.3g} s, "
-                 f"{st.dp_exposed_s:.3g} s of it exposed after overlap with backward")
+    ranks = p.dp * p.cp
+    if ranks > 1:
+        who = f"data parallel {p.dp}" + (f" x context parallel {p.cp}" if p.cp > 1 else "")
+        lines.append(f"{who}: gradients are synchronised over {ranks} ranks, "
+                     f"{st.dp_comm_s:.3g} s per step, {st.dp_exposed_s:.3g} s of it exposed "
+                     "after overlap")
+    else:
+        lines.append("no data or context parallelism: one replica, no gradient sync")
     if p.cp > 1:
-        lines.append(f"context parallel {p.cp}: each sequence is split over {p.cp} ranks, "
-                     "dividing its activations; ring attention hides the K/V passes "
+        how = ("ring attention passes K/V around the ring under each block's attention"
+               if p.cp_algorithm == "ring" else "all-to-alls switch sequence and head "
+               "sharding around attention")
+        lines.append(f"context parallel {p.cp} ({p.cp_algorithm}): each sequence is split "
+                     f"over {p.cp} ranks, dividing its activations; {how} "
                      f"(exposed {st.cp_exposed_s:.3g} s)")
     if p.micro_batches > 1 and p.pp == 1:
         lines.append(f"gradient accumulation over {p.micro_batches} micro-batches of "
@@ -225,6 +254,7 @@ def candidate_record(c: Candidate) -> dict:
     return {"dp": p.dp, "tp": p.tp, "pp": p.pp, "cp": p.cp, "ep": p.ep, "zero": p.zero,
             "sp": p.sp, "micro_batches": p.micro_batches, "micro_batch_seqs": c.micro_batch,
             "schedule": p.schedule, "virtual_stages": p.virtual_stages,
+            "cp_algorithm": p.cp_algorithm,
             "recompute": p.recompute, "step_s": c.step_s, "mfu": c.time.mfu,
             "hfu": c.time.hfu, "memory_bytes": c.memory.total_bytes,
             "compute_s": c.time.compute_s, "bubble_s": c.time.bubble_s,

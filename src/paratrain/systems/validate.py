@@ -2,9 +2,15 @@
 
 The work is split by responsibility: :mod:`paratrain.systems.runs` reads the runs table
 (``data/calibration.csv``) into priceable cases, :mod:`paratrain.systems.fitting` holds
-the free parameters, the predictions, the error summary and the least-squares fit; this
-module is the command's body (:func:`run_validate`) and its table (:func:`render_validate`).
-The names tests and other modules import from here are re-exported below.
+the predictions, the error summary and the least-squares fit; this module is the
+command's body (:func:`run_validate`) and its table (:func:`render_validate`).
+
+Models: the step model with the shipped fitted parameters (default), the same model at
+its parameters' provenance values (``--unfitted``), or docs/design.md's reference model
+(``--reference``). With ``--fit`` the parameters are refitted on the table's fit rows and
+three errors are reported: leave-one-out over the fit rows (each row predicted by a fit
+that never saw it), the held-out split (rows marked ``split=heldout`` in the table, or the
+``--holdout`` ids), and in-table (every fit row under the full fit).
 """
 
 from __future__ import annotations
@@ -12,9 +18,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from paratrain.systems.fitting import (
-    BOUNDS,
     FITTED,
-    SCALARS,
     Params,
     fit,
     generation,
@@ -35,31 +39,42 @@ from paratrain.systems.runs import (
     row_to_case,
     source_key,
 )
-from paratrain.systems.step_time import OVERLAP_FRACTION
+from paratrain.systems.step_params import StepParams
 
-__all__ = ["BOUNDS", "DEFAULT_RUNS", "FITTED", "HOLDOUT", "SCALARS", "UNFITTED", "Case",
-           "Params", "Record", "Skip", "cases_and_skips", "fit", "generation",
-           "leave_one_out", "load_params", "params_dict", "predict", "read_runs",
-           "render_validate", "row_to_case", "run_validate", "score", "source_key",
-           "summarize", "write_params"]
+__all__ = ["DEFAULT_RUNS", "FITTED", "HOLDOUT", "UNFITTED", "Case", "Params", "Record",
+           "Skip", "cases_and_skips", "fit", "generation", "heldout_ids", "leave_one_out",
+           "load_params", "params_dict", "predict", "read_runs", "render_validate",
+           "row_to_case", "run_validate", "score", "source_key", "summarize",
+           "write_params"]
 
+# used only when the table has no ``split`` column
 HOLDOUT = ("megascale_530b_megatronlm_11200", "bloom_176b", "glm_130b",
            "llama3_405b_16384_seq131072", "narayanan21_t1_1008.0B", "dgxc_gpt3_175b_2048")
-UNFITTED = Params(eta={}, bw_eff=1.0, overlap_fraction=OVERLAP_FRACTION, overhead_width=0.0,
-                  dp_algorithm="ring")
+UNFITTED = StepParams()
 
 
-def params_dict(p: Params) -> dict:
-    return {"eta": dict(p.eta), "bw_eff": p.bw_eff, "overlap_fraction": p.overlap_fraction,
-            "overhead_width": p.overhead_width, "dp_algorithm": p.dp_algorithm}
+def params_dict(p: StepParams) -> dict:
+    return p.as_dict()
+
+
+def heldout_ids(rows: list[dict]) -> tuple[str, ...]:
+    """The table's held-out split (``split`` column), else :data:`HOLDOUT`."""
+    if rows and "split" in rows[0]:
+        return tuple(r["id"] for r in rows if (r.get("split") or "").strip() == "heldout")
+    return HOLDOUT
 
 
 def run_validate(runs: str | None, params_path: str | None, unfitted: bool, do_fit: bool,
-                 holdout: tuple[str, ...], out: str | None) -> dict:
-    """Everything `paratrain validate` reports, as one dict."""
+                 holdout: tuple[str, ...] | None, out: str | None, *,
+                 reference: bool = False, loo: bool = True) -> dict:
+    """Everything `paratrain validate` reports, as one dict (``holdout`` None: the
+    table's own split)."""
     rows = read_runs(runs)
     cases, skips = cases_and_skips(rows)
-    result: dict = {"runs": str(runs or DEFAULT_RUNS)}
+    result: dict = {"runs": str(runs or DEFAULT_RUNS),
+                    "model": "reference" if reference else "step"}
+    if holdout is None:
+        holdout = heldout_ids(rows)
     if do_fit:
         unknown = sorted(set(holdout) - {c.id for c in cases} - {s.id for s in skips})
         if unknown:
@@ -68,38 +83,42 @@ def run_validate(runs: str | None, params_path: str | None, unfitted: bool, do_f
         train = [c for c in cases if c.id not in holdout]
         held = [c for c in cases if c.id in holdout]
         params = fit(train)
-        loo = leave_one_out(train, params)
         result["fit"] = {"params": params_dict(params), "train_rows": len(train),
-                         "loo": summarize(loo), "loo_records": [r.as_dict() for r in loo],
-                         "holdout_ids": [c.id for c in held]}
+                         "n_params": params.count(), "holdout_ids": [c.id for c in held],
+                         "in_table": summarize(score(train, params))}
+        if loo:
+            recs = leave_one_out(train, params)
+            result["fit"]["loo"] = summarize(recs)
+            result["fit"]["loo_records"] = [r.as_dict() for r in recs]
         if held:
-            h = score(held, params)
-            result["fit"]["holdout"] = summarize(h)
+            result["fit"]["holdout"] = summarize(score(held, params))
         if out:
+            f = result["fit"]
             prov = [
-                "Fitted free parameters of the paratrain systems model.",
+                "Fitted free parameters of the paratrain step model (systems/step_params.py",
+                "gives each one's meaning, bound and provenance).",
                 f"Written by `paratrain validate --fit` on {len(train)} rows of "
                 f"{Path(runs).name if runs else 'calibration.csv'} (sources in that table),",
-                f"holding out: {', '.join(c.id for c in held) or 'none'}.",
-                f"Leave-one-out MAPE {result['fit']['loo']['overall']['mape']:.2f}% on the "
-                "fitted rows"
-                + (f"; held-out MAPE {result['fit']['holdout']['overall']['mape']:.2f}%."
-                   if held else "."),
-                "eta: dense matmul efficiency per accelerator generation; bw_eff: achieved /",
-                "nominal link bandwidth; overlap_fraction: compute share that hides the",
-                "data-parallel sync; overhead_width h0: compute time x (1 + h0 / d_model).",
+                f"holding out {len(held)} rows (the table's split=heldout).",
+                f"In-table MAPE {f['in_table']['overall']['mape']:.2f}%"
+                + (f"; leave-one-out MAPE {f['loo']['overall']['mape']:.2f}%" if loo else "")
+                + (f"; held-out MAPE {f['holdout']['overall']['mape']:.2f}%." if held
+                   else "."),
             ]
             result["fit"]["written"] = str(write_params(params, out, prov))
     elif unfitted:
         params = UNFITTED
     else:
         params = load_params(params_path)
-    records = score(cases, params) + skips
+    records = score(cases, params, reference) + skips
     order = {r["id"]: i for i, r in enumerate(rows)}
     records.sort(key=lambda r: order.get(r.id, 0))
     result["params"] = params_dict(params)
     result["records"] = [r.as_dict() for r in records]
     result["summary"] = summarize(records)
+    held = [r for r in records if r.id in holdout]
+    if held:
+        result["summary_heldout"] = summarize(held)
     return result
 
 
@@ -115,8 +134,9 @@ def render_validate(res: dict, console=None) -> None:
             return "-"
         return f"{x:.1f}" if metric == "tflops" else f"{100 * x:.1f}%"
 
-    t = Table(title=f"Published runs: predicted vs reported ({res['runs']})",
-              box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
+    t = Table(title=f"Published runs: predicted vs reported ({res['runs']}, "
+                    f"{res['model']} model)", box=box.SIMPLE_HEAD, pad_edge=False,
+              collapse_padding=True)
     for c in ("id", "metric", "reported", "predicted", "error %"):
         t.add_column(c, justify="left" if c == "id" else "right", no_wrap=c != "id")
     for r in res["records"]:
@@ -135,18 +155,29 @@ def render_validate(res: dict, console=None) -> None:
             f"{name}: no priced rows"
 
     con.print(line("overall", res["summary"]["overall"]))
+    if "summary_heldout" in res:
+        con.print(line("held-out rows", res["summary_heldout"]["overall"]))
     for src, s in res["summary"]["per_source"].items():
         con.print("  " + line(src, s))
     p = res["params"]
-    con.print("parameters: eta " + ", ".join(f"{k} {v:.3f}" for k, v in p["eta"].items())
-              + f"; bw_eff {p['bw_eff']:.3f}; overlap_fraction {p['overlap_fraction']:.3f}; "
-              f"overhead_width {p['overhead_width']:.0f}; dp sync {p['dp_algorithm']}")
+    if res["model"] == "reference":
+        con.print("parameters: docs/design.md's reference model (catalogue eta, flat ring)")
+    else:
+        con.print("parameters: gemm_eff " + ", ".join(f"{k} {v:.3f}" for k, v in
+                                                       p["gemm_eff"].items())
+                  + "; attn_eff " + ", ".join(f"{k} {v:.3f}" for k, v in
+                                             p["attn_eff"].items())
+                  + f"; attn3_eff {p['attn3_eff']:.3f}; hbm_eff {p['hbm_eff']:.3f}; "
+                  f"nvlink_eff {p['nvlink_eff']:.3f}; net_eff {p['net_eff']:.3f}; "
+                  f"kernel {p['kernel_s'] * 1e6:.1f} us")
     if "fit" in res:
         f = res["fit"]
-        con.print(f"[bold]fit[/] on {f['train_rows']} rows; "
-                  + line("leave-one-out", f["loo"]["overall"]))
+        con.print(f"[bold]fit[/] of {f['n_params']} parameters on {f['train_rows']} rows; "
+                  + line("in-table", f["in_table"]["overall"]))
+        if "loo" in f:
+            con.print(line("leave-one-out", f["loo"]["overall"]))
         if "holdout" in f:
-            con.print(f"held out ({', '.join(f['holdout_ids'])}): "
-                      + line("held-out", f["holdout"]["overall"]))
+            con.print(line(f"held-out ({len(f['holdout_ids'])} rows)",
+                           f["holdout"]["overall"]))
         if "written" in f:
             con.print(f"wrote {f['written']}")

@@ -9,8 +9,8 @@ with ``--pp > 1``) a second panel draws the recorded start and end of every acti
 the last step, in seconds, on the same rows.
 
 Colours: forward blue, backward orange (input-gradient half of zero-bubble darker
-orange), weight gradient green; chunks of interleaved schedules are lighter shades;
-labels are micro-batch numbers.
+orange), weight gradient green; chunks of interleaved schedules are lighter shades, one
+legend entry per (action, chunk); labels are micro-batch numbers.
 
 No torch import: matplotlib (Agg) and the pure schedule module only.
 """
@@ -29,14 +29,36 @@ def _shade(hex_colour: str, chunk: int) -> tuple[float, float, float]:
     return (r + (1 - r) * f, g + (1 - g) * f, b + (1 - b) * f)
 
 
+_LEGEND_IN = 0.6  # inches under the panels for the legend
+
+NAMES = {"F": "forward", "B": "backward", "BI": "backward (input grad)",
+         "BW": "backward (weight grad)"}
+
+
+def _legend(sched, Patch) -> list:
+    """One patch per (kind, chunk) the schedule runs: the shading of interleaved chunks is
+    explained, not left for the reader to guess."""
+    kinds = sorted({a.kind for acts in sched.actions for a in acts if a.kind in COLOURS},
+                   key=list(COLOURS).index)
+    v = sched.virtual_stages
+    return [Patch(facecolor=_shade(COLOURS[k], c), edgecolor="black", linewidth=0.4,
+                  label=NAMES[k] + (f", chunk {c}" if v > 1 else ""))
+            for k in kinds for c in range(v)]
+
+
 def _draw(ax, rows: list[list[tuple[str, int, int, float, float]]], title: str,
           unit: str) -> None:
+    from paratrain.viz.collective_anim import ink
+
     for r, spans in enumerate(rows):
+        size = 8 if len(spans) <= 40 else 6
         for kind, mb, chunk, t0, t1 in spans:
-            ax.barh(r, t1 - t0, left=t0, height=0.8, color=_shade(COLOURS[kind], chunk),
-                    edgecolor="black", linewidth=0.4)
-            if len(spans) <= 96:
-                ax.text((t0 + t1) / 2, r, str(mb), ha="center", va="center", fontsize=6)
+            fill = _shade(COLOURS[kind], chunk)
+            ax.barh(r, t1 - t0, left=t0, height=0.8, color=fill, edgecolor="black",
+                    linewidth=0.4)
+            if len(spans) <= 96:  # white on the dark shades, black on the light ones
+                ax.text((t0 + t1) / 2, r, str(mb), ha="center", va="center", fontsize=size,
+                        color=ink(fill))
     ax.set_yticks(range(len(rows)), [f"rank {r}" for r in range(len(rows))])
     ax.invert_yaxis()
     ax.set_xlabel(unit)
@@ -77,16 +99,16 @@ def draw_pipeline(name: str, pp: int, micro_batches: int, virtual_stages: int, o
         rows = [[tuple(s) for s in st] for st in rec["timeline"]]
         panels.append((rows, f"measured (last step): bubble {rec['bubble_measured']:.3f}",
                        "time (s)"))
-    fig, axes = plt.subplots(len(panels), 1, figsize=(12, 1.0 + 0.55 * pp * len(panels)),
-                             squeeze=False)
+    fig, axes = plt.subplots(len(panels), 1, squeeze=False,
+                             figsize=(12, 1.0 + _LEGEND_IN + 0.55 * pp * len(panels)))
     for ax, (rows, title, unit) in zip(axes[:, 0], panels, strict=True):
         _draw(ax, rows, title, unit)
-    kinds = sorted({a.kind for acts in sched.actions for a in acts if a.kind in COLOURS},
-                   key=list(COLOURS).index)
-    axes[0, 0].legend(handles=[Patch(color=COLOURS[k], label=k) for k in kinds],
-                      loc="lower right", bbox_to_anchor=(1.0, 1.0), fontsize=7,
-                      ncols=len(kinds), frameon=False)
-    fig.tight_layout()
+    handles = _legend(sched, Patch)
+    fig.legend(handles=handles, loc="lower center", fontsize=8, ncols=min(6, len(handles)),
+               title="box = one action of a micro-batch (its number inside)"
+               + ("; lighter shade = a later model chunk on the rank"
+                  if virtual_stages > 1 else ""), title_fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, _LEGEND_IN / fig.get_figheight(), 1, 1))
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     v = f"_v{virtual_stages}" if virtual_stages > 1 else ""

@@ -1,7 +1,8 @@
 """Charts of a `paratrain plan` report (matplotlib, Agg backend, written as PNG files).
 
-- ``memory.png``: memory per GPU for each ZeRO stage, stacked by component (weights,
-  gradients, optimizer state, activations, ZeRO-3 buffers) against the HBM line.
+- ``memory.png``: memory per GPU for each ZeRO stage, stacked by component: the model
+  states on their own panel (the ZeRO story), everything (activations, ZeRO-3 buffers
+  too) beside it against the HBM line.
 - ``step_time.png``: the step split into compute, pipeline bubble and exposed
   communication, waiting for the sync versus overlapping it.
 """
@@ -26,38 +27,61 @@ def _plt():
     return plt
 
 
-def plot_memory(rep: dict, path: str | Path) -> Path:
-    """Stacked bar of memory per GPU by component for ZeRO 0-3 against the HBM line."""
+def memory_figure(rep: dict):
+    """Two panels, so the activations of a long sequence cannot flatten the ZeRO story:
+    left, the model states alone (weights + gradients + optimizer state) on their own
+    scale, each stage's total under its bar; right, everything per GPU against the HBM
+    line (named in the legend, so it never sits on a bar)."""
     plt = _plt()
+    from matplotlib.lines import Line2D
+
     rows = rep["zero"]
-    labels = ["no sharding", "ZeRO-1", "ZeRO-2", "ZeRO-3"]
-    fig, ax = plt.subplots(figsize=(8.5, 4.5))
-    bottom = [0.0] * len(rows)
-    for key, name, color in _MEM_PARTS:
-        vals = [r[key] / GB for r in rows]
-        ax.bar(labels, vals, bottom=bottom, label=name, color=color)
-        bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
+    labels = ["no sharding", "ZeRO-1", "ZeRO-2", "ZeRO-3"][:len(rows)]
+    fig, (ax_s, ax_t) = plt.subplots(1, 2, figsize=(12, 4.8),
+                                     gridspec_kw={"width_ratios": (1, 1)})
     hbm = rep["hardware"]["hbm_bytes"] / GB
-    ax.axhline(hbm, color="black", linestyle="--", linewidth=1.2)
-    ax.text(-0.45, hbm, f"HBM {hbm:.0f} GB", va="bottom", ha="left", fontsize=9)
-    for i, r in enumerate(rows):
-        ax.text(i, bottom[i], f"{r['total_bytes'] / GB:.1f}", ha="center", va="bottom",
-                fontsize=9)
+    for ax, parts, title in ((ax_s, _MEM_PARTS[:3], "model states per GPU"),
+                             (ax_t, _MEM_PARTS, "everything per GPU")):
+        bottom = [0.0] * len(rows)
+        for key, name, color in parts:
+            vals = [r[key] / GB for r in rows]
+            ax.bar(range(len(rows)), vals, bottom=bottom, label=name, color=color, width=0.6)
+            bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
+        ax.set_xticks(range(len(rows)), [f"{lab}\n{b:.1f} GB" for lab, b
+                                         in zip(labels, bottom, strict=True)], fontsize=9)
+        ax.set_ylabel("GB per GPU")
+        ax.set_title(title, fontsize=10)
+        ax.grid(axis="y", alpha=0.3)
+        ax.set_axisbelow(True)
+        if ax is ax_t:
+            ax.axhline(hbm, color="black", linestyle="--", linewidth=1.2)
+            top = max(max(bottom), hbm)
+            if max(bottom) > 20 * hbm:
+                ax.set_yscale("log")
+                ax.set_ylim(top=top * 3)
+            else:
+                ax.set_ylim(0, top * 1.1)
+        else:
+            ax.set_ylim(0, max(bottom) * 1.1)
+    handles, names = ax_t.get_legend_handles_labels()
+    handles.append(Line2D([], [], color="black", linestyle="--", linewidth=1.2))
+    names.append(f"HBM {hbm:.0f} GB")
+    ax_t.legend(handles, names, fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    first, last = rows[0]["states_bytes"] / GB, rows[-1]["states_bytes"] / GB
     pl = rep["plan"]
-    ax.set_ylabel("GB per GPU")
-    ax.set_title(f"{rep['model']['name']} on {pl['gpus']} x {rep['hardware']['name']}: "
-                 f"memory per GPU (dp {pl['dp']}, tp {pl['tp']}, pp {pl['pp']})", fontsize=10)
-    top = max(max(bottom), hbm)
-    if max(bottom) > 20 * hbm:
-        ax.set_yscale("log")
-        ax.set_ylim(top=top * 3)
-    else:
-        ax.set_ylim(0, top * 1.12)
-    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.suptitle(f"{rep['model']['name']} on {pl['gpus']} x {rep['hardware']['name']} "
+                 f"(dp {pl['dp']}, tp {pl['tp']}, pp {pl['pp']}): ZeRO takes model states "
+                 f"from {first:.1f} to {last:.1f} GB per GPU", fontsize=10)
     fig.tight_layout()
+    return fig
+
+
+def plot_memory(rep: dict, path: str | Path) -> Path:
+    """Write :func:`memory_figure` as a PNG."""
+    fig = memory_figure(rep)
     out = Path(path)
     fig.savefig(out, dpi=120)
-    plt.close(fig)
+    _plt().close(fig)
     return out
 
 
@@ -111,13 +135,15 @@ def write_plan_output(out, out_dir: str | Path) -> list[Path]:
     return write_plan_plots(out.data, out_dir)
 
 
-def plot_pareto(result, out_dir: str | Path, title: str) -> Path:
+def pareto_figure(result, title: str):
     """Step time vs memory per GPU of every fitting layout of a search, Pareto front marked
-    (``result`` is a :class:`paratrain.systems.search.SearchResult`)."""
+    (``result`` is a :class:`paratrain.systems.search.SearchResult`). The log time axis
+    is labelled at 1, 2, 5 x 10^k in plain numbers (matplotlib's default labels every
+    minor tick as 3x10^0, which overlap)."""
     plt = _plt()
-    d = Path(out_dir)
-    d.mkdir(parents=True, exist_ok=True)
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    fig, ax = plt.subplots(figsize=(8, 4.8))
     if result.points:
         t, mem = zip(*result.points, strict=True)
         ax.scatter(t, [x / GB for x in mem], s=4, alpha=0.3, color="#999999",
@@ -129,14 +155,26 @@ def plot_pareto(result, out_dir: str | Path, title: str) -> Path:
         ax.scatter(ft, [x / GB for x in fm], s=14, color="#C44E52")
     best = result.top[0]
     ax.scatter([best.step_s], [best.memory.total_bytes / GB], s=80, marker="*",
-               color="#4C72B0", zorder=3, label="fastest")
-    ax.set_xlabel("predicted step time (s)")
+               color="#4C72B0", zorder=3, label=f"fastest: {best.step_s:.3g} s")
+    ax.set_xlabel("predicted step time (s, log scale)")
     ax.set_ylabel("memory per GPU (GB)")
     ax.set_xscale("log")
+    ax.xaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    ax.grid(alpha=0.3, which="major")
     ax.set_title(f"{title}: {result.fitting:,} layouts that fit", fontsize=10)
     ax.legend(fontsize=8)
     fig.tight_layout()
+    return fig
+
+
+def plot_pareto(result, out_dir: str | Path, title: str) -> Path:
+    """Write :func:`pareto_figure` as ``search_pareto.png`` under ``out_dir``."""
+    d = Path(out_dir)
+    d.mkdir(parents=True, exist_ok=True)
+    fig = pareto_figure(result, title)
     out = d / "search_pareto.png"
     fig.savefig(out, dpi=120)
-    plt.close(fig)
+    _plt().close(fig)
     return out

@@ -1,0 +1,220 @@
+"""Expert parallelism: paratrain's token exchange against a plain PyTorch one.
+
+    python benchmarks/expert_parallel.py [--ranks 2,4] [--reps 10] [--json out.json]
+
+Two measurements, each in fresh gloo processes (one thread each), the two
+implementations called alternately in the same processes (ours, torch, ours, torch,
+...; a barrier before each call) so that load drifting on a shared machine hits both:
+
+1. **All-to-all** of ``--mb`` MB per rank, equal pieces: paratrain's pairwise exchange
+   (``--collectives ours``: p - 1 rounds of isend / irecv,
+   :meth:`paratrain.parallel.expert.ExpertExchange._pairwise`) against torch's
+   ``all_to_all_single``. Bus bandwidth = bytes a rank sends to others ((p-1)/p of its
+   buffer) / time; the ratio ours / torch.
+2. **One MoE layer, forward + backward, at ep = p** (every rank holds E / p experts):
+   paratrain's :class:`paratrain.model.MoE` under
+   :func:`paratrain.parallel.expert.apply_expert_parallel` (native all-to-all) against
+   the same computation written plainly with PyTorch: softmax router, top-k,
+   ``torch.sort`` by expert, the split sizes exchanged with ``all_to_all_single``, the
+   rows with ``torch.distributed.nn.functional.all_to_all_single`` (autograd's), a loop
+   over the local experts, the reverse exchange and ``index_add_`` (the shape of
+   Megatron-LM's all-to-all token dispatcher). Same weights, same tokens; the outputs
+   are checked equal first. Printed per p: median time of each, the ratio, the bytes
+   each rank's all-to-alls sent per step (paratrain counts them; the two send the same
+   rows), the share of our step spent inside the all-to-alls, and peak RSS. ep = 1 (no
+   exchange, all experts local) is timed too, for scale.
+
+Defaults: E = 8 experts, top-2, d_model 128, expert width 256, 2048 tokens per rank
+(16 sequences of 128), float32; ``--reps 10`` takes about a minute on 2 busy cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+
+from _common import peak_rss_mb
+from paratrain.config import ModelConfig
+from paratrain.distributed import spawn
+
+
+def _alternating(calls: dict, reps: int) -> dict[str, list[float]]:
+    """Seconds of each call, ``reps`` times, alternating; a barrier before each."""
+    out: dict[str, list[float]] = {k: [] for k in calls}
+    for _ in range(reps):
+        for name, fn in calls.items():
+            dist.barrier()
+            t0 = time.perf_counter()
+            fn()
+            out[name].append(time.perf_counter() - t0)
+    return out
+
+
+def _slowest_median(times: list[float]) -> float:
+    """The slower rank's median (every rank's list is all-reduced with MAX first)."""
+    t = torch.tensor(times, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return statistics.median(t.tolist())
+
+
+def _a2a_worker(rank: int, world: int, mb: float, reps: int) -> dict:
+    from paratrain.parallel.expert import ExpertExchange
+
+    ours = ExpertExchange(dist.group.WORLD, world, rank, world, "ours")
+    n = int(mb * 1e6 / 4) // world * world
+    x = torch.randn(n)
+    splits = [n // world] * world
+
+    def native():
+        out = torch.empty_like(x)
+        dist.all_to_all_single(out, x, splits, splits)
+
+    times = _alternating({"ours": lambda: ours.all_to_all(x, splits, splits),
+                          "torch": native}, reps)
+    return {k: _slowest_median(v) for k, v in times.items()} | {"bytes": 4 * n}
+
+
+class _TorchMoE:
+    """The plain-PyTorch expert-parallel MoE layer (see the module docstring), on the
+    weights of a paratrain MoE whose ``experts`` are this rank's."""
+
+    def __init__(self, moe, rank: int, world: int) -> None:
+        self.moe, self.rank, self.world = moe, rank, world
+
+    def __call__(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        from torch.distributed.nn.functional import all_to_all_single
+
+        warnings.filterwarnings("ignore", message=".*all_to_all_single is deprecated")
+        moe, p = self.moe, self.world
+        B, T, D = x_BTD.shape
+        E, K = moe.num_experts, moe.top_k
+        El = E // p
+        x = x_BTD.reshape(-1, D)
+        probs = (x @ moe.router.weight.T).softmax(-1)
+        w, idx = probs.topk(K, dim=-1)
+        w = w / w.sum(-1, keepdim=True)
+        flat = idx.flatten()
+        order = torch.sort(flat, stable=True).indices
+        tok = order // K
+        counts = torch.bincount(flat, minlength=E)
+        recv = torch.empty_like(counts)
+        dist.all_to_all_single(recv, counts)  # counts[e] for my experts, from each rank
+        send_splits = counts.view(p, El).sum(1).tolist()
+        recv_splits = recv.view(p, El).sum(1).tolist()
+        rows = all_to_all_single(torch.empty(sum(recv_splits), D), x[tok], recv_splits,
+                                 send_splits)
+        # rows arrive by source rank, each sorted by my local expert: regroup by expert
+        local = torch.arange(El).repeat(p).repeat_interleave(recv)
+        perm = torch.sort(local, stable=True).indices
+        sizes = torch.bincount(local, minlength=El).tolist()
+        outs = [ex(chunk) for ex, chunk in zip(moe.experts, rows[perm].split(sizes),
+                                               strict=True)]
+        y_rows = torch.cat(outs)[torch.argsort(perm)]
+        back = all_to_all_single(torch.empty(sum(send_splits), D), y_rows, send_splits,
+                                 recv_splits)
+        y = torch.zeros_like(x).index_add_(0, tok, back * w.flatten()[order][:, None])
+        return y.view(B, T, D)
+
+
+def _moe_worker(rank: int, world: int, cfg: ModelConfig, seqs: int, reps: int) -> dict:
+    from paratrain.model import Decoder, moe_modules
+    from paratrain.parallel.expert import ExpertExchange
+
+    torch.manual_seed(0)
+    full = moe_modules(Decoder(cfg))[0]
+    torch.manual_seed(1 + rank)
+    x = torch.randn(seqs, cfg.context, cfg.d_model, requires_grad=True)
+    ours = moe_modules(Decoder(cfg))[0]
+    ours.load_state_dict(full.state_dict())
+    El = cfg.experts // world
+    ours.experts = torch.nn.ModuleList(list(ours.experts)[rank * El:(rank + 1) * El])
+    ex = ExpertExchange(dist.group.WORLD, world, rank, cfg.experts)
+    ours.exchange = ex
+    plain = _TorchMoE(ours, rank, world)
+    spent = []  # seconds inside our all-to-alls (dispatch, combine, their backward)
+    inner = ex.all_to_all
+
+    def timed_a2a(*a):
+        t0 = time.perf_counter()
+        out = inner(*a)
+        spent.append(time.perf_counter() - t0)
+        return out
+
+    ex.all_to_all = timed_a2a
+    with torch.no_grad():
+        err = (ours(x) - plain(x)).abs().max().item()
+    single = moe_modules(Decoder(cfg))[0]  # ep = 1: every expert here, no exchange
+    single.load_state_dict(full.state_dict())
+
+    def step(layer):
+        def run():
+            layer(x).square().mean().backward()
+        return run
+
+    bytes0, spent[:] = ex.wire_bytes, []
+    times = _alternating({"ours": step(ours), "torch": step(plain)}, reps)
+    a2a_bytes = (ex.wire_bytes - bytes0) / reps
+    a2a_s = sum(spent) / reps
+    t1 = _alternating({"ep1": step(single)}, max(3, reps // 2))["ep1"]
+    return {"ours": _slowest_median(times["ours"]), "torch": _slowest_median(times["torch"]),
+            "ep1": _slowest_median(t1), "a2a_bytes": a2a_bytes, "a2a_s": a2a_s,
+            "max_abs_diff": err, "rss_mb": peak_rss_mb()}
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ranks", default="2,4")
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--mb", type=float, default=4.0, help="all-to-all MB per rank")
+    ap.add_argument("--experts", type=int, default=8)
+    ap.add_argument("--top-k", type=int, default=2)
+    ap.add_argument("--d-model", type=int, default=128)
+    ap.add_argument("--moe-ffn", type=int, default=256)
+    ap.add_argument("--context", type=int, default=128)
+    ap.add_argument("--seqs", type=int, default=16, help="sequences per rank")
+    ap.add_argument("--timeout", type=float, default=600.0)
+    ap.add_argument("--skip-moe", action="store_true", help="the all-to-all part only")
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args(argv)
+    ranks = [int(p) for p in a.ranks.split(",")]
+    cfg = ModelConfig(n_layers=1, d_model=a.d_model, n_heads=4, d_ff=a.moe_ffn,
+                      context=a.context, experts=a.experts, top_k=a.top_k,
+                      aux_loss_coef=0.0)
+    records = {"a2a": {}, "moe": {}}
+    print(f"all-to-all, {a.mb} MB per rank, {a.reps} alternating reps (slower rank's "
+          f"median)\n{'p':>3} {'ours s':>9} {'torch s':>9} {'ours GB/s':>10} "
+          f"{'torch GB/s':>10} {'ours/torch busbw':>17}")
+    for p in ranks:
+        r = spawn(_a2a_worker, p, a.mb, a.reps, timeout_s=a.timeout)[0]
+        moved = r["bytes"] * (p - 1) / p
+        records["a2a"][p] = r
+        print(f"{p:>3} {r['ours']:9.5f} {r['torch']:9.5f} {moved / r['ours'] / 1e9:10.3f} "
+              f"{moved / r['torch'] / 1e9:10.3f} {r['torch'] / r['ours']:17.3f}", flush=True)
+    if a.skip_moe:
+        ranks = []
+    tokens = a.seqs * a.context
+    print(f"\nMoE layer forward + backward: E={a.experts} top-{a.top_k} d={a.d_model} "
+          f"ffn={a.moe_ffn}, {tokens} tokens per rank, ep = p\n{'p':>3} {'ours s':>9} "
+          f"{'torch s':>9} {'ours/torch':>10} {'ep=1 s':>8} {'a2a MB/rank':>12} "
+          f"{'a2a share':>10} {'RSS MB':>8} {'max|diff|':>10}")
+    for p in ranks:
+        res = spawn(_moe_worker, p, cfg, a.seqs, a.reps, timeout_s=a.timeout)
+        r = res[0]
+        records["moe"][p] = r
+        print(f"{p:>3} {r['ours']:9.4f} {r['torch']:9.4f} {r['ours'] / r['torch']:10.3f} "
+              f"{r['ep1']:8.4f} {r['a2a_bytes'] / 1e6:12.3f} "
+              f"{r['a2a_s'] / r['ours']:10.1%} {max(x['rss_mb'] for x in res):8.0f} "
+              f"{max(x['max_abs_diff'] for x in res):10.2e}", flush=True)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(records, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,92 @@
+"""Each parallel axis' communication time per micro-batch or step, at achieved bandwidths.
+
+Achieved bandwidth of a group (:func:`group_bw`): inside one node, the NVLink/ICI link x
+``nvlink_eff``. Across nodes NCCL builds its rings over every NIC the group's GPUs own
+(each GPU of a DGX/HGX node has its own NIC), so a group with g members per node moves
+g x the per-GPU network bandwidth x ``net_eff`` across each node boundary, and never more
+than its NVLink hops carry. Times are the alpha-beta forms of
+:mod:`paratrain.systems.collectives` (ring steps x latency + bytes / bandwidth); wire
+bytes come from the homes that count them for the runtime
+(:mod:`paratrain.systems.tp_bytes`, :mod:`paratrain.layout.context`).
+"""
+
+from __future__ import annotations
+
+from paratrain.layout.context import cp_bytes_per_sequence_layer
+from paratrain.plan import ParallelPlan
+from paratrain.systems import collectives as coll
+from paratrain.systems.hardware import Hardware
+from paratrain.systems.layout import span, strides
+from paratrain.systems.models import ModelShape
+from paratrain.systems.tp_bytes import tp_forward_backward
+
+
+def group_bw(plan: ParallelPlan, axis: str, size: int, hw: Hardware, nvlink_eff: float,
+             net_eff: float) -> tuple[float, float]:
+    """(alpha_s, achieved bytes/s per rank) of an ``axis`` group of ``size`` ranks."""
+    return strided_bw(strides(plan)[axis], size, hw, nvlink_eff, net_eff)
+
+
+def strided_bw(stride: int, size: int, hw: Hardware, nvlink_eff: float, net_eff: float
+               ) -> tuple[float, float]:
+    """(alpha_s, achieved bytes/s per rank) of ``size`` ranks ``stride`` apart."""
+    if span(size, stride) <= hw.gpus_per_node:
+        return hw.intra_alpha, hw.intra_bw * nvlink_eff
+    g = max(1, min(size, hw.gpus_per_node // stride))
+    bw = min(g * hw.inter_bw * net_eff, hw.intra_bw * nvlink_eff if g > 1 else float("inf"))
+    return hw.inter_alpha, bw
+
+
+def ring_s(op: str, p: int, payload: float, alpha: float, bw: float) -> float:
+    return coll.time_s(op, "ring", p, payload, alpha, bw) if p > 1 else 0.0
+
+
+def tp_s(plan: ParallelPlan, act_bytes: float, hw: Hardware, nvlink_eff: float,
+         net_eff: float) -> float:
+    """Tensor-parallel time per block per micro-batch: the runtime's count of
+    all-reduce-sized transfers (:func:`tp_forward_backward`) of the block's activations."""
+    if plan.tp == 1:
+        return 0.0
+    a, bw = group_bw(plan, "tp", plan.tp, hw, nvlink_eff, net_eff)
+    return sum(tp_forward_backward(plan.recompute)) * ring_s("all_reduce", plan.tp,
+                                                             act_bytes, a, bw)
+
+
+def pp_send_s(plan: ParallelPlan, act_bytes: float, hw: Hardware, nvlink_eff: float,
+              net_eff: float, kernel_s: float) -> float:
+    """One activation (or gradient) send between neighbouring stages: latency, a launch
+    and 1/tp of the activations (scatter/gather, Narayanan et al. 2021)."""
+    if plan.pp == 1:
+        return 0.0
+    stride = strides(plan)["pp"]
+    if stride < hw.gpus_per_node and span(2, stride) <= hw.gpus_per_node:
+        a, bw = hw.intra_alpha, hw.intra_bw * nvlink_eff
+    else:
+        a, bw = hw.inter_alpha, hw.inter_bw * net_eff
+    return a + kernel_s + act_bytes / plan.tp / bw
+
+
+def cp_s(m: ModelShape, plan: ParallelPlan, seq_len: int, micro_batch: int, hw: Hardware,
+         nvlink_eff: float, net_eff: float, elem: int = 2, kernel_s: float = 0.0
+         ) -> tuple[float, float]:
+    """(forward, backward) seconds of one block's context-parallel exchange for a
+    micro-batch: the runtime's bytes (:func:`cp_bytes_per_sequence_layer`, ring or
+    all-to-all), plus one latency and one launch per ring hop or all-to-all peer (each
+    ring step also launches its block's attention kernel: two launches a hop)."""
+    if plan.cp == 1:
+        return 0.0, 0.0
+    shaped = m if m.context == seq_len else m.replace(context=seq_len)
+    fwd, bwd = cp_bytes_per_sequence_layer(shaped, plan, elem)
+    a, bw = group_bw(plan, "cp", plan.cp, hw, nvlink_eff, net_eff)
+    hops = plan.cp - 1
+    step = a + 2 * kernel_s
+    return hops * step + micro_batch * fwd / bw, 2 * hops * step + micro_batch * bwd / bw
+
+
+def ep_s(plan: ParallelPlan, routed_bytes: float, hw: Hardware, nvlink_eff: float,
+         net_eff: float) -> float:
+    """One all-to-all of the ``routed_bytes`` each rank holds (dispatch or combine)."""
+    if plan.ep == 1:
+        return 0.0
+    a, bw = group_bw(plan, "ep", plan.ep, hw, nvlink_eff, net_eff)
+    return coll.time_s("all_to_all", "naive", plan.ep, routed_bytes, a, bw)

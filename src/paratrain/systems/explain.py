@@ -1,0 +1,48 @@
+"""A step's breakdown as text: `paratrain plan --explain` and `paratrain validate --explain`.
+
+Every line is computed from the :class:`paratrain.systems.step_model.Breakdown` it
+describes, and the parts add up to the step it prints (tests check both).
+"""
+
+from __future__ import annotations
+
+from paratrain.systems.step_model import AXES, Breakdown
+
+AXIS_NAMES = {"tp": "tensor parallel", "cp": "context parallel", "ep": "expert parallel",
+              "pp": "pipeline p2p", "dp": "data parallel sync"}
+
+
+def _ms(x: float) -> str:
+    return f"{1e3 * x:,.1f} ms"
+
+
+def breakdown_rows(b: Breakdown) -> list[tuple[str, float, str]]:
+    """(part, seconds per step, note) in the order they add up to the step."""
+    rows = [(f"GEMM {cls}", s, f"{100 * s / b.step_s:.1f}% of the step")
+            for cls, s in b.gemm.items()]
+    rows.append(("memory-bound work", b.memory_s,
+                 "norms, residual adds, activations, RoPE, softmax at HBM bandwidth"))
+    rows.append(("kernel launches", b.overhead_s, "fixed cost per kernel"))
+    if b.head_s:
+        rows.append(("output layer + loss", b.head_s, "on the last pipeline stage"))
+    rows.append(("pipeline bubble", b.bubble_s, "idle share of the schedule"))
+    for axis in AXES:
+        if b.comm[axis]:
+            rows.append((f"{AXIS_NAMES[axis]} (exposed)", b.exposed[axis],
+                         f"of {_ms(b.comm[axis])} on the wire"))
+    rows.append(("optimizer step", b.optimizer_s, "memory-bound over this rank's states"))
+    return rows
+
+
+def explain_lines(b: Breakdown, reported: str | None = None) -> list[str]:
+    """The breakdown, one part per line, then the step and utilisation it gives."""
+    lines = [f"busiest rank: {b.blocks} blocks x {b.micro_batches} micro-batches, "
+             f"engine {b.engine}"]
+    for part, s, note in breakdown_rows(b):
+        lines.append(f"  {part:<34} {_ms(s):>14}  {note}")
+    total = sum(s for _, s, _ in breakdown_rows(b))
+    lines.append(f"  {'step':<34} {_ms(total):>14}  MFU {100 * b.mfu:.1f}%, "
+                 f"HFU {100 * b.hfu:.1f}%, {b.tflops_per_gpu:.0f} model TFLOP/s per GPU")
+    if reported:
+        lines.append(f"  reported: {reported}")
+    return lines

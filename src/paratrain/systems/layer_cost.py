@@ -1,0 +1,174 @@
+"""One transformer block's compute on one rank, per GEMM class, plus its memory-bound work.
+
+The block is priced GEMM by GEMM from its shape (:mod:`paratrain.systems.gemm`), in the
+manner of Calculon (Isaev et al., SC'23), for one micro-batch of M = b x s / cp tokens on
+one tensor-parallel rank:
+
+==============  ==========================================  ============================
+class           forward GEMM (M x K by K x N)               note
+==============  ==========================================  ============================
+qkv             M x d by d x (H + 2 G) hd / tp              G kv heads (GQA)
+attention       causal flash attention, H / tp heads        FLOPs / (peak x attn_eff)
+out             M x H hd / tp by H hd / tp x d
+mlp             up: M x d by d x (2|1) f / tp; down back    SwiGLU has two up matrices
+router          M x d by d x E                              MoE only
+experts         E / ep grouped GEMMs of M k ep / E tokens   x expected imbalance
+==============  ==========================================  ============================
+
+Backward is the input-gradient and weight-gradient GEMMs (twice the forward FLOPs);
+flash attention's backward does 2.5 times its forward's matmul work (five matmuls to
+two, Dao 2023). Causal attention computes half the score matrix; context parallelism's
+load-balanced split gives each rank 1/cp of it (:mod:`paratrain.layout.context`).
+
+Memory-bound work (norms, residual adds, activation functions, RoPE, dropout, MoE
+permutation) is counted in bytes read and written per token and priced at the HBM's
+achieved bandwidth. Forward, per token, in elements: each norm reads and writes d (2 x
+2d), each residual add reads two and writes one (2 x 3d), the SwiGLU activation reads two
+f / tp and writes one (GELU: one and one), RoPE reads and writes q and k; with biases
+(GPT-style) the bias-dropout-add adds 2 x 2d. Sequence parallelism runs the norms and adds
+on M / tp tokens. Backward moves twice the forward's bytes. Every kernel also pays a
+fixed launch cost (``KERNELS_FWD`` per block forward, twice that backward).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+from paratrain.systems.gemm import Chip, train_gemm_s
+from paratrain.systems.hardware import Hardware
+from paratrain.systems.models import ModelShape
+
+KERNELS_FWD = 14  # norms, GEMMs, RoPE, attention, adds, activation, TP collectives
+# eager attention, forward, per score element beyond what its two batched GEMMs move
+# (QK^T writes the scores, PV reads the probabilities): the fused scale-mask-softmax
+# kernel reads and writes each once, 4 bytes at 16 bits (backward moves twice as many)
+EAGER_BYTES_PER_SCORE = 4.0
+GEMM_CLASSES = ("qkv", "attention", "out", "mlp", "router", "experts")
+
+
+@dataclass(frozen=True)
+class Rates:
+    """The physical efficiencies the compute terms use."""
+
+    gemm_eff: float  # of the 16-bit peak (x FP8/BF16 peak ratio for FP8 GEMMs)
+    attn_eff: float
+    hbm_eff: float
+    kernel_s: float
+    fusion: float = 1.0  # element-wise bytes over the fused count (overlap.Engine.fusion)
+
+
+@dataclass(frozen=True)
+class BlockCost:
+    """Seconds of one block on one rank for one micro-batch, forward and backward."""
+
+    fwd: dict  # class -> seconds
+    bwd: dict
+    mem_fwd_s: float
+    mem_bwd_s: float
+    overhead_s: float  # kernel launches, forward + backward
+    attn_fwd_s: float  # the attention core alone (what ring attention hides behind)
+
+    @property
+    def gemm_s(self) -> float:
+        return sum(self.fwd.values()) + sum(self.bwd.values())
+
+    @property
+    def fwd_s(self) -> float:
+        return sum(self.fwd.values()) + self.mem_fwd_s + self.overhead_s / 3
+
+    @property
+    def bwd_s(self) -> float:
+        return sum(self.bwd.values()) + self.mem_bwd_s + 2 * self.overhead_s / 3
+
+    @property
+    def total_s(self) -> float:
+        return self.fwd_s + self.bwd_s
+
+
+def expert_imbalance(tokens_per_expert: float, experts: int) -> float:
+    """Expected busiest expert over the mean: the largest of E counts of mean mu,
+    mu + sqrt(2 mu ln E) (Gaussian extreme, a balanced router's spread)."""
+    if experts <= 1 or tokens_per_expert <= 0:
+        return 1.0
+    return 1.0 + math.sqrt(2.0 * math.log(experts) / tokens_per_expert)
+
+
+@lru_cache(maxsize=8192)
+def block_cost(m: ModelShape, M: int, seq_len: int, tp: int, cp: int, sp: bool, ep: int,
+               hw: Hardware, chip: Chip, r: Rates, moe: bool,
+               attention: str = "flash") -> BlockCost:
+    """One block (MoE if ``moe``) for a micro-batch of M tokens on one rank (cached: the
+    search asks for the same few shapes again and again)."""
+    d, hd, H, G = m.d_model, m.head_dim, m.n_heads, m.kv_heads
+    ge, he = r.gemm_eff, r.hbm_eff
+    fwd, bwd = {}, {}
+
+    def lin(name: str, N: int, K: int, rows: int = M, count: int = 1) -> None:
+        f, b = train_gemm_s(rows, N, K, hw, chip, ge, he, count)
+        fwd[name] = fwd.get(name, 0.0) + f
+        bwd[name] = bwd.get(name, 0.0) + b
+
+    if m.is_mla:
+        qk = m.qk_nope_dim + m.qk_rope_dim
+        lin("qkv", (H * qk) // tp, d)
+        lin("qkv", m.kv_lora_rank + m.qk_rope_dim, d)
+        lin("qkv", H * (m.qk_nope_dim + m.v_head_dim) // tp, m.kv_lora_rank)
+        dqk, dv = qk, m.v_head_dim
+    else:
+        lin("qkv", (H + 2 * G) * hd // tp, d)
+        dqk = dv = hd
+    lin("out", d, H * dv // tp)
+    b_seqs = M * cp / seq_len
+    heads = H // tp
+    if attention != "eager":  # flash(3), causal: half the s x s scores, 1/cp on this rank
+        attn_flops = 2.0 * b_seqs * seq_len * seq_len / 2 * heads * (dqk + dv) / cp
+        attn_f = attn_flops / (hw.peak_flops * r.attn_eff)
+        fwd["attention"], bwd["attention"] = attn_f, 2.5 * attn_f
+        scores = 0.0
+    else:  # eager: batched GEMMs over the whole score matrix, which goes through HBM
+        s_q = seq_len // cp
+        count = max(1, round(b_seqs * heads))
+        lin("attention", seq_len, dqk, s_q, count)
+        lin("attention", dv, seq_len, s_q, count)
+        attn_f = fwd["attention"]
+        scores = b_seqs * heads * s_q * seq_len * EAGER_BYTES_PER_SCORE
+    up = 2 if m.mlp == "swiglu" else 1
+    f_act = 0.0
+    if moe:
+        E, k, fe = m.n_experts, m.top_k, m.d_ff_expert
+        lin("router", E, d)
+        per_expert = M * k * ep / E
+        imb = expert_imbalance(per_expert, E)
+        rows = max(1, round(per_expert * imb))
+        lin("experts", up * fe // tp, d, rows, E // ep)
+        lin("experts", d, fe // tp, rows, E // ep)
+        if m.n_shared_experts:
+            lin("mlp", up * m.n_shared_experts * fe // tp, d)
+            lin("mlp", d, m.n_shared_experts * fe // tp)
+        f_act = (up + 1) * fe / tp * k * imb + 4 * d * k  # activation + permute copies
+    else:
+        lin("mlp", up * m.d_ff // tp, d)
+        lin("mlp", d, m.d_ff // tp)
+        f_act = (up + 1) * m.d_ff / tp
+    seq_part = (M / tp if sp else M)
+    elems = seq_part * (4 + 6 + (4 if m.bias else 0)) * d + M * (
+        f_act + (0 if m.learned_positions else 2 * (H + G) * hd / tp))
+    mem_f = (elems * 2.0 * r.fusion + scores) / (hw.hbm_bw * he)
+    kernels = KERNELS_FWD + (4 if moe else 0)
+    return BlockCost(fwd, bwd, mem_f, 2 * mem_f, 3 * kernels * r.kernel_s, attn_f)
+
+
+@lru_cache(maxsize=4096)
+def head_cost(m: ModelShape, M: int, tp: int, hw: Hardware, chip: Chip, r: Rates
+              ) -> tuple[float, float]:
+    """(forward, backward) seconds of the output layer and the loss on the last stage:
+    the M x d by d x V / tp logits GEMM, and the softmax cross-entropy reading and
+    writing float32 logits (about 12 bytes per logit, forward and backward)."""
+    V = -(-m.vocab_size // tp)
+    f, b = train_gemm_s(M, V, m.d_model, hw, chip, r.gemm_eff, r.hbm_eff)
+    loss = 12.0 * M * V / (hw.hbm_bw * r.hbm_eff)
+    return f + loss / 2, b + loss / 2 + 4 * r.kernel_s
+
+

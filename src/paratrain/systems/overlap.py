@@ -1,0 +1,122 @@
+"""Training engines: how much of each axis' communication they hide, and how they gather.
+
+Overlap is an explicit number per axis, the fraction of that axis' communication time
+that can run under compute (1 = all of it, as far as the compute window allows; 0 =
+every byte waits). The defaults below are what each engine does out of the box, from its
+own documentation; ``paratrain plan --engine`` picks one, a runs-table row names its own.
+
+==========  ====  ====  ====  ====  ====  =======  ======================================
+engine      tp    pp    cp    dp    ep    gather   why
+==========  ====  ====  ====  ====  ====  =======  ======================================
+megatron    0     0     1     1     0     bucket   Megatron-LM: TP collectives block; p2p
+                                                   blocking; ring attention overlaps the
+                                                   next K/V with the current block;
+                                                   overlap_grad_reduce / param_gather
+nemo        0.8   1     1     1     0.5   bucket   NeMo's (and Megatron-Core's published
+                                                   H100 runs') recipes turn on
+                                                   tp_comm_overlap (Transformer Engine
+                                                   userbuffers split each AG/RS under its
+                                                   GEMM) and overlap_p2p_comm
+megascale   0.8   1     1     1     0.5   bucket   MegaScale (Jiang et al. 2024) overlaps
+                                                   TP with GEMMs and PP sends with compute
+deepspeed   0     0     1     0.5   0     param    ZeRO-3 gathers each submodule's
+                                                   parameters with its own all-gather
+fsdp        0     0     1     1     0     unit     FSDP1/2: one all-gather per wrapped
+                                                   block, prefetched one block ahead
+torchtitan  0.5   0.5   1     1     0.5   unit     FSDP2 + async TP (Liang et al. 2024)
+xla         0.5   0.5   1     1     0.5   unit     TPU/JAX: collective matmuls overlap TP
+                                                   (Wang et al. 2023)
+==========  ====  ====  ====  ====  ====  =======  ======================================
+
+``attention`` is the kernel an engine runs by default: ``flash3`` (Hopper-native fused
+attention: cuDNN's through Transformer Engine in NeMo; FlashAttention-2 on older chips),
+``flash`` (FlashAttention-2 class, Dao 2023: PyTorch's SDPA, flash-attn, and how we price
+XLA's fused attention) or ``eager`` (the s x s scores through HBM: DeepSpeed's and
+Megatron-DeepSpeed's default; any run in fp16 predates FlashAttention's adoption,
+:func:`paratrain.systems.fitting.case_attention`).
+
+``fusion`` is the element-wise traffic (norms, activations, RoPE, adds) over the fully
+fused count of :mod:`paratrain.systems.layer_cost`: 1 where kernels are fused (Transformer
+Engine, apex, XLA), 1.5 where a few run as separate kernels (Megatron-DeepSpeed), 2 where
+norms and activations are PyTorch modules (llm-foundry's FSDP models), 3 for eager
+PyTorch blocks without torch.compile (torchtitan's default: an RMSNorm alone is five
+kernels, each reading and writing the activations).
+
+``selective`` is what "selective" recomputation reruns besides the attention core
+(Korthikanti et al. 2022's selective recompute, Megatron's: nothing else); torchtitan's
+op-level selective checkpointing saves every other matmul's output and recomputes the rest
+of the forward: half its GEMMs and all its element-wise work.
+
+``gather`` is how a ZeRO-3/FSDP engine gathers weights: ``bucket`` (whole-stage buckets
+on NCCL rings), ``unit`` (one collective per block), ``param`` (DeepSpeed ZeRO-3 gathers each
+submodule's parameters with its own coalesced all-gather: attention's projections, its
+output, the MLP's two layers, ``COLLECTIVES_PER_BLOCK``; each pays the ring's (p-1)
+latencies and a launch, and, being small, runs on one or two NCCL channels: one NIC's
+bandwidth per node instead of the node's aggregate).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+COLLECTIVES_PER_BLOCK = {"bucket": 1, "unit": 1, "param": 4}
+
+
+@dataclass(frozen=True)
+class Engine:
+    name: str
+    tp: float
+    pp: float
+    cp: float
+    dp: float
+    ep: float
+    gather: str
+    attention: str = "flash"  # the attention kernel it runs by default
+    fusion: float = 1.0  # element-wise HBM traffic over the fully fused count
+    selective: float = 0.0  # share of the forward's GEMMs "selective" recompute reruns
+
+
+ENGINES = {
+    "megatron": Engine("megatron", 0.0, 0.0, 1.0, 1.0, 0.0, "bucket", "flash"),
+    "nemo": Engine("nemo", 0.8, 1.0, 1.0, 1.0, 0.5, "bucket", "flash3"),
+    "megascale": Engine("megascale", 0.8, 1.0, 1.0, 1.0, 0.5, "bucket", "flash"),
+    "deepspeed": Engine("deepspeed", 0.0, 0.0, 1.0, 0.5, 0.0, "param", "eager", 1.5),
+    "fsdp": Engine("fsdp", 0.0, 0.0, 1.0, 1.0, 0.0, "unit", "flash", 2.0),
+    "torchtitan": Engine("torchtitan", 0.5, 0.5, 1.0, 1.0, 0.5, "unit", "flash", 3.0, 0.5),
+    "xla": Engine("xla", 0.5, 0.5, 1.0, 1.0, 0.5, "unit", "flash"),
+}
+DEFAULT_ENGINE = "megatron"
+
+# words in a runs-table row's engine / source / sharding text -> engine
+_KEYWORDS = (("nemo", "nemo"), ("dgxc", "nemo"), ("megatron-core", "nemo"), ("mcore", "nemo"),
+             ("megatron-bridge", "nemo"), ("deepspeed", "deepspeed"),
+             ("torchtitan", "torchtitan"), ("fsdp", "fsdp"), ("composer", "fsdp"),
+             ("llm-foundry", "fsdp"), ("mosaic", "fsdp"), ("pax", "xla"), ("jax", "xla"),
+             ("t5x", "xla"), ("maxtext", "xla"), ("tpu", "xla"), ("megatron", "megatron"),
+             ("megascale", "megascale"))
+
+
+def engine(name: str | None) -> Engine:
+    """An engine by name (case-insensitive; any text that names one, e.g. a runs-table
+    ``engine`` cell "Megatron-DeepSpeed" gives deepspeed)."""
+    if not name:
+        return ENGINES[DEFAULT_ENGINE]
+    low = name.lower().strip()
+    if low in ENGINES:
+        return ENGINES[low]
+    for key, eng in _KEYWORDS:
+        if key in low:
+            return ENGINES[eng]
+    raise ValueError(f"engine {name!r} is unknown; choose one of {', '.join(ENGINES)}")
+
+
+def infer_engine(*texts: str | None) -> Engine:
+    """The engine a row names in any of ``texts`` (first match wins), else Megatron-LM."""
+    for t in texts:
+        if not t:
+            continue
+        low = t.lower()
+        for key, eng in _KEYWORDS:
+            if key in low:
+                return ENGINES[eng]
+    return ENGINES[DEFAULT_ENGINE]

@@ -1,0 +1,316 @@
+"""The step-time model: per-GEMM compute, memory-bound work, engine-aware communication.
+
+Where :mod:`paratrain.systems.step_time` is docs/design.md's reference (one eta, every
+collective at the slowest link, reproducing its worked example), this model prices a step
+the way the step runs on the busiest pipeline rank (docs/systems-model.md):
+
+1. one micro-batch's block: each GEMM from its shape, attention, memory-bound work and
+   kernel launches (:mod:`paratrain.systems.layer_cost`); the stage holds the runtime's
+   split of blocks (:func:`paratrain.systems.stages.rank_blocks`), the last one the head;
+2. per micro-batch, what tensor, context and expert parallelism leave exposed: each
+   axis' time (:mod:`paratrain.systems.comm_time`) less the engine's overlap of it
+   (:mod:`paratrain.systems.overlap`), a ring's K/V passes hidden only under the block's
+   attention;
+3. the pipeline bubble (the schedule's closed form) and its point-to-point sends;
+4. data-parallel sync by the engine's algorithm: bucketed NCCL rings hidden under the
+   last micro-batch's backward (and the next forward for the distributed optimizer's
+   all-gather), or ZeRO-3/FSDP gathers block by block, each hidden only under the
+   previous block's compute, so when a micro-batch's compute is short (strong scaling at
+   a fixed global batch) the gathers' latency and bytes show;
+5. the optimizer step (memory-bound over this rank's shard of the states).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+from paratrain.parallel.pipeline.schedule import bubble_over_compute
+from paratrain.plan import ParallelPlan
+from paratrain.systems import comm_time as ct
+from paratrain.systems.gemm import chip_of
+from paratrain.systems.hardware import Hardware
+from paratrain.systems.layer_cost import GEMM_CLASSES, block_cost, head_cost
+from paratrain.systems.layout import split_batch
+from paratrain.systems.memory import params_per_gpu
+from paratrain.systems.models import as_shape
+from paratrain.systems.overlap import COLLECTIVES_PER_BLOCK, Engine, engine
+from paratrain.systems.stages import rank_blocks, stage_costs
+from paratrain.systems.step_params import StepParams
+from paratrain.systems.step_time import recompute_flops_per_token
+
+AXES = ("tp", "cp", "ep", "pp", "dp")
+OPTIMIZER_BYTES_PER_PARAM = 28.0  # Adam: read grad, master, m, v; write master, m, v, bf16
+
+
+@dataclass(frozen=True)
+class Breakdown:
+    """One step on the busiest rank, in seconds, with what each part comes from."""
+
+    gemm: dict  # GEMM class -> seconds per step (recompute included)
+    memory_s: float  # memory-bound element-wise work
+    overhead_s: float  # kernel launches
+    head_s: float  # logits + loss on the last stage
+    comm: dict  # axis -> seconds of communication per step
+    exposed: dict  # axis -> seconds of it not hidden
+    bubble_s: float
+    optimizer_s: float
+    model_flops: float
+    hardware_flops: float
+    gpus: int
+    peak_flops: float
+    engine: str
+    blocks: int  # blocks on the busiest rank
+    micro_batches: int
+    notes: list = field(default_factory=list)
+
+    @property
+    def compute_s(self) -> float:
+        return sum(self.gemm.values()) + self.memory_s + self.overhead_s + self.head_s
+
+    @property
+    def exposed_comm_s(self) -> float:
+        return sum(self.exposed.values())
+
+    @property
+    def comm_s(self) -> float:
+        return sum(self.comm.values())
+
+    @property
+    def step_s(self) -> float:
+        return self.compute_s + self.bubble_s + self.exposed_comm_s + self.optimizer_s
+
+    @property
+    def mfu(self) -> float:
+        return self.model_flops / (self.step_s * self.gpus * self.peak_flops)
+
+    @property
+    def hfu(self) -> float:
+        return self.hardware_flops / (self.step_s * self.gpus * self.peak_flops)
+
+    @property
+    def tflops_per_gpu(self) -> float:
+        return self.model_flops / self.step_s / self.gpus / 1e12
+
+    # names shared with StepTime so search and its explanation read either
+    @property
+    def dp_comm_s(self) -> float:
+        return self.comm["dp"]
+
+    @property
+    def dp_exposed_s(self) -> float:
+        return self.exposed["dp"]
+
+    @property
+    def tp_comm_s(self) -> float:
+        return self.comm["tp"]
+
+    @property
+    def cp_exposed_s(self) -> float:
+        return self.exposed["cp"]
+
+    def as_dict(self) -> dict:
+        return {"gemm_s": dict(self.gemm), "memory_bound_s": self.memory_s,
+                "kernel_overhead_s": self.overhead_s, "head_s": self.head_s,
+                "compute_s": self.compute_s, "comm_s": dict(self.comm),
+                "exposed_s": dict(self.exposed), "bubble_s": self.bubble_s,
+                "optimizer_s": self.optimizer_s, "step_s": self.step_s, "mfu": self.mfu,
+                "hfu": self.hfu, "engine": self.engine, "blocks_on_busiest_rank": self.blocks,
+                "micro_batches": self.micro_batches}
+
+
+@lru_cache(maxsize=4096)
+def _params_per_gpu(m, tp: int, pp: int, ep: int):
+    return params_per_gpu(m, ParallelPlan(dp=ep, tp=tp, pp=pp, ep=ep))
+
+
+@lru_cache(maxsize=8192)
+def _block_summary(m, M: int, seq_len: int, tp: int, cp: int, sp: bool, ep: int, hw, chip,
+                   rates, kernel: str, recompute: str, selective: float = 0.0) -> dict:
+    """One average block (dense and MoE blocks weighted by their counts) for a
+    micro-batch: forward and backward seconds (recomputation in backward), per GEMM class,
+    memory-bound and launch seconds, and the attention core's forward. ``selective``: the
+    share of the other forward GEMMs (and all the element-wise work) that selective
+    recomputation reruns (the engine's)."""
+    args = (M, seq_len, tp, cp, sp, ep, hw, chip, rates)
+    dense = block_cost(m, *args, moe=False, attention=kernel)
+    moe = block_cost(m, *args, moe=True, attention=kernel) if m.is_moe else None
+    frac = m.moe_layers / m.n_layers if m.is_moe else 0.0
+
+    def avg(get) -> float:
+        return get(dense) * (1 - frac) + (get(moe) * frac if moe else 0.0)
+
+    full, sel = recompute == "full", recompute == "selective"
+    attn_f = avg(lambda b: b.attn_fwd_s)
+    fwd = avg(lambda b: b.fwd_s)
+    gemm, again = {}, 0.0
+    for cls in GEMM_CLASSES:
+        f = avg(lambda b, c=cls: b.fwd.get(c, 0.0))
+        b_ = avg(lambda b, c=cls: b.bwd.get(c, 0.0))
+        share = 1.0 if full or (sel and cls == "attention") else selective if sel else 0.0
+        b_ += share * f
+        again += share * f
+        if f + b_:
+            gemm[cls] = f + b_
+    rc = 1.0 if full else selective if sel else 0.0  # element-wise work rerun
+    mem_again = rc * avg(lambda b: b.mem_fwd_s)
+    bwd = avg(lambda b: b.bwd_s) + again + mem_again + rc * avg(lambda b: b.overhead_s) / 3
+    return {"fwd": fwd, "bwd": bwd, "attn_f": attn_f, "gemm": gemm,
+            "mem": avg(lambda b: b.mem_fwd_s + b.mem_bwd_s) + mem_again,
+            "overhead": avg(lambda b: b.overhead_s * (1 + rc / 3))}
+
+
+@lru_cache(maxsize=1024)
+def _flops_per_token(m, seq_len: int, recompute: str) -> tuple[float, float]:
+    """(model FLOPs, extra hardware FLOPs of recomputation) per token."""
+    return m.flops_per_token(seq_len), recompute_flops_per_token(m, recompute, seq_len)
+
+
+def _busiest(m, seq_len: int, pp: int, v: int, block_s: float, head_s: float
+             ) -> tuple[int, bool]:
+    """(blocks, holds the head) of the slowest pipeline rank under the runtime's split."""
+    block_flops, _, head_flops = stage_costs(m, seq_len)
+    per_rank = rank_blocks(m.n_layers, pp, v, block_flops, head_flops)
+    last = per_rank[-1] * block_s + head_s
+    rest = max(per_rank[:-1], default=0)
+    return (per_rank[-1], True) if last >= rest * block_s else (rest, False)
+
+
+def _dp_sync(plan: ParallelPlan, payloads, hw: Hardware, sp: StepParams, eng: Engine,
+             blk_f: float, blk_b: float, blocks: int, stage_f: float, stage_b: float
+             ) -> tuple[float, float]:
+    """(total, exposed) data-parallel seconds per step; ``payloads`` is a list of (bytes,
+    group size, sharding group size) for the dense and expert gradients."""
+    total = exposed = 0.0
+    m = plan.micro_batches
+    for payload, d, shard in payloads:
+        if d == 1 or payload == 0:
+            continue
+        if plan.zero >= 1 and shard < d:
+            # hybrid sharding: ZeRO over ``shard`` neighbouring ranks, then the gradient
+            # shards all-reduced across the d / shard replicas, under the backward
+            a, bw = ct.strided_bw(plan.tp * plan.cp * shard, d // shard, hw, sp.nvlink_eff,
+                                  sp.net_eff)
+            ar = ct.ring_s("all_reduce", d // shard, payload / shard, a, bw)
+            total += ar
+            exposed += max(0.0, ar - eng.dp * stage_b)
+            d = shard
+            if d == 1:
+                continue
+        a, bw = ct.group_bw(plan, "dp", d, hw, sp.nvlink_eff, sp.net_eff)
+        if plan.zero == 3 and plan.pp == 1:
+            # gather block by block, each under the previous block's compute
+            n_coll = COLLECTIVES_PER_BLOCK[eng.gather]
+            if eng.gather == "param" and a == hw.inter_alpha:
+                # small per-submodule gathers run on one or two NCCL channels: one NIC's
+                # bandwidth per node, not the node's aggregate
+                bw = min(bw, hw.inter_bw * sp.net_eff)
+            per = payload / blocks / n_coll
+            ag = n_coll * (ct.ring_s("all_gather", d, per, a, bw) + sp.kernel_s)
+            rs = n_coll * (ct.ring_s("reduce_scatter", d, per, a, bw) + sp.kernel_s)
+            total += m * blocks * (2 * ag + rs)
+            exposed += m * blocks * (max(0.0, ag - eng.dp * blk_f)
+                                     + max(0.0, ag + rs - eng.dp * blk_b))
+            continue
+        if plan.zero <= 1:
+            ar = ct.ring_s("all_reduce", d, payload, a, bw)
+            if plan.zero == 0:
+                total += ar
+                exposed += max(0.0, ar - eng.dp * stage_b)
+                continue
+        rs = ct.ring_s("reduce_scatter", d, payload, a, bw)
+        ag = ct.ring_s("all_gather", d, payload, a, bw)
+        if plan.zero == 2 and plan.pp == 1:
+            total += m * rs + ag
+            exposed += m * max(0.0, rs - eng.dp * stage_b) + max(0.0, ag - eng.dp * stage_f)
+        else:  # distributed optimizer: reduce-scatter under backward, gather under forward
+            total += rs + ag
+            exposed += max(0.0, rs - eng.dp * stage_b) + max(0.0, ag - eng.dp * stage_f)
+    return total, exposed
+
+
+def predict_step(model, plan: ParallelPlan, hw: Hardware, tokens_per_step: int,
+                 seq_len: int, params: StepParams | None = None,
+                 engine_name: str | Engine | None = None, attention: str | None = None,
+                 shard_group: int | None = None, fp8: bool = False) -> Breakdown:
+    """Price one optimizer step of ``plan`` (see the module docstring); ``attention``
+    (flash or eager) defaults to the engine's kernel; ``shard_group`` (hybrid sharding,
+    HSDP / multi-slice FSDP): ZeRO runs over that many data ranks, replicas all-reduce;
+    ``fp8``: the linear layers' GEMMs run at the accelerator's FP8 peak (attention and
+    element-wise work stay 16-bit; MFU stays relative to the BF16 peak)."""
+    m = as_shape(model)
+    sp = params or StepParams()
+    eng = engine_name if isinstance(engine_name, Engine) else engine(engine_name)
+    batch = split_batch(tokens_per_step, seq_len, plan)
+    chip = chip_of(hw.name)
+    mb, M = plan.micro_batches, batch.micro_batch * batch.local_seq
+    kernel = attention or eng.attention
+    rates = dataclasses.replace(sp.rates(hw.name, kernel), fusion=eng.fusion)
+    if fp8 and hw.peak_flops_fp8:  # the GEMM roofline's compute term at the FP8 peak
+        rates = dataclasses.replace(rates, gemm_eff=rates.gemm_eff * hw.peak_flops_fp8
+                                    / hw.peak_flops)
+    blk = _block_summary(m, M, seq_len, plan.tp, plan.cp, plan.sp, plan.ep, hw, chip, rates,
+                         kernel, plan.recompute, eng.selective)
+    blk_f, blk_b = blk["fwd"], blk["bwd"]
+    L = m.n_layers
+    frac_moe = m.moe_layers / L if m.is_moe else 0.0
+    head_f, head_b = head_cost(m, M, plan.tp, hw, chip, rates)
+
+    # the busiest pipeline rank: the runtime's split of blocks, the head on the last rank
+    blocks, has_head = _busiest(m, seq_len, plan.pp, plan.virtual_stages, blk_f + blk_b,
+                                head_f + head_b)
+
+    # exposed tensor / context / expert communication, per block per micro-batch
+    act = M * m.d_model * 2.0
+    tp_t = ct.tp_s(plan, act, hw, sp.nvlink_eff, sp.net_eff)
+    cp_f, cp_b = ct.cp_s(m, plan, seq_len, batch.micro_batch, hw, sp.nvlink_eff, sp.net_eff,
+                         kernel_s=sp.kernel_s)
+    if plan.recompute != "none":
+        cp_b += cp_f
+    if plan.cp_algorithm == "ring":
+        attn_f = blk["attn_f"]
+        cp_x = max(0.0, cp_f - eng.cp * attn_f) + max(0.0, cp_b - eng.cp * 2.5 * attn_f)
+    else:
+        cp_x = cp_f + cp_b
+    ep_t = 0.0
+    if m.is_moe and plan.ep > 1:
+        n_a2a = 4 + (2 if plan.recompute == "full" else 0)
+        ep_t = frac_moe * n_a2a * ct.ep_s(plan, act * m.top_k, hw, sp.nvlink_eff, sp.net_eff)
+
+    def per_step(x: float) -> float:
+        return mb * blocks * x
+
+    gemm = {cls: per_step(x) for cls, x in blk["gemm"].items()}
+    mem_s = per_step(blk["mem"])
+    over_s = per_step(blk["overhead"])
+    head_s = mb * (head_f + head_b) if has_head else 0.0
+    comm = {"tp": per_step(tp_t), "cp": per_step(cp_f + cp_b), "ep": per_step(ep_t)}
+    exposed = {"tp": comm["tp"] * (1 - eng.tp), "cp": per_step(cp_x),
+               "ep": comm["ep"] * (1 - eng.ep)}
+    stage_mb = blocks * (blk_f + blk_b) + (head_f + head_b if has_head else 0.0) + \
+        (tp_t * (1 - eng.tp) + cp_x + ep_t * (1 - eng.ep)) * blocks
+    compute_like = mb * stage_mb
+    bubble = compute_like * bubble_over_compute(plan.schedule, plan.pp, mb,
+                                                plan.virtual_stages)
+    send = ct.pp_send_s(plan, act, hw, sp.nvlink_eff, sp.net_eff, sp.kernel_s)
+    comm["pp"] = 2 * mb * plan.virtual_stages * send
+    exposed["pp"] = comm["pp"] * (1 - eng.pp)
+
+    p = _params_per_gpu(m, plan.tp, plan.pp, plan.ep)
+    grad = 2.0
+    d_dense, d_exp = plan.dp * plan.cp, plan.dp * plan.cp // plan.ep
+    sg = shard_group or d_dense
+    if d_dense % sg:
+        raise ValueError(f"shard_group={sg} does not divide dp*cp={d_dense}; pick a divisor")
+    payloads = [(p.dense * grad, d_dense, sg), (p.expert * grad, d_exp, min(sg, d_exp))]
+    comm["dp"], exposed["dp"] = _dp_sync(plan, payloads, hw, sp, eng, blk_f, blk_b, blocks,
+                                         blocks * blk_f, blocks * blk_b)
+    shard = (p.dense / sg + p.expert / min(sg, d_exp) if plan.zero >= 1 else p.total)
+    opt_s = shard * OPTIMIZER_BYTES_PER_PARAM / (hw.hbm_bw * sp.hbm_eff)
+
+    per_token, extra = _flops_per_token(m, seq_len, plan.recompute)
+    model_flops = per_token * tokens_per_step
+    hw_flops = (per_token + extra) * tokens_per_step
+    return Breakdown(gemm, mem_s, over_s, head_s, comm, exposed, bubble, opt_s, model_flops,
+                     hw_flops, plan.world_size, hw.peak_flops, eng.name, blocks, mb)

@@ -1,0 +1,87 @@
+"""The step-time model's free parameters: few, physical, each with its provenance.
+
+Ten numbers, all efficiencies in (0, 1] of a catalogue figure, except one latency (a
+family's efficiencies keep their start values when a table has too few rows on it):
+
+=================  =======  ==============================================================
+parameter          start    provenance of the starting value and bound
+=================  =======  ==============================================================
+gemm_eff[a100]     0.85     cuBLAS bf16 on large GEMMs reaches ~265 of 312 TF/s (NVIDIA
+                            "Matrix multiplication background" guide's A100 curves)
+gemm_eff[h100]     0.75     ~740 of 989 TF/s for large bf16 GEMMs on H100 SXM
+                            (NVIDIA's Transformer Engine / cuBLAS figures)
+gemm_eff[tpu]      0.85     large matmuls on the 128 x 128 MXUs (Jouppi et al. 2023), every
+                            TPU generation
+attn_eff[a100]     0.60     FlashAttention-2 forward+backward at ~50-70% of peak on A100
+                            (Dao 2023); bounded by 0.75 (its best forward is 73%)
+attn_eff[h100]     0.35     FlashAttention-2 on H100 reaches ~35-40% of peak: it does not
+                            use Hopper's asynchronous tensor cores (Shah et al. 2024)
+attn3_eff          0.60     native fused attention: Hopper's (FlashAttention-3, cuDNN's, as
+                            Transformer Engine runs it: ~600-750 of 989 TF/s forward,
+                            Shah et al. 2024) and the TPU compiler's, bounded by 0.8;
+                            engines that run it: overlap.py
+hbm_eff            0.85     STREAM-like copies reach ~85-90% of nominal HBM bandwidth
+nvlink_eff         0.80     NCCL all-reduce bus bandwidth ~360 of 450 GB/s (H100 NVLink 4),
+                            ~230 of 300 GB/s (A100), nccl-tests; never below half
+net_eff            0.80     NCCL bus bandwidth ~40 of 50 GB/s per 400 Gb/s NIC (nccl-tests)
+kernel_s           4e-6     fixed cost of one kernel launch / collective call (CUDA launch
+                            latency 3-5 us); bounded to 2-20 us
+=================  =======  ==============================================================
+
+``paratrain validate --fit`` refits them on the runs table within these bounds
+(:mod:`paratrain.systems.fitting`) and writes ``data/fitted.toml``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from paratrain.systems.gemm import family
+from paratrain.systems.layer_cost import Rates
+
+GEMM_EFF = {"a100": 0.85, "h100": 0.75, "tpu": 0.85}
+ATTN_EFF = {"a100": 0.60, "h100": 0.35}
+SCALARS = ("attn3_eff", "hbm_eff", "nvlink_eff", "net_eff", "kernel_s")
+BOUNDS = {"gemm_eff": (0.3, 1.0), "attn_eff": (0.15, 0.75), "attn3_eff": (0.2, 0.8),
+          "hbm_eff": (0.3, 1.0), "nvlink_eff": (0.5, 1.0), "net_eff": (0.3, 1.0),
+          "kernel_s": (2e-6, 20e-6)}
+
+
+@dataclass(frozen=True)
+class StepParams:
+    gemm_eff: dict = field(default_factory=lambda: dict(GEMM_EFF))
+    attn_eff: dict = field(default_factory=lambda: dict(ATTN_EFF))
+    attn3_eff: float = 0.60
+    hbm_eff: float = 0.85
+    nvlink_eff: float = 0.80
+    net_eff: float = 0.80
+    kernel_s: float = 4e-6
+
+    def gemm_for(self, hw_name: str) -> float:
+        fam = family(hw_name)
+        return self.gemm_eff.get(fam, GEMM_EFF.get(fam, 0.75))
+
+    def attn_for(self, hw_name: str, kernel: str = "flash") -> float:
+        """Attention efficiency of ``kernel`` on this chip: the chip's native fused
+        attention (FlashAttention-3 / cuDNN on Hopper, "flash3"; on TPUs the compiler's
+        fused kernel, always) at attn3_eff; FlashAttention-2 class at the generation's
+        attn_eff."""
+        fam = family(hw_name)
+        if fam == "tpu" or (kernel == "flash3" and fam in ("h100", "b200")):
+            return self.attn3_eff
+        return self.attn_eff.get(fam, ATTN_EFF.get(fam, self.gemm_for(hw_name) * 0.7))
+
+    def rates(self, hw_name: str, kernel: str = "flash") -> Rates:
+        return Rates(self.gemm_for(hw_name), self.attn_for(hw_name, kernel), self.hbm_eff,
+                     self.kernel_s)
+
+    def replace(self, **kw) -> StepParams:
+        return dataclasses.replace(self, **kw)
+
+    def as_dict(self) -> dict:
+        return {"gemm_eff": dict(self.gemm_eff), "attn_eff": dict(self.attn_eff),
+                **{k: getattr(self, k) for k in SCALARS}}
+
+    def count(self) -> int:
+        return len(self.gemm_eff) + len(self.attn_eff) + len(SCALARS)

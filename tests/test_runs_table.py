@@ -1,0 +1,156 @@
+"""The shipped runs table (data/calibration.csv) and the model catalogue it leans on:
+enough public rows, each with its source; every row priced or skipped with a reason;
+catalogue models resolve empty shape columns; a held-out split that follows its rule;
+MoE totals that match the published ones. Pure Python, no torch (docs/runs.md)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from paratrain.systems.models import load_model
+from paratrain.systems.runs import (
+    SPLITS,
+    Skip,
+    _catalogue_model,
+    cases_and_skips,
+    heldout_ids,
+    read_runs,
+    row_to_case,
+)
+
+ROWS = read_runs()
+BY_ID = {r["id"]: r for r in ROWS}
+
+
+def _family(accelerator: str) -> str:
+    a = accelerator.lower()
+    return next((f for f in ("a100", "h100", "h800", "tpu", "ampere") if f in a), a)
+
+
+def test_table_is_wide_and_every_row_names_its_source():
+    assert len(ROWS) >= 80 and len(BY_ID) == len(ROWS)
+    for r in ROWS:
+        for col in ("source", "source_location", "engine", "confirmed", "split"):
+            assert (r[col] or "").strip(), f"{r['id']}: empty {col}"
+        assert r["confirmed"] in ("yes", "no"), r["id"]
+    scored = [r for r in ROWS if r["confirmed"] == "yes"]
+    assert len(scored) >= 80
+    assert {_family(r["accelerator"]) for r in scored} >= {"a100", "h100", "tpu"}
+    engines = " ".join(r["engine"] for r in scored).lower()
+    for e in ("megatron", "deepspeed", "fsdp", "torchtitan", "nemo", "mosaicml", "megascale",
+              "maxtext"):
+        assert e in engines, e
+    assert any(r["experts"] for r in scored) and any(not r["experts"] for r in scored)
+
+
+def test_every_row_is_priced_or_says_why_and_catalogued_models_are_never_shapeless():
+    cases, skips = cases_and_skips(ROWS)
+    assert len(cases) + len(skips) == len(ROWS)
+    assert all(s.skipped_reason for s in skips)
+    # only rows kept for reference are skipped; everything confirmed is priced
+    assert {s.id for s in skips} == {r["id"] for r in ROWS if r["confirmed"] == "no"}
+    assert all(s.skipped_reason.startswith("confirmed=no") for s in skips)
+    for r in ROWS:
+        if _catalogue_model(r) is None:
+            continue
+        blank = {**r, "confirmed": "yes", "layers": "", "hidden": "", "heads": ""}
+        try:
+            row_to_case(blank)
+        except Skip as e:
+            assert "shape" not in str(e), (r["id"], str(e))
+
+
+def test_empty_shape_columns_come_from_the_catalogue_and_filled_ones_override_it():
+    row = dict(BY_ID["dgxc_llama31_70b_64"])
+    assert not row["layers"] and row["model_key"] == "llama3.1-70b"
+    case = row_to_case(row)
+    want = dataclasses.replace(load_model("llama3.1-70b"), context=8192)
+    assert case.model == want and case.model.num_params() == 70_553_706_496
+    by_name = row_to_case({**row, "model_key": "", "model": "Llama 3.1 70B (NeMo)"})
+    assert by_name.model == want
+    truncated = row_to_case(BY_ID["dgxc_llama31_405b_32"])
+    assert truncated.model.n_layers == 7 and truncated.model.d_model == 16384
+    with pytest.raises(Skip, match="not in the model catalogue"):
+        row_to_case({**row, "model_key": "", "model": "an uncatalogued model"})
+    with pytest.raises(Skip, match="model_key 'nope'"):
+        row_to_case({**row, "model_key": "nope"})
+
+
+def test_moe_rows_are_priced_as_moe_and_columns_override():
+    grok = row_to_case(BY_ID["dgxc_grok1_512"]).model
+    assert grok.is_moe and grok.n_experts == 8 and grok.top_k == 2
+    assert grok.active_params() < 0.3 * grok.num_params()
+    ds = row_to_case(BY_ID["deepseek_v3_pretrain_2048"])
+    assert ds.model.moe_layers == 58 and ds.plan.ep == 64
+    row = {**BY_ID["dgxc_llama31_8b_8"], "experts": "8", "top_k": "2", "moe_ffn_hidden": "1024",
+           "moe_layers": "16"}
+    m = row_to_case(row).model
+    assert (m.n_experts, m.top_k, m.d_ff_expert, m.moe_layers) == (8, 2, 1024, 16)
+
+
+def test_tokens_per_second_rows_are_priced_as_model_tflops():
+    row = BY_ID["mosaic_mpt7b_h100_80gb_8g_s2048"]
+    case = row_to_case(row)
+    assert case.metric == "tflops" and case.tflops_kind == "model"
+    tps = float(row["tokens_per_s_per_accel"])
+    assert case.reported == pytest.approx(tps * case.model.flops_per_token(2048) / 1e12)
+    # the published MFU is the same throughput on the 989 TF peak (full attention FLOPs)
+    assert case.reported / 989 == pytest.approx(float(row["mfu_pct"]) / 100, rel=0.01)
+    assert row_to_case({**row, "metric": "mfu"}).reported == pytest.approx(0.4644)
+    with pytest.raises(Skip, match="metric 'speed'"):
+        row_to_case({**row, "metric": "speed"})
+
+
+def test_tpu_slices_set_the_fast_domain():
+    case = row_to_case(BY_ID["maxtext_v4_22b_8x64"])
+    assert case.hw.gpus_per_node == 64 and case.plan.dp == 512 and case.hw.topology == "torus"
+    assert case.shard_group == 64 and case.engine == "MaxText (JAX)"
+
+
+def test_heldout_split_is_disjoint_spread_and_follows_its_rule():
+    assert {r["split"] for r in ROWS} <= set(SPLITS)
+    held = set(heldout_ids(ROWS))
+    fit = {r["id"] for r in ROWS if r["split"] == "fit"}
+    assert held and not held & fit and held | fit == set(BY_ID)
+    scored = [r for r in ROWS if r["confirmed"] == "yes"]
+    assert 0.15 <= sum(r["id"] in held for r in scored) / len(scored) <= 0.35
+    held_rows = [BY_ID[i] for i in held]
+    assert all(r["confirmed"] == "yes" for r in held_rows)
+    assert {_family(r["accelerator"]) for r in held_rows} >= {"a100", "h100", "tpu"}
+    assert len({r["engine"] for r in held_rows}) >= 6
+    # the rule of docs/runs.md: per (engine, accelerator) group in table order, the 2nd,
+    # 6th, 10th, ... row is held out
+    seen: dict = {}
+    for r in ROWS:
+        g = (r["engine"], r["accelerator"].split("(")[0].strip())
+        i = seen[g] = seen.get(g, -1) + 1
+        assert (r["id"] in held) == (i % 4 == 1 and r["confirmed"] == "yes"), r["id"]
+
+
+@pytest.mark.parametrize("name, total, active", [
+    ("mixtral-8x7b", 46.7e9, 12.9e9), ("mixtral-8x22b", 141e9, 39e9),
+    ("deepseek-v3", 671e9, 37e9), ("grok-1", 314e9, None),
+])
+def test_catalogue_moe_models_match_published_totals(name, total, active):
+    m = load_model(name)
+    assert m.num_params() == pytest.approx(total, rel=0.02)
+    if active:
+        assert m.active_params() == pytest.approx(active, rel=0.03)
+
+
+@pytest.mark.parametrize("name, params", [
+    ("nemotron4-340b", 341.0e9), ("nemotron4-15b", 15.6e9), ("bloom-176b", 176.2e9),
+    ("opt-175b", 175e9), ("mt-nlg-530b", 530e9), ("gemma2-9b", 9.24e9), ("gemma2-27b", 27.2e9),
+    ("olmo-7b", 6.89e9), ("gpt3-6.7b", 6.7e9), ("llama3.1-405b", 405.9e9),
+])
+def test_catalogue_dense_models_match_published_sizes(name, params):
+    assert load_model(name).num_params() == pytest.approx(params, rel=0.01)
+
+
+def test_mpt_shapes_reproduce_the_benchmark_table_exactly():
+    # NumParams column of mosaicml/llm-foundry scripts/train/benchmarking/README.md
+    assert load_model("mpt-7b").num_params() == 6_658_859_008
+    assert load_model("mpt-70b").num_params() == 64_862_437_376
+    assert load_model("mpt-125m").num_params() == 125_311_488

@@ -1,0 +1,191 @@
+"""The step model (issue 13): GEMM shapes, engine-aware ZeRO-3 strong scaling, MoE, context
+parallelism's bytes, an explanation that adds up, a search that does not contradict itself."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from paratrain.cli import main
+from paratrain.layout.context import cp_bytes_per_sequence_layer
+from paratrain.plan import ParallelPlan
+from paratrain.systems import comm_time as ct
+from paratrain.systems.explain import breakdown_rows, explain_lines
+from paratrain.systems.fitting import load_params
+from paratrain.systems.gemm import chip_of, gemm_s, quantisation
+from paratrain.systems.hardware import load_hardware
+from paratrain.systems.layer_cost import expert_imbalance
+from paratrain.systems.models import load_model
+from paratrain.systems.search import search
+from paratrain.systems.step_model import predict_step
+from paratrain.systems.step_params import BOUNDS, StepParams
+
+H100 = load_hardware("h100")
+
+
+def test_tile_and_wave_quantisation_by_hand():
+    h = chip_of("H100-SXM5-80GB")  # 128 x 256 tiles, 132 SMs
+    assert (h.tile_m, h.tile_n, h.sms) == (128, 256, 132)
+    assert quantisation(128 * 132, 256, h) == 1.0  # one full wave of whole tiles
+    # one row too many: with 128 x 256 tiles a 133rd tile row starts a second, nearly empty
+    # wave (q = 1/2); 64 x 64 tiles waste least: 265 x 4 tiles in 9 waves of 132
+    q = quantisation(128 * 132 + 1, 256, h)
+    assert q == pytest.approx((128 * 132 + 1) * 256 / (265 * 64 * 4 * 64) * 1060 / (9 * 132))
+    # a thin GEMM is memory-bound: time = bytes / (HBM x eff), not FLOPs / peak
+    t = gemm_s(16, 8192, 8192, H100, h, 0.8, 1.0)
+    assert t == pytest.approx((16 * 8192 * 2 + 8192 * 8192) * 2 / H100.hbm_bw)
+    assert chip_of("TPU-v4").sms == 1 and chip_of("A100-SXM4-40GB").generation == "a100"
+
+
+def test_parameters_are_few_and_physical():
+    p = load_params()
+    assert p.count() <= 10
+    for name, (lo, hi) in BOUNDS.items():
+        vals = getattr(p, name)
+        for v in (vals.values() if isinstance(vals, dict) else [vals]):
+            assert lo <= v <= hi, name
+    assert BOUNDS["kernel_s"][1] <= 20e-6 and all(
+        hi <= 1.0 for k, (_, hi) in BOUNDS.items() if k != "kernel_s")
+
+
+@pytest.mark.parametrize("engine", ["deepspeed", "fsdp"])
+def test_zero3_strong_scaling_loses_throughput(engine):
+    """Fixed global batch: per-GPU compute shrinks with GPUs, the per-block gathers do not
+    (and their ring latency grows), so throughput per GPU must fall, more for DeepSpeed's
+    per-parameter gathers."""
+    m = load_model("llama2-70b") if engine == "fsdp" else load_model("llama2-13b")
+    p = load_params()
+    tokens, seq = 1024 * 4096, 4096
+    tf = []
+    for gpus in (128, 256, 512, 1024):
+        plan = ParallelPlan(dp=gpus, zero=3, micro_batches=1024 // gpus, recompute="full")
+        tf.append(predict_step(m, plan, H100, tokens, seq, p, engine).tflops_per_gpu)
+    assert tf == sorted(tf, reverse=True)
+    assert tf[-1] < 0.8 * tf[0]
+
+
+def test_moe_prices_active_flops_all_to_all_and_imbalance():
+    m = load_model("mixtral-8x7b")
+    p = StepParams()
+    tokens, seq = 256 * 4096, 4096
+    base = ParallelPlan(dp=64, tp=2, zero=1, sp=True, micro_batches=4)
+    bd1 = predict_step(m, base, H100, tokens, seq, p)
+    assert bd1.model_flops == pytest.approx(m.flops_per_token(seq) * tokens)
+    assert m.active_params() < m.num_params() / 3  # active, not total, parameters
+    assert bd1.comm["ep"] == 0 and "experts" in bd1.gemm and "router" in bd1.gemm
+    bd8 = predict_step(m, base.replace(ep=8), H100, tokens, seq, p)
+    assert bd8.comm["ep"] > 0 and bd8.exposed["ep"] == bd8.comm["ep"]  # megatron: blocking
+    assert expert_imbalance(1e9, 8) == pytest.approx(1, abs=1e-3)
+    assert expert_imbalance(64, 8) == pytest.approx(1 + (2 * 2.0794415 / 64) ** 0.5)
+
+
+@pytest.mark.parametrize("algo", ["ring", "all-to-all"])
+def test_context_parallel_time_uses_the_runtime_bytes(algo):
+    m = load_model("llama3-8b")
+    plan = ParallelPlan(dp=4, cp=2, cp_algorithm=algo)
+    seq, mb = 8192, 2
+    f, b = ct.cp_s(m, plan, seq, mb, H100, 0.8, 0.8)
+    fb, bb = cp_bytes_per_sequence_layer(m.replace(context=seq), plan, 2)
+    bw = H100.intra_bw * 0.8
+    assert f == pytest.approx(H100.intra_alpha + mb * fb / bw)
+    assert b == pytest.approx(2 * H100.intra_alpha + mb * bb / bw)
+    bd = predict_step(m, plan, H100, 32 * seq, seq, StepParams())
+    assert bd.comm["cp"] > 0
+    if algo == "all-to-all":  # nothing hides an all-to-all
+        assert bd.exposed["cp"] == pytest.approx(bd.comm["cp"])
+
+
+def _ms(text: str) -> float:
+    return float(text.replace(",", "").split()[0]) / 1e3
+
+
+def test_explanation_adds_up_to_the_step_it_prints(capsys):
+    assert main(["plan", "--model", "llama3-70b", "--gpus", "64", "--tp", "8", "--pp", "2",
+                 "--sp", "--micro-batches", "8", "--tokens", str(64 * 8192), "--seq-len",
+                 "8192", "--zero", "1", "--explain", "--json"]) == 0
+    import json
+
+    rep = json.loads(capsys.readouterr().out)
+    lines, pred = rep["predicted"]["explain"], rep["predicted"]
+    parts = [_ms(m.group(1)) for line in lines[1:-1]
+             if (m := re.search(r"\s([\d,]+\.\d ms)\s", line))]
+    total = _ms(re.search(r"([\d,]+\.\d ms)", lines[-1]).group(1))
+    assert sum(parts) == pytest.approx(total, abs=1e-3 * len(parts))
+    assert total == pytest.approx(pred["step_s"], abs=1e-4)
+    assert f"MFU {100 * pred['mfu']:.1f}%" in lines[-1]
+
+
+def test_breakdown_rows_sum_to_step_exactly():
+    bd = predict_step(load_model("llama3-8b"), ParallelPlan(dp=8, tp=2, pp=2, sp=True,
+                                                            micro_batches=8, zero=1),
+                      H100, 64 * 8192, 8192, load_params(), "nemo")
+    assert sum(s for _, s, _ in breakdown_rows(bd)) == pytest.approx(bd.step_s)
+    assert "engine nemo" in explain_lines(bd)[0]
+
+
+def test_search_picks_a_practical_layout_for_llama3_70b_on_256_h100():
+    """Issue 13's contradiction: tp 1, pp 32, cp 8 with 512 micro-batches."""
+    res = search(load_model("llama3-70b"), H100, 256, 2**21, 8192, top=3,
+                 keep_points=False, params=load_params(), zero_stages=(1,),
+                 recomputes=("selective",))  # one stage and recompute: the test's budget
+    p = res.top[0].plan
+    assert p.pp <= 8 and p.cp <= 4 and p.micro_batches <= 64 and p.tp * p.pp > 1
+    from paratrain.systems.search import explain
+
+    why = explain(res, load_model("llama3-70b"), H100)
+    sync = next(line for line in why if "gradient" in line)
+    if p.dp * p.cp > 1:
+        assert f"over {p.dp * p.cp} ranks" in sync
+        assert f"{res.top[0].time.dp_comm_s:.3g} s" in sync
+    else:
+        assert "no gradient sync" in sync
+
+
+def _published_layouts():
+    """One published run per (engine, accelerator, pipelined or not) on at most 256 GPUs,
+    the smallest: the test's time budget; benchmarks/search.py --self-check runs every row."""
+    from paratrain.systems.runs import cases_and_skips, read_runs
+
+    cases, _ = cases_and_skips(read_runs())
+    pick: dict = {}
+    for c in sorted(cases, key=lambda c: c.plan.world_size):
+        key = (getattr(c, "engine", ""), c.hw.name, c.plan.pp > 1)
+        if c.plan.world_size <= 256:
+            pick.setdefault(key, c)
+    return list(pick.values())
+
+
+def test_search_self_check_on_published_runs():
+    """The search's best layout is predicted no slower than each published layout it could
+    have chosen (a valid plan, power-of-two tp, that fits in memory): same model, engine,
+    parameters, ZeRO stage and recomputation."""
+    from paratrain.systems.fitting import case_attention, case_engine
+    from paratrain.systems.memory import memory
+
+    p = load_params()
+    checked = 0
+    for c in _published_layouts():
+        tp = c.plan.tp
+        if tp & (tp - 1) or not memory(c.model, c.plan, c.hw, c.tokens, c.seq_len,
+                                       attention="flash").fits:
+            continue
+        eng = case_engine(c)
+        pub = predict_step(c.model, c.plan, c.hw, c.tokens, c.seq_len, p, eng,
+                           case_attention(c)).step_s
+        res = search(c.model, c.hw, c.plan.world_size, c.tokens, c.seq_len, top=1,
+                     keep_points=False, params=p, engine=eng.name, attention="flash",
+                     zero_stages=(c.plan.zero,), recomputes=(c.plan.recompute,))
+        assert res.top[0].step_s <= pub * (1 + 1e-9), c.id
+        checked += 1
+    assert checked >= 8
+
+
+def test_validate_explain_prints_one_rows_breakdown(capsys):
+    assert main(["validate", "--explain", "dgxc_gpt3_175b_128"]) == 0
+    out = capsys.readouterr().out
+    for part in ("GEMM mlp", "memory-bound work", "pipeline bubble",
+                 "tensor parallel (exposed)", "reported: mfu 53.5%"):
+        assert part in out, part
+    assert main(["validate", "--explain", "no_such_row"]) == 2
+    assert "no_such_row" in capsys.readouterr().err
