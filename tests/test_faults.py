@@ -207,7 +207,7 @@ def test_killed_worker_restarts_and_resumes_bitwise(tmp_path, text_file, reaper,
     assert killed_after < REF_STEPS  # the kill really landed mid-run
     assert _steps(run) == list(range(REF_STEPS))  # no record lost or repeated
     assert _losses(run) == reference[1]  # bit for bit
-    assert "exitcode: -9" in err  # torchrun saw the killed worker, and the run went on
+    assert "failed (exitcode:" in err  # torchrun saw a worker fail, and the run went on
 
 
 # ---- a worker's user error: once, exit 2, no torchrun traceback --------------------------
