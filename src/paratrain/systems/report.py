@@ -29,8 +29,8 @@ def build_report(model: ModelConfig, hw: Hardware, plan: ParallelPlan, tokens_pe
 
     ``attention`` is the kernel whose saved activations are priced (``flash`` keeps no
     s x s scores; ``eager`` keeps them: :func:`paratrain.systems.memory.block_activation_bytes`).
-    ``step_kwargs`` go to :func:`step_time` (e.g. the fitted ``dp_algorithm`` and
-    ``overhead_width`` of ``paratrain plan --calibrated``)."""
+    ``step_kwargs`` go to :func:`step_time` (e.g. a fitted ``dp_algorithm`` and
+    ``overhead_width`` from ``paratrain validate --fit``)."""
     m = as_shape(model)
     plan.check(m, global_batch=tokens_per_step // seq_len if seq_len else None)
     if eta is not None:
