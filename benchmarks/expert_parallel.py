@@ -248,10 +248,10 @@ def _moe_steps(a, machine) -> dict:
         print(f"{ep:>3} | {col(r['step_s'], 'step_s', 1)} | "
               f"{col(r['a2a_bytes'], 'wire_bytes', 1e6)} | {col(r['a2a_s'], 'comm_s', 1)} | "
               f"{col(r['peak'], 'peak_bytes', 1e6)} | {r['rss_mb']:6.0f}", flush=True)
-    notes = sorted({n.split(";")[0] for r in out.values() if r["pred"]
+    notes = sorted({n.split(":")[0].split(";")[0] for r in out.values() if r["pred"]
                     for n in r["pred"]["notes"]})
     if notes:
-        print("prediction notes: " + "; ".join(notes))
+        print("prediction notes: " + "; ".join(notes) + " (per-run detail in --json)")
     return out
 
 
