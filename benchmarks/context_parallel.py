@@ -23,8 +23,15 @@ in the all-to-alls: what overlap did not hide), rank 0's activation peak (bytes 
 backward, measured by the saved-tensor meter) beside the systems model's
 (``paratrain.systems.memory.activation_bytes``), and bytes rank 0 sent for attention
 beside ``paratrain.layout.cp_wire_bytes``. The summary prints medians over rounds and
-the ratios to cp1 (each round's runs paired). Step-time pricing of CP belongs to the
-systems model's step-time owner and is not printed here.
+the ratios to cp1 (each round's runs paired).
+
+Predicted beside measured: before each run the parent prices it with
+:func:`paratrain.predict.parallel.predict_cp` on this machine's profile (``paratrain bench
+calibrate``; the CPU fit of ``paratrain check-model``), with the other sessions' load
+sampled just then: step time, exposed CP communication, rank 0's activation peak and the
+bytes it sends; the summary prints measured | predicted | measured / predicted. Without a
+profile it prints one line saying how to make one and the measured columns only
+(calibrating inside the benchmark would take minutes and load the cores it times).
 
 On 2 busy cores cpN runs N processes on them: its step time measures the algorithm's
 overhead (block bookkeeping, the merge, sends) more than any speed-up, which needs N
@@ -41,18 +48,26 @@ from _common import alternate
 from paratrain.config import ModelConfig, TrainConfig
 from paratrain.distributed import spawn
 from paratrain.plan import ParallelPlan
+from paratrain.predict import CALIBRATE_HINT, load_machine, sample_other_sessions
+from paratrain.predict.parallel import predict_cp
 
 IMPLS = {"cp1": (1, "ring"), "cp2-ring": (2, "ring"), "cp4-ring": (4, "ring"),
          "cp2-all-to-all": (2, "all-to-all"), "cp4-all-to-all": (4, "all-to-all")}
 
 
+def _run_config(world: int, algo: str, steps: int) -> tuple[TrainConfig, ParallelPlan]:
+    """The run each impl makes: one sequence per step, float32, cp = world."""
+    tcfg = TrainConfig(steps=steps + 1, global_batch=1, lr=1e-3, warmup_steps=1,
+                       eval_every=0, eval_batches=1, dtype="float32")
+    return tcfg, ParallelPlan(cp=world, cp_algorithm=algo)
+
+
 def _worker(rank: int, world: int, mcfg: ModelConfig, algo: str, steps: int) -> dict:
     from paratrain.train import RunOptions, train
 
-    tcfg = TrainConfig(steps=steps + 1, global_batch=1, lr=1e-3, warmup_steps=1,
-                       eval_every=0, eval_batches=1, dtype="float32")
-    plan = ParallelPlan(cp=world, cp_algorithm=algo) if world > 1 else None
-    s = train(mcfg, tcfg, plan, RunOptions(quiet=True, measure_peak=False))
+    tcfg, plan = _run_config(world, algo, steps)
+    s = train(mcfg, tcfg, plan if world > 1 else None,
+              RunOptions(quiet=True, measure_peak=False))
     cp = s["model_parallel"].get("cp", {})
     mem = s["memory"]
     return {"step_s": s["step_s"], "losses": s["losses"],
@@ -94,6 +109,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--try-torch", action="store_true",
                     help="also try torch's context_parallel on 2 gloo ranks and print why")
     ap.add_argument("--json", default=None, help="write every run's record here")
+    ap.add_argument("--profile", default=None,
+                    help="machine profile (default ~/.cache/paratrain/hardware.toml)")
     args = ap.parse_args(argv)
     impls = [i for i in args.impls.split(",") if i]
     for i in impls:
@@ -103,16 +120,26 @@ def main(argv: list[str] | None = None) -> None:
                        d_ff=int(8 * args.d_model / 3), context=args.context)
     if args.try_torch:
         print("torch context_parallel on gloo/CPU:", spawn(_try_torch, 2, timeout_s=300)[0])
+    machine = load_machine(args.profile)
+    if machine is None:
+        print(CALIBRATE_HINT)
     records = []
     for rnd, impl in alternate(impls, args.rounds, rotate=True):
         world, algo = IMPLS[impl]
+        pred = None
+        if machine is not None:
+            tcfg, plan = _run_config(world, algo, args.steps)
+            pred = predict_cp(mcfg, tcfg, plan, world, machine.replace(
+                others=sample_other_sessions(samples=5))).to_dict()
         r = spawn(_worker, world, mcfg, algo, args.steps, timeout_s=1800)[0]
-        r.update(impl=impl, round=rnd)
+        r.update(impl=impl, round=rnd, pred=pred)
         records.append(r)
+        p = (f"; predicted step {pred['step_s']:.3f} s, exposed {pred['exposed_s']:.3f} s "
+             f"({pred['share']:.2f} core per rank)") if pred else ""
         print(f"round {rnd} {impl:>15}: step {r['step_s']:.3f} s, exposed comm "
               f"{r['exposed_s']:.3f} s, activations {r['act'] / 1e6:.2f} MB "
               f"(model {r['act_pred'] / 1e6:.2f}), sent {r['bytes'] / 1e6:.2f} MB "
-              f"(formula {r['bytes_formula'] / 1e6:.2f})", flush=True)
+              f"(formula {r['bytes_formula'] / 1e6:.2f}){p}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(records, f, indent=1)
@@ -120,8 +147,9 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _summary(records: list[dict], impls: list[str], mcfg: ModelConfig) -> None:
-    def med(impl: str, key: str) -> float:
-        return statistics.median(r[key] for r in records if r["impl"] == impl)
+    def med(impl: str, key) -> float:
+        get = key if callable(key) else (lambda r: r[key])
+        return statistics.median(get(r) for r in records if r["impl"] == impl)
 
     def ratio(impl: str, key: str) -> float:
         """Median over rounds of impl / cp1 within a round."""
@@ -130,15 +158,30 @@ def _summary(records: list[dict], impls: list[str], mcfg: ModelConfig) -> None:
                 if r["impl"] == impl and r["round"] in base and base[r["round"]]]
         return statistics.median(vals) if vals else float("nan")
 
+    def mp(impl: str, key: str, pkey: str, scale: float = 1.0, w: int = 7) -> str:
+        """measured | predicted | measured / predicted (medians over rounds)."""
+        m = med(impl, key) / scale
+        if any(r["pred"] is None for r in records if r["impl"] == impl):
+            return f"{m:{w}.3f} {'-':>{w}} {'-':>5}"
+        p = med(impl, lambda r: r["pred"][pkey]) / scale
+        q = f"{m / p:5.2f}" if p else f"{'-':>5}"
+        return f"{m:{w}.3f} {p:{w}.3f} {q}"
+
     print(f"\ncontext {mcfg.context}, d_model {mcfg.d_model}, {mcfg.n_heads} heads, "
-          f"{mcfg.n_layers} layers, float32, one sequence per step; medians over rounds")
-    print(f"{'impl':>15} {'step s':>8} {'x cp1':>6} {'exposed s':>10} {'act MB':>8} "
-          f"{'model MB':>9} {'x cp1':>6} {'sent MB':>8} {'formula':>8}")
+          f"{mcfg.n_layers} layers, float32, one sequence per step; medians over rounds; "
+          "each quantity: measured, predicted, measured/predicted")
+    print(f"{'impl':>15} | {'step s':>7} {'pred':>7} {'m/p':>5} {'x cp1':>5} | "
+          f"{'exposed':>7} {'pred':>7} {'m/p':>5} | {'act MB':>7} {'pred':>7} {'m/p':>5} "
+          f"{'x cp1':>5} | {'sent MB':>7} {'pred':>7} {'m/p':>5}")
     for impl in impls:
-        print(f"{impl:>15} {med(impl, 'step_s'):8.3f} {ratio(impl, 'step_s'):6.2f} "
-              f"{med(impl, 'exposed_s'):10.3f} {med(impl, 'act') / 1e6:8.2f} "
-              f"{med(impl, 'act_pred') / 1e6:9.2f} {ratio(impl, 'act'):6.3f} "
-              f"{med(impl, 'bytes') / 1e6:8.2f} {med(impl, 'bytes_formula') / 1e6:8.2f}")
+        print(f"{impl:>15} | {mp(impl, 'step_s', 'step_s')} {ratio(impl, 'step_s'):5.2f} | "
+              f"{mp(impl, 'exposed_s', 'exposed_s')} | "
+              f"{mp(impl, 'act', 'activations_bytes', 1e6)} {ratio(impl, 'act'):5.3f} | "
+              f"{mp(impl, 'bytes', 'wire_bytes', 1e6)}")
+    preds = [r["pred"] for r in records if r["pred"]]
+    notes = sorted({n.split(":")[0] for p in preds for n in p["notes"]})
+    if notes:
+        print("prediction notes: " + "; ".join(notes) + " (per-run detail in --json)")
     ref = [r["losses"] for r in records if r["impl"] == "cp1"]
     if ref:
         worst = max(abs(a - b) for r in records for a, b in zip(r["losses"], ref[0],

@@ -24,6 +24,19 @@ implementations called alternately in the same processes (ours, torch, ours, tor
    rows), the share of our step spent inside the all-to-alls, and peak RSS. ep = 1 (no
    exchange, all experts local) is timed too, for scale.
 
+3. **An MoE training step at ep = 1, 2, 4** (``--ep``): ``paratrain.train.train`` on
+   ep gloo processes (ep ranks are the data ranks, ``--step-seqs`` sequences each), a
+   2-layer MoE decoder with the same experts, ``--steps`` timed steps after one untimed.
+   Measured: step time (the run's mean after its first step), rank 0's all-to-all bytes
+   per step (the runtime's count, ``ep_wire_bytes``) and seconds inside the row
+   all-to-alls (forward and backward; the split-size exchange is not timed; mean over
+   every step, the first included), rank 0's model states + activation peak (the
+   runtime's meters) and peak RSS. Beside each, the systems model's prediction for this
+   machine, :func:`paratrain.predict.parallel.predict_ep`, priced before the run with the
+   other sessions' load sampled then; the ratio measured / predicted. Without a machine
+   profile (``paratrain bench calibrate``) one line says so and only the measurements
+   print (calibrating in-process would take minutes and load the cores being timed).
+
 Defaults: E = 8 experts, top-2, d_model 128, expert width 256, 2048 tokens per rank
 (16 sequences of 128), float32; ``--reps 10`` takes about a minute on 2 busy cores.
 """
@@ -40,8 +53,11 @@ import torch
 import torch.distributed as dist
 
 from _common import peak_rss_mb
-from paratrain.config import ModelConfig
+from paratrain.config import ModelConfig, TrainConfig
 from paratrain.distributed import spawn
+from paratrain.plan import ParallelPlan
+from paratrain.predict import CALIBRATE_HINT, load_machine, sample_other_sessions
+from paratrain.predict.parallel import predict_ep
 
 
 def _alternating(calls: dict, reps: int) -> dict[str, list[float]]:
@@ -167,6 +183,78 @@ def _moe_worker(rank: int, world: int, cfg: ModelConfig, seqs: int, reps: int) -
             "max_abs_diff": err, "rss_mb": peak_rss_mb()}
 
 
+def _step_config(ep: int, seqs: int, steps: int) -> tuple[TrainConfig, ParallelPlan]:
+    """The MoE training run at ``ep``: ep data ranks, ``seqs`` sequences each, float32."""
+    tcfg = TrainConfig(steps=steps + 1, global_batch=seqs * ep, lr=1e-3, warmup_steps=1,
+                       eval_every=0, eval_batches=1, dtype="float32")
+    return tcfg, ParallelPlan(dp=ep, ep=ep)
+
+
+def _step_worker(rank: int, world: int, cfg: ModelConfig, seqs: int, steps: int) -> dict:
+    from paratrain.parallel.expert import ExpertExchange
+    from paratrain.train import RunOptions, train
+
+    spent = []  # seconds inside the row all-to-alls (dispatch, combine, their backward)
+    inner = ExpertExchange.all_to_all
+
+    def timed(self, *a):
+        t0 = time.perf_counter()
+        out = inner(self, *a)
+        spent.append(time.perf_counter() - t0)
+        return out
+
+    ExpertExchange.all_to_all = timed
+    tcfg, plan = _step_config(world, seqs, steps)
+    s = train(cfg, tcfg, plan if world > 1 else None,
+              RunOptions(quiet=True, measure_peak=False))
+    mem = s["memory"]["measured_per_rank"][0]
+    wire = [m.get("ep_wire_bytes", 0) for m in s["moe_steps"]]
+    return {"step_s": s["step_s"], "a2a_s": sum(spent) / len(wire),
+            "a2a_bytes": statistics.mean(wire[1:] or wire),
+            "states": sum(mem[k] for k in ("params", "grads", "optimizer")),
+            "act": mem["activations_peak"], "rss_mb": peak_rss_mb()}
+
+
+def _moe_steps(a, machine) -> dict:
+    """Section 3: an MoE step at each ep, measured beside predicted (module docstring)."""
+    cfg = ModelConfig(n_layers=2, d_model=a.d_model, n_heads=4, d_ff=a.moe_ffn,
+                      context=a.context, experts=a.experts, top_k=a.top_k,
+                      moe_ffn=a.moe_ffn)
+    print(f"\nMoE training step, 2 layers, E={a.experts} top-{a.top_k} d={a.d_model} "
+          f"ffn={a.moe_ffn}, {a.step_seqs} x {a.context} tokens per rank, float32, ep data "
+          "ranks; each quantity: measured, predicted, measured/predicted")
+    print(f"{'ep':>3} | {'step s':>7} {'pred':>7} {'m/p':>5} | {'a2a MB':>7} {'pred':>7} "
+          f"{'m/p':>5} | {'a2a s':>7} {'pred':>7} {'m/p':>5} | {'peak MB':>7} {'pred':>7} "
+          f"{'m/p':>5} | {'RSS MB':>6}")
+    out = {}
+    for ep in [int(x) for x in a.ep.split(",")]:
+        pred = None
+        if machine is not None:
+            tcfg, plan = _step_config(ep, a.step_seqs, a.steps)
+            pred = predict_ep(cfg, tcfg, plan, ep, machine.replace(
+                others=sample_other_sessions(samples=5))).to_dict()
+        res = spawn(_step_worker, ep, cfg, a.step_seqs, a.steps, timeout_s=a.timeout)
+        r = res[0] | {"pred": pred, "rss_mb": max(x["rss_mb"] for x in res)}
+        r["peak"] = r["states"] + r["act"]
+        out[ep] = r
+
+        def col(m: float, key: str, scale: float, pr=pred) -> str:
+            if pr is None:
+                return f"{m / scale:7.3f} {'-':>7} {'-':>5}"
+            p = pr[key]
+            q = f"{m / p:5.2f}" if p else f"{'-':>5}"
+            return f"{m / scale:7.3f} {p / scale:7.3f} {q}"
+
+        print(f"{ep:>3} | {col(r['step_s'], 'step_s', 1)} | "
+              f"{col(r['a2a_bytes'], 'wire_bytes', 1e6)} | {col(r['a2a_s'], 'comm_s', 1)} | "
+              f"{col(r['peak'], 'peak_bytes', 1e6)} | {r['rss_mb']:6.0f}", flush=True)
+    notes = sorted({n.split(":")[0].split(";")[0] for r in out.values() if r["pred"]
+                    for n in r["pred"]["notes"]})
+    if notes:
+        print("prediction notes: " + "; ".join(notes) + " (per-run detail in --json)")
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ranks", default="2,4")
@@ -180,6 +268,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seqs", type=int, default=16, help="sequences per rank")
     ap.add_argument("--timeout", type=float, default=600.0)
     ap.add_argument("--skip-moe", action="store_true", help="the all-to-all part only")
+    ap.add_argument("--ep", default="1,2,4", help="ep sizes of the MoE training step")
+    ap.add_argument("--step-seqs", type=int, default=4, help="sequences per rank per step")
+    ap.add_argument("--steps", type=int, default=3, help="timed MoE steps (one more untimed)")
+    ap.add_argument("--skip-steps", action="store_true", help="no MoE training steps")
+    ap.add_argument("--profile", default=None,
+                    help="machine profile (default ~/.cache/paratrain/hardware.toml)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     ranks = [int(p) for p in a.ranks.split(",")]
@@ -211,6 +305,11 @@ def main(argv: list[str] | None = None) -> None:
               f"{r['ep1']:8.4f} {r['a2a_bytes'] / 1e6:12.3f} "
               f"{r['a2a_s'] / r['ours']:10.1%} {max(x['rss_mb'] for x in res):8.0f} "
               f"{max(x['max_abs_diff'] for x in res):10.2e}", flush=True)
+    if not a.skip_steps:
+        machine = load_machine(a.profile)
+        if machine is None:
+            print(CALIBRATE_HINT)
+        records["steps"] = _moe_steps(a, machine)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(records, f, indent=1)

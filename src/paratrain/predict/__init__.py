@@ -8,7 +8,8 @@ Everything it says is in the open, in :attr:`Prediction.notes`.
 Modules: :mod:`.machine` (the profile, the CPU fit on disk, the cores' water-filling
 between sessions), :mod:`.model` (:class:`Prediction`, :func:`predict`,
 :func:`fit_from_runs`), :mod:`.report` (:func:`compare`, :func:`summary_prediction`,
-:func:`format_prediction`, :func:`summary_row`).
+:func:`format_prediction`, :func:`summary_row`), :mod:`.parallel` (:func:`predict_cp`,
+:func:`predict_ep`: a context-parallel or MoE/expert-parallel step, for the benchmarks).
 
 What is special here, and how it is priced:
 
@@ -71,6 +72,7 @@ from paratrain.predict.machine import (
     waterfill,
 )
 from paratrain.predict.model import Prediction, _flops_block, fit_from_runs, predict
+from paratrain.predict.parallel import AxisPrediction, predict_cp, predict_ep
 from paratrain.predict.report import (
     CALIBRATE_HINT,
     compare,
@@ -79,10 +81,11 @@ from paratrain.predict.report import (
     summary_row,
 )
 
-__all__ = ["CALIBRATE_HINT", "DEFAULT_PROFILE", "ELEMENT_BYTES", "FIT_NAME", "MachineModel",
+__all__ = ["AxisPrediction", "CALIBRATE_HINT", "DEFAULT_PROFILE", "ELEMENT_BYTES", "FIT_NAME",
+           "MachineModel",
            "Prediction", "RankLayout", "_flops_block", "compare", "coords",
            "dp_payload_bytes", "fit_from_runs", "fit_path", "format_prediction",
-           "load_machine", "predict", "rank_layout", "rank_state_bytes",
+           "load_machine", "predict", "predict_cp", "predict_ep", "rank_layout", "rank_state_bytes",
            "sample_other_sessions", "save_fit", "summary_prediction", "summary_row",
            "waterfill"]
 
