@@ -68,15 +68,6 @@ class AxisPrediction:
         return asdict(self) | {"peak_bytes": self.peak_bytes}
 
 
-def ring_exposed_s(fwd_s: float, bwd_s: float, attn_fwd_s: float, algorithm: str) -> float:
-    """CP exchange seconds a block's compute does not hide: the ring's next K/V transfer
-    runs under the current block's attention (backward: 2.5x the forward's work);
-    all-to-all sits between the projections and the attention, exposed."""
-    if algorithm != "ring":
-        return fwd_s + bwd_s
-    return max(0.0, fwd_s - attn_fwd_s) + max(0.0, bwd_s - 2.5 * attn_fwd_s)
-
-
 def _check(plan: ParallelPlan, world: int, what: str) -> None:
     if plan.world_size != world:
         raise ValueError(f"plan needs {plan.world_size} ranks but world={world}; match them")
@@ -136,7 +127,7 @@ def predict_cp(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan, world: 
         cp_f_again = cp_f if plan.recompute != "none" else 0.0  # recompute resends
         attn_f = tokens_mb * 4.0 * mcfg.n_heads * mcfg.head_dim * mcfg.context / rate
         comm = m * lay.blocks * (cp_f + cp_b + cp_f_again)
-        exposed = m * lay.blocks * ring_exposed_s(cp_f, cp_b + cp_f_again, attn_f,
+        exposed = m * lay.blocks * ct.cp_exposed_s(cp_f, cp_b + cp_f_again, attn_f,
                                                   plan.cp_algorithm)
         wire = L.cp_wire_bytes(mcfg, plan, e, int(tcfg.global_batch // plan.dp), lay.blocks)
         per_layer = 3 * (plan.cp - 1) + plan.cp if plan.cp_algorithm == "ring" \

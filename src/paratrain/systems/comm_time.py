@@ -90,3 +90,15 @@ def ep_s(plan: ParallelPlan, routed_bytes: float, hw: Hardware, nvlink_eff: floa
         return 0.0
     a, bw = group_bw(plan, "ep", plan.ep, hw, nvlink_eff, net_eff)
     return coll.time_s("all_to_all", "naive", plan.ep, routed_bytes, a, bw)
+
+
+def cp_exposed_s(fwd_s: float, bwd_s: float, attn_fwd_s: float, algorithm: str,
+                 overlap: float = 1.0) -> float:
+    """CP exchange seconds a block's compute does not hide: the ring's next K/V transfer
+    runs under the current block's attention (backward: 2.5x the forward's work), scaled
+    by the engine's ``overlap`` (0 none, 1 full); all-to-all sits between the projections
+    and the attention, exposed."""
+    if algorithm != "ring":
+        return fwd_s + bwd_s
+    return (max(0.0, fwd_s - overlap * attn_fwd_s)
+            + max(0.0, bwd_s - overlap * 2.5 * attn_fwd_s))

@@ -268,11 +268,7 @@ def predict_step(model, plan: ParallelPlan, hw: Hardware, tokens_per_step: int,
                          kernel_s=sp.kernel_s)
     if plan.recompute != "none":
         cp_b += cp_f
-    if plan.cp_algorithm == "ring":
-        attn_f = blk["attn_f"]
-        cp_x = max(0.0, cp_f - eng.cp * attn_f) + max(0.0, cp_b - eng.cp * 2.5 * attn_f)
-    else:
-        cp_x = cp_f + cp_b
+    cp_x = ct.cp_exposed_s(cp_f, cp_b, blk["attn_f"], plan.cp_algorithm, eng.cp)
     ep_t = 0.0
     if m.is_moe and plan.ep > 1:
         n_a2a = 4 + (2 if plan.recompute == "full" else 0)
