@@ -62,6 +62,10 @@ class Corpus:
     def vocab_size(self) -> int:
         return VOCAB if self.tokenizer is None else self.tokenizer.vocab_size
 
+    def max_id(self) -> int:
+        """The largest token id in the data (train and validation)."""
+        return int(max(self.train.max(), self.val.max()))
+
     def unigram_entropy(self) -> float:
         """Cross-entropy (nats/token) of the best context-free model: the baseline to beat."""
         counts = torch.bincount(self.train.long(), minlength=self.vocab_size).double()
