@@ -200,15 +200,8 @@ def test_killed_worker_restarts_and_resumes_bitwise(tmp_path, text_file, reaper,
     it). The survivor of the kill exits without a traceback; resuming the top-k
     checkpoint on another layout is refused before launch, naming why and the fix."""
     ref = _run([*TOPK, "--steps", str(REF_STEPS), "--data", text_file, "--run-dir",
-                str(tmp_path / "ref"), "--checkpoint-dir", str(tmp_path / "ck_ref"),
-                "--checkpoint-every", str(REF_STEPS // 2)], tmp_path)
+                str(tmp_path / "ref")], tmp_path)
     assert ref.returncode == 0, ref.stderr[-3000:]
-    code = main(["train", *TOPK, "--nproc", "1", "--steps", str(REF_STEPS + 1), "--data",
-                 text_file, "--run-dir", str(tmp_path / "r1"), "--checkpoint-dir",
-                 str(tmp_path / "ck_ref"), "--resume"])
-    said = capsys.readouterr().err.strip()
-    assert code == 2 and len(said.splitlines()) == 1, said
-    assert "per-rank top-k residuals for dp=2 but this run has dp=1" in said, said
     run, ck = tmp_path / "run", tmp_path / "ck"
     with open(tmp_path / "out", "w") as out, open(tmp_path / "err", "w") as err:
         p = subprocess.Popen([*CMD, *TOPK, "--steps", str(REF_STEPS), "--data", text_file,
@@ -227,6 +220,12 @@ def test_killed_worker_restarts_and_resumes_bitwise(tmp_path, text_file, reaper,
     restarted = [line for line in err.splitlines() if line.startswith("warning: a worker died")]
     assert len(restarted) == 1 and "restart 1 of 1 resumes from step" in restarted[0], err
     assert "Traceback" not in err and "exitcode" not in err, err[-3000:]  # our lines only
+    code = main(["train", *TOPK, "--nproc", "1", "--steps", str(REF_STEPS + 1), "--data",
+                 text_file, "--run-dir", str(tmp_path / "r1"), "--checkpoint-dir", str(ck),
+                 "--resume"])
+    said = capsys.readouterr().err.strip()
+    assert code == 2 and len(said.splitlines()) == 1, said
+    assert "per-rank top-k residuals for dp=2 but this run has dp=1" in said, said
 
 
 # ---- a worker's user error: once, exit 2, no torchrun traceback --------------------------
