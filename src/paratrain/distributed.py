@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import re
 import sys
 import tempfile
 import time
@@ -50,6 +51,23 @@ def is_timeout(e: BaseException) -> bool:
     """gloo: "Timed out waiting Nms for recv operation"; NCCL's watchdog: "Timeout"."""
     return isinstance(e, RuntimeError) and ("timed out" in str(e).lower()
                                             or "timeout" in str(e).lower())
+
+
+PEER_LOST = ("connection reset", "connection closed", "broken pipe", "socket closed",
+             "connection refused", "end of file")  # gloo's words for a peer gone
+
+
+def is_peer_lost(e: BaseException) -> bool:
+    """A collective failed because a peer process went away (killed, crashed)."""
+    return isinstance(e, RuntimeError) and any(w in str(e).lower() for w in PEER_LOST)
+
+
+def peer_lost_message(e: BaseException) -> str:
+    """One line for a survivor of a dead peer: where it was, and gloo's first line."""
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    first = re.sub(r"^\[[^\]]*\]\s*", "", first).split(". ")[0]  # gloo's source location
+    return (f"{_where['phase']} at step {_where['step']} (group {_where['group']}) lost a "
+            f"peer, which died or was killed ({first[:160]})")
 
 
 def _store():

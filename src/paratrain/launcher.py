@@ -18,6 +18,7 @@ No torch import (the CLI must start instantly).
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -136,6 +137,7 @@ def _kill(pids, sig) -> None:
             pass
 
 
+TORCH_LOG = re.compile(rb"[IWEF]\d{4} \d\d:\d\d:\d\d")  # glog-style lines torch logs
 FAILURE_SETTLE_S = 1.0  # after the first failure line: time for torchrun to end by itself
 
 
@@ -204,6 +206,8 @@ def launch(cmd: list[str], run_dir: str, grace_s: float = 7.0) -> int:
     if rc != 0 and failure:
         print(f"error: {failure}", file=sys.stderr)
         return 2
+    if rc == 0:  # torchrun's log of a worker it restarted: our warnings said it already
+        held = [line for line in held if not TORCH_LOG.match(line)]
     sys.stderr.buffer.write(b"".join(held))
     sys.stderr.flush()
     return rc

@@ -121,6 +121,8 @@ def check_resume(checkpoint_dir: str, mcfg: ModelConfig, tcfg: TrainConfig,
     text = read_corpus(tcfg.data, tcfg.text_field)
     want = checkpoint.run_settings(mcfg, tcfg, plan, checkpoint.data_sha256(text))
     checkpoint.check_settings(meta, want, checkpoint.step_dir(checkpoint_dir, meta["step"]))
+    checkpoint.check_residual_layout(meta, plan, checkpoint.step_dir(checkpoint_dir,
+                                                                   meta["step"]))
 
 
 FLOAT_MAX = {"float32": 3.4028234663852886e38, "bfloat16": 3.3895313892515355e38,

@@ -77,6 +77,28 @@ def run_local(spec: dict) -> dict:
     return summary
 
 
+def _restarts_left() -> int:
+    """How many more times torchrun's elastic agent will restart the workers."""
+    return int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) - \
+        int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def _say_restart(opts) -> None:
+    """After an elastic restart, one line naming the step the run resumes from (the
+    newest intact checkpoint, as :func:`paratrain.checkpoint.load` will choose it)."""
+    n = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if n == 0:
+        return
+    from paratrain import checkpoint
+
+    meta = checkpoint.peek(opts.checkpoint_dir) if opts.resume and opts.checkpoint_dir \
+        else None
+    where = f"step {meta['step']}" if meta else "step 0 (no intact checkpoint)"
+    print(f"warning: a worker died; restart {n} of "
+          f"{os.environ.get('TORCHELASTIC_MAX_RESTARTS', '?')} resumes from {where}",
+          file=sys.stderr, flush=True)
+
+
 def run_worker(spec: dict) -> None:
     """Inside torchrun: init from env, train, print on rank 0, end via ``finish``."""
     from paratrain.distributed import (
@@ -84,7 +106,9 @@ def run_worker(spec: dict) -> None:
         CollectiveTimeout,
         finish,
         init_from_env,
+        is_peer_lost,
         is_timeout,
+        peer_lost_message,
         timeout_error,
     )
     from paratrain.train import train
@@ -97,6 +121,8 @@ def run_worker(spec: dict) -> None:
     try:
         mcfg, tcfg, plan, opts = _parse(spec)
         rank, _, device = init_from_env(spec.get("timeout_s", DEFAULT_TIMEOUT_S))
+        if rank == 0:
+            _say_restart(opts)
         summary = train(mcfg, tcfg, plan, opts, device)
         if rank == 0 and not opts.quiet:
             print_summary(summary, opts.run_dir)
@@ -113,15 +139,24 @@ def run_worker(spec: dict) -> None:
             print(f"error: {e}", file=sys.stderr)
         code = 2
     except RuntimeError as e:
+        # a restart may cure a hang or a dead peer (torchrun's agent restarts every
+        # worker): a warning while restarts are left, the run's error when none is
+        left = _restarts_left()
+        if is_peer_lost(e):  # the survivor of a killed worker: one line, no traceback
+            if left > 0:
+                print(f"warning: rank {rank}: {peer_lost_message(e)}; exiting for torchrun "
+                      "to restart the workers", file=sys.stderr)
+            else:
+                print(f"error: rank {rank}: {peer_lost_message(e)}; pass --max-restarts 1 "
+                      "--resume auto to survive a lost worker", file=sys.stderr)
+            finish(1)  # non-zero: the elastic agent counts it as a failure and restarts
         if not is_timeout(e):
             traceback.print_exc()
             finish(1)
         e = e if isinstance(e, CollectiveTimeout) else timeout_error(e)
-        # a restart may cure a hang (torchrun's agent restarts every worker): report it
-        # as the run's error only when no restart is left
-        left = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) - \
-            int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-        if spec.get("failure_file") and spec["opts"].get("run_dir") and left <= 0:
+        if left > 0:
+            print(f"warning: {e}; torchrun restarts the workers", file=sys.stderr)
+        elif spec.get("failure_file") and spec["opts"].get("run_dir"):
             shutdown.write_failure(spec["opts"]["run_dir"], str(e))
         else:
             print(f"error: {e}", file=sys.stderr)

@@ -21,7 +21,8 @@ whose read fails, is skipped by every rank together, with one ``warning:`` line 
 0). The settings that decide the loss trajectory (model, seed, batch, optimizer, dtype,
 data identity) must match the checkpoint's; the refusal names the field. The layout
 (world size, dp/tp/pp/ep/cp, ZeRO stage, micro-batches) may differ: every rank reads
-the pieces its new layout owns. Design notes: docs/faults.md.
+the pieces its new layout owns, except a top-k run (``--compress``), whose per-rank
+residuals resume on the same layout only. Design notes: docs/faults.md.
 """
 
 from __future__ import annotations
@@ -123,6 +124,27 @@ def run_settings(mcfg, tcfg, plan, data_sha256: str) -> dict:
         train["reduce_dtype"] = tcfg.reduce_dtype
     return {"model": asdict(mcfg), "train": train, "compress": plan.compress,
             "data": {"sha256": data_sha256, "path": tcfg.data or "(standard library)"}}
+
+
+RESIDUAL_LAYOUT = ("dp", "tp", "pp", "cp", "ep", "virtual_stages")
+
+
+def check_residual_layout(meta: dict, plan, where: Path) -> None:
+    """Refuse to resume a top-k run on another layout. Each rank's error-feedback
+    residual (:mod:`paratrain.parallel.compress`) is saved whole, per rank: it is what
+    that rank's gradients have not yet delivered, not a piece of a model tensor. Another
+    layout has other ranks holding other parameters, and top-k's picks are not linear in
+    the residual, so no redistribution would continue the trajectory (docs/faults.md)."""
+    if plan.compress is None or meta.get("compress") is None:
+        return
+    have = meta.get("plan", {})
+    for k in RESIDUAL_LAYOUT:
+        if have.get(k, 1) != getattr(plan, k):
+            raise ValueError(
+                f"checkpoint {where} holds per-rank top-k residuals for {k}={have.get(k, 1)} "
+                f"but this run has {k}={getattr(plan, k)}; resume a --compress run on the "
+                f"same layout (--{k.replace('_', '-')} {have.get(k, 1)}, same --nproc), or "
+                "start a new --checkpoint-dir")
 
 
 def data_sha256(data: bytes) -> str:
@@ -252,6 +274,7 @@ def load(root: str | Path, engine, mcfg, plan, expect: dict | None = None,
         raise ValueError(f"no checkpoint found in {str(root)!r}; run without --resume first, "
                          "or point --checkpoint-dir at a directory that has one")
     check_settings(metas[0][1], expect or {}, step_dir(root, metas[0][0]))
+    check_residual_layout(metas[0][1], plan, step_dir(root, metas[0][0]))
     for i, step in enumerate(candidates):
         d = step_dir(root, step)
         meta = read_meta(d)

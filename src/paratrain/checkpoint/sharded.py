@@ -3,7 +3,8 @@ rank owns, load the pieces a (possibly different) layout needs.
 
 Each rank hands DCP its pieces (:mod:`.pieces`) as shard write items of the plain
 model's tensors, keyed ``KIND/NAME`` (``param/blocks.0.attn.wq.weight``, ``exp_avg/...``,
-``exp_avg_sq/...``, ``step/...``); DCP writes one file per rank plus ``.metadata``, which
+``exp_avg_sq/...``, ``step/...``), and each rank's top-k residual whole
+(``topk_residual/rankR/I``); DCP writes one file per rank plus ``.metadata``, which
 lists every tensor's global size and saved chunks. Loading asks, per piece this rank
 needs, for a box of a tensor; DCP's resharding (``create_read_items_for_chunk_list``)
 finds the saved chunks that overlap it, whatever layout wrote them. That is how a run
@@ -133,9 +134,27 @@ def _state_of(e: Entry) -> dict:
     return e.opt.state.get(e.key, {})
 
 
+def _residuals(engine) -> list[torch.Tensor]:
+    """This rank's top-k error-feedback residuals (one per top-k data axis; none
+    without ``--compress`` or on a dp axis of 1)."""
+    if not hasattr(engine, "mesh"):
+        return []
+    parts = getattr(engine.data, "parts", (engine.data,))
+    return [da.tk.residual for da in parts if da.kind == "topk"]
+
+
+def _residual_fqn(i: int) -> str:
+    """Keyed by global rank: a residual is this rank's alone, not a piece of a tensor
+    (resuming needs the same layout: :func:`paratrain.checkpoint.check_residual_layout`)."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    return f"topk_residual/rank{rank}/{i}"
+
+
 def save_pieces(path: Path, engine, mcfg, plan) -> None:
-    """Write this rank's canonical pieces into ``path`` (collective over the world)."""
-    items = []
+    """Write this rank's canonical pieces, and its top-k residuals, into ``path``
+    (collective over the world)."""
+    items = [(_residual_fqn(i), tuple(r.shape), (0,), r.detach().clone().cpu())
+             for i, r in enumerate(_residuals(engine))]
     for e in entries(engine, mcfg, plan):
         if not e.canonical:
             continue
@@ -160,7 +179,9 @@ def save_pieces(path: Path, engine, mcfg, plan) -> None:
 def load_pieces(path: Path, engine, mcfg, plan) -> None:
     """Fill this rank's optimizer ranges and parameters from ``path`` (collective)."""
     es = entries(engine, mcfg, plan)
-    wants, bufs = [], []
+    res = [(r, torch.empty(r.shape, dtype=r.dtype)) for r in _residuals(engine)]
+    wants = [(_residual_fqn(i), (0,), buf) for i, (_, buf) in enumerate(res)]
+    bufs = []
     steps = {}
     for e in es:
         dt = e.key.dtype
@@ -185,6 +206,8 @@ def load_pieces(path: Path, engine, mcfg, plan) -> None:
                 "step": torch.tensor(n, dtype=torch.float32),
                 "exp_avg": kb["exp_avg"].to(dev).view_as(e.key).clone(),
                 "exp_avg_sq": kb["exp_avg_sq"].to(dev).view_as(e.key).clone()}
+    for r, buf in res:
+        r.copy_(buf.to(r.device))
     _masters_to_working(engine)
 
 
