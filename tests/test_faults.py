@@ -194,6 +194,26 @@ def _workers(run: Path) -> dict[int, int]:
 TOPK = ["--nproc", "2", "--compress", "topk:4", *TINY]
 
 
+def test_killed_worker_without_restarts_is_one_error_line(tmp_path, text_file, reaper):
+    """No --max-restarts: the run ends with one line naming how the worker died and where
+    torchrun's own report went, no traceback, and nothing left running."""
+    run = tmp_path / "run"
+    with open(tmp_path / "err", "w") as err:
+        p = subprocess.Popen([*CMD, "--nproc", "2", *TINY, "--steps", "100000", "--data",
+                              text_file, "--run-dir", str(run)], stderr=err, cwd=tmp_path)
+        _wait_for_steps(p, run, 2, tmp_path)
+        victim = _workers(run)[1]
+        os.kill(victim, signal.SIGKILL)
+        rc = p.wait(timeout=60)
+    err = (tmp_path / "err").read_text()
+    assert rc != 0
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: a worker"), err[-3000:]
+    assert "SIGKILL" in lines[0] and "--max-restarts 1 --resume auto" in lines[0]
+    assert "Traceback" in (run / "torchrun.log").read_text()  # torchrun's report, kept
+    assert _wait_gone(str(run), 10) == []
+
+
 def test_killed_worker_restarts_and_resumes_bitwise(tmp_path, text_file, reaper, capsys):
     """Run under top-k compression, whose per-rank error-feedback residuals must come back
     with the checkpoint for the trajectory to continue bit for bit (a zero residual leaves

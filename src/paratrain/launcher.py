@@ -208,6 +208,31 @@ def launch(cmd: list[str], run_dir: str, grace_s: float = 7.0) -> int:
         return 2
     if rc == 0:  # torchrun's log of a worker it restarted: our warnings said it already
         held = [line for line in held if not TORCH_LOG.match(line)]
-    sys.stderr.buffer.write(b"".join(held))
-    sys.stderr.flush()
+        sys.stderr.buffer.write(b"".join(held))
+        sys.stderr.flush()
+        return rc
+    # A worker died without a user-facing error (killed, crashed): one line, and
+    # torchrun's own report (its ChildFailedError traceback) kept in a file, not shown.
+    log = Path(run_dir) / "torchrun.log"
+    try:
+        log.write_bytes(b"".join(held))
+        where = f"torchrun's report is in {log}"
+    except OSError:
+        where = "torchrun wrote no readable report"
+    print(f"error: {worker_death(b''.join(held))}; {where}; pass --max-restarts 1 "
+          "--resume auto (with --checkpoint-dir) to survive a lost worker", file=sys.stderr)
     return rc
+
+
+def worker_death(report: bytes) -> str:
+    """One phrase for how a worker ended, from torchrun's failure report."""
+    text = report.decode(errors="replace")
+    sig = re.search(r"Signal (\d+) \((SIG\w+)\) received by PID (\d+)", text)
+    if sig:
+        return f"a worker (pid {sig.group(3)}) was killed by {sig.group(2)}"
+    code = re.search(r"exitcode\s*:\s*(-?\d+)", text)
+    rank = re.search(r"rank\s*:\s*(\d+)", text)
+    if code:
+        who = f"worker rank {rank.group(1)}" if rank else "a worker"
+        return f"{who} exited with code {code.group(1)}"
+    return "the workers failed"
