@@ -30,6 +30,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from paratrain.viz import save_figure
+
 
 def read_run(run_dir: str) -> dict:
     """The MoE records of a run: load per step (steps x E), load per rank per step
@@ -161,9 +163,4 @@ def draw_moe(run_dir: str, out_dir: str) -> Path:
     fig.colorbar(im, ax=ax, fraction=0.05)
 
     fig.tight_layout()
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / "moe_routing.png"
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return save_figure(fig, out_dir, "moe_routing.png")

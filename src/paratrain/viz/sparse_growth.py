@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from paratrain.viz import save_figure
+
 VALUE_BYTES = INDEX_BYTES = 4
 
 
@@ -59,9 +61,4 @@ def draw_growth(p: int, out_dir: str | Path, n: int = 1 << 20, ratio: int = 16,
     ax.grid(alpha=0.3)
     ax.legend(fontsize=9, loc="lower right")
     fig.tight_layout()
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / "sparse_all_gather_growth.png"
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return save_figure(fig, out_dir, "sparse_all_gather_growth.png")
