@@ -89,9 +89,9 @@ def test_resume_is_bitwise_identical(text_file, reference, tmp_path):
 def test_corrupt_checkpoint_is_refused(text_file, tmp_path):
     t = tcfg(text_file, "float32", steps=2)
     train(MODEL, t, None, RunOptions(checkpoint_dir=str(tmp_path), **QUIET))
-    f = tmp_path / "step_000002" / "rank0.pt"
+    (f,) = (tmp_path / "step_000002").glob("*.distcp")  # the one rank's data file
     f.write_bytes(f.read_bytes()[:-8] + b"garbage!")
-    with pytest.raises(ValueError, match="corrupt"):
+    with pytest.raises(ValueError, match="no intact checkpoint"):
         train(MODEL, t, None, RunOptions(checkpoint_dir=str(tmp_path), resume=True, **QUIET))
 
 
