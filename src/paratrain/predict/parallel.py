@@ -39,6 +39,7 @@ from paratrain.predict.model import _comm_cpu, _stage_mb_time
 from paratrain.systems import collectives as coll
 from paratrain.systems import comm_time as ct
 from paratrain.systems.layer_cost import expert_imbalance
+from paratrain.systems.models import as_shape
 
 
 @dataclass(frozen=True)
@@ -125,7 +126,10 @@ def predict_cp(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan, world: 
     if plan.cp > 1:
         cp_f, cp_b = ct.cp_s(mcfg, plan, mcfg.context, seqs_mb, hw, 1.0, 1.0, e)
         cp_f_again = cp_f if plan.recompute != "none" else 0.0  # recompute resends
-        attn_f = tokens_mb * 4.0 * mcfg.n_heads * mcfg.head_dim * mcfg.context / rate
+        # the attention forward of one block (score and value matmuls): a third of the
+        # model's per-layer attention FLOPs, which count forward + backward
+        fwd_flops = as_shape(mcfg).attention_flops_per_token(mcfg.context) / 3 / mcfg.n_layers
+        attn_f = tokens_mb * fwd_flops / rate
         comm = m * lay.blocks * (cp_f + cp_b + cp_f_again)
         exposed = m * lay.blocks * ct.cp_exposed_s(cp_f, cp_b + cp_f_again, attn_f,
                                                   plan.cp_algorithm)
