@@ -3,6 +3,17 @@
 from pathlib import Path
 
 
+def pyplot():
+    """matplotlib.pyplot on the Agg backend (files only, no display), imported on use so
+    that importing a drawing module stays cheap."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
 def save_figure(fig, out_dir, name: str) -> Path:
     """Write ``fig`` as ``out_dir/name`` (the folder made if missing), close it, return
     the path."""

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from paratrain.viz import pyplot
+
 GB = 1e9
 _MEM_PARTS = (("weights_bytes", "weights", "#4C72B0"), ("grads_bytes", "gradients", "#55A868"),
               ("optimizer_bytes", "optimizer state", "#C44E52"),
@@ -18,21 +20,12 @@ _MEM_PARTS = (("weights_bytes", "weights", "#4C72B0"), ("grads_bytes", "gradient
               ("buffers_bytes", "ZeRO-3 buffers", "#CCB974"))
 
 
-def _plt():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
 def memory_figure(rep: dict):
     """Two panels, so the activations of a long sequence cannot flatten the ZeRO story:
     left, the model states alone (weights + gradients + optimizer state) on their own
     scale, each stage's total under its bar; right, everything per GPU against the HBM
     line (named in the legend, so it never sits on a bar)."""
-    plt = _plt()
+    plt = pyplot()
     from matplotlib.lines import Line2D
 
     rows = rep["zero"]
@@ -81,13 +74,13 @@ def plot_memory(rep: dict, path: str | Path) -> Path:
     fig = memory_figure(rep)
     out = Path(path)
     fig.savefig(out, dpi=120)
-    _plt().close(fig)
+    pyplot().close(fig)
     return out
 
 
 def plot_step_time(rep: dict, path: str | Path) -> Path:
     """Horizontal bars: compute, bubble and exposed communication, sync vs overlapped."""
-    plt = _plt()
+    plt = pyplot()
     s = rep["step"]
     other = s["tp_comm_s"] + s["pp_comm_s"] + s["ep_comm_s"]
     bars = {
@@ -140,7 +133,7 @@ def pareto_figure(result, title: str):
     (``result`` is a :class:`paratrain.systems.search.SearchResult`). The log time axis
     is labelled at 1, 2, 5 x 10^k in plain numbers (matplotlib's default labels every
     minor tick as 3x10^0, which overlap)."""
-    plt = _plt()
+    plt = pyplot()
     from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
     fig, ax = plt.subplots(figsize=(8, 4.8))
@@ -176,5 +169,5 @@ def plot_pareto(result, out_dir: str | Path, title: str) -> Path:
     fig = pareto_figure(result, title)
     out = d / "search_pareto.png"
     fig.savefig(out, dpi=120)
-    _plt().close(fig)
+    pyplot().close(fig)
     return out

@@ -18,20 +18,13 @@ from __future__ import annotations
 
 import io
 
+from paratrain.viz import pyplot
+
 MB = 1e6
 _KINDS = (("params", "parameters", "#4C72B0"), ("grads", "gradients", "#55A868"),
           ("optimizer", "optimizer state", "#C44E52"),
           ("comm_buffers", "comm buffers", "#CCB974"),
           ("activations_peak", "activations (peak)", "#8172B2"))
-
-
-def _plt():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
 
 
 def _steps_axis(ax) -> None:
@@ -44,12 +37,12 @@ def _steps_axis(ax) -> None:
 def _png(fig) -> bytes:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=100)
-    _plt().close(fig)
+    pyplot().close(fig)
     return buf.getvalue()
 
 
 def plot_losses(recs: list[dict], summary: dict) -> bytes:
-    plt = _plt()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 4))
     steps = [r["step"] for r in recs]
     ax.plot(steps, [r["loss"] for r in recs], color="#4C72B0", lw=1.5, label="train loss")
@@ -71,7 +64,7 @@ def plot_losses(recs: list[dict], summary: dict) -> bytes:
 
 
 def plot_speed(recs: list[dict]) -> bytes:
-    plt = _plt()
+    plt = pyplot()
     fig, (a1, a2) = plt.subplots(2, 1, figsize=(8, 4.6), sharex=True)
     steps = [r["step"] for r in recs]
     a1.plot(steps, [r["tokens_per_s"] for r in recs], "o-", ms=3, color="#4C72B0")
@@ -103,7 +96,7 @@ def step_split(recs: list[dict], summary: dict) -> list[tuple[float, float, floa
 
 
 def plot_step_split(recs: list[dict], summary: dict) -> bytes:
-    plt = _plt()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 4))
     steps = [r["step"] for r in recs]
     parts = step_split(recs, summary)
@@ -146,7 +139,7 @@ def memory_rows(summary: dict) -> tuple[list[dict], list[dict]]:
 
 
 def plot_memory(summary: dict) -> bytes:
-    plt = _plt()
+    plt = pyplot()
     measured, predicted = memory_rows(summary)
     n = len(measured)
     fig, ax = plt.subplots(figsize=(max(6.0, 2.2 + 1.4 * n), 4.2))
