@@ -34,3 +34,8 @@ def paratrain_exe() -> str:
     exe = str(here) if here.exists() else shutil.which("paratrain")
     assert exe, "the paratrain console script is not installed; run pip install -e '.[dev]'"
     return exe
+
+
+def max_rel_diff(losses, ref) -> float:
+    """Largest relative difference between two loss trajectories of equal length."""
+    return max(abs(a - b) / abs(b) for a, b in zip(losses, ref, strict=True))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 
+from conftest import max_rel_diff
 from paratrain.config import ModelConfig, TrainConfig
 from paratrain.distributed import spawn
 from paratrain.plan import ParallelPlan
@@ -82,7 +83,7 @@ def test_layouts_reproduce_one_process(text_file, refs, world, combos):
     for name, (model, _) in combos.items():
         losses, val = results[0][name]
         ref = refs[model]
-        d = max(abs(a - b) / abs(b) for a, b in zip(losses, ref["losses"], strict=True))
+        d = max_rel_diff(losses, ref["losses"])
         worst[name] = d
         print(f"{name}: {len(losses)}-step max rel loss diff {d:.2e}; val {val:.10f} vs "
               f"{ref['val_loss']:.10f}")

@@ -20,6 +20,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import max_rel_diff
 from paratrain.config import ModelConfig, TrainConfig
 from paratrain.distributed import spawn
 from paratrain.layout import dp_wire_bytes, state_bytes
@@ -88,7 +89,7 @@ def test_expert_parallel_reproduces_one_process(text_file, refs, world, combos):
         losses, val, moe, states, _, systems = results[0][name]
         for r, res in enumerate(results):  # dp sync bytes (both reducers): the formula's
             assert res[name][4][0] == pytest.approx(res[name][4][1], rel=1e-12), (name, r)
-        d = max(abs(a - b) / abs(b) for a, b in zip(losses, ref["losses"], strict=True))
+        d = max_rel_diff(losses, ref["losses"])
         worst[name] = d
         print(f"{name}: 4-step max rel loss diff {d:.2e}; val {val:.12f} vs "
               f"{ref['val_loss']:.12f}")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from conftest import max_rel_diff
 from paratrain.config import ModelConfig, TrainConfig
 from paratrain.distributed import spawn
 from paratrain.plan import ParallelPlan
@@ -42,7 +43,7 @@ def test_three_d_layouts_match_one_process(text_file):
     for name, (model, _) in COMBOS.items():
         losses, val, rep = results[0][name]
         ref = refs[model.n_layers]
-        d = max(abs(a - b) / abs(b) for a, b in zip(losses, ref["losses"], strict=True))
+        d = max_rel_diff(losses, ref["losses"])
         print(f"{name}: 10-step max rel loss diff {d:.2e}; val {val:.6f} vs "
               f"{ref['val_loss']:.6f}; bubble measured "
               f"{rep['pipeline']['bubble_measured']:.3f} simulated "
