@@ -154,3 +154,45 @@ def test_mpt_shapes_reproduce_the_benchmark_table_exactly():
     assert load_model("mpt-7b").num_params() == 6_658_859_008
     assert load_model("mpt-70b").num_params() == 64_862_437_376
     assert load_model("mpt-125m").num_params() == 125_311_488
+
+
+def test_flop_counts_by_hand_and_rows_priced_in_their_sources_count():
+    """Megatron-LM (and NeMo, MaxText, torchtitan) count the logits matmul once and the
+    input-embedding lookup not at all: for an untied model that is 6 V d fewer FLOPs per
+    token than our 6N, and the prediction of a row's TFLOP/s is made in its source's count."""
+    from paratrain.systems.fitting import predict
+    from paratrain.systems.models import FLOP_COUNTS
+
+    row = {**BY_ID["mcore_weak_1.7b_48"], "tied": "no"}
+    case = row_to_case(row)
+    m, s = case.model, case.seq_len
+    assert not m.tie_embeddings and set(FLOP_COUNTS) == {"6N", "matmul", "causal"}
+    ours, matmul = m.flops_per_token(s), m.flops_per_token(s, "matmul")
+    assert ours - matmul == pytest.approx(6 * m.vocab_size * m.d_model)
+    attn = 12 * m.n_layers * m.n_heads * m.head_dim * s
+    assert matmul - m.flops_per_token(s, "causal") == pytest.approx(attn / 2)
+    gpt3 = load_model("gpt3-175b")  # tied: only its learned positions are a lookup
+    assert gpt3.tie_embeddings and gpt3.learned_positions
+    assert gpt3.flops_per_token(2048) - gpt3.flops_per_token(2048, "matmul") == \
+        pytest.approx(6 * gpt3.context * gpt3.d_model)
+    # the same step, reported as TFLOP/s in Megatron's count and in ours
+    as_ours = row_to_case({**row, "flops_count": "6N"})
+    assert predict(case) / predict(as_ours) == pytest.approx(matmul / ours)
+    # a tokens/s row is turned into TFLOP/s by our own count, whatever the column says
+    tok = row_to_case({**BY_ID["mosaic_mpt7b_h100_80gb_8g_s2048"], "flops_count": "causal"})
+    assert tok.flops_count == "6N"
+    with pytest.raises(Skip, match="flops_count 'megatron' is unknown"):
+        row_to_case({**row, "flops_count": "megatron"})
+    with pytest.raises(ValueError, match="FLOP count 'x' is unknown"):
+        m.flops_per_token(s, "x")
+
+
+def test_recompute_words():
+    from paratrain.systems.runs import _recompute
+
+    assert _recompute("selective (modules mla_up_proj, mlp, moe)") == "full"
+    assert _recompute("selective (modules core_attn)") == "selective"
+    assert _recompute("selective (RMSNorm and MLA up-projections recomputed)") == "selective"
+    assert _recompute("full (activation checkpointing)") == "full"
+    assert _recompute("none (no activation checkpointing)") == "none"
+    assert _recompute("") == "none"

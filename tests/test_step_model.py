@@ -189,3 +189,42 @@ def test_validate_explain_prints_one_rows_breakdown(capsys):
         assert part in out, part
     assert main(["validate", "--explain", "no_such_row"]) == 2
     assert "no_such_row" in capsys.readouterr().err
+
+
+def test_deepspeed_pipeline_sends_whole_activations_from_every_tp_rank():
+    plan = ParallelPlan(tp=8, pp=4, dp=2, micro_batches=8)
+    act, p = 64e6, load_params()
+    split = ct.pp_send_s(plan, act, H100, p.nvlink_eff, p.net_eff, p.kernel_s)
+    whole = ct.pp_send_s(plan, act, H100, p.nvlink_eff, p.net_eff, p.kernel_s, split=False)
+    fixed = split - act / 8 / (H100.inter_bw * p.net_eff)
+    assert whole - fixed == pytest.approx(8 * (split - fixed))
+    m = load_model("gpt3-175b")
+    t = {e: predict_step(m, plan, H100, 16 * 2048, 2048, p, e).comm["pp"]
+         for e in ("megatron", "deepspeed")}
+    assert t["deepspeed"] > 5 * t["megatron"]
+
+
+def test_zero3_under_a_pipeline_gathers_for_every_micro_batch():
+    """The weights stay sharded between micro-batches (as the memory model counts them),
+    so ZeRO-3 under pp pays its gathers once per micro-batch, not once per step."""
+    m, p = load_model("llama2-13b"), load_params()
+    dp = {}
+    for mb in (4, 16):
+        plan = ParallelPlan(dp=8, pp=2, zero=3, micro_batches=mb)
+        dp[mb] = predict_step(m, plan, H100, 8 * mb * 4096, 4096, p, "fsdp").comm["dp"]
+    assert dp[16] / dp[4] == pytest.approx(4, rel=0.1)
+
+
+def test_loss_reads_and_writes_every_logit_as_the_unfused_chain_does():
+    from paratrain.systems.gemm import train_gemm_s
+    from paratrain.systems.layer_cost import LOSS_BYTES_PER_LOGIT, Rates, head_cost
+
+    m, p = load_model("llama3-8b"), load_params()
+    r = Rates(p.gemm_for("h100"), 0.5, p.hbm_eff, p.kernel_s)
+    chip = chip_of(H100.name)
+    f, b = head_cost(m, 8192, 1, H100, chip, r)
+    gemm = sum(train_gemm_s(8192, m.vocab_size, m.d_model, H100, chip, r.gemm_eff, r.hbm_eff))
+    loss = LOSS_BYTES_PER_LOGIT * 8192 * m.vocab_size / (H100.hbm_bw * p.hbm_eff)
+    assert f + b == pytest.approx(gemm + loss + 4 * r.kernel_s)
+    # cast (2 + 4), max, subtract, exp, sum, divide; backward scale and cast back
+    assert LOSS_BYTES_PER_LOGIT == 6 + 4 + 8 + 8 + 4 + 8 + 8 + 6

@@ -242,9 +242,9 @@ def validate(
                                                "calibration.csv (default: the shipped one)."),
     json_out: bool = typer.Option(False, "--json", help="Print records and summary as JSON."),
     fit: bool = typer.Option(False, "--fit", help="Refit the step model's physical "
-                                                  "parameters by least squares; report "
-                                                  "in-table, leave-one-out and held-out "
-                                                  "error."),
+                                                  "parameters (least absolute relative "
+                                                  "error); report in-table, leave-one-out "
+                                                  "and held-out error."),
     out: str | None = typer.Option(None, help="With --fit: write the fitted values here "
                                               "(TOML)."),
     params: str | None = typer.Option(None, help="Fitted parameters to use (default: the "

@@ -53,9 +53,10 @@ def tp_s(plan: ParallelPlan, act_bytes: float, hw: Hardware, nvlink_eff: float,
 
 
 def pp_send_s(plan: ParallelPlan, act_bytes: float, hw: Hardware, nvlink_eff: float,
-              net_eff: float, kernel_s: float) -> float:
+              net_eff: float, kernel_s: float, split: bool = True) -> float:
     """One activation (or gradient) send between neighbouring stages: latency, a launch
-    and 1/tp of the activations (scatter/gather, Narayanan et al. 2021)."""
+    and 1/tp of the activations when the engine splits them over the tensor-parallel
+    ranks (scatter/gather, Narayanan et al. 2021), else all of them from every rank."""
     if plan.pp == 1:
         return 0.0
     stride = strides(plan)["pp"]
@@ -63,7 +64,7 @@ def pp_send_s(plan: ParallelPlan, act_bytes: float, hw: Hardware, nvlink_eff: fl
         a, bw = hw.intra_alpha, hw.intra_bw * nvlink_eff
     else:
         a, bw = hw.inter_alpha, hw.inter_bw * net_eff
-    return a + kernel_s + act_bytes / plan.tp / bw
+    return a + kernel_s + act_bytes / (plan.tp if split else 1) / bw
 
 
 def cp_s(m: ModelShape, plan: ParallelPlan, seq_len: int, micro_batch: int, hw: Hardware,

@@ -153,10 +153,30 @@ class ModelShape(ModelConfig):
             dqk = dv = self.head_dim
         return 6.0 * self.n_layers * self.n_heads * (dqk + dv) * seq_len
 
-    def flops_per_token(self, seq_len: int | None = None) -> float:
-        """Model FLOPs per token, forward + backward: 6 N_active + 12 L H Q T."""
+    def lookup_params(self) -> int:
+        """Tables a token only reads a row of (no matmul): the input embedding when it is
+        not also the output layer, and learned position embeddings."""
+        d = self.d_model
+        return ((0 if self.tie_embeddings else self.vocab_size * d)
+                + (self.context * d if self.learned_positions else 0))
+
+    def flops_per_token(self, seq_len: int | None = None, count: str = "6N") -> float:
+        """Model FLOPs per token, forward + backward, as one of :data:`FLOP_COUNTS` counts
+        them: ``6N`` (ours, docs/design.md: 6 N_active + 12 L H Q T), ``matmul`` (the
+        input-embedding lookup is no matmul: 6 (N_active - lookup tables) + 12 L H Q T, as
+        Megatron-LM, NeMo, MaxText, torchtitan and llm-foundry's benchmark table report)
+        or ``causal`` (``matmul`` with the attention halved for the causal mask, for a
+        source that counts only the scores a causal kernel computes)."""
         t = self.context if seq_len is None else seq_len
-        return 6.0 * self.active_params() + self.attention_flops_per_token(t)
+        if count not in FLOP_COUNTS:
+            raise ValueError(f"FLOP count {count!r} is unknown; use one of "
+                             f"{', '.join(FLOP_COUNTS)}")
+        params = self.active_params() - (0 if count == "6N" else self.lookup_params())
+        attention = self.attention_flops_per_token(t) * (0.5 if count == "causal" else 1.0)
+        return 6.0 * params + attention
+
+
+FLOP_COUNTS = ("6N", "matmul", "causal")
 
 
 _FIELDS = {f.name for f in dataclasses.fields(ModelShape)}

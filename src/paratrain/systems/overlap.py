@@ -79,13 +79,16 @@ class Engine:
     attention: str = "flash"  # the attention kernel it runs by default
     fusion: float = 1.0  # element-wise HBM traffic over the fully fused count
     selective: float = 0.0  # share of the forward's GEMMs "selective" recompute reruns
+    flops_count: str = "matmul"  # how its reports count model FLOPs (models.FLOP_COUNTS)
+    p2p_split: bool = True  # pipeline sends split over the TP ranks (scatter/gather)
 
 
 ENGINES = {
     "megatron": Engine("megatron", 0.0, 0.0, 1.0, 1.0, 0.0, "bucket", "flash"),
     "nemo": Engine("nemo", 0.8, 1.0, 1.0, 1.0, 0.5, "bucket", "flash3"),
     "megascale": Engine("megascale", 0.8, 1.0, 1.0, 1.0, 0.5, "bucket", "flash"),
-    "deepspeed": Engine("deepspeed", 0.0, 0.0, 1.0, 0.5, 0.0, "param", "eager", 1.5),
+    "deepspeed": Engine("deepspeed", 0.0, 0.0, 1.0, 0.5, 0.0, "param", "eager", 1.5,
+                        p2p_split=False),
     "fsdp": Engine("fsdp", 0.0, 0.0, 1.0, 1.0, 0.0, "unit", "flash", 2.0),
     "torchtitan": Engine("torchtitan", 0.5, 0.5, 1.0, 1.0, 0.5, "unit", "flash", 3.0, 0.5),
     "xla": Engine("xla", 0.5, 0.5, 1.0, 1.0, 0.5, "unit", "flash"),

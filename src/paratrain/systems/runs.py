@@ -27,7 +27,7 @@ from paratrain.plan import ParallelPlan
 from paratrain.systems.catalogue import DATA_DIR
 from paratrain.systems.hardware import Hardware, load_hardware
 from paratrain.systems.layout import split_batch
-from paratrain.systems.models import ModelShape, load_model
+from paratrain.systems.models import FLOP_COUNTS, ModelShape, load_model
 
 DEFAULT_RUNS = DATA_DIR / "calibration.csv"
 SPLITS = ("fit", "heldout")
@@ -65,6 +65,8 @@ class Case:
     step_time_s: float | None = None  # as published, when published
     tokens_per_s: float | None = None  # per accelerator, as published or derived
     shard_group: int | None = None  # ZeRO/FSDP group when smaller than DP (hybrid sharding)
+    # how the source counts model FLOPs (models.FLOP_COUNTS); empty = its engine's way
+    flops_count: str = ""
 
 
 @dataclass(frozen=True)
@@ -149,11 +151,15 @@ def _zero(text: str) -> int:
 
 
 def _recompute(text: str) -> str:
+    """none, selective or full from a row's words. A selective recomputation whose module
+    list reruns the MLP or the MoE layer (Megatron-Core's ``--recompute-modules mlp moe``)
+    reruns most of the block's GEMMs and its all-to-alls, so it is priced as full."""
     t = text.lower().strip()
     if not t or t.startswith("none") or t.startswith("no "):
         return "none"
     if "selective" in t:
-        return "selective"
+        mods = t.split("modules", 1)[1] if "modules" in t else ""
+        return "full" if re.search(r"\b(mlp|moe)\b", mods) else "selective"
     if any(k in t for k in ("full", "checkpoint", "rematerial", "recomput")):
         return "full"
     return "none"
@@ -288,7 +294,7 @@ def row_to_case(row: dict) -> Case:
         raise Skip(f"layout invalid: {e}") from None
     if pp > L:
         raise Skip(f"PP {pp} exceeds layers {L}")
-    metric, kind, rep = _reported(row, model, seq)
+    metric, kind, rep, count = _reported(row, model, seq)
     split = (row.get("split") or "fit").strip() or "fit"
     if split not in SPLITS:
         raise Skip(f"split {split!r} is unknown; use one of {', '.join(SPLITS)}")
@@ -297,17 +303,24 @@ def row_to_case(row: dict) -> Case:
                 precision=(row.get("precision") or "").strip(),
                 step_time_s=_num(row, "step_time_s"),
                 tokens_per_s=_num(row, "tokens_per_s_per_accel"),
-                shard_group=_num(row, "shard_group", int))
+                shard_group=_num(row, "shard_group", int), flops_count=count)
 
 
-def _reported(row: dict, model: ModelShape, seq: int) -> tuple[str, str, float]:
-    """(metric, tflops kind, reported value) of a row; see the module docstring."""
+def _reported(row: dict, model: ModelShape, seq: int) -> tuple[str, str, float, str]:
+    """(metric, tflops kind, reported value, FLOP count) of a row; see the module
+    docstring. The FLOP count is the row's ``flops_count`` (empty: its engine's), and ours
+    (``6N``) for a ``tokens`` row, whose TFLOP/s we compute."""
     mfu, hfu = _num(row, "mfu_pct"), _num(row, "hfu_pct")
     tfl, tps = _num(row, "tflops_per_accel_reported"), _num(row, "tokens_per_s_per_accel")
     kind = "hardware" if "hardware" in (row.get("tflops_kind") or "").lower() else "model"
-    found = {"mfu": mfu and ("mfu", kind, mfu / 100), "hfu": hfu and ("hfu", kind, hfu / 100),
-             "tflops": tfl and ("tflops", kind, tfl),
-             "tokens": tps and ("tflops", "model", tps * model.flops_per_token(seq) / 1e12)}
+    count = (row.get("flops_count") or "").strip()
+    if count and count not in FLOP_COUNTS:
+        raise Skip(f"flops_count {count!r} is unknown; use one of {', '.join(FLOP_COUNTS)}")
+    found = {"mfu": mfu and ("mfu", kind, mfu / 100, count),
+             "hfu": hfu and ("hfu", kind, hfu / 100, count),
+             "tflops": tfl and ("tflops", kind, tfl, count),
+             "tokens": tps and ("tflops", "model", tps * model.flops_per_token(seq) / 1e12,
+                                "6N")}
     want = (row.get("metric") or "").strip().lower()
     if want:
         if want not in found:

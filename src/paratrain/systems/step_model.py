@@ -199,8 +199,10 @@ def _dp_sync(plan: ParallelPlan, payloads, hw: Hardware, sp: StepParams, eng: En
             if d == 1:
                 continue
         a, bw = ct.group_bw(plan, "dp", d, hw, sp.nvlink_eff, sp.net_eff)
-        if plan.zero == 3 and plan.pp == 1:
-            # gather block by block, each under the previous block's compute
+        if plan.zero == 3:
+            # gather block by block, each under the previous block's compute, for every
+            # micro-batch: the weights stay sharded between them (as the memory model
+            # counts them), pipeline stages included
             n_coll = COLLECTIVES_PER_BLOCK[eng.gather]
             if eng.gather == "param" and a == hw.inter_alpha:
                 # small per-submodule gathers run on one or two NCCL channels: one NIC's
@@ -221,7 +223,7 @@ def _dp_sync(plan: ParallelPlan, payloads, hw: Hardware, sp: StepParams, eng: En
                 continue
         rs = ct.ring_s("reduce_scatter", d, payload, a, bw)
         ag = ct.ring_s("all_gather", d, payload, a, bw)
-        if plan.zero == 2 and plan.pp == 1:
+        if plan.zero == 2:  # gradients stay sharded: one reduce-scatter per micro-batch
             total += m * rs + ag
             exposed += m * max(0.0, rs - eng.dp * stage_b) + max(0.0, ag - eng.dp * stage_f)
         else:  # distributed optimizer: reduce-scatter under backward, gather under forward
@@ -289,7 +291,8 @@ def predict_step(model, plan: ParallelPlan, hw: Hardware, tokens_per_step: int,
     compute_like = mb * stage_mb
     bubble = compute_like * bubble_over_compute(plan.schedule, plan.pp, mb,
                                                 plan.virtual_stages)
-    send = ct.pp_send_s(plan, act, hw, sp.nvlink_eff, sp.net_eff, sp.kernel_s)
+    send = ct.pp_send_s(plan, act, hw, sp.nvlink_eff, sp.net_eff, sp.kernel_s,
+                        eng.p2p_split)
     comm["pp"] = 2 * mb * plan.virtual_stages * send
     exposed["pp"] = comm["pp"] * (1 - eng.pp)
 

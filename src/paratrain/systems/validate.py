@@ -2,7 +2,7 @@
 
 The work is split by responsibility: :mod:`paratrain.systems.runs` reads the runs table
 (``data/calibration.csv``) into priceable cases, :mod:`paratrain.systems.fitting` holds
-the predictions, the error summary and the least-squares fit; this module is the
+the predictions, the error summary and the absolute-error fit; this module is the
 command's body (:func:`run_validate`) and its table (:func:`render_validate`).
 
 Models: the step model with the shipped fitted parameters (default), the same model at
