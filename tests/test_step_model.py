@@ -189,6 +189,9 @@ def test_validate_explain_prints_one_rows_breakdown(capsys):
         assert part in out, part
     assert main(["validate", "--explain", "no_such_row"]) == 2
     assert "no_such_row" in capsys.readouterr().err
+    # an untied model's MFU is predicted in the source's count, and the line says so
+    assert main(["validate", "--explain", "llama3_405b_8192_seq8192"]) == 0
+    assert "in the source's FLOP count (matmul" in capsys.readouterr().out
 
 
 def test_deepspeed_pipeline_sends_whole_activations_from_every_tp_rank():

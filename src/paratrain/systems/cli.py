@@ -280,7 +280,7 @@ def validate(
 
 def _explain_row(runs, params, unfitted, row_id, json_out) -> None:
     from paratrain.systems.explain import explain_lines
-    from paratrain.systems.fitting import _figure, breakdown
+    from paratrain.systems.fitting import _figure, breakdown, case_engine
     from paratrain.systems.runs import Skip, read_runs, row_to_case
     from paratrain.systems.validate import UNFITTED, load_params
 
@@ -299,6 +299,10 @@ def _explain_row(runs, params, unfitted, row_id, json_out) -> None:
         (lambda x: f"{100 * x:.1f}%")
     rep = f"{case.metric} {unit(case.reported)}, predicted {unit(pred)} " \
           f"({100 * (pred / case.reported - 1):+.1f}%)"
+    count = case.flops_count or case_engine(case).flops_count
+    if case.model.flops_per_token(case.seq_len, count) != \
+            case.model.flops_per_token(case.seq_len):
+        rep += f", in the source's FLOP count ({count}, docs/systems-model.md)"
     lines = [f"{row_id}: {case.model.name} on {case.plan.world_size} x {case.hw.name}, "
              f"dp {case.plan.dp} tp {case.plan.tp} pp {case.plan.pp} cp {case.plan.cp} "
              f"ep {case.plan.ep}, ZeRO-{case.plan.zero}, {case.plan.micro_batches} "
