@@ -152,8 +152,8 @@ def _zero(text: str) -> int:
 
 def _recompute(text: str) -> str:
     """none, selective or full from a row's words. A selective recomputation whose module
-    list reruns the MLP or the MoE layer (Megatron-Core's ``--recompute-modules mlp moe``)
-    reruns most of the block's GEMMs and its all-to-alls, so it is priced as full."""
+    list names the MLP or the MoE layer (Megatron-Core's recompute modules ``mlp``,
+    ``moe``) reruns most of the block's GEMMs and its all-to-alls: priced as full."""
     t = text.lower().strip()
     if not t or t.startswith("none") or t.startswith("no "):
         return "none"
