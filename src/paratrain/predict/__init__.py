@@ -40,7 +40,8 @@ s with per-micro-batch
 time t_s run m micro-batches in ``sum_s t_s + (m - 1) max_s t_s`` (fill + steady state;
 for equal stages this is docs/design.md's bubble (p-1)/(m+p-1)); TP collectives sit inside
 every block (exposed), so do the CP exchanges (each rank computes T/cp tokens; the ring
-hides its hops under the block attention) and the MoE all-to-alls (exposed); the pipeline's point-to-point sends cost alpha + bytes/bw each;
+hides its hops under the block attention) and the MoE all-to-alls (exposed); the
+pipeline's point-to-point sends cost alpha + bytes/bw each;
 the data-parallel sync is exposed except for buckets that finish while backward still
 runs (a model that fits one bucket hides nothing). And the session's CPU work per step
 (every rank's compute, fixed costs and loopback copies) over the cores it gets: when
