@@ -110,6 +110,16 @@ def summary_row(rep: dict | None) -> tuple[str, str]:
                                 f"measured; breakdown above)")
 
 
+def _axes_s(p: dict) -> str:
+    """The CP exchange (exposed of total) and the MoE all-to-alls, where the run has them."""
+    out = ""
+    if p.get("cp_comm_s"):
+        out += f", CP {p['cp_exposed_s']:.4f} exposed of {p['cp_comm_s']:.4f}"
+    if p.get("ep_comm_s"):
+        out += f", EP {p['ep_comm_s']:.4f}"
+    return out
+
+
 def format_prediction(rep: dict | None) -> str:
     """A few lines for the end of a run: predicted beside measured."""
     if rep is None:
@@ -130,8 +140,7 @@ def format_prediction(rep: dict | None) -> str:
         f"{p['session_work_s'] / p['session_cores']:.4f} s; rank 0 CPU {p['cpu_rank0_s']:.4f} s",
         f"  compute s   predicted {c['compute_s']['predicted']:.4f} (FLOPs "
         f"{p['compute_s']:.4f}, fixed {p['overhead_s']:.4f}, bubble {p['bubble_s']:.4f}, "
-        f"TP {p['tp_comm_s']:.4f}, PP {p['pp_comm_s']:.4f}, CP exposed "
-        f"{p['cp_exposed_s']:.4f} of {p['cp_comm_s']:.4f}, EP {p['ep_comm_s']:.4f})  measured "
+        f"TP {p['tp_comm_s']:.4f}, PP {p['pp_comm_s']:.4f}{_axes_s(p)})  measured "
         f"{c['compute_s']['measured']:.4f}",
         f"  comm s      predicted {c['comm_s']['predicted']:.4f} (DP sync "
         f"{p['dp_comm_s']:.4f})  measured {c['comm_s']['measured']:.4f}",
