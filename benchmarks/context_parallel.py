@@ -26,7 +26,7 @@ beside ``paratrain.layout.cp_wire_bytes``. The summary prints medians over round
 the ratios to cp1 (each round's runs paired).
 
 Predicted beside measured: before each run the parent prices it with
-:func:`paratrain.predict.parallel.predict_cp` on this machine's profile (``paratrain bench
+:func:`paratrain.predict.predict` on this machine's profile (``paratrain bench
 calibrate``; the CPU fit of ``paratrain check-model``), with the other sessions' load
 sampled just then: step time, exposed CP communication, rank 0's activation peak and the
 bytes it sends; the summary prints measured | predicted | measured / predicted. Without a
@@ -48,8 +48,7 @@ from _common import alternate
 from paratrain.config import ModelConfig, TrainConfig
 from paratrain.distributed import spawn
 from paratrain.plan import ParallelPlan
-from paratrain.predict import CALIBRATE_HINT, load_machine, sample_other_sessions
-from paratrain.predict.parallel import predict_cp
+from paratrain.predict import CALIBRATE_HINT, load_machine, predict, sample_other_sessions
 
 IMPLS = {"cp1": (1, "ring"), "cp2-ring": (2, "ring"), "cp4-ring": (4, "ring"),
          "cp2-all-to-all": (2, "all-to-all"), "cp4-all-to-all": (4, "all-to-all")}
@@ -129,12 +128,12 @@ def main(argv: list[str] | None = None) -> None:
         pred = None
         if machine is not None:
             tcfg, plan = _run_config(world, algo, args.steps)
-            pred = predict_cp(mcfg, tcfg, plan, world, machine.replace(
+            pred = predict(mcfg, tcfg, plan, world, machine.replace(
                 others=sample_other_sessions(samples=5))).to_dict()
         r = spawn(_worker, world, mcfg, algo, args.steps, timeout_s=1800)[0]
         r.update(impl=impl, round=rnd, pred=pred)
         records.append(r)
-        p = (f"; predicted step {pred['step_s']:.3f} s, exposed {pred['exposed_s']:.3f} s "
+        p = (f"; predicted step {pred['step_s']:.3f} s, exposed {pred['cp_exposed_s']:.3f} s "
              f"({pred['share']:.2f} core per rank)") if pred else ""
         print(f"round {rnd} {impl:>15}: step {r['step_s']:.3f} s, exposed comm "
               f"{r['exposed_s']:.3f} s, activations {r['act'] / 1e6:.2f} MB "
@@ -175,9 +174,9 @@ def _summary(records: list[dict], impls: list[str], mcfg: ModelConfig) -> None:
           f"{'x cp1':>5} | {'sent MB':>7} {'pred':>7} {'m/p':>5}")
     for impl in impls:
         print(f"{impl:>15} | {mp(impl, 'step_s', 'step_s')} {ratio(impl, 'step_s'):5.2f} | "
-              f"{mp(impl, 'exposed_s', 'exposed_s')} | "
+              f"{mp(impl, 'exposed_s', 'cp_exposed_s')} | "
               f"{mp(impl, 'act', 'activations_bytes', 1e6)} {ratio(impl, 'act'):5.3f} | "
-              f"{mp(impl, 'bytes', 'wire_bytes', 1e6)}")
+              f"{mp(impl, 'bytes', 'cp_wire_bytes', 1e6)}")
     preds = [r["pred"] for r in records if r["pred"]]
     notes = sorted({n.split(":")[0] for p in preds for n in p["notes"]})
     if notes:

@@ -32,7 +32,7 @@ implementations called alternately in the same processes (ours, torch, ours, tor
    all-to-alls (forward and backward; the split-size exchange is not timed; mean over
    every step, the first included), rank 0's model states + activation peak (the
    runtime's meters) and peak RSS. Beside each, the systems model's prediction for this
-   machine, :func:`paratrain.predict.parallel.predict_ep`, priced before the run with the
+   machine, :func:`paratrain.predict.predict`, priced before the run with the
    other sessions' load sampled then; the ratio measured / predicted. Without a machine
    profile (``paratrain bench calibrate``) one line says so and only the measurements
    print (calibrating in-process would take minutes and load the cores being timed).
@@ -56,8 +56,7 @@ from _common import peak_rss_mb
 from paratrain.config import ModelConfig, TrainConfig
 from paratrain.distributed import spawn
 from paratrain.plan import ParallelPlan
-from paratrain.predict import CALIBRATE_HINT, load_machine, sample_other_sessions
-from paratrain.predict.parallel import predict_ep
+from paratrain.predict import CALIBRATE_HINT, load_machine, predict, sample_other_sessions
 
 
 def _alternating(calls: dict, reps: int) -> dict[str, list[float]]:
@@ -231,7 +230,7 @@ def _moe_steps(a, machine) -> dict:
         pred = None
         if machine is not None:
             tcfg, plan = _step_config(ep, a.step_seqs, a.steps)
-            pred = predict_ep(cfg, tcfg, plan, ep, machine.replace(
+            pred = predict(cfg, tcfg, plan, ep, machine.replace(
                 others=sample_other_sessions(samples=5))).to_dict()
         res = spawn(_step_worker, ep, cfg, a.step_seqs, a.steps, timeout_s=a.timeout)
         r = res[0] | {"pred": pred, "rss_mb": max(x["rss_mb"] for x in res)}
@@ -246,7 +245,7 @@ def _moe_steps(a, machine) -> dict:
             return f"{m / scale:7.3f} {p / scale:7.3f} {q}"
 
         print(f"{ep:>3} | {col(r['step_s'], 'step_s', 1)} | "
-              f"{col(r['a2a_bytes'], 'wire_bytes', 1e6)} | {col(r['a2a_s'], 'comm_s', 1)} | "
+              f"{col(r['a2a_bytes'], 'ep_wire_bytes', 1e6)} | {col(r['a2a_s'], 'ep_comm_s', 1)} | "
               f"{col(r['peak'], 'peak_bytes', 1e6)} | {r['rss_mb']:6.0f}", flush=True)
     notes = sorted({n.split(":")[0].split(";")[0] for r in out.values() if r["pred"]
                     for n in r["pred"]["notes"]})

@@ -195,11 +195,21 @@ GRID4_BF16 = {
 }
 
 
+# context and expert parallelism composed with tp (and sp) or pp: CP bytes and, from the
+# run's own routing, EP bytes predicted == measured
+MOE4 = MODEL4.replace(experts=4, top_k=2)
+AXES4 = {
+    "tp2 x cp2 sp": (MODEL4, ParallelPlan(tp=2, cp=2, sp=True)),
+    "pp2 x cp2 m2": (MODEL4, ParallelPlan(pp=2, cp=2, micro_batches=2)),
+    "dp2 x ep2 x tp2": (MOE4, ParallelPlan(dp=2, ep=2, tp=2, bucket_mb=0.01)),
+}
+
+
 def _worker4(rank: int, world: int, data: str, profile: str) -> list:
     t = TrainConfig(steps=2, global_batch=8, lr=1e-3, warmup_steps=1, eval_every=0,
                     eval_batches=1, data=data)
     out = []
-    cases = {**{k: (m, p, t) for k, (m, p) in GRID4.items()},
+    cases = {**{k: (m, p, t) for k, (m, p) in {**GRID4, **AXES4}.items()},
              **{k: (m, p, dataclasses.replace(t, dtype="bfloat16", reduce_dtype=rd))
                 for k, (m, p, rd) in GRID4_BF16.items()}}
     for name, (mcfg, plan, tc) in cases.items():
@@ -218,7 +228,7 @@ def test_mesh_layouts_predicted_equal_measured_on_every_rank(runs4):
     and each rank's own dp wire bytes per step, exactly: per-chunk buckets and units, the
     pipeline's once-per-step ZeRO-2/3 sync, tensor shards with replicated norms."""
     for rank, out in enumerate(runs4):
-        assert [n for n, _, _ in out] == list(GRID4) + list(GRID4_BF16)
+        assert [n for n, _, _ in out] == list(GRID4) + list(AXES4) + list(GRID4_BF16)
         for name, rep, wire in out:
             c = rep["vs_measured"]
             st = c["states_bytes"]
@@ -227,5 +237,25 @@ def test_mesh_layouts_predicted_equal_measured_on_every_rank(runs4):
             assert st["exact"]
             assert c["dp_wire_bytes"]["exact"], name  # rank 0's
             assert rep["predicted"]["dp_wire_bytes_per_rank"][rank] == wire, f"{name} {rank}"
-            plan = (GRID4.get(name) or GRID4_BF16[name])[1]
-            assert (wire > 0) == (plan.dp > 1), name
+            plan = (GRID4.get(name) or AXES4.get(name) or GRID4_BF16[name])[1]
+            assert (wire > 0) == (plan.dp * plan.cp > 1), name  # the reducer spans dp x cp
+
+
+def test_cp_and_ep_bytes_predicted_equal_measured_in_composed_layouts(runs4):
+    """CP: rank 0's bytes per step for attention (ring; under tp with sp, under pp for
+    its stage's blocks) == paratrain.layout.cp_wire_bytes in the prediction. EP under tp:
+    the step's all-to-all bytes == the count from the step's own routing, near the
+    uniform-routing expectation the prediction prices. TP bytes on T/cp tokens exact."""
+    got = {name: rep for name, rep, _ in runs4[0]}
+    for name in ("tp2 x cp2 sp", "pp2 x cp2 m2"):
+        c, p = got[name]["vs_measured"], got[name]["predicted"]
+        assert c["cp_wire_bytes"]["exact"] and c["cp_wire_bytes"]["measured"] > 0, name
+        assert p["cp_comm_s"] >= p["cp_exposed_s"] > 0, name
+        assert "wire MB/rank CP" in format_prediction(got[name]), name
+    assert got["tp2 x cp2 sp"]["vs_measured"]["tp_wire_bytes"]["exact"]
+    ep = got["dp2 x ep2 x tp2"]["vs_measured"]
+    assert ep["ep_wire_bytes"]["exact"] and ep["ep_wire_bytes"]["measured"] > 0
+    assert ep["ep_wire_bytes"]["given_routing"] == pytest.approx(
+        ep["ep_wire_bytes"]["predicted"], rel=0.5)
+    assert ep["tp_wire_bytes"]["exact"]  # MoE blocks: attention's collectives only
+    assert "from its routing" in format_prediction(got["dp2 x ep2 x tp2"])

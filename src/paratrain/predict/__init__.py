@@ -8,8 +8,8 @@ Everything it says is in the open, in :attr:`Prediction.notes`.
 Modules: :mod:`.machine` (the profile, the CPU fit on disk, the cores' water-filling
 between sessions), :mod:`.model` (:class:`Prediction`, :func:`predict`,
 :func:`fit_from_runs`), :mod:`.report` (:func:`compare`, :func:`summary_prediction`,
-:func:`format_prediction`, :func:`summary_row`), :mod:`.parallel` (:func:`predict_cp`,
-:func:`predict_ep`: a context-parallel or MoE/expert-parallel step, for the benchmarks).
+:func:`format_prediction`, :func:`summary_row`), :mod:`.axes` (the context- and
+expert-parallel terms :func:`predict` adds per stage; docs/train-prediction.md).
 
 What is special here, and how it is priced:
 
@@ -39,7 +39,9 @@ Step time is the larger of two bounds. The critical path on free cores: pipeline
 s with per-micro-batch
 time t_s run m micro-batches in ``sum_s t_s + (m - 1) max_s t_s`` (fill + steady state;
 for equal stages this is docs/design.md's bubble (p-1)/(m+p-1)); TP collectives sit inside
-every block (exposed); the pipeline's point-to-point sends cost alpha + bytes/bw each;
+every block (exposed), so do the CP exchanges (each rank computes T/cp tokens; the ring
+hides its hops under the block attention) and the MoE all-to-alls (exposed); the
+pipeline's point-to-point sends cost alpha + bytes/bw each;
 the data-parallel sync is exposed except for buckets that finish while backward still
 runs (a model that fits one bucket hides nothing). And the session's CPU work per step
 (every rank's compute, fixed costs and loopback copies) over the cores it gets: when
@@ -72,7 +74,6 @@ from paratrain.predict.machine import (
     waterfill,
 )
 from paratrain.predict.model import Prediction, _flops_block, fit_from_runs, predict
-from paratrain.predict.parallel import AxisPrediction, predict_cp, predict_ep
 from paratrain.predict.report import (
     CALIBRATE_HINT,
     compare,
@@ -81,11 +82,11 @@ from paratrain.predict.report import (
     summary_row,
 )
 
-__all__ = ["AxisPrediction", "CALIBRATE_HINT", "DEFAULT_PROFILE", "ELEMENT_BYTES", "FIT_NAME",
+__all__ = ["CALIBRATE_HINT", "DEFAULT_PROFILE", "ELEMENT_BYTES", "FIT_NAME",
            "MachineModel",
            "Prediction", "RankLayout", "_flops_block", "compare", "coords",
            "dp_payload_bytes", "fit_from_runs", "fit_path", "format_prediction",
-           "load_machine", "predict", "predict_cp", "predict_ep", "rank_layout", "rank_state_bytes",
+           "load_machine", "predict", "rank_layout", "rank_state_bytes",
            "sample_other_sessions", "save_fit", "summary_prediction", "summary_row",
            "waterfill"]
 

@@ -1,6 +1,6 @@
 """One step of one run on this machine, priced (:func:`predict`), and the CPU fit that
 calibrates it from single-process runs (:func:`fit_from_runs`). Every byte count comes
-from :mod:`paratrain.layout`."""
+from :mod:`paratrain.layout` (CP, EP terms: :mod:`paratrain.predict.axes`)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,22 @@ from paratrain import layout as L
 from paratrain.config import ModelConfig, TrainConfig
 from paratrain.layout import ELEMENT_BYTES, RankLayout
 from paratrain.plan import ParallelPlan
+from paratrain.predict.axes import (
+    cp_block_s,
+    cp_calls,
+    ep_block_s,
+    ep_calls,
+    ep_rows_uniform,
+    ep_wire_bytes,
+    moe_blocks,
+    moe_extra_flops,
+    one_host,
+)
 from paratrain.predict.machine import MachineModel
 from paratrain.systems import collectives as coll
 from paratrain.systems.hardware import Hardware
+from paratrain.systems.layer_cost import expert_imbalance
+from paratrain.systems.tp_bytes import tp_forward_backward
 
 
 @dataclass(frozen=True)
@@ -35,6 +48,11 @@ class Prediction:
     dp_wire_bytes: float  # rank 0, per step
     tp_wire_bytes: float  # rank 0, blocks' collectives per step
     pp_wire_bytes: float  # rank 0, point-to-point sends per step
+    cp_comm_s: float = 0.0  # the CP exchange along the critical path, total
+    cp_exposed_s: float = 0.0  # of which not hidden under the block attention
+    ep_comm_s: float = 0.0  # MoE all-to-alls along the critical path (all exposed)
+    cp_wire_bytes: float = 0.0  # rank 0, per step (paratrain.layout.cp_wire_bytes)
+    ep_wire_bytes: float = 0.0  # rank 0, per step, expected under uniform routing
     states_bytes_per_rank: list[dict] = field(default_factory=list)
     dp_wire_bytes_per_rank: list[float] = field(default_factory=list)  # per step
     systems_states_bytes: float = 0.0  # the systems model's busiest-rank formula
@@ -49,12 +67,20 @@ class Prediction:
 
     @property
     def wire_bytes(self) -> float:
-        return self.dp_wire_bytes + self.tp_wire_bytes + self.pp_wire_bytes
+        return (self.dp_wire_bytes + self.tp_wire_bytes + self.pp_wire_bytes
+                + self.cp_wire_bytes + self.ep_wire_bytes)
+
+    @property
+    def peak_bytes(self) -> float:
+        """Rank 0's model states plus the busiest rank's activations."""
+        states = self.states_bytes_per_rank[0] if self.states_bytes_per_rank else {}
+        return sum(states.values()) + self.activations_bytes
 
     def to_dict(self) -> dict:
         d = asdict(self)
         d["comm_s"] = self.comm_s
         d["wire_bytes"] = self.wire_bytes
+        d["peak_bytes"] = self.peak_bytes
         return d
 
 
@@ -62,7 +88,8 @@ def _flops_block(mcfg: ModelConfig, tokens: float, tp: int, recompute: str = "no
                  ) -> float:
     """Forward + backward FLOPs of one block on ``tokens`` tokens, one tensor shard:
     6 x matmul params + attention scores and values 12 H Q T (PaLM, appendix B); full
-    recomputation adds a forward (1/3), selective the attention's forward."""
+    recomputation adds a forward (1/3), selective the attention's forward. Each token
+    attends to the whole context T, so under cp a rank's T/cp tokens cost T/cp of it."""
     d, hd = mcfg.d_model, mcfg.head_dim
     mat = (2 * mcfg.n_heads * hd * d + 2 * mcfg.kv_heads * hd * d + 3 * mcfg.d_ff * d) / tp
     attn = 12.0 * mcfg.n_heads * hd * mcfg.context / tp
@@ -76,32 +103,40 @@ def _flops_block(mcfg: ModelConfig, tokens: float, tp: int, recompute: str = "no
 
 def _stage_mb_time(mcfg: ModelConfig, plan: ParallelPlan, lay: RankLayout, tokens_mb: float,
                    rate: float, pass_s: float) -> tuple[float, float]:
-    """(FLOP seconds, fixed seconds) of one micro-batch's forward + backward on a rank."""
+    """(FLOP seconds, fixed seconds) of one micro-batch's forward + backward on a rank
+    (``tokens_mb``: the rank's tokens, T/cp of each sequence); MoE blocks add their
+    experts (:func:`paratrain.predict.axes.moe_extra_flops`)."""
     f = lay.blocks * _flops_block(mcfg, tokens_mb, plan.tp, plan.recompute)
+    f += moe_blocks(mcfg, lay) * moe_extra_flops(mcfg, plan, tokens_mb)
     if lay.last:
         f += tokens_mb * 6.0 * mcfg.d_model * mcfg.vocab_size / plan.tp  # the head
     passes = lay.blocks + (1 if (lay.first or lay.last) else 0)
     return f / rate, passes * pass_s
 
 
+def _tp_block_calls(mcfg: ModelConfig, plan: ParallelPlan, lay: RankLayout, act: float
+                    ) -> tuple[float, int]:
+    """(bytes, all-reduce-sized calls) of the blocks' TP collectives per micro-batch:
+    :func:`paratrain.systems.tp_bytes.tp_forward_backward` per dense block (the same
+    steps and bytes under SP's all-gather + reduce-scatter); an MoE block has one
+    forward and one backward fewer (its MLP is whole on every tp rank: no entry, no exit)."""
+    n_fwd, n_bwd = tp_forward_backward(plan.recompute)
+    moe = moe_blocks(mcfg, lay)
+    return act, (n_fwd + n_bwd) * lay.blocks - 2 * moe
+
+
 def _tp_calls(mcfg: ModelConfig, plan: ParallelPlan, lay: RankLayout, act: float,
-              seqs_mb: float, act_fwd: float | None = None) -> list[tuple[str, float, int]]:
-    """TP collectives per step: 4 per block (2 forward exits of ``act_fwd`` bytes: bf16
-    under autocast; 2 backward entries of ``act``), 1 at the embedding, 1 + 3 small at
-    the head, per micro-batch (all-gather + reduce-scatter under SP: the same steps and
-    bytes)."""
+              seqs_mb: float) -> list[tuple[str, float, int]]:
+    """TP collectives per step: the blocks' (:func:`_tp_block_calls`), 1 at the
+    embedding, 1 + 3 small at the head, per micro-batch."""
     if plan.tp == 1:
         return []
     m = plan.micro_batches
-    act_fwd = act if act_fwd is None else act_fwd
-    # Full recompute reruns a block's forward in backward, but torch's non-reentrant
-    # checkpoint stops once the last saved tensor is rebuilt: the attention output's
-    # all-reduce is repeated, the MLP output's (nothing after it is saved) is not.
-    fwd = (3 if plan.recompute == "full" else 2) * lay.blocks
-    out = [("all_reduce", act_fwd, m * fwd),
-           ("all_reduce", act, m * (2 * lay.blocks + int(lay.first) + int(lay.last)))]
+    n, k = _tp_block_calls(mcfg, plan, lay, act)
+    out = [("all_reduce", n, m * k),
+           ("all_reduce", act, m * (int(lay.first) + int(lay.last)))]
     if lay.last:
-        out.append(("all_reduce", seqs_mb * mcfg.context * 4, 3 * m))
+        out.append(("all_reduce", seqs_mb * mcfg.context / plan.cp * 4, 3 * m))
     return out
 
 
@@ -116,11 +151,24 @@ def _pp_calls(plan: ParallelPlan, lay: RankLayout, act: float, v: int
     return [("p2p", hop, 2 * plan.micro_batches * v * ends)]
 
 
-def _comm_cpu(machine: MachineModel, plan: ParallelPlan, axis: str,
-              calls: list[tuple[str, float, int]]) -> float:
-    """CPU seconds a rank spends in ``calls``: ring steps x the measured CPU per step plus
-    the bytes it sends x the CPU per byte (or bytes / the transport's bandwidth)."""
-    p = plan.world_size if axis == "world" else getattr(plan, axis)
+def _dp_groups(mcfg: ModelConfig, plan: ParallelPlan, tcfg: TrainConfig, rank: int
+               ) -> list[tuple[int, list[tuple[str, float, int]]]]:
+    """(group size, calls) of each gradient reducer of ``rank``: one over dp x cp
+    (:func:`paratrain.layout.reducer_plan`), or with ep > 1 the dense one and the
+    experts' (:func:`paratrain.layout.reducers`)."""
+    parts = [(plan, rank, "all", None)] if plan.ep == 1 else L.reducers(plan, rank)
+    out = []
+    for q, r, part, e in parts:
+        p = L.reducer_plan(q).dp
+        if p > 1:
+            out.append((p, L.dp_calls(mcfg, q, tcfg.dtype, r, tcfg.reduce_dtype, part, e)))
+    return out
+
+
+def _comm_cpu(machine: MachineModel, p: int, calls: list[tuple[str, float, int]]) -> float:
+    """CPU seconds a rank spends in ``calls`` on a group of ``p``: ring steps x the
+    measured CPU per step plus the bytes it sends x the CPU per byte (or bytes / the
+    transport's bandwidth)."""
     per_byte = machine.coll_byte_cpu_s or 1.0 / machine.hw.intra_bw
     total = 0.0
     for op, n, k in calls:
@@ -134,10 +182,11 @@ def _comm_cpu(machine: MachineModel, plan: ParallelPlan, axis: str,
 
 def predict(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan, world: int,
             machine: MachineModel) -> Prediction:
-    """Price one step of ``plan`` on ``world`` one-thread ranks of this machine."""
+    """Price one step of ``plan`` (any composition of dp, pp, tp/sp, cp, ep) on ``world``
+    one-thread ranks of this machine."""
     if plan.world_size != world:
         raise ValueError(f"plan needs {plan.world_size} ranks but world={world}; match them")
-    hw = machine.hw
+    hw = one_host(machine.hw, world)
     notes: list[str] = []
     share = machine.share(world)
     rate = machine.eta * machine.thread_peak  # the critical path is priced on free cores
@@ -145,49 +194,60 @@ def predict(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan, world: int
     e = ELEMENT_BYTES[tcfg.dtype]
     m = plan.micro_batches
     seqs_mb = tcfg.global_batch / plan.dp / m
-    tokens_mb = seqs_mb * mcfg.context
+    tokens_mb = seqs_mb * mcfg.context / plan.cp  # the load-balanced split: equal work
+    batch = int(tcfg.global_batch // plan.dp)
     if share < 1:
         notes.append(f"{world} ranks on {machine.cores} cores beside "
                      f"{machine.other_sessions:.1f} other busy sessions "
                      f"({machine.other_threads:.1f} runnable threads): each rank gets "
                      f"{share:.2f} of a core")
-    if plan.cp > 1:
-        notes.append(f"cp={plan.cp} is not priced yet: the ring / all-to-all bytes and the "
-                     "T/cp tokens per rank are left out (issue 11; the runtime reports its "
-                     "measured bytes beside paratrain.layout.cp_wire_bytes)")
+    if plan.ep > 1:
+        notes.append("EP all-to-all bytes expected under uniform routing (the measured "
+                     "ones follow the router); the busiest rank's experts carry "
+                     f"x{expert_imbalance(tokens_mb * mcfg.top_k, plan.ep):.3f} the mean load")
     if not machine.fitted:
         notes.append("no CPU fit: eta from the profile, fixed costs 0 (run paratrain "
                      "check-model)")
 
-    # ---- per stage and micro-batch: FLOPs, fixed costs, TP collectives (in every block) --
+    # ---- per stage and micro-batch: FLOPs, fixed costs, TP, CP and EP exchanges ----------
     a, bw = hw.intra_alpha, hw.intra_bw
-    act = seqs_mb * mcfg.context * mcfg.d_model * e
-    act_fwd = act  # forward exits and backward entries both in the working dtype
-    stages = []  # (flop_s, fixed_s, tp_s) per micro-batch
-    for s in range(plan.pp):
-        lay = L.rank_layout(mcfg, plan, L.rank_of(s, 0, 0, plan))
+    act = tokens_mb * mcfg.d_model * e  # a micro-batch's activations on the rank
+    cp_blk, cp_exp_blk = cp_block_s(mcfg, plan, seqs_mb, tokens_mb, rate, hw, e)
+    ep_blk = ep_block_s(mcfg, plan, tokens_mb, hw, e)
+    stages, cp_tot = [], []  # (flop_s, fixed_s, tp_s, cp exposed s, ep_s) per micro-batch
+    lays = [L.rank_layout(mcfg, plan, L.rank_of(s, 0, 0, plan)) for s in range(plan.pp)]
+    for lay in lays:
         f, fx = _stage_mb_time(mcfg, plan, lay, tokens_mb, rate, pass_s)
         tp_t = sum(k * coll.time_s(op, "ring", plan.tp, n, a, bw)
-                   for op, n, k in _tp_calls(mcfg, plan, lay, act, seqs_mb, act_fwd)) / m
-        stages.append((f, fx, tp_t))
+                   for op, n, k in _tp_calls(mcfg, plan, lay, act, seqs_mb)) / m
+        stages.append((f, fx, tp_t, lay.blocks * cp_exp_blk, moe_blocks(mcfg, lay) * ep_blk))
+        cp_tot.append(lay.blocks * cp_blk)
     per_stage = [sum(x) for x in stages]
     v = plan.virtual_stages if plan.schedule == "interleaved" and plan.pp > 1 else 1
     slow = max(range(plan.pp), key=lambda i: per_stage[i])
     others = [i for i in range(plan.pp) if i != slow]
 
-    def path(j: int) -> float:
-        """Component j along the critical path: m x the slowest stage + the others' fill."""
-        return m * stages[slow][j] + sum(stages[i][j] for i in others) / v
+    def path(xs: list[float]) -> float:
+        """Along the critical path: m x the slowest stage's + the others' fill."""
+        return m * xs[slow] + sum(xs[i] for i in others) / v
 
-    flop_s, fixed_path, tp_s = path(0), path(1), path(2)
+    flop_s, fixed_path, tp_s, cp_exposed, ep_s = (path([st[j] for st in stages])
+                                                  for j in range(5))
+    cp_s = path(cp_tot)
     bubble_s = sum(per_stage[i] for i in others) / v
     overhead_s = fixed_path + fixed_s
-    lay0 = L.rank_layout(mcfg, plan, 0)
+    lay0 = lays[0]
     tp_wire = 0.0
     if plan.tp > 1:
-        n_fwd = 3 if plan.recompute == "full" else 2  # see _tp_calls
-        per_block = n_fwd * act_fwd + 2 * act
-        tp_wire = m * lay0.blocks * coll.wire_bytes("all_reduce", "ring", plan.tp, per_block)
+        n, k = _tp_block_calls(mcfg, plan, lay0, act)
+        tp_wire = m * k * coll.wire_bytes("all_reduce", "ring", plan.tp, n)
+
+    def cp_wire(lay: RankLayout) -> float:
+        return L.cp_wire_bytes(mcfg, plan, e, batch, lay.blocks)
+
+    def ep_wire(lay: RankLayout) -> float:
+        rows = m * moe_blocks(mcfg, lay) * ep_rows_uniform(mcfg, plan, tokens_mb)
+        return ep_wire_bytes(mcfg, plan, e, rows, rows, m * moe_blocks(mcfg, lay))
 
     # ---- pipeline point-to-point ------------------------------------------------------------
     pp_s = pp_wire = 0.0
@@ -197,14 +257,15 @@ def predict(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan, world: int
         sends = (0 if lay0.last else 1) + (0 if lay0.first else 1)  # rank 0: forward only
         pp_wire = m * v * sends * hop
 
-    # ---- data parallel --------------------------------------------------------------------
-    dp_s = dp_exposed = dp_wire = 0.0
+    # ---- data parallel (over dp x cp; with ep, dense and expert reducers) -------------------
+    dp_s = dp_exposed = 0.0
     states = [L.state_bytes(mcfg, plan, tcfg.dtype, r, tcfg.reduce_dtype) for r in range(world)]
     wires = [L.dp_wire_bytes(mcfg, plan, tcfg.dtype, r, tcfg.reduce_dtype) for r in range(world)]
-    if plan.dp > 1:
-        calls = L.dp_calls(mcfg, plan, tcfg.dtype, 0, tcfg.reduce_dtype)
-        dp_wire = wires[0]
-        dp_s = sum(k * coll.time_s(op, "ring", plan.dp, n, a, bw) for op, n, k in calls)
+    groups = _dp_groups(mcfg, plan, tcfg, 0)
+    if groups:
+        calls = [c for _, cs in groups for c in cs]
+        dp_s = sum(k * coll.time_s(op, "ring", p, n, a, bw)
+                   for p, cs in groups for op, n, k in cs)
         # Buckets that fill before backward ends can hide under it; the last cannot. A
         # pipeline reduces each chunk after its last backward, top-k after backward, and
         # ZeRO-3 gathers sit in the path.
@@ -216,22 +277,22 @@ def predict(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan, world: int
             hidden = min(dp_s * (1 - last / total), (2 / 3) * stages[0][0])
         dp_exposed = dp_s - hidden
 
-    crit = flop_s + overhead_s + tp_s + pp_s + dp_exposed
+    crit = flop_s + overhead_s + tp_s + cp_exposed + ep_s + pp_s + dp_exposed
     # CPU work of the whole session per step: every rank's compute and fixed costs, and
     # the CPU its collectives and sends cost (per ring step and per byte sent, measured).
     cpu = []
-    for i in range(plan.pp):
-        lay_s = L.rank_layout(mcfg, plan, L.rank_of(i, 0, 0, plan))
+    for i, lay_s in enumerate(lays):
         c = m * (stages[i][0] + stages[i][1]) + fixed_s
-        c += _comm_cpu(machine, plan, "tp", _tp_calls(mcfg, plan, lay_s, act, seqs_mb,
-                                                      act_fwd))
-        c += _comm_cpu(machine, plan, "pp", _pp_calls(plan, lay_s, act, v))
-        if plan.dp > 1:
-            c += _comm_cpu(machine, plan, "dp", L.dp_calls(mcfg, plan, tcfg.dtype,
-                                                           lay_s.rank, tcfg.reduce_dtype))
-        c += _comm_cpu(machine, plan, "world", [("all_reduce", 8.0, 2)])  # loss, grad norm
+        c += _comm_cpu(machine, plan.tp, _tp_calls(mcfg, plan, lay_s, act, seqs_mb))
+        c += _comm_cpu(machine, plan.pp, _pp_calls(plan, lay_s, act, v))
+        c += _comm_cpu(machine, plan.cp, cp_calls(plan, cp_wire(lay_s), lay_s.blocks))
+        c += _comm_cpu(machine, plan.ep, ep_calls(plan, ep_wire(lay_s),
+                                                  m * moe_blocks(mcfg, lay_s)))
+        c += sum(_comm_cpu(machine, p, cs) for p, cs in _dp_groups(mcfg, plan, tcfg,
+                                                                    lay_s.rank))
+        c += _comm_cpu(machine, world, [("all_reduce", 8.0, 2)])  # loss, grad norm
         cpu.append(c)
-    work = plan.dp * plan.tp * sum(cpu)
+    work = plan.dp * plan.cp * plan.tp * sum(cpu)
     cores = share * world
     step = max(crit, work / cores)
     if work / cores > crit:
@@ -240,10 +301,17 @@ def predict(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan, world: int
     from paratrain.parallel.memory import predicted_activations, predicted_states
 
     sys_states = sum(predicted_states(mcfg, plan, tcfg).values())
-    return Prediction(step, flop_s, overhead_s, bubble_s, tp_s, pp_s, dp_s, dp_exposed, share,
-                      crit, work, cores, cpu[0], dp_wire, tp_wire, pp_wire, states, wires,
-                      sys_states,
-                      predicted_activations(mcfg, plan, tcfg), machine.source, notes)
+    return Prediction(
+        step_s=step, compute_s=flop_s, overhead_s=overhead_s, bubble_s=bubble_s,
+        tp_comm_s=tp_s, pp_comm_s=pp_s, dp_comm_s=dp_s, dp_exposed_s=dp_exposed,
+        share=share, critical_path_s=crit, session_work_s=work, session_cores=cores,
+        cpu_rank0_s=cpu[0], dp_wire_bytes=wires[0], tp_wire_bytes=tp_wire,
+        pp_wire_bytes=pp_wire, cp_comm_s=cp_s, cp_exposed_s=cp_exposed, ep_comm_s=ep_s,
+        cp_wire_bytes=cp_wire(lay0), ep_wire_bytes=ep_wire(lay0),
+        states_bytes_per_rank=states, dp_wire_bytes_per_rank=wires,
+        systems_states_bytes=sys_states,
+        activations_bytes=predicted_activations(mcfg, plan, tcfg), machine=machine.source,
+        notes=notes)
 
 
 # ---- fitting eta and the fixed costs from single-process runs -------------------------------

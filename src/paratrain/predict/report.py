@@ -7,7 +7,9 @@ import math
 from pathlib import Path
 
 from paratrain.config import ModelConfig, TrainConfig
+from paratrain.layout import ELEMENT_BYTES
 from paratrain.plan import ParallelPlan
+from paratrain.predict.axes import ep_rows_from_load, ep_wire_bytes
 from paratrain.predict.machine import load_machine, sample_other_sessions
 from paratrain.predict.model import Prediction, predict
 
@@ -15,9 +17,11 @@ CALIBRATE_HINT = ("prediction: no hardware profile of this machine; run `paratra
                   "calibrate` to measure it (then every run prints predicted vs measured)")
 
 
-def compare(pred: Prediction, summary: dict, plan: ParallelPlan, rank: int = 0) -> dict:
+def compare(pred: Prediction, summary: dict, plan: ParallelPlan, rank: int = 0,
+            mcfg: ModelConfig | None = None, tcfg: TrainConfig | None = None) -> dict:
     """Predicted beside measured for one run's summary as ``rank`` saw it (its dp wire
-    bytes; memory of every rank)."""
+    bytes; memory of every rank); CP bytes as the runtime counted them, EP bytes beside
+    the count from the run's own routing (needs ``mcfg`` and ``tcfg``)."""
     meas_ranks = summary.get("memory", {}).get("measured_per_rank", [])
     states_exact = bool(meas_ranks) and all(
         all(m[k] == p[k] for k in ("params", "grads", "optimizer"))
@@ -27,6 +31,7 @@ def compare(pred: Prediction, summary: dict, plan: ParallelPlan, rank: int = 0) 
     if "tp" in mp:
         layers = mp["activation"]["layers_on_rank"]
         tp_meas = mp["tp"]["wire_bytes_per_layer_per_microbatch"] * layers * plan.micro_batches
+    cp_meas = (mp.get("cp") or {}).get("wire_bytes_per_step")
     act_meas = max((m.get("activations_peak", 0) for m in meas_ranks), default=0)
     step_m = summary["step_s"]
     wires = pred.dp_wire_bytes_per_rank
@@ -44,6 +49,10 @@ def compare(pred: Prediction, summary: dict, plan: ParallelPlan, rank: int = 0) 
         "tp_wire_bytes": {"predicted": pred.tp_wire_bytes, "measured": tp_meas,
                           "exact": None if tp_meas is None else
                           math.isclose(pred.tp_wire_bytes, tp_meas, rel_tol=1e-12)},
+        "cp_wire_bytes": {"predicted": pred.cp_wire_bytes, "measured": cp_meas,
+                          "exact": None if cp_meas is None else
+                          math.isclose(pred.cp_wire_bytes, cp_meas, rel_tol=1e-12)},
+        "ep_wire_bytes": _ep_bytes(pred, summary, plan, mcfg, tcfg),
         "states_bytes": {"predicted_per_rank": pred.states_bytes_per_rank,
                          "measured_per_rank": [{k: m[k] for k in ("params", "grads",
                                                                   "optimizer")}
@@ -51,6 +60,26 @@ def compare(pred: Prediction, summary: dict, plan: ParallelPlan, rank: int = 0) 
                          "exact": states_exact},
         "activations_bytes": {"predicted": pred.activations_bytes, "measured": act_meas},
     }
+
+
+def _ep_bytes(pred: Prediction, summary: dict, plan: ParallelPlan,
+              mcfg: ModelConfig | None, tcfg: TrainConfig | None) -> dict:
+    """Rank 0's MoE all-to-all bytes in the first step (no evaluation precedes it):
+    predicted under uniform routing, measured, and counted from that step's routing
+    (:func:`paratrain.predict.axes.ep_rows_from_load`; pp = 1, where rank 0 holds every
+    layer whose load the step records; dropless, where every routed row is sent)."""
+    steps = [s for s in summary.get("moe_steps") or [] if "ep_wire_bytes" in s]
+    out = {"predicted": pred.ep_wire_bytes, "measured": None, "given_routing": None,
+           "exact": None}
+    if not steps:
+        return out
+    out["measured"] = steps[0]["ep_wire_bytes"]
+    if mcfg is not None and tcfg is not None and plan.pp == 1 and not mcfg.capacity_factor:
+        sent, recv = ep_rows_from_load(plan, mcfg.experts, steps[0]["moe_load_by_rank"])
+        out["given_routing"] = ep_wire_bytes(mcfg, plan, ELEMENT_BYTES[tcfg.dtype], sent,
+                                             recv, plan.micro_batches * mcfg.moe_layers)
+        out["exact"] = out["given_routing"] == out["measured"]
+    return out
 
 
 def summary_prediction(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan, world: int,
@@ -67,7 +96,7 @@ def summary_prediction(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan,
     if torch.get_num_threads() > 1:  # the model prices one-thread ranks (workers set 1)
         pred.notes.append(f"this process ran {torch.get_num_threads()} intra-op threads; the "
                           "prediction prices one thread per rank")
-    return {"predicted": pred.to_dict(), "vs_measured": compare(pred, summary, plan)}
+    return {"predicted": pred.to_dict(), "vs_measured": compare(pred, summary, plan, 0, mcfg, tcfg)}
 
 
 def summary_row(rep: dict | None) -> tuple[str, str]:
@@ -79,6 +108,16 @@ def summary_row(rep: dict | None) -> tuple[str, str]:
     c = rep["vs_measured"]["step_s"]
     return "predicted s/step", (f"{c['predicted']:.4f}  ({100 * c['error']:+.0f}% vs "
                                 f"measured; breakdown above)")
+
+
+def _axes_s(p: dict) -> str:
+    """The CP exchange (exposed of total) and the MoE all-to-alls, where the run has them."""
+    out = ""
+    if p.get("cp_comm_s"):
+        out += f", CP {p['cp_exposed_s']:.4f} exposed of {p['cp_comm_s']:.4f}"
+    if p.get("ep_comm_s"):
+        out += f", EP {p['ep_comm_s']:.4f}"
+    return out
 
 
 def format_prediction(rep: dict | None) -> str:
@@ -101,7 +140,7 @@ def format_prediction(rep: dict | None) -> str:
         f"{p['session_work_s'] / p['session_cores']:.4f} s; rank 0 CPU {p['cpu_rank0_s']:.4f} s",
         f"  compute s   predicted {c['compute_s']['predicted']:.4f} (FLOPs "
         f"{p['compute_s']:.4f}, fixed {p['overhead_s']:.4f}, bubble {p['bubble_s']:.4f}, "
-        f"TP {p['tp_comm_s']:.4f}, PP {p['pp_comm_s']:.4f})  measured "
+        f"TP {p['tp_comm_s']:.4f}, PP {p['pp_comm_s']:.4f}{_axes_s(p)})  measured "
         f"{c['compute_s']['measured']:.4f}",
         f"  comm s      predicted {c['comm_s']['predicted']:.4f} (DP sync "
         f"{p['dp_comm_s']:.4f})  measured {c['comm_s']['measured']:.4f}",
@@ -113,6 +152,17 @@ def format_prediction(rep: dict | None) -> str:
         lines.append(f"  wire MB/rank TP predicted {p['tp_wire_bytes'] / mb:.4f}  measured "
                      f"{c['tp_wire_bytes']['measured'] / mb:.4f}"
                      f"  {'exact' if c['tp_wire_bytes']['exact'] else 'DIFFERENT'}")
+    cp = c.get("cp_wire_bytes") or {}
+    if cp.get("measured") is not None:
+        lines.append(f"  wire MB/rank CP predicted {p['cp_wire_bytes'] / mb:.4f}  measured "
+                     f"{cp['measured'] / mb:.4f}  {'exact' if cp['exact'] else 'DIFFERENT'}")
+    ep = c.get("ep_wire_bytes") or {}
+    if ep.get("measured") is not None:
+        given = "" if ep["given_routing"] is None else (
+            f"; from its routing {ep['given_routing'] / mb:.4f} "
+            f"{'exact' if ep['exact'] else 'DIFFERENT'}")
+        lines.append(f"  wire MB/rank EP predicted {p['ep_wire_bytes'] / mb:.4f} (uniform "
+                     f"routing)  measured {ep['measured'] / mb:.4f} (step 1{given})")
     if p["pp_wire_bytes"]:
         lines.append(f"  wire MB/rank PP predicted {p['pp_wire_bytes'] / mb:.4f} (sends are "
                      "not counted by the runtime)")

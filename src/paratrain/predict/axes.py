@@ -1,0 +1,131 @@
+"""The context- and expert-parallel terms of the one prediction (:func:`paratrain.predict.
+predict`), per pipeline stage and micro-batch, so that any composed layout (dp, pp, tp, sp,
+cp, ep) is priced by the same critical path. Bytes come from their homes: CP from
+:func:`paratrain.layout.cp_wire_bytes` (the runtime's own count), CP seconds from
+:func:`paratrain.systems.comm_time.cp_s` and :func:`~paratrain.systems.comm_time.
+cp_exposed_s`, EP seconds from :func:`~paratrain.systems.comm_time.ep_s`. The EP byte
+count is here (:func:`ep_wire_bytes`): it depends on the routing, so it takes the rows a
+rank sends and receives, either expected under uniform routing (:func:`ep_rows_uniform`)
+or read off a run's measured routing (:func:`ep_rows_from_load`)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from paratrain import layout as L
+from paratrain.config import ModelConfig
+from paratrain.plan import ParallelPlan
+from paratrain.systems import collectives as coll
+from paratrain.systems import comm_time as ct
+from paratrain.systems.hardware import Hardware
+from paratrain.systems.layer_cost import expert_imbalance
+from paratrain.systems.models import as_shape
+
+COUNT_BYTES = 8  # the split sizes every MoE layer exchanges first are int64
+
+
+def one_host(hw: Hardware, world: int) -> Hardware:
+    """The profile with every rank on this host: gloo over loopback, so the comm-time
+    helpers' node-boundary test must not send a group across a "network"."""
+    return dataclasses.replace(hw, gpus_per_node=max(hw.gpus_per_node, world))
+
+
+def moe_blocks(mcfg: ModelConfig, lay: L.RankLayout) -> int:
+    """MoE blocks (:meth:`ModelConfig.is_moe_layer`) among the rank's blocks."""
+    return sum(mcfg.is_moe_layer(i) for a, b in lay.ranges for i in range(a, b))
+
+
+def moe_extra_flops(mcfg: ModelConfig, plan: ParallelPlan, tokens: float) -> float:
+    """FLOPs an MoE block adds (forward + backward, recompute included) over the dense
+    block :func:`paratrain.predict.model._flops_block` priced, on ``tokens`` tokens: the
+    router, top_k routed experts and the shared ones instead of the tp-sharded SwiGLU
+    (the MoE MLP is whole on every tp rank, :func:`paratrain.parallel.tensor.
+    shard_block`); with ep > 1 the busiest rank's experts carry the expected extreme
+    load (:func:`paratrain.systems.layer_cost.expert_imbalance`)."""
+    K = mcfg.top_k
+    imb = expert_imbalance(tokens * K, plan.ep) if plan.ep > 1 else 1.0
+    moe = mcfg.moe_mlp_params(active=True) + (imb - 1) * K * mcfg.expert_params()
+    dense = 3 * mcfg.d_ff * mcfg.d_model / plan.tp
+    redo = 4 / 3 if plan.recompute == "full" else 1.0
+    return redo * 6.0 * tokens * (moe - dense)
+
+
+def cp_block_s(mcfg: ModelConfig, plan: ParallelPlan, seqs_mb: float, tokens_mb: float,
+               rate: float, hw: Hardware, elem: int) -> tuple[float, float]:
+    """(seconds, exposed seconds) of one block's CP exchange for one micro-batch of
+    ``seqs_mb`` sequences (``tokens_mb`` = the rank's T/cp tokens of each): forward,
+    backward and, under recompute, the forward again; the ring hides each K/V hop under
+    the block's attention on its tp shard of the heads, all-to-all hides nothing."""
+    if plan.cp == 1:
+        return 0.0, 0.0
+    fwd, bwd = ct.cp_s(mcfg, plan, mcfg.context, seqs_mb, hw, 1.0, 1.0, elem)
+    bwd += fwd if plan.recompute != "none" else 0.0
+    # forward score and value matmuls of one block: a third of the per-layer attention
+    # FLOPs, which count forward + backward
+    attn = as_shape(mcfg).attention_flops_per_token(mcfg.context) / 3 / mcfg.n_layers
+    attn_s = tokens_mb * attn / plan.tp / rate
+    return fwd + bwd, ct.cp_exposed_s(fwd, bwd, attn_s, plan.cp_algorithm)
+
+
+def cp_calls(plan: ParallelPlan, wire: float, blocks: int) -> list[tuple[str, float, int]]:
+    """The CP transfers of a step as point-to-point sends, for their CPU cost: per block
+    and micro-batch, the ring sends K/V out and back and the gradients home (3(cp-1) +
+    cp hops), all-to-all 8 exchanges of cp - 1 pieces."""
+    if plan.cp == 1 or not wire:
+        return []
+    per = 3 * (plan.cp - 1) + plan.cp if plan.cp_algorithm == "ring" else 8 * (plan.cp - 1)
+    n = plan.micro_batches * blocks * per
+    return [("p2p", wire / n, n)]
+
+
+def ep_rows_uniform(mcfg: ModelConfig, plan: ParallelPlan, tokens_mb: float) -> float:
+    """Rows one rank sends in a dispatch (and, in expectation, receives) per MoE layer
+    and micro-batch under uniform routing: (ep - 1) / ep of its tokens x top_k."""
+    return coll.wire_bytes("all_to_all", "naive", plan.ep, tokens_mb * mcfg.top_k)
+
+
+def ep_rows_from_load(plan: ParallelPlan, experts: int, load_by_rank: list[list[int]],
+                      dp_rank: int = 0) -> tuple[int, int]:
+    """(rows sent, rows received) in a step's dispatches by the ranks of data rank
+    ``dp_rank``, from the run's routing (``moe_load_by_rank``: per data rank the
+    assignments it routed to each expert, summed over layers and micro-batches). Its ep
+    group is ep consecutive data ranks; ep index j holds experts [j E/ep, (j+1) E/ep)."""
+    ep, El = plan.ep, experts // plan.ep
+    g0, j = dp_rank - dp_rank % ep, dp_rank % ep
+    mine = range(j * El, (j + 1) * El)
+    sent = sum(n for e, n in enumerate(load_by_rank[dp_rank]) if e not in mine)
+    recv = sum(load_by_rank[d][e] for d in range(g0, g0 + ep) if d != dp_rank for e in mine)
+    return sent, recv
+
+
+def ep_wire_bytes(mcfg: ModelConfig, plan: ParallelPlan, elem: int, sent: float,
+                  recv: float, layer_passes: int) -> float:
+    """Bytes one rank sends in a step's MoE all-to-alls (:class:`paratrain.parallel.
+    expert.ExpertExchange`): forward, its ``sent`` rows out and the ``recv`` rows' outputs
+    back; backward, the reverse of each (the same rows again); full recompute reruns the
+    forward. Each forward pass of a layer (``layer_passes`` = MoE layers x micro-batches)
+    first exchanges the (ep - 1) x E/ep int64 split sizes."""
+    if plan.ep == 1:
+        return 0.0
+    runs = 2 if plan.recompute == "full" else 1
+    counts = (plan.ep - 1) * (mcfg.experts // plan.ep) * COUNT_BYTES
+    return (sent + recv) * mcfg.d_model * elem * (runs + 1) + layer_passes * runs * counts
+
+
+def ep_block_s(mcfg: ModelConfig, plan: ParallelPlan, tokens_mb: float, hw: Hardware,
+               elem: int) -> float:
+    """Seconds of one MoE layer's all-to-alls for one micro-batch (4, or 6 with full
+    recompute), exposed: the experts wait for the dispatch, the residual for the combine."""
+    if plan.ep == 1:
+        return 0.0
+    n = 6 if plan.recompute == "full" else 4
+    return n * ct.ep_s(plan, tokens_mb * mcfg.top_k * mcfg.d_model * elem, hw, 1.0, 1.0)
+
+
+def ep_calls(plan: ParallelPlan, wire: float, layer_passes: int
+             ) -> list[tuple[str, float, int]]:
+    """The EP all-to-alls of a step as point-to-point sends (ep - 1 peers each)."""
+    if plan.ep == 1 or not wire:
+        return []
+    n = layer_passes * (6 if plan.recompute == "full" else 4) * (plan.ep - 1)
+    return [("p2p", wire / n, n)]
