@@ -308,6 +308,7 @@ def test_cli_ep_run_logs_expert_load(text_file, tmp_path):
          "--run-dir", str(run)], capture_output=True, text=True, timeout=240)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "expert parallel 2: ep rank 0 holds experts [0, 2) of 4" in r.stdout
+    assert "ep=2" in r.stdout  # the summary's plan row names the expert split
     recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     for rec in recs:
         assert sum(rec["moe_load"]) == 8 * 16 * 2 * 2  # tokens x top-k x MoE layers

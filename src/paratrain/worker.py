@@ -34,6 +34,8 @@ def print_summary(s: dict, run_dir: str | None) -> None:
     layout = ", ".join(f"{k}={plan[k]}" for k in ("dp", "tp", "pp", "zero") if k in plan)
     if plan.get("cp", 1) > 1:
         layout += f", cp={plan['cp']} ({plan.get('cp_algorithm', 'ring')})"
+    if plan.get("ep", 1) > 1:
+        layout += f", ep={plan['ep']}"
     rows = [
         ("processes / plan", f"{s['world_size']} / {layout}"),
         ("parameters", f"{s['params']:,}"),
