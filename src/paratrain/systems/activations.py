@@ -4,6 +4,8 @@ tensors paratrain's own block saves (:func:`block_activation_bytes`)."""
 
 from __future__ import annotations
 
+import math
+
 from paratrain.config import ModelConfig
 from paratrain.plan import ParallelPlan
 from paratrain.systems.layout import split_batch
@@ -42,7 +44,10 @@ def layer_activation_bytes(seq: int, batch: int, hidden: int, heads: int, tp: in
 
 def is_paratrain_block(model: ModelConfig) -> bool:
     """Whether ``model``'s layers are paratrain's own block (model.py): RMSNorm x 2, RoPE
-    attention with head dim d_model / n_heads, SwiGLU, no biases, dense."""
+    attention with head dim d_model / n_heads, SwiGLU, no biases; its MLP dense or
+    paratrain's :class:`paratrain.model.MoE` (``ModelConfig.experts``, layers picked by
+    ``is_moe_layer``). A catalogue MoE shape (``ModelShape.n_experts``, a published
+    model's layer plan) is not: it keeps Korthikanti's figure."""
     m = as_shape(model)
     return (m.mlp == "swiglu" and not m.bias and not m.learned_positions
             and m.norms_per_layer == 2 and not m.is_moe and not m.is_mla
@@ -52,7 +57,8 @@ def is_paratrain_block(model: ModelConfig) -> bool:
 def block_activation_bytes(model: ModelConfig, seq: int, *, tp: int = 1, sp: bool = False,
                            recompute: str = "none", attention: str = "flash",
                            element_bytes: float = 2.0, cp: int = 1,
-                           cp_algorithm: str = "ring") -> float:
+                           cp_algorithm: str = "ring", layer: int | None = None,
+                           ep: int = 1) -> float:
     """Bytes one layer keeps for backward, per sequence of ``seq`` tokens held by this
     rank (T / cp under context parallelism), on one tensor-parallel rank of ``tp`` (with
     sequence parallelism if ``sp``), at ``element_bytes`` per element. The one
@@ -112,6 +118,12 @@ def block_activation_bytes(model: ModelConfig, seq: int, *, tp: int = 1, sp: boo
     autocast the element size varies by tensor (the norms run in fp32), so the count is
     exact only for float32 / float64 runs.
 
+    MoE (``model.experts`` > 0): block ``layer`` (0-based) keeps, when it is an MoE layer
+    (``model.is_moe_layer(layer)``), :func:`moe_mlp_activation_bytes` in place of the
+    SwiGLU row (the norms, attention and the MLP's linear input, which is the router's,
+    are the dense block's); ``layer`` None gives the mean over the model's blocks (times
+    n_layers: the model's total). ``ep``: the expert-parallel size (its index tensors).
+
     Other shapes: Korthikanti's per-sequence figure scaled from 2 bytes to
     ``element_bytes`` (:func:`layer_activation_bytes`; ``flash`` drops 5 a s^2).
     """
@@ -141,8 +153,85 @@ def block_activation_bytes(model: ModelConfig, seq: int, *, tp: int = 1, sp: boo
         attn = (4 * s * ae + cp * a * s * s) / t
     else:
         attn = (4 * s * ae + s * a + (s * ae if cp > 1 else 0)) / t
-    mlp = 4 * s * f / t
-    return (norms + linear_inputs + attn + mlp) * element_bytes
+    dense_mlp = 4 * s * f / t * element_bytes
+    if layer is None:
+        moe_share = sum(map(m.is_moe_layer, range(m.n_layers))) / m.n_layers
+    else:
+        moe_share = float(m.is_moe_layer(layer))
+    mlp = dense_mlp
+    if moe_share:
+        moe = moe_mlp_activation_bytes(m, s, element_bytes=element_bytes, ep=ep)
+        mlp = (1 - moe_share) * dense_mlp + moe_share * moe
+    return (norms + linear_inputs + attn) * element_bytes + mlp
+
+
+def moe_rows(model: ModelConfig, seq: int) -> int:
+    """Routed rows (token, expert) one sequence of ``seq`` tokens sends to the experts:
+    seq k dropless; under capacity C at most min(seq k, E min(cap, seq)), cap =
+    ceil(C seq k / E) per expert (an expert takes a token once, so at most seq): exact
+    whenever nothing is dropped, e.g. always when cap >= seq (C >= E / k)."""
+    m = as_shape(model)
+    E, k = m.experts, m.top_k
+    if m.capacity_factor <= 0:
+        return seq * k
+    cap = math.ceil(m.capacity_factor * seq * k / E)
+    return min(seq * k, E * min(cap, seq))
+
+
+def moe_mlp_activation_bytes(model: ModelConfig, seq: int, *, element_bytes: float = 2.0,
+                             ep: int = 1) -> float:
+    """Bytes paratrain's :class:`paratrain.model.MoE` keeps for backward beyond its input
+    (the router's input, counted with the block's linear inputs), per sequence of
+    ``seq`` tokens, each storage once as
+    :class:`paratrain.parallel.memory.ActivationMeter` counts it. With s = seq, h =
+    d_model, E experts, k = top_k, f the expert width, f_s = shared_experts f, e the
+    element size, r = max(e, 4) the router's (it runs in float32 at least), 8 bytes an
+    index (int64), S = :func:`moe_rows` the routed rows and R the rows this rank's experts
+    run (R = S without ep), in bytes:
+
+    ======================  ====================================================  =======
+    part                    kept for backward                                     bytes
+    ======================  ====================================================  =======
+    router                  softmax output (s E), top-k indices (s k), the        r (s E
+                            renormalisation's numerator (s k) and sum (s), the    + s k
+                            aux loss's routed fractions f (E per sequence)        + s + E)
+                                                                                  + 8 s k
+    z-loss (coef > 0)       the logits and their log-sum-exp (square's input)     r (s E
+                                                                                  + s)
+    capacity (C > 0)        the keep mask (bool) that selects the kept weights    s k
+    sort                    the argsort order (gathers the weights) and the       16 S
+                            token index (gathers the rows, scatters them back)
+    experts                 their input rows (one storage) and, per row, the      e R
+                            SwiGLU's gate, silu, up and product                   (h + 4 f)
+    ep > 1                  the regrouping permutation and its inverse            16 R
+    combine                 the sorted weights, the expert outputs (the           e S
+                            concatenation, or the return all-to-all's buffer),    (1 + 2 h)
+                            their weighted product (index_add_'s source)
+    shared experts          SwiGLU of width f_s on every token                    4 e s f_s
+    ======================  ====================================================  =======
+
+    Under ep the rows leave by all-to-all: the dispatched copy (S h) is not kept, the
+    received rows, permuted by local expert, are (R h). R depends on the routing: the
+    sum over the ep ranks of R is the sum of S (every row lands on one rank), so the
+    figure, with R = S, is exact for the mean over ep ranks and for every rank when each
+    token uses every expert (k = E); the auxiliary loss pushes R towards S. Nothing is
+    divided by tp (an MoE MLP is whole on every tp rank; MoE refuses sp and cp).
+    Under bf16 the weights and rows are 2 bytes but the router runs in float32: the
+    count uses r for what the router keeps, e for the rest."""
+    m = as_shape(model)
+    s, h, E, k, e = seq, m.d_model, m.experts, m.top_k, element_bytes
+    f, fs = m.expert_ffn, m.shared_experts * m.expert_ffn
+    r = max(e, 4.0)
+    S = R = moe_rows(m, s)
+    out = r * (s * E + s * k + s + E) + 8 * s * k
+    if m.z_loss_coef > 0:
+        out += r * (s * E + s)
+    if m.capacity_factor > 0:
+        out += s * k
+    out += 16 * S + e * R * (h + 4 * f) + e * S * (1 + 2 * h) + 4 * e * s * fs
+    if ep > 1:
+        out += 16 * R
+    return out
 
 
 def edge_activation_bytes(model: ModelConfig, seq: int, micro_batch: int, *,
@@ -204,7 +293,8 @@ def rank_activation_peaks(model: ModelConfig, plan: ParallelPlan, tokens_per_ste
     """Peak bytes saved for backward on each pipeline rank of paratrain's runtime, exact
     for its own model (float32 / float64; bf16 approximately).
 
-    Each (micro-batch, chunk) keeps its blocks (:func:`block_activation_bytes`), the
+    Each (micro-batch, chunk) keeps its blocks (:func:`block_activation_bytes`, block
+    by block: an MoE model's MoE and dense blocks differ; ``plan.ep`` for its exchange), the
     RoPE tables (the model's (context / cp, E/2) cos and sin buffers, shared by its layers:
     counted once per micro-batch; under full recompute the checkpoints keep them as
     inputs) and the terms
@@ -224,10 +314,12 @@ def rank_activation_peaks(model: ModelConfig, plan: ParallelPlan, tokens_per_ste
     v = plan.virtual_stages if plan.schedule == "interleaved" and plan.pp > 1 else 1
     S = plan.pp * v
     ranges = split_layers(model, S)
-    per_block = b * block_activation_bytes(m, s, tp=plan.tp, sp=plan.sp,
-                                           recompute=plan.recompute, attention=attention,
-                                           element_bytes=element_bytes, cp=plan.cp,
-                                           cp_algorithm=plan.cp_algorithm)
+    per_block = [b * block_activation_bytes(m, s, tp=plan.tp, sp=plan.sp,
+                                            recompute=plan.recompute, attention=attention,
+                                            element_bytes=element_bytes, cp=plan.cp,
+                                            cp_algorithm=plan.cp_algorithm, layer=i,
+                                            ep=plan.ep)
+                 for i in range(m.n_layers)]
     # full recompute: checkpoint inputs; cp: the rank's own T / cp rows of the tables
     rope = m.context // plan.cp * m.head_dim * element_bytes
     # cp: the ids are gathered per forward_backward call (one micro-batch without a
@@ -236,8 +328,8 @@ def rank_activation_peaks(model: ModelConfig, plan: ParallelPlan, tokens_per_ste
 
     def chunk_bytes(rank: int, chunk: int) -> float:
         k = chunk * plan.pp + rank
-        n = ranges[k][1] - ranges[k][0]
-        return n * per_block + (rope if n else 0.0) + edge_activation_bytes(
+        lo, hi = ranges[k]
+        return sum(per_block[lo:hi]) + (rope if hi > lo else 0.0) + edge_activation_bytes(
             m, s, b, window_sequences=window, tp=plan.tp, sp=plan.sp,
             first=k == 0, last=k == S - 1, element_bytes=element_bytes, cp_ids=plan.cp > 1)
 
