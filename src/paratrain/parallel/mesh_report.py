@@ -62,7 +62,8 @@ def model_parallel_report(engine) -> dict:
     per_seq = block_activation_bytes(
         m, m.context // plan.cp, tp=plan.tp, sp=plan.sp, recompute=plan.recompute,
         attention="eager" if m.attention == "eager" else "flash",
-        element_bytes=_elem(engine.dtype), cp=plan.cp, cp_algorithm=plan.cp_algorithm)
+        element_bytes=_elem(engine.dtype), cp=plan.cp, cp_algorithm=plan.cp_algorithm,
+        ep=plan.ep)
     from paratrain.parallel.memory import predicted_activations
 
     out["activation"] = {

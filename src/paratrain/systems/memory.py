@@ -233,7 +233,7 @@ def activation_bytes(model: ModelConfig, plan: ParallelPlan, tokens_per_step: in
     per_layer = batch.micro_batch * block_activation_bytes(
         m, batch.local_seq, tp=plan.tp, sp=plan.sp, recompute=plan.recompute,
         attention=attention, element_bytes=element_bytes, cp=plan.cp,
-        cp_algorithm=plan.cp_algorithm)
+        cp_algorithm=plan.cp_algorithm, ep=plan.ep)
     layers = stage_layers(m.n_layers, plan.pp)
     inflight = micro_batches_in_flight(plan.schedule, plan.pp, plan.micro_batches,
                                        plan.virtual_stages)
