@@ -77,22 +77,31 @@ def test_every_shipped_row_is_priced_and_fitted_defaults_are_good():
     assert 0.3 <= min(p.gemm_eff.values()) and max(p.gemm_eff.values()) <= 1.0
 
 
+SYNTHETIC_IDS = ("narayanan21_t1_1.7B", "narayanan21_t1_145.6B",
+                 "megascale_175b_megatronlm_256", "megascale_175b_megatronlm_12288",
+                 "dgxc_gpt3_175b_128", "llama3_405b_8192_seq8192", "llama3_405b_16384_seq8192",
+                 "narayanan21_t1_18.4B", "dgxc_llama31_8b_8", "dgxc_nemotron4_15b_16",
+                 "mosaic_mpt7b_a100_80gb_8g_s2048", "titan_llama3_8b_a100_64_sacop",
+                 "mosaic_mpt13b_h100_80gb_8g_s2048")
+TRUTH = Params(gemm_eff={"a100": 0.7, "h100": 0.6}, attn_eff={"a100": 0.5, "h100": 0.3},
+               attn3_eff=0.5, hbm_eff=0.7, nvlink_eff=0.6, net_eff=0.7, kernel_s=5e-6)
+
+
+def _synthetic_cases(scale: dict | None = None) -> list:
+    """Shipped rows re-reported as TRUTH prices them (times ``scale[id]`` if given)."""
+    out = []
+    for r in read_runs():
+        if r["id"] in SYNTHETIC_IDS:
+            c = row_to_case(r)
+            k = (scale or {}).get(r["id"], 1.0)
+            out.append(c.__class__(**{**c.__dict__, "reported": k * predict(c, TRUTH)}))
+    return out
+
+
 def test_fit_recovers_parameters_from_synthetic_rows():
     """Rows priced by known parameters: the fit finds parameters that reproduce them, and
     the well-determined GEMM efficiencies themselves."""
-    rows = read_runs()
-    ids = ["narayanan21_t1_1.7B", "narayanan21_t1_145.6B", "megascale_175b_megatronlm_256",
-           "megascale_175b_megatronlm_12288", "dgxc_gpt3_175b_128", "llama3_405b_8192_seq8192",
-           "llama3_405b_16384_seq8192", "narayanan21_t1_18.4B", "dgxc_llama31_8b_8",
-           "dgxc_nemotron4_15b_16", "mosaic_mpt7b_a100_80gb_8g_s2048",
-           "titan_llama3_8b_a100_64_sacop", "mosaic_mpt13b_h100_80gb_8g_s2048"]
-    truth = Params(gemm_eff={"a100": 0.7, "h100": 0.6}, attn_eff={"a100": 0.5, "h100": 0.3},
-                   attn3_eff=0.5, hbm_eff=0.7, nvlink_eff=0.6, net_eff=0.7, kernel_s=5e-6)
-    cases = []
-    for r in rows:
-        if r["id"] in ids:
-            c = row_to_case(r)
-            cases.append(c.__class__(**{**c.__dict__, "reported": predict(c, truth)}))
+    cases = _synthetic_cases()
     got = fit(cases, iters=40)
     assert got.gemm_eff["a100"] == pytest.approx(0.7, rel=0.05)
     assert got.gemm_eff["h100"] == pytest.approx(0.6, rel=0.05)
@@ -148,21 +157,8 @@ def test_fit_minimises_absolute_error_so_one_wild_row_does_not_pull_it():
     """Rows priced by known parameters plus one reported 60% faster than they price it
     (a run with an unrecorded speed-up): the fit still finds the others' parameters and
     leaves the wild row's whole error on that row."""
-    rows = read_runs()
-    ids = ["narayanan21_t1_1.7B", "narayanan21_t1_145.6B", "megascale_175b_megatronlm_256",
-           "megascale_175b_megatronlm_12288", "dgxc_gpt3_175b_128", "llama3_405b_8192_seq8192",
-           "llama3_405b_16384_seq8192", "narayanan21_t1_18.4B", "dgxc_llama31_8b_8",
-           "dgxc_nemotron4_15b_16", "mosaic_mpt7b_a100_80gb_8g_s2048",
-           "titan_llama3_8b_a100_64_sacop", "mosaic_mpt13b_h100_80gb_8g_s2048"]
     wild = "dgxc_nemotron4_15b_16"
-    truth = Params(gemm_eff={"a100": 0.7, "h100": 0.6}, attn_eff={"a100": 0.5, "h100": 0.3},
-                   attn3_eff=0.5, hbm_eff=0.7, nvlink_eff=0.6, net_eff=0.7, kernel_s=5e-6)
-    cases = []
-    for r in rows:
-        if r["id"] in ids:
-            c = row_to_case(r)
-            k = 1.6 if r["id"] == wild else 1.0
-            cases.append(c.__class__(**{**c.__dict__, "reported": k * predict(c, truth)}))
+    cases = _synthetic_cases({wild: 1.6})
     got = fit(cases, iters=40)
     assert got.gemm_eff["a100"] == pytest.approx(0.7, rel=0.02)
     assert got.gemm_eff["h100"] == pytest.approx(0.6, rel=0.02)
