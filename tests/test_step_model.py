@@ -13,7 +13,7 @@ from paratrain.plan import ParallelPlan
 from paratrain.systems import comm_time as ct
 from paratrain.systems.explain import breakdown_rows, explain_lines
 from paratrain.systems.fitting import load_params
-from paratrain.systems.gemm import chip_of, gemm_s, quantisation
+from paratrain.systems.gemm import K_FIXED, chip_of, depth, gemm_s, quantisation
 from paratrain.systems.hardware import load_hardware
 from paratrain.systems.layer_cost import expert_imbalance
 from paratrain.systems.models import load_model
@@ -36,6 +36,14 @@ def test_tile_and_wave_quantisation_by_hand():
     t = gemm_s(16, 8192, 8192, H100, h, 0.8, 1.0)
     assert t == pytest.approx((16 * 8192 * 2 + 8192 * 8192) * 2 / H100.hbm_bw)
     assert chip_of("TPU-v4").sms == 1 and chip_of("A100-SXM4-40GB").generation == "a100"
+    # depth: a tile's prologue and epilogue cost K_FIXED reduction steps on a GPU, so a
+    # K = 256 GEMM runs at half the rate of a very deep one; a TPU streams K
+    M = 128 * 132
+    deep, short = gemm_s(M, 256, 2**20, H100, h, 0.8, 1.0), gemm_s(M, 256, K_FIXED, H100, h,
+                                                                    0.8, 1.0)
+    assert short == pytest.approx(2 * M * 256 * K_FIXED / (H100.peak_flops * 0.8 * 0.5))
+    assert deep == pytest.approx(2 * M * 256 * 2**20 / (H100.peak_flops * 0.8), rel=1e-3)
+    assert depth(64, chip_of("TPU-v4")) == 1.0
 
 
 def test_parameters_are_few_and_physical():
