@@ -56,7 +56,7 @@ class Prediction:
     states_bytes_per_rank: list[dict] = field(default_factory=list)
     dp_wire_bytes_per_rank: list[float] = field(default_factory=list)  # per step
     systems_states_bytes: float = 0.0  # the systems model's busiest-rank formula
-    activations_bytes: float = 0.0  # the systems model (Korthikanti, scaled to dtype)
+    activations_bytes: float = 0.0  # the systems model, as the runtime keeps them
     machine: str = ""
     notes: list[str] = field(default_factory=list)
 

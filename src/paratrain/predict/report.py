@@ -172,7 +172,7 @@ def format_prediction(rep: dict | None) -> str:
                      f"  {'exact on every rank' if st['exact'] else 'DIFFERENT'}"
                      f" (systems formula {p['systems_states_bytes'] / mb:.4f})")
     a = c["activations_bytes"]
-    lines.append(f"  activations MB predicted {a['predicted'] / mb:.4f} (Korthikanti) "
+    lines.append(f"  activations MB predicted {a['predicted'] / mb:.4f} (tensor by tensor) "
                  f"measured peak {a['measured'] / mb:.4f}")
     lines += [f"  note: {n}" for n in p["notes"]]
     return "\n".join(lines)
