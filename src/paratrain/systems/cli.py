@@ -280,7 +280,7 @@ def validate(
 
 def _explain_row(runs, params, unfitted, row_id, json_out) -> None:
     from paratrain.systems.explain import explain_lines
-    from paratrain.systems.fitting import _figure, breakdown, case_engine
+    from paratrain.systems.fitting import _figure, breakdown, source_count
     from paratrain.systems.runs import Skip, read_runs, row_to_case
     from paratrain.systems.validate import UNFITTED, load_params
 
@@ -299,7 +299,7 @@ def _explain_row(runs, params, unfitted, row_id, json_out) -> None:
         (lambda x: f"{100 * x:.1f}%")
     rep = f"{case.metric} {unit(case.reported)}, predicted {unit(pred)} " \
           f"({100 * (pred / case.reported - 1):+.1f}%)"
-    count = case.flops_count or case_engine(case).flops_count
+    count = source_count(case)
     if case.model.flops_per_token(case.seq_len, count) != \
             case.model.flops_per_token(case.seq_len):
         rep += f", in the source's FLOP count ({count}, docs/systems-model.md)"

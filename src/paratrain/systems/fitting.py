@@ -79,11 +79,17 @@ def breakdown(case: Case, params: StepParams) -> Breakdown:
                         "fp8" in (getattr(case, "precision", "") or "").lower())
 
 
+def source_count(case: Case) -> str:
+    """How the row's source counts model FLOPs (``Case.flops_count``, else its engine's;
+    :data:`paratrain.systems.models.FLOP_COUNTS`)."""
+    return case.flops_count or case_engine(case).flops_count
+
+
 def _figure(case: Case, st) -> float:
     """The step's figure for ``case.metric``, with model FLOPs counted the way the row's
-    source counts them (``Case.flops_count``, else its engine's): a source that leaves the
-    input-embedding lookup out reports fewer FLOPs for the same step than our 6N."""
-    count = case.flops_count or case_engine(case).flops_count
+    source counts them (:func:`source_count`): a source that leaves the input-embedding
+    lookup out reports fewer FLOPs for the same step than our 6N."""
+    count = source_count(case)
     m, seq = case.model, case.seq_len
     less = (m.flops_per_token(seq) - m.flops_per_token(seq, count)) * case.tokens
     model, hardware = st.model_flops - less, st.hardware_flops - less
