@@ -2,7 +2,7 @@
 fsdp_tp.py), so every comparison times and weighs runs the same way:
 
 - every run is a fresh set of gloo processes (one intra-op thread each, set by
-  :func:`paratrain.distributed.spawn`), so a rank's peak RSS belongs to one implementation;
+  :func:`paratrain.parallel.process_groups.spawn`), so a rank's peak RSS belongs to one implementation;
 - a run takes ``warmup`` untimed steps, then ``steps`` timed ones, each timed step
   starting after a barrier; a run's step time is the slower rank's median;
 - peak memory is the process's peak resident set size (``ru_maxrss``), per rank;
@@ -50,7 +50,7 @@ def torch_step(loss_sum: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     ``grad_scale`` undoes the wrapper's averaging over data ranks (DDP, FSDP2: their
     world). ``loss_context`` wraps loss and backward (tensor parallel's
     ``loss_parallel``). Returns the detached loss sum (a DTensor under loss_parallel)."""
-    from paratrain.optim import set_lr
+    from paratrain.parallel.optim import set_lr
 
     def step(x, y, tokens, lr):
         with loss_context():

@@ -2,7 +2,7 @@
 and model-state bytes beside the measurement, for a grid of plans (DP, ZeRO-1/3, TP, PP
 1F1B, and their combinations; 2-8 gloo processes).
 
-The same code as ``paratrain check-model`` (:func:`paratrain.check_model.run_grid`).
+The same code as ``paratrain check-model`` (:func:`paratrain.run.check_model.run_grid`).
 Needs a hardware profile: ``paratrain bench calibrate`` first. Target (issue 7): median
 absolute error of step time <= 20 %, wire bytes and model states exact.
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from paratrain.check_model import GRID, format_table, run_grid
+from paratrain.run.check_model import GRID, format_table, run_grid
 
 
 def main() -> None:

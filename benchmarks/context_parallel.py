@@ -13,16 +13,16 @@ strategy registered" (``--try-torch`` runs that attempt and prints what it raise
 baseline here is therefore ``cp1``: one process, torch's fused causal sdpa over the
 full sequence (the plain model).
 
-Every run is ``paratrain.train.train`` in a fresh set of gloo processes (one thread
-each, :func:`paratrain.distributed.spawn`): cp1 on 1 process, cpN on N, one sequence
+Every run is ``paratrain.run.loop.train`` in a fresh set of gloo processes (one thread
+each, :func:`paratrain.parallel.process_groups.spawn`): cp1 on 1 process, cpN on N, one sequence
 per step (global batch 1), float32, the same weights and batches. Runs alternate cp1,
 cp2 ring, cp4 ring, cp2 all-to-all, cp4 all-to-all, rotating the start each round
 (``benchmarks/_common.alternate``). Per run: step time (the run's mean after its first
 step), exposed CP communication (seconds per step rank 0 waited for K/V blocks, or spent
 in the all-to-alls: what overlap did not hide), rank 0's activation peak (bytes saved for
 backward, measured by the saved-tensor meter) beside the systems model's
-(``paratrain.systems.memory.activation_bytes``), and bytes rank 0 sent for attention
-beside ``paratrain.layout.cp_wire_bytes``. The summary prints medians over rounds and
+(``paratrain.cost.memory.activation_bytes``), and bytes rank 0 sent for attention
+beside ``paratrain.cost.layout.cp_wire_bytes``. The summary prints medians over rounds and
 the ratios to cp1 (each round's runs paired).
 
 Predicted beside measured: before each run the parent prices it with
@@ -46,7 +46,7 @@ import statistics
 
 from _common import alternate
 from paratrain.config import ModelConfig, TrainConfig
-from paratrain.distributed import spawn
+from paratrain.parallel.process_groups import spawn
 from paratrain.plan import ParallelPlan
 from paratrain.predict import CALIBRATE_HINT, load_machine, predict, sample_other_sessions
 
@@ -62,7 +62,7 @@ def _run_config(world: int, algo: str, steps: int) -> tuple[TrainConfig, Paralle
 
 
 def _worker(rank: int, world: int, mcfg: ModelConfig, algo: str, steps: int) -> dict:
-    from paratrain.train import RunOptions, train
+    from paratrain.run.loop import RunOptions, train
 
     tcfg, plan = _run_config(world, algo, steps)
     s = train(mcfg, tcfg, plan if world > 1 else None,

@@ -35,7 +35,7 @@ import torch
 
 from _common import alternate, median_of, peak_rss_mb, timed_steps, torch_step
 from paratrain.config import ModelConfig, TrainConfig
-from paratrain.distributed import spawn
+from paratrain.parallel.process_groups import spawn
 
 MODEL = ModelConfig(n_layers=4, d_model=256, n_heads=8, d_ff=688, context=128)  # 3.29 M
 IMPLS = ("paratrain-ddp", "torch-ddp", "paratrain-zero3", "torch-fsdp2", "paratrain-ddp-sync",
@@ -54,7 +54,7 @@ def _batch(step: int, rank: int, world: int, batch: int, ctx: int):
 def _paratrain(impl: str, tcfg: TrainConfig):
     from paratrain.parallel.api import build_engine
     from paratrain.plan import ParallelPlan
-    from paratrain.train import build_model
+    from paratrain.run.loop import build_model
 
     zero = 3 if impl == "paratrain-zero3" else 0
     world = 1 if impl == "one-process-2-threads" else 2
@@ -73,9 +73,9 @@ def _paratrain(impl: str, tcfg: TrainConfig):
 
 
 def _torch(impl: str, tcfg: TrainConfig):
-    from paratrain.optim import build_adamw
     from paratrain.parallel.engine import token_loss_sum
-    from paratrain.train import build_model
+    from paratrain.parallel.optim import build_adamw
+    from paratrain.run.loop import build_model
 
     model = build_model(MODEL, tcfg, torch.device("cpu"))
     if impl == "torch-ddp":

@@ -24,7 +24,7 @@ implementations called alternately in the same processes (ours, torch, ours, tor
    rows), the share of our step spent inside the all-to-alls, and peak RSS. ep = 1 (no
    exchange, all experts local) is timed too, for scale.
 
-3. **An MoE training step at ep = 1, 2, 4** (``--ep``): ``paratrain.train.train`` on
+3. **An MoE training step at ep = 1, 2, 4** (``--ep``): ``paratrain.run.loop.train`` on
    ep gloo processes (ep ranks are the data ranks, ``--step-seqs`` sequences each), a
    2-layer MoE decoder with the same experts, ``--steps`` timed steps after one untimed.
    Measured: step time (the run's mean after its first step), rank 0's all-to-all bytes
@@ -54,7 +54,7 @@ import torch.distributed as dist
 
 from _common import peak_rss_mb
 from paratrain.config import ModelConfig, TrainConfig
-from paratrain.distributed import spawn
+from paratrain.parallel.process_groups import spawn
 from paratrain.plan import ParallelPlan
 from paratrain.predict import CALIBRATE_HINT, load_machine, predict, sample_other_sessions
 
@@ -191,7 +191,7 @@ def _step_config(ep: int, seqs: int, steps: int) -> tuple[TrainConfig, ParallelP
 
 def _step_worker(rank: int, world: int, cfg: ModelConfig, seqs: int, steps: int) -> dict:
     from paratrain.parallel.expert import ExpertExchange
-    from paratrain.train import RunOptions, train
+    from paratrain.run.loop import RunOptions, train
 
     spent = []  # seconds inside the row all-to-alls (dispatch, combine, their backward)
     inner = ExpertExchange.all_to_all

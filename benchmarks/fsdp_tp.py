@@ -23,8 +23,8 @@ paratrain's unchanged ``Attention`` reads the local head count from their width.
 gains stay replicated over tp in both.
 
 Same model (``paratrain.model.Decoder``, identically seeded: same weights), same global
-batch each step (``paratrain.data.Corpus``, the standard-library corpus), same optimizer
-(``paratrain.optim.build_adamw``: AdamW foreach=False, decay on matrices only; warm-up +
+batch each step (``paratrain.files.batches.Corpus``, the standard-library corpus), same optimizer
+(``paratrain.parallel.optim.build_adamw``: AdamW foreach=False, decay on matrices only; warm-up +
 cosine LR from ``lr_at``; clip 1.0 by the global norm), float32, the loss normalised by
 the global token count. (torch's ``clip_grad_norm_`` refuses the mix of 2-D and dp-only
 DTensors FSDP2 leaves, so the torch side combines torch's per-mesh norms:
@@ -61,7 +61,7 @@ import torch
 
 from _common import alternate, median_of, peak_rss_mb, timed_steps, torch_step
 from paratrain.config import ModelConfig, TrainConfig
-from paratrain.distributed import spawn
+from paratrain.parallel.process_groups import spawn
 
 DP, TP = 2, 2
 IMPLS = ("paratrain-fsdp-tp", "torch-fsdp2-tp")
@@ -72,7 +72,7 @@ def _paratrain(mcfg: ModelConfig, tcfg: TrainConfig, zero: int):
     """step(x, y, tokens, lr) -> local loss sum; the engine (its dp rank, its all_sum)."""
     from paratrain.parallel.api import build_engine
     from paratrain.plan import ParallelPlan
-    from paratrain.train import build_model
+    from paratrain.run.loop import build_model
 
     plan = ParallelPlan(dp=DP, tp=TP, zero=zero)
     plan.check(mcfg, DP * TP, tcfg.global_batch)
@@ -122,9 +122,9 @@ def _torch(mcfg: ModelConfig, tcfg: TrainConfig):
         parallelize_module,
     )
 
-    from paratrain.optim import build_adamw
     from paratrain.parallel.engine import token_loss_sum
-    from paratrain.train import build_model
+    from paratrain.parallel.optim import build_adamw
+    from paratrain.run.loop import build_model
 
     # DTensor warns, once per process, that the (dp, tp) gradient norm takes two
     # sequential all-reduces; that is torch's path and it is what we time: keep it quiet.
@@ -165,8 +165,8 @@ def _torch(mcfg: ModelConfig, tcfg: TrainConfig):
 
 def _worker(rank: int, world: int, impl: str, mcfg: ModelConfig, batch: int, steps: int,
             warmup: int, zero: int) -> dict:
-    from paratrain.data import Corpus
-    from paratrain.optim import lr_at
+    from paratrain.files.batches import Corpus
+    from paratrain.parallel.optim import lr_at
 
     tcfg = TrainConfig(steps=warmup + steps, global_batch=batch, lr=1e-3, warmup_steps=1,
                        dtype="float32")

@@ -28,9 +28,9 @@ import statistics
 import time
 
 from paratrain.config import ModelConfig, TrainConfig
-from paratrain.distributed import spawn
+from paratrain.parallel.process_groups import spawn
 from paratrain.plan import ParallelPlan
-from paratrain.train import RunOptions, train
+from paratrain.run.loop import RunOptions, train
 
 MODEL = ModelConfig(n_layers=8, d_model=128, n_heads=4, d_ff=512, context=64)
 OPTS = RunOptions(quiet=True, measure_peak=False)

@@ -25,7 +25,7 @@ import time
 import torch
 
 from paratrain.config import ModelConfig, TrainConfig
-from paratrain.train import RunOptions, train
+from paratrain.run.loop import RunOptions, train
 
 
 def models(args) -> dict[str, ModelConfig]:

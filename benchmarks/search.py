@@ -17,10 +17,10 @@ import argparse
 import statistics
 import time
 
+from paratrain.cost.hardware import load_hardware
+from paratrain.cost.memory import memory
+from paratrain.cost.shapes import load_model
 from paratrain.systems.fitting import case_attention, case_engine, load_params
-from paratrain.systems.hardware import load_hardware
-from paratrain.systems.memory import memory
-from paratrain.systems.models import load_model
 from paratrain.systems.search import search
 from paratrain.systems.step_model import predict_step
 

@@ -38,9 +38,9 @@ from __future__ import annotations
 import pytest
 
 from paratrain.config import ModelConfig, TrainConfig
-from paratrain.distributed import spawn
+from paratrain.parallel.process_groups import spawn
 from paratrain.plan import ParallelPlan as P
-from paratrain.train import RunOptions, train
+from paratrain.run.loop import RunOptions, train
 
 M = ModelConfig(n_layers=4, d_model=32, n_heads=4, d_ff=64, context=16)
 KINDS = [("float64", "sdpa"), ("float32", "eager")]

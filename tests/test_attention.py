@@ -6,7 +6,7 @@
   gradients.
 - The saved bytes of one forward of the plain model, measured from real storages with
   :class:`paratrain.parallel.memory.ActivationMeter`, match
-  :func:`paratrain.systems.memory.block_activation_bytes` for sdpa / eager x recompute
+  :func:`paratrain.cost.memory.block_activation_bytes` for sdpa / eager x recompute
   none / selective / full x float32 / float64 (per layer: the difference between a 4-
   and a 2-layer model, so the embedding, head and RoPE tables cancel).
 - The systems model's eager - flash difference is exactly the probability term (and
@@ -22,14 +22,14 @@ import pytest
 import torch
 
 from paratrain.config import ModelConfig
-from paratrain.model import Decoder
-from paratrain.parallel.memory import ActivationMeter
-from paratrain.parallel.recompute import apply_recompute
-from paratrain.systems.memory import (
+from paratrain.cost.memory import (
     block_activation_bytes,
     edge_activation_bytes,
     layer_activation_bytes,
 )
+from paratrain.model import Decoder
+from paratrain.parallel.memory import ActivationMeter
+from paratrain.parallel.recompute import apply_recompute
 
 CFGS = [
     ModelConfig(n_layers=2, d_model=32, n_heads=4, d_ff=64, context=16),
@@ -156,7 +156,7 @@ def test_korthikanti_flash_drops_exactly_the_score_term():
 
 
 def test_block_eager_minus_flash_is_the_probability_term():
-    from paratrain.systems.models import load_model
+    from paratrain.cost.shapes import load_model
 
     m = load_model("llama2-7b")
     s, a = 4096, 32
@@ -189,7 +189,7 @@ def test_plan_attention_flag(capsys):
 # ---- the train command and the runtime's prediction ------------------------------------
 def test_train_flag_and_toml_set_the_attention(tmp_path, capsys):
     from paratrain.cli import main
-    from paratrain.train_cli import resolve
+    from paratrain.cli.train import resolve
 
     toml = tmp_path / "run.toml"
     toml.write_text('[model]\nattention = "eager"\n')
@@ -265,7 +265,7 @@ def _tp_worker(rank: int, world: int) -> list:
 
 
 def test_tensor_and_sequence_parallel_saved_bytes_match_the_formula():
-    from paratrain.distributed import spawn
+    from paratrain.parallel.process_groups import spawn
 
     for rank_rows in spawn(_tp_worker, 2, timeout_s=300):
         for attention, sp, rc, measured, predicted in rank_rows:

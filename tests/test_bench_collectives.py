@@ -7,14 +7,14 @@ import subprocess
 import sys
 
 from paratrain.cli import main
-from paratrain.systems.hardware import load_hardware
+from paratrain.cost.hardware import load_hardware
 
 KEYS = {"op", "algorithm", "impl", "nproc", "bytes", "time_us", "algbw_gbps", "busbw_gbps",
         "wrong"}
 
 
 def test_bench_commands_import_no_torch():
-    code = ("import sys, paratrain.bench.cli, paratrain.viz.cli; "
+    code = ("import sys, paratrain.cli.bench, paratrain.cli.viz; "
             "assert 'torch' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
 

@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from paratrain.check_model import format_table
 from paratrain.cli import main
+from paratrain.run.check_model import format_table
 
 TINY = ["--layers", "2", "--d-model", "32", "--d-ff", "64", "--context", "16",
         "--global-batch", "8", "--steps", "3"]

@@ -1,5 +1,5 @@
 """Simulator results and traffic for p up to 1024, and the schedules' counts against the
-systems model's closed forms (paratrain.systems.collectives)."""
+systems model's closed forms (paratrain.cost.collectives)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from paratrain.comm import ALGORITHMS, build, count, time_s
 from paratrain.comm.schedule import chunk_sizes, offsets
 from paratrain.comm.simulator import simulate_collective
-from paratrain.systems import collectives as sysc
+from paratrain.cost import collectives as sysc
 
 # p: mostly small, sometimes up to 1024 (a ring at p=1024 has 2M transfers: ~3 s)
 P = st.one_of(st.integers(1, 40), st.sampled_from([63, 64, 100, 255, 256, 1000, 1024]))

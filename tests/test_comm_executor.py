@@ -13,8 +13,8 @@ from paratrain.comm import api
 from paratrain.comm.algorithms import ALGORITHMS, build
 from paratrain.comm.cost import count
 from paratrain.comm.schedule import chunk_sizes, offsets
-from paratrain.distributed import spawn
-from paratrain.systems import collectives as sysc
+from paratrain.cost import collectives as sysc
+from paratrain.parallel.process_groups import spawn
 
 
 def _ints(rank: int, n: int, dtype=torch.float32, salt: int = 0) -> torch.Tensor:

@@ -12,9 +12,9 @@ import pytest
 
 from conftest import max_rel_diff
 from paratrain.config import ModelConfig, TrainConfig
-from paratrain.distributed import spawn
+from paratrain.parallel.process_groups import spawn
 from paratrain.plan import ParallelPlan
-from paratrain.train import RunOptions, train
+from paratrain.run.loop import RunOptions, train
 
 M4 = ModelConfig(n_layers=4, d_model=32, n_heads=4, d_ff=64, context=16)
 M8 = M4.replace(n_layers=8)

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import pytest
 
-from paratrain import layout as L
 from paratrain.config import ModelConfig, TrainConfig
-from paratrain.distributed import spawn
+from paratrain.cost import layout as L
+from paratrain.parallel.process_groups import spawn
 from paratrain.plan import ParallelPlan
-from paratrain.train import RunOptions, train
+from paratrain.run.loop import RunOptions, train
 
 M = ModelConfig(n_layers=2, d_model=32, n_heads=4, d_ff=64, context=16)
 M_GQA = M.replace(n_kv_heads=2, context=32)
@@ -109,7 +109,7 @@ def test_context_parallel_reproduces_one_process(spawned, refs, world, combos):
         for rank in range(world):
             losses, val, cp, states, _, tp = results[rank][name]
             states = states[rank]
-            # parameters, gradients, optimizer state: as paratrain.layout counts them
+            # parameters, gradients, optimizer state: as paratrain.cost.layout counts them
             # (the reducer over dp x cp)
             want = L.state_bytes(model, plan, "float64", rank)
             assert {k: states[k] for k in want} == want, (name, rank)

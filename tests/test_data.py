@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from paratrain.data import Corpus, read_corpus, stdlib_corpus
+from paratrain.files.batches import Corpus, read_corpus, stdlib_corpus
 
 
 def test_slices_of_any_world_size_reassemble_the_global_batch(text_file):

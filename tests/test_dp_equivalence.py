@@ -17,12 +17,12 @@ import pytest
 import torch
 
 from paratrain.config import ModelConfig, TrainConfig
-from paratrain.data import Corpus
-from paratrain.distributed import spawn
-from paratrain.optim import lr_at
+from paratrain.files.batches import Corpus
 from paratrain.parallel.api import build_engine
+from paratrain.parallel.optim import lr_at
+from paratrain.parallel.process_groups import spawn
 from paratrain.plan import ParallelPlan
-from paratrain.train import RunOptions, build_model, train
+from paratrain.run.loop import RunOptions, build_model, train
 
 MODEL = ModelConfig(n_layers=2, d_model=32, n_heads=4, d_ff=64, context=32)
 # 48,678 parameters: not divisible by 4; norms of 42 and MLP matrices of 42 x 51 are not

@@ -9,7 +9,7 @@
 - ``--ep``: float64, 4 steps, every step's loss within 1e-9 relative of one process
   running the same MoE model (experts 4, top-k 2, dropless), and the MoE statistics
   (auxiliary loss, z-loss, load per expert) equal; under ZeRO-3 the experts are sharded
-  over the expert-data-parallel group (model states per rank: paratrain.layout's count).
+  over the expert-data-parallel group (model states per rank: paratrain.cost.layout's count).
 """
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ import torch.nn.functional as F
 
 from conftest import max_rel_diff
 from paratrain.config import ModelConfig, TrainConfig
-from paratrain.distributed import spawn
-from paratrain.layout import dp_wire_bytes, state_bytes
+from paratrain.cost.layout import dp_wire_bytes, state_bytes
 from paratrain.model import Decoder, moe_modules, set_moe_loss_scale, take_moe_stats
+from paratrain.parallel.process_groups import spawn
 from paratrain.plan import ParallelPlan
-from paratrain.train import RunOptions, train
+from paratrain.run.loop import RunOptions, train
 
 MOE = ModelConfig(n_layers=2, d_model=32, n_heads=4, d_ff=64, context=16, experts=4,
                   top_k=2)
@@ -104,7 +104,7 @@ def test_expert_parallel_reproduces_one_process(text_file, refs, world, combos):
             assert (got["moe_dropped"] > 0) == (model.capacity_factor > 0)
             assert ("ep_wire_bytes" in got) == (plan.ep > 1)
             assert got.get("ep_wire_bytes", 1) > 0
-        for r in range(world):  # model states per rank: paratrain.layout's exact count
+        for r in range(world):  # model states per rank: paratrain.cost.layout's exact count
             want = state_bytes(model, plan, "float64", r)
             assert {k: states[r][k] for k in want} == want, (name, r)
             if plan.tp == plan.pp == 1:  # and the systems model's (no padding here)
@@ -242,9 +242,9 @@ def test_bad_moe_settings_are_one_line(bad, match):
 
 def test_systems_model_prices_moe_states_as_the_runtime_holds_them():
     """Experts over ep (ZeRO shards over dp / ep), router and shared experts dense:
-    the systems model's busiest-rank bytes equal paratrain.layout's per-rank count, for
+    the systems model's busiest-rank bytes equal paratrain.cost.layout's per-rank count, for
     uneven shapes too (moe_every 2, a shared expert, expert width 48)."""
-    from paratrain.systems.memory import Precision, model_states
+    from paratrain.cost.memory import Precision, model_states
 
     odd = MOE.replace(n_layers=4, shared_experts=1, moe_every=2, moe_ffn=48)
     for model in (MOE, odd):

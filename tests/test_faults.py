@@ -183,7 +183,7 @@ def _workers(run: Path) -> dict[int, int]:
             env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"paratrain.worker" in cmd:
+        if b"paratrain.run.worker" in cmd:
             for kv in env:
                 if kv.startswith(b"RANK="):
                     out[int(kv[5:])] = pid
@@ -342,9 +342,9 @@ def test_load_full_model_gives_the_plain_model(reference, text_file):
     the loss the run logged at step s (computed from the same weights)."""
     import torch
 
-    from paratrain.checkpoint import load_full_model
     from paratrain.config import ModelConfig
-    from paratrain.data import Corpus
+    from paratrain.files.batches import Corpus
+    from paratrain.files.checkpoint import load_full_model
     from paratrain.model import Decoder
     from paratrain.parallel.engine import token_loss_sum
 

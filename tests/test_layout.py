@@ -1,4 +1,4 @@
-"""paratrain.layout: the torch-free per-rank layout agrees with the runtime's pieces
+"""paratrain.cost.layout: the torch-free per-rank layout agrees with the runtime's pieces
 (mesh coordinates, bucket packing, vocabulary rows, parameter counts), and neither it
 nor the prediction imports torch."""
 
@@ -9,15 +9,15 @@ import sys
 
 import pytest
 
-from paratrain import layout as L
 from paratrain.config import ModelConfig
+from paratrain.cost import layout as L
 from paratrain.plan import ParallelPlan
 
 M4 = ModelConfig(n_layers=4, d_model=32, n_heads=4, d_ff=64, context=16, vocab_size=131)
 
 
 def test_layout_and_predict_import_no_torch():
-    code = ("import sys, paratrain.layout, paratrain.predict; "
+    code = ("import sys, paratrain.cost.layout, paratrain.predict; "
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True)

@@ -3,8 +3,8 @@ build the same groups; the layout prints."""
 
 from __future__ import annotations
 
-from paratrain.distributed import spawn
 from paratrain.parallel.mesh import Mesh, all_layouts, axis_ranks, coords_of, layout_table, rank_of
+from paratrain.parallel.process_groups import spawn
 from paratrain.plan import ParallelPlan
 
 

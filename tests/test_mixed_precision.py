@@ -16,11 +16,11 @@ import pytest
 import torch
 
 from paratrain.config import ModelConfig, TrainConfig
-from paratrain.distributed import spawn
+from paratrain.cost.memory import model_states
 from paratrain.parallel.memory import run_precision
+from paratrain.parallel.process_groups import spawn
 from paratrain.plan import ParallelPlan
-from paratrain.systems.memory import model_states
-from paratrain.train import RunOptions, build_model, train
+from paratrain.run.loop import RunOptions, build_model, train
 
 MODEL = ModelConfig(n_layers=2, d_model=32, n_heads=4, d_ff=64, context=16)
 QUIET = dict(quiet=True, measure_peak=False)

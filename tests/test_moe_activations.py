@@ -1,12 +1,12 @@
 """The systems model counts what paratrain's MoE block keeps for backward exactly
-(:func:`paratrain.systems.activations.moe_mlp_activation_bytes`, docs/moe-activations.md).
+(:func:`paratrain.cost.activations.moe_mlp_activation_bytes`, docs/moe-activations.md).
 
 - Per block, one process, float64 (and float32 for top-2): the bytes a 4-layer minus a 2-layer model
   saves in one forward (:class:`paratrain.parallel.memory.ActivationMeter`), halved,
   equal :func:`block_activation_bytes` to the byte, for top-1 / top-2, shared experts,
   a capacity factor that drops nothing (C = E / k: an expert takes a token once, so
   cap = T), the z-loss, every other layer MoE, recompute none / selective / full.
-- Whole runs (``paratrain.train.train``, float64, 2 steps): each rank's measured peak
+- Whole runs (``paratrain.run.loop.train``, float64, 2 steps): each rank's measured peak
   equals the runtime's prediction (:func:`rank_activation_peaks`, the busiest rank) on
   one process and on 2 gloo ranks: ep2 with top_k = E (every rank receives exactly
   its share of rows), tp2 (the MoE MLP whole on both tp ranks), pp2 1F1B (MoE and dense
@@ -22,13 +22,13 @@ import pytest
 import torch
 
 from paratrain.config import ModelConfig, TrainConfig
-from paratrain.distributed import spawn
+from paratrain.cost.activations import block_activation_bytes, moe_rows
 from paratrain.model import Decoder
 from paratrain.parallel.memory import ActivationMeter
+from paratrain.parallel.process_groups import spawn
 from paratrain.parallel.recompute import apply_recompute
 from paratrain.plan import ParallelPlan as P
-from paratrain.systems.activations import block_activation_bytes, moe_rows
-from paratrain.train import RunOptions, train
+from paratrain.run.loop import RunOptions, train
 
 B, T = 3, 16
 BASE = ModelConfig(n_layers=4, d_model=32, n_heads=4, n_kv_heads=2, d_ff=64, context=T,

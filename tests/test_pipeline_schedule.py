@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 
-from paratrain.parallel.pipeline.schedule import (
+from paratrain.cost.schedule import (
     SCHEDULES,
     Action,
     bubble_formula,

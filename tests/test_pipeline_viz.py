@@ -8,11 +8,11 @@ import subprocess
 import sys
 
 from paratrain.cli import main
-from paratrain.parallel.pipeline.schedule import build_schedule, simulate_pipeline
+from paratrain.cost.schedule import build_schedule, simulate_pipeline
 
 
 def test_viz_cli_does_not_import_torch():
-    code = "import sys, paratrain.viz.cli; assert 'torch' not in sys.modules"
+    code = "import sys, paratrain.cli.viz; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

@@ -112,9 +112,9 @@ def test_step_model_beside_the_reference_and_reference_mode(capsys):
     # the reference figures are untouched; the step model (fitted parameters) sits beside
     assert (round(rep["step"]["step_sync_s"], 2), round(rep["step"]["step_overlap_s"], 2)) \
         == (2.17, 1.64)
+    from paratrain.cost.hardware import load_hardware
+    from paratrain.cost.shapes import load_model
     from paratrain.plan import ParallelPlan
-    from paratrain.systems.hardware import load_hardware
-    from paratrain.systems.models import load_model
 
     bd = predict_step(load_model("llama2-7b"), ParallelPlan(dp=64), load_hardware("h100"),
                       1_048_576, 4096, load_params(), "megatron")

@@ -11,7 +11,8 @@ import dataclasses
 import pytest
 
 from paratrain.config import ModelConfig, TrainConfig
-from paratrain.distributed import spawn
+from paratrain.cost.hardware import Hardware
+from paratrain.parallel.process_groups import spawn
 from paratrain.plan import ParallelPlan
 from paratrain.predict import (
     MachineModel,
@@ -20,8 +21,7 @@ from paratrain.predict import (
     predict,
     waterfill,
 )
-from paratrain.systems.hardware import Hardware
-from paratrain.train import RunOptions, train
+from paratrain.run.loop import RunOptions, train
 
 MODEL = ModelConfig(n_layers=2, d_model=32, n_heads=4, d_ff=64, context=16)
 ODD = ModelConfig(n_layers=2, d_model=42, n_heads=3, d_ff=51, context=16)  # pads on 2 ranks
@@ -243,7 +243,7 @@ def test_mesh_layouts_predicted_equal_measured_on_every_rank(runs4):
 
 def test_cp_and_ep_bytes_predicted_equal_measured_in_composed_layouts(runs4):
     """CP: rank 0's bytes per step for attention (ring; under tp with sp, under pp for
-    its stage's blocks) == paratrain.layout.cp_wire_bytes in the prediction. EP under tp:
+    its stage's blocks) == paratrain.cost.layout.cp_wire_bytes in the prediction. EP under tp:
     the step's all-to-all bytes == the count from the step's own routing, near the
     uniform-routing expectation the prediction prices. TP bytes on T/cp tokens exact."""
     got = {name: rep for name, rep, _ in runs4[0]}

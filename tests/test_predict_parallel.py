@@ -13,12 +13,12 @@ import math
 import pytest
 
 from paratrain.config import ModelConfig, TrainConfig
-from paratrain.layout import cp_wire_bytes, state_bytes
+from paratrain.cost.hardware import Hardware
+from paratrain.cost.layout import cp_wire_bytes, state_bytes
 from paratrain.parallel.memory import predicted_activations
 from paratrain.plan import ParallelPlan
 from paratrain.predict import MachineModel, predict
 from paratrain.predict.axes import ep_rows_from_load, ep_wire_bytes
-from paratrain.systems.hardware import Hardware
 
 MODEL = ModelConfig(n_layers=2, d_model=32, n_heads=4, d_ff=64, context=16)
 MOE = MODEL.replace(experts=4, top_k=2, moe_ffn=64)

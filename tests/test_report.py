@@ -107,7 +107,7 @@ def test_report_renders_in_headless_chromium(run, tmp_path, capsys):
 
 
 def test_peak_tracker_remeasures_when_the_run_beats_it():
-    from paratrain.perf import PeakTracker
+    from paratrain.bench.peak import PeakTracker
 
     t = PeakTracker(torch.float32)
     first = t.peak

@@ -9,7 +9,7 @@ import dataclasses
 
 import pytest
 
-from paratrain.systems.models import load_model
+from paratrain.cost.shapes import load_model
 from paratrain.systems.runs import (
     SPLITS,
     Skip,
@@ -160,8 +160,8 @@ def test_flop_counts_by_hand_and_rows_priced_in_their_sources_count():
     """Megatron-LM (and NeMo, MaxText, torchtitan) count the logits matmul once and the
     input-embedding lookup not at all: for an untied model that is 6 V d fewer FLOPs per
     token than our 6N, and the prediction of a row's TFLOP/s is made in its source's count."""
+    from paratrain.cost.shapes import FLOP_COUNTS
     from paratrain.systems.fitting import predict
-    from paratrain.systems.models import FLOP_COUNTS
 
     row = {**BY_ID["mcore_weak_1.7b_48"], "tied": "no"}
     case = row_to_case(row)

@@ -8,9 +8,9 @@ import json
 import pytest
 
 from paratrain.cli import main
-from paratrain.systems.hardware import load_hardware
-from paratrain.systems.memory import memory
-from paratrain.systems.models import ModelShape, load_model
+from paratrain.cost.hardware import load_hardware
+from paratrain.cost.memory import memory
+from paratrain.cost.shapes import ModelShape, load_model
 from paratrain.systems.search import enumerate_plans, search
 from paratrain.systems.step_model import predict_step
 

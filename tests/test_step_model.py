@@ -8,15 +8,15 @@ import re
 import pytest
 
 from paratrain.cli import main
-from paratrain.layout.context import cp_bytes_per_sequence_layer
+from paratrain.cost.cp_bytes import cp_bytes_per_sequence_layer
+from paratrain.cost.hardware import load_hardware
+from paratrain.cost.shapes import load_model
 from paratrain.plan import ParallelPlan
 from paratrain.systems import comm_time as ct
 from paratrain.systems.explain import breakdown_rows, explain_lines
 from paratrain.systems.fitting import load_params
 from paratrain.systems.gemm import K_FIXED, chip_of, depth, gemm_s, quantisation
-from paratrain.systems.hardware import load_hardware
 from paratrain.systems.layer_cost import expert_imbalance
-from paratrain.systems.models import load_model
 from paratrain.systems.search import search
 from paratrain.systems.step_model import predict_step
 from paratrain.systems.step_params import BOUNDS, StepParams
@@ -168,8 +168,8 @@ def test_search_self_check_on_published_runs():
     """The search's best layout is predicted no slower than each published layout it could
     have chosen (a valid plan, power-of-two tp, that fits in memory): same model, engine,
     parameters, ZeRO stage and recomputation."""
+    from paratrain.cost.memory import memory
     from paratrain.systems.fitting import case_attention, case_engine
-    from paratrain.systems.memory import memory
 
     p = load_params()
     checked = 0

@@ -1,4 +1,4 @@
-"""One bubble formula: the closed form in ``parallel/pipeline/schedule.py`` equals the
+"""One bubble formula: the closed form in ``cost/schedule.py`` equals the
 simulation of the very schedule the runtime executes, for every (schedule, p, m, v) up to
 16 that the builder accepts, and the systems model's step time uses that closed form."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from paratrain.parallel.pipeline.schedule import (
+from paratrain.cost.schedule import (
     SCHEDULES,
     bubble_formula,
     bubble_over_compute,

@@ -9,9 +9,9 @@ import sys
 
 import pytest
 
-from paratrain.systems import collectives as coll
-from paratrain.systems.hardware import Hardware, hardware_names, load_hardware
-from paratrain.systems.models import load_model, model_names
+from paratrain.cost import collectives as coll
+from paratrain.cost.hardware import Hardware, hardware_names, load_hardware
+from paratrain.cost.shapes import load_model, model_names
 
 REQUIRED_HW = ["v100", "a100-40gb", "a100", "h100", "h200", "b200", "mi300x", "tpu-v4",
                "tpu-v5p"]

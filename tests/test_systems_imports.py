@@ -50,7 +50,7 @@ def test_systems_reads_toml_through_one_helper():
     others = [f"{p.relative_to(SRC)}:{n.lineno}" for p, tree in _modules(SYSTEMS)
               if p.name != "_toml.py"
               for name, n, _ in _imports(tree) if name.split(".")[0] in ("tomllib", "tomli")]
-    assert not others, f"import tomllib from paratrain.systems._toml instead: {others}"
+    assert not others, f"import tomllib from paratrain.cost._toml instead: {others}"
 
 
 def test_systems_never_imports_viz():

@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import pytest
 
-from paratrain.plan import ParallelPlan
-from paratrain.systems.hardware import load_hardware
-from paratrain.systems.memory import (
+from paratrain.cost.hardware import load_hardware
+from paratrain.cost.memory import (
     activation_bytes,
     layer_activation_bytes,
     memory,
     micro_batches_in_flight,
 )
-from paratrain.systems.models import load_model
+from paratrain.cost.shapes import load_model
+from paratrain.plan import ParallelPlan
 from paratrain.systems.step_time import bubble_fraction, step_time
 
 S, B, H, A = 2048, 1, 12288, 96  # GPT-3 175B layer, one sequence
@@ -110,7 +110,7 @@ def test_sharded_gradients_sync_every_micro_batch():
 
 def test_plain_model_config_is_priced_like_its_shape():
     from paratrain.config import ModelConfig
-    from paratrain.systems.models import as_shape
+    from paratrain.cost.shapes import as_shape
 
     cfg = ModelConfig(n_layers=4, d_model=64, n_heads=4, d_ff=128, vocab_size=256, context=32)
     plan = ParallelPlan(dp=2, zero=1)
@@ -121,11 +121,11 @@ def test_plain_model_config_is_priced_like_its_shape():
 
 
 def test_zero2_under_a_pipeline_keeps_whole_gradients():
-    """The runtime (paratrain.layout) keeps ZeRO-2's gradient buffers whole under a
+    """The runtime (paratrain.cost.layout) keeps ZeRO-2's gradient buffers whole under a
     pipeline and syncs ZeRO-2/3 once per step there; the systems model agrees."""
-    from paratrain import layout as L
     from paratrain.config import ModelConfig
-    from paratrain.systems.memory import Precision, model_states
+    from paratrain.cost import layout as L
+    from paratrain.cost.memory import Precision, model_states
     from paratrain.systems.step_time import dp_sync_wire_bytes
 
     m = ModelConfig(n_layers=4, d_model=32, n_heads=4, d_ff=64, context=16)

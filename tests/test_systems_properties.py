@@ -8,11 +8,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from paratrain.cost import collectives as coll
+from paratrain.cost.hardware import load_hardware
+from paratrain.cost.memory import model_states_bytes
+from paratrain.cost.shapes import load_model
 from paratrain.plan import ParallelPlan
-from paratrain.systems import collectives as coll
-from paratrain.systems.hardware import load_hardware
-from paratrain.systems.memory import model_states_bytes
-from paratrain.systems.models import load_model
 from paratrain.systems.step_time import step_time
 
 FAST = settings(deadline=None, max_examples=40)

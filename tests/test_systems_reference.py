@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import pytest
 
+from paratrain.cost import collectives as coll
+from paratrain.cost.hardware import load_hardware
+from paratrain.cost.memory import model_states_bytes
+from paratrain.cost.shapes import load_model
 from paratrain.plan import ParallelPlan
-from paratrain.systems import collectives as coll
-from paratrain.systems.hardware import load_hardware
-from paratrain.systems.memory import model_states_bytes
-from paratrain.systems.models import load_model
 from paratrain.systems.step_time import dp_sync_wire_bytes, step_time
 
 GB = 1e9

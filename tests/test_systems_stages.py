@@ -7,16 +7,16 @@ from __future__ import annotations
 import pytest
 
 from paratrain.config import ModelConfig
-from paratrain.plan import ParallelPlan
-from paratrain.systems.hardware import load_hardware
-from paratrain.systems.layout import stage_layers
-from paratrain.systems.stages import (
+from paratrain.cost.groups import stage_layers
+from paratrain.cost.hardware import load_hardware
+from paratrain.cost.stages import (
     blocks_per_rank,
     split_blocks,
     split_blocks_dp,
     split_layers,
     stage_costs,
 )
+from paratrain.plan import ParallelPlan
 from paratrain.systems.step_time import step_time
 
 

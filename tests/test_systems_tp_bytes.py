@@ -1,4 +1,4 @@
-"""TP collectives per block: one torch-free count (systems/tp_bytes.py) that the systems
+"""TP collectives per block: one torch-free count (cost/tp_bytes.py) that the systems
 model uses and that equals the runtime's (parallel/tensor.py), full recomputation
 included (5 all-reduce-sized transfers per block, not 6)."""
 
@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 
+from paratrain.cost.hardware import load_hardware
+from paratrain.cost.shapes import load_model
+from paratrain.cost.tp_bytes import tp_collectives_per_layer, tp_wire_bytes_per_layer
 from paratrain.plan import ParallelPlan
-from paratrain.systems.hardware import load_hardware
-from paratrain.systems.models import load_model
 from paratrain.systems.step_time import step_time
-from paratrain.systems.tp_bytes import tp_collectives_per_layer, tp_wire_bytes_per_layer
 
 
 def test_counts_per_block():

@@ -1,4 +1,4 @@
-"""The closed forms of paratrain.systems.collectives against the hand-made schedules of
+"""The closed forms of paratrain.cost.collectives against the hand-made schedules of
 paratrain.comm: the same steps and the same bytes for the busiest rank (vector sizes that
 split evenly), including the pipeline fill of segmented algorithms."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from paratrain.comm import algorithms, cost
-from paratrain.systems import collectives as coll
+from paratrain.cost import collectives as coll
 
 N = 2**4 * 3**2 * 5 * 7 * 11 * 13 * 17  # divisible by every piece count used below
 

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from paratrain.cli import main
-from paratrain.data import Corpus, bits_per_byte
-from paratrain.sources import prepare, read_corpus, records_text
-from paratrain.tokenizer import Tokenizer, bytes_tokenizer_json, chunks, load
+from paratrain.files.batches import Corpus, bits_per_byte
+from paratrain.files.corpus import prepare, read_corpus, records_text
+from paratrain.files.tokenizer import Tokenizer, bytes_tokenizer_json, chunks, load
 
 TINY = ["--layers", "2", "--d-model", "32", "--heads", "2", "--d-ff", "64", "--context", "16",
         "--global-batch", "4", "--steps", "2"]
@@ -75,7 +75,7 @@ def test_bpe_trained_on_the_training_split_cached_and_exact(tmp_path, docs, home
     assert digest == hashlib.sha256(raw).hexdigest()  # the data's identity: its text
     cut = len(raw) - int(len(raw) * 0.1)
     assert tok.json == load("bpe:300", raw[:cut]).json  # cache hit = retrained: deterministic
-    from paratrain.tokenizer import train_bpe
+    from paratrain.files.tokenizer import train_bpe
 
     assert train_bpe(raw[:cut].decode(), 300) == tok.json
     assert train_bpe(raw.decode(), 300) != tok.json  # validation text never shapes it

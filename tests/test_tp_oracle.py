@@ -23,13 +23,13 @@ import torch.distributed as dist
 
 from conftest import max_rel_diff
 from paratrain.config import ModelConfig, TrainConfig
-from paratrain.distributed import spawn
 from paratrain.model import Decoder
 from paratrain.parallel.engine import token_loss_sum
 from paratrain.parallel.mesh import Mesh
+from paratrain.parallel.process_groups import spawn
 from paratrain.parallel.tensor import apply_tensor_parallel, vocab_parallel_cross_entropy
 from paratrain.plan import ParallelPlan
-from paratrain.train import RunOptions, train
+from paratrain.run.loop import RunOptions, train
 
 MODEL = ModelConfig(n_layers=2, d_model=32, n_heads=4, d_ff=64, context=16)
 QUIET = dict(quiet=True, measure_peak=False)

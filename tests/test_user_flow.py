@@ -80,10 +80,10 @@ def test_generate_from_the_checkpoint(trained, capsys):
     assert all(o.startswith("def ") for o in outs) and len(outs[0]) > len("def ")
     assert outs[0] == outs[1] and outs[2] == outs[3]  # greedy; sampling with a seed
     assert outs[4] == outs[0]  # top-1 sampling is greedy whatever the seed
-    from paratrain.checkpoint import load_full_model
     from paratrain.config import ModelConfig
+    from paratrain.files.checkpoint import load_full_model
+    from paratrain.files.tokenizer import Tokenizer
     from paratrain.model import Decoder
-    from paratrain.tokenizer import Tokenizer
 
     meta, state = load_full_model(ck)  # greedy's first token, computed by hand
     model = Decoder(ModelConfig(**meta["model"]))
@@ -100,7 +100,7 @@ def _hf_logits_equal(ck, out, text):
     """Load ``out`` with transformers (offline) and compare logits with paratrain's."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from paratrain.inference import load
+    from paratrain.files.inference import load
 
     run = load(ck)
     hf = AutoModelForCausalLM.from_pretrained(out)
@@ -128,8 +128,8 @@ def test_export_of_a_bytes_model_with_tied_embeddings(tmp_path, capsys):
     from before tokenizers were recorded."""
     from dataclasses import asdict
 
-    from paratrain import checkpoint
     from paratrain.config import ModelConfig, TrainConfig
+    from paratrain.files import checkpoint
     from paratrain.model import Decoder
     from paratrain.parallel.engine import Engine
     from paratrain.plan import ParallelPlan

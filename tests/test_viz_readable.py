@@ -15,7 +15,7 @@ from matplotlib.text import Text  # noqa: E402
 
 from paratrain.cli import main  # noqa: E402
 from paratrain.comm import build  # noqa: E402
-from paratrain.parallel.pipeline.schedule import build_schedule  # noqa: E402
+from paratrain.cost.schedule import build_schedule  # noqa: E402
 from paratrain.viz.collective_anim import frame_figure  # noqa: E402
 from paratrain.viz.pipeline_gantt import _legend  # noqa: E402
 from paratrain.viz.plan_plots import memory_figure, pareto_figure  # noqa: E402
@@ -59,8 +59,8 @@ def test_memory_chart_has_model_states_panel_and_no_overlaps(capsys):
 
 
 def test_pareto_log_axis_labels_do_not_overlap():
-    from paratrain.systems.hardware import load_hardware
-    from paratrain.systems.models import load_model
+    from paratrain.cost.hardware import load_hardware
+    from paratrain.cost.shapes import load_model
     from paratrain.systems.search import search
 
     res = search(load_model("llama2-7b"), load_hardware("h100"), 8, 2**19, 4096, top=3)

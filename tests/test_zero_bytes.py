@@ -1,7 +1,7 @@
 """Measured memory and wire bytes per rank equal the systems model's formulas.
 
 - Model states (parameters, gradients, AdamW m and v) measured from the tensors' real
-  storages equal ``paratrain.systems.memory.model_states`` for the plan, for d = 2 and
+  storages equal ``paratrain.cost.memory.model_states`` for the plan, for d = 2 and
   4 and every ZeRO stage: exactly for the optimizer state summed over ranks, and per
   rank up to the zero padding of uneven shards (at most d - 1 elements per flat buffer).
 - Wire bytes per rank per step, counted transfer by transfer by paratrain's own
@@ -14,11 +14,11 @@ from __future__ import annotations
 import pytest
 
 from paratrain.config import ModelConfig, TrainConfig
-from paratrain.distributed import spawn
+from paratrain.cost.memory import Precision, model_states
+from paratrain.parallel.process_groups import spawn
 from paratrain.plan import ParallelPlan
-from paratrain.systems.memory import Precision, model_states
+from paratrain.run.loop import RunOptions, train
 from paratrain.systems.step_time import dp_sync_wire_bytes
-from paratrain.train import RunOptions, train
 
 MODEL = ModelConfig(n_layers=2, d_model=32, n_heads=4, d_ff=64, context=16)
 ODD = ModelConfig(n_layers=2, d_model=42, n_heads=3, d_ff=51, context=16)  # N % 4 == 2

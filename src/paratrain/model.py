@@ -10,7 +10,7 @@ model in place. Two conventions make that possible:
 - ``cfg.attention`` picks the attention kernel: ``sdpa`` (fused; keeps q, k, v, the
   output and one log-sum-exp per row for backward) or ``eager`` (the textbook formula;
   keeps the a x T x T probabilities). They agree to rounding; the systems model prices
-  the bytes each keeps (:func:`paratrain.systems.memory.block_activation_bytes`).
+  the bytes each keeps (:func:`paratrain.cost.memory.block_activation_bytes`).
 - :meth:`Decoder.forward` is the composition ``head(blocks(embed(idx)))``, and each part
   is callable alone, so a pipeline stage can run any contiguous slice of it.
 - :class:`MoE` sorts its token assignments by expert and runs them through

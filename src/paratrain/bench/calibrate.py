@@ -5,7 +5,7 @@ between two ranks, the same two fitted from a native all-reduce sweep
 (t = 2(p-1) alpha + 2(p-1)/p n / bw; alpha from the messages <= 4 KiB, beta from those
 >= 1 MiB), one-thread memory copy bandwidth, and fp32 matmul
 FLOP/s on one thread and on all. The profile holds exactly the keys
-``paratrain.systems.hardware.load_hardware`` reads; ``peak_flops`` is the measured matmul
+``paratrain.cost.hardware.load_hardware`` reads; ``peak_flops`` is the measured matmul
 rate, so ``eta`` is 1.0. Then every all-reduce algorithm is timed and set beside the
 alpha-beta price of its schedule (:func:`paratrain.comm.cost.time_s`), size by size.
 """
@@ -102,7 +102,7 @@ def run(nproc: int, sizes: list[int], iters: int, out: Path,
     from paratrain.comm.algorithms import build
     from paratrain.comm.api import SEGMENT_BYTES
     from paratrain.comm.cost import time_s
-    from paratrain.distributed import spawn
+    from paratrain.parallel.process_groups import spawn
 
     if nproc < 2:
         raise ValueError(f"--nproc {nproc}: calibration needs at least 2 ranks")

@@ -160,7 +160,7 @@ class _Case:
 
 
 def bench_worker(rank: int, world: int, cfg: BenchConfig) -> dict:
-    """Runs on every rank (via paratrain.distributed.spawn); returns this rank's rows."""
+    """Runs on every rank (via paratrain.parallel.process_groups.spawn); returns this rank's rows."""
     import torch.distributed as dist
 
     from paratrain.bench import measure
@@ -208,7 +208,7 @@ def bench_worker(rank: int, world: int, cfg: BenchConfig) -> dict:
 
 def run(nproc: int, cfg: BenchConfig) -> tuple[list[dict], dict]:
     """Spawn ``nproc`` gloo workers, benchmark, and merge ranks into records."""
-    from paratrain.distributed import spawn
+    from paratrain.parallel.process_groups import spawn
 
     if nproc < 2:
         raise ValueError(f"--nproc {nproc}: a collective needs at least 2 ranks")

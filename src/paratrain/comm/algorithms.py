@@ -36,7 +36,7 @@ def build(op: str, algorithm: str | None, p: int, n: int, *, root: int = 0,
 
     ``root`` is used by broadcast and reduce; ``segments`` by pipelined algorithms (see
     :data:`SEGMENTED`); ``gpus_per_node`` by hierarchical (ranks per node; the default
-    matches paratrain.systems.collectives). Schedules are cached: cheap to call.
+    matches paratrain.cost.collectives). Schedules are cached: cheap to call.
     """
     if op not in ALGORITHMS:
         raise ValueError(f"op={op!r} is unknown; use one of {tuple(ALGORITHMS)}")

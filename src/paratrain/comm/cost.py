@@ -1,7 +1,7 @@
 """Count and price a schedule: steps, elements each rank sends and receives, alpha-beta time.
 
 The systems model can price collectives from these schedules; its closed forms
-(:mod:`paratrain.systems.collectives`) are the cross-check.
+(:mod:`paratrain.cost.collectives`) are the cross-check.
 """
 
 from __future__ import annotations

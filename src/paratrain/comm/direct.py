@@ -3,7 +3,7 @@
 The root talks to one rank per round (it has one port): the naive all-reduce gathers the
 whole vector from ranks 1..p-1 in turn, adding, then sends the sum back in turn: 2(p-1)
 steps, each moving the whole vector, so the root's link carries 2(p-1) vectors. These
-are the baselines ``paratrain.systems.collectives`` calls ``naive``.
+are the baselines ``paratrain.cost.collectives`` calls ``naive``.
 """
 
 from __future__ import annotations
@@ -74,6 +74,6 @@ def ring_shift(p: int, n: int) -> CollectiveSchedule:
     """One round: rank r sends its block of n elements to r+1 and receives r-1's (mod p).
     The step of ring attention's K/V and dK/dV pass (:mod:`paratrain.parallel.context`):
     each rank sends n elements; it is not a collective of the systems model's catalogue
-    (the cp price counts these bytes itself: :func:`paratrain.layout.cp_wire_bytes`)."""
+    (the cp price counts these bytes itself: :func:`paratrain.cost.layout.cp_wire_bytes`)."""
     rounds = (tuple(Transfer(r, (r + 1) % p, r, COPY) for r in range(p)),) if p > 1 else ()
     return CollectiveSchedule("shift", "ring", p, n, (n,) * p, rounds, layout="pair")

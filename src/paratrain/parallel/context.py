@@ -1,11 +1,11 @@
 """Context parallelism: each cp rank holds 1/cp of every sequence (Liu et al. 2023, ring
 attention; Jacobs et al. 2023, DeepSpeed-Ulysses; Megatron's ``cp_comm_type`` p2p / a2a).
 
-**Split** (load-balanced, :func:`paratrain.layout.cp_positions`): each sequence of T
+**Split** (load-balanced, :func:`paratrain.cost.layout.cp_positions`): each sequence of T
 tokens is cut into 2cp chunks of c = T/(2cp); cp rank i holds chunks i and 2cp-1-i, in
 that local order. Under the causal mask a contiguous split gives the last rank cp times
 the first rank's attention work; this one gives every rank exactly the same work
-(:func:`paratrain.layout.attention_pairs_per_rank`). All cp ranks of one data replica
+(:func:`paratrain.cost.layout.attention_pairs_per_rank`). All cp ranks of one data replica
 take the same batch rows; each runs the embedding, every block and the head on its
 T/cp tokens only. RoPE uses global positions: the chunk's ``rope_cos`` / ``rope_sin``
 buffers are replaced by the rows of the rank's positions (:func:`apply_context_parallel`).
@@ -22,7 +22,7 @@ reruns the CP attention, communication included):
   the rank's K/V pair (stacked into one message in the working dtype, kv heads only: GQA
   heads are expanded per block, not on the wire) travels cp-1 hops around the cp ring with
   ``isend``/``irecv``; the next hop is posted before the current block is computed
-  (overlap). Per step the schedule :func:`paratrain.layout.ring_blocks` (the same object
+  (overlap). Per step the schedule :func:`paratrain.cost.layout.ring_blocks` (the same object
   the counts and tests use) lists the (query chunk, key chunk) sub-blocks: "full",
   "diag" (causal mask inside the chunk) or skipped (all keys after all queries).
   Partial outputs merge by the log-sum-exp rule; q, k, v, out and lse are saved. The
@@ -36,7 +36,7 @@ reruns the CP attention, communication included):
   kv heads divisible by cp x tp (:meth:`ParallelPlan.check`).
 
 **Bytes**: :class:`CPComm` counts what each rank sends (training only: evaluation's
-traffic is put back), the torch-free formula is :func:`paratrain.layout.cp_wire_bytes`.
+traffic is put back), the torch-free formula is :func:`paratrain.cost.layout.cp_wire_bytes`.
 
 Composition: TP shards heads first (cp then splits the local heads for Ulysses); with
 SP each tp rank holds T/(cp tp) of the cp rank's tokens outside attention, and the SP
@@ -55,7 +55,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from paratrain.layout import cp_chunks, cp_positions, ring_blocks
+from paratrain.cost.layout import cp_chunks, cp_positions, ring_blocks
 
 _KV, _DKV = 1, 2  # p2p tags
 

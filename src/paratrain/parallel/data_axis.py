@@ -27,7 +27,7 @@ finished chunk overlaps the rest of the pipeline's cool-down. ZeRO-3 then keeps 
 unit gathered from its first forward to its chunk's end (FSDP2's
 ``reshard_after_forward=False``), 2(p-1)/p x payload per step instead of 3m(p-1)/p;
 ZeRO-2 keeps full gradient buffers during the step, like ZeRO-1. The systems model
-prices exactly this (:func:`paratrain.layout.dp_wire_factor`).
+prices exactly this (:func:`paratrain.cost.layout.dp_wire_factor`).
 
 Global norm. Each reducer gives the squares of the gradient it *owns* (its ZeRO shard,
 or everything on dp rank 0 when gradients are replicated), skipping pieces another tp
@@ -40,10 +40,10 @@ import torch
 from torch import nn
 
 from paratrain.config import TrainConfig
-from paratrain.optim import build_adamw, set_lr
 from paratrain.parallel.ddp import DPCommStats, GradBuckets
 from paratrain.parallel.ddp_comm import GroupComm
 from paratrain.parallel.engine import grad_sq
+from paratrain.parallel.optim import build_adamw, set_lr
 from paratrain.parallel.precision import grad_of, optimizer_tensors, reduce_dtype
 from paratrain.plan import ParallelPlan
 

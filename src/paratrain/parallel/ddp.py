@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from paratrain.layout import pack_groups
+from paratrain.cost.layout import pack_groups
 from paratrain.parallel.ddp_comm import GroupComm
 from paratrain.parallel.engine import CommStats
 from paratrain.parallel.handle import Handle
@@ -111,7 +111,7 @@ class Bucket:
 
 
 def pack(params: list[nn.Parameter], cap_bytes: int, pad_to: int) -> list[Bucket]:
-    """Greedy packing in the given order (:func:`paratrain.layout.pack_groups`, the rule
+    """Greedy packing in the given order (:func:`paratrain.cost.layout.pack_groups`, the rule
     the prediction counts with); a parameter larger than the cap gets its own bucket.
     Each bucket's length is padded to a multiple of ``pad_to``."""
     params = list(params)

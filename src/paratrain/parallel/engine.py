@@ -22,7 +22,7 @@ from torch import nn
 
 from paratrain.config import TrainConfig
 from paratrain.model import set_moe_loss_scale
-from paratrain.optim import build_adamw, set_lr
+from paratrain.parallel.optim import build_adamw, set_lr
 
 
 @dataclass

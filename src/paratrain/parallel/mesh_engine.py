@@ -52,6 +52,7 @@ import torch.distributed as dist
 from torch import nn
 
 from paratrain.config import TrainConfig
+from paratrain.cost.schedule import build_schedule
 from paratrain.model import set_moe_loss_scale
 from paratrain.parallel.context import apply_context_parallel, cp_comm, local_tokens
 from paratrain.parallel.data_axis import DataAxis
@@ -59,7 +60,6 @@ from paratrain.parallel.engine import CommStats, Engine, token_loss_sum
 from paratrain.parallel.memory import ActivationMeter
 from paratrain.parallel.mesh import Mesh
 from paratrain.parallel.pipeline.runtime import PipelineRuntime
-from paratrain.parallel.pipeline.schedule import build_schedule
 from paratrain.parallel.pipeline.stage import build_chunks
 from paratrain.parallel.recompute import apply_recompute
 from paratrain.parallel.tensor import apply_tensor_parallel, vocab_parallel_cross_entropy

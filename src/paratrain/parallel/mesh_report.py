@@ -8,10 +8,10 @@ import statistics
 import torch
 import torch.distributed as dist
 
+from paratrain.cost.memory import block_activation_bytes
+from paratrain.cost.schedule import bubble_formula, simulate_pipeline
+from paratrain.cost.tp_bytes import tp_wire_bytes_per_layer
 from paratrain.parallel.mesh import Mesh
-from paratrain.parallel.pipeline.schedule import bubble_formula, simulate_pipeline
-from paratrain.systems.memory import block_activation_bytes
-from paratrain.systems.tp_bytes import tp_wire_bytes_per_layer
 
 
 def model_parallel_report(engine) -> dict:
@@ -22,7 +22,7 @@ def model_parallel_report(engine) -> dict:
     median over steps after the first; beside the schedule's simulated and textbook
     bubble. Activations: the peak over a step of bytes saved for backward on each
     rank (in-flight micro-batches included), beside the per-layer formula
-    (:func:`paratrain.systems.memory.block_activation_bytes`).
+    (:func:`paratrain.cost.memory.block_activation_bytes`).
     TP/SP: bytes each rank sent in the blocks' collectives, per layer and micro-batch.
     """
     plan, m = engine.plan, engine.mcfg
@@ -96,9 +96,9 @@ def model_parallel_report(engine) -> dict:
 
 def cp_report(engine) -> dict:
     """Bytes this rank sent for context-parallel attention per training step (evaluation
-    excluded), beside :func:`paratrain.layout.cp_wire_bytes`; the load balance of the
+    excluded), beside :func:`paratrain.cost.layout.cp_wire_bytes`; the load balance of the
     block schedule (attention pairs per cp rank, balanced vs contiguous)."""
-    from paratrain.layout import attention_pairs_per_rank, cp_wire_bytes
+    from paratrain.cost.layout import attention_pairs_per_rank, cp_wire_bytes
 
     plan, m = engine.plan, engine.mcfg
     steps = max(1, engine.data.steps_done or len(engine.act_peaks))

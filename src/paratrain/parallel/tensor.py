@@ -57,10 +57,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from paratrain.layout import vocab_range
+from paratrain.cost.layout import vocab_range
+from paratrain.cost.tp_bytes import tp_wire_bytes_per_layer  # noqa: F401 - re-export
 from paratrain.parallel import sequence
 from paratrain.parallel.sequence import TPComm
-from paratrain.systems.tp_bytes import tp_wire_bytes_per_layer  # noqa: F401 - re-export
 
 __all__ = ["TPComm", "TPState", "apply_tensor_parallel", "vocab_parallel_cross_entropy",
            "VocabParallelEmbedding", "RegionEntryNorm", "RowParallelLinear",

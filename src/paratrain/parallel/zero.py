@@ -44,10 +44,10 @@ import torch
 from torch import nn
 
 from paratrain.config import TrainConfig
-from paratrain.optim import set_lr
 from paratrain.parallel.ddp import DPCommStats, GradBuckets
 from paratrain.parallel.ddp_comm import GroupComm
 from paratrain.parallel.engine import grad_sq
+from paratrain.parallel.optim import set_lr
 
 
 @dataclass
@@ -73,7 +73,7 @@ class FlatShard:
 def owned_segments(params, offsets, lo: int, hi: int, shapes=None,
                    counted=lambda p: True) -> list[tuple[int, int, bool, bool]]:
     """Pieces of ``params`` (at ``offsets`` in a flat buffer) inside [lo, hi), relative to
-    ``lo``; matrices decay, vectors do not (as :func:`paratrain.optim.param_groups`).
+    ``lo``; matrices decay, vectors do not (as :func:`paratrain.parallel.optim.param_groups`).
     ``shapes`` overrides the parameters' own (FSDP frees them at rest)."""
     out = []
     shapes = shapes or [p.shape for p in params]
@@ -179,7 +179,7 @@ class ZeroOptimizer:
     ZeRO-2 then keeps ZeRO-1's gradient buffers (as Megatron-LM's distributed optimizer
     does under pipelining; DeepSpeed refuses ZeRO-2 with pipelining): reduce-scattering
     every micro-batch instead would multiply the gradient traffic by the micro-batch
-    count. The systems model prices it so (:mod:`paratrain.layout`)."""
+    count. The systems model prices it so (:mod:`paratrain.cost.layout`)."""
 
     def __init__(self, param_lists, group, stage: int, cfg: TrainConfig,
                  bucket_mb: float = 25.0, overlap: bool = True, impl: str = "native",

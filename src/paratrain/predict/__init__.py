@@ -2,7 +2,7 @@
 
 Why a separate package: :mod:`paratrain.systems` prices GPUs; this glue knows what is
 special about a CPU box running gloo, and counts every byte with the runtime's own
-torch-free layout (:mod:`paratrain.layout`). Importing it does not import torch.
+torch-free layout (:mod:`paratrain.cost.layout`). Importing it does not import torch.
 Everything it says is in the open, in :attr:`Prediction.notes`.
 
 Modules: :mod:`.machine` (the profile, the CPU fit on disk, the cores' water-filling
@@ -26,13 +26,13 @@ What is special here, and how it is priced:
   single-process runs of the same model (:func:`fit_from_runs`; ``check-model`` does it
   and saves the result beside the profile), on CPU time so another session's load does not
   leak in: ``eta``, the achieved fraction of one thread's matmul peak (measured then, with
-  :func:`paratrain.perf.matmul_peak_flops`: a calibration taken under load can understate
+  :func:`paratrain.bench.peak.matmul_peak_flops`: a calibration taken under load can understate
   it), ``pass_s``, the fixed cost of one block's forward + backward for one micro-batch
   (Python and autograd dispatch of tens of small kernels, which does not shrink with the
   batch), and ``step_s``, the fixed cost of a step (optimizer, clip, data). Without a
   fit, ``eta`` and the peak are the profile's and the fixed costs 0, and a note says so.
 - **gloo over loopback**: alpha and bandwidth from the profile, priced per collective
-  call with :func:`paratrain.systems.collectives.time_s` (ring), so a ZeRO-3 run pays
+  call with :func:`paratrain.cost.collectives.time_s` (ring), so a ZeRO-3 run pays
   one latency chain per unit and a TP run one per block region.
 
 Step time is the larger of two bounds. The critical path on free cores: pipeline stages
@@ -48,20 +48,20 @@ runs (a model that fits one bucket hides nothing). And the session's CPU work pe
 ranks outnumber those cores, a rank waiting in a collective or a pipeline bubble hands its
 core to another, so waits are hidden and the work sets the pace.
 
-Bytes are counted exactly, per rank, by :mod:`paratrain.layout`: the stage split, tensor
+Bytes are counted exactly, per rank, by :mod:`paratrain.cost.layout`: the stage split, tensor
 shards (heads, SwiGLU units, vocabulary rows ``ceil(V/t)``; norms replicated), and the dp
 reducer's flat buffers per pipeline chunk, padded to a multiple of the data-parallel size
 (buckets of ``bucket_mb`` MiB in reverse registration order; ZeRO-3 units). The systems
-model's busiest-rank formula (:func:`paratrain.systems.memory.model_states`) is reported
+model's busiest-rank formula (:func:`paratrain.cost.memory.model_states`) is reported
 beside it.
 """
 
 from __future__ import annotations
 
 from paratrain.config import ModelConfig, TrainConfig
-from paratrain.layout import ELEMENT_BYTES, RankLayout, coords, rank_layout
-from paratrain.layout import dp_payload_bytes as _payload
-from paratrain.layout import state_bytes as _state_bytes
+from paratrain.cost.layout import ELEMENT_BYTES, RankLayout, coords, rank_layout
+from paratrain.cost.layout import dp_payload_bytes as _payload
+from paratrain.cost.layout import state_bytes as _state_bytes
 from paratrain.plan import ParallelPlan
 from paratrain.predict.machine import (
     DEFAULT_PROFILE,
@@ -93,11 +93,11 @@ __all__ = ["CALIBRATE_HINT", "DEFAULT_PROFILE", "ELEMENT_BYTES", "FIT_NAME",
 
 def rank_state_bytes(mcfg: ModelConfig, plan: ParallelPlan, tcfg: TrainConfig, rank: int
                      ) -> dict[str, int]:
-    """Model-state bytes of ``rank`` (:func:`paratrain.layout.state_bytes`)."""
+    """Model-state bytes of ``rank`` (:func:`paratrain.cost.layout.state_bytes`)."""
     return _state_bytes(mcfg, plan, tcfg.dtype, rank, tcfg.reduce_dtype)
 
 
 def dp_payload_bytes(mcfg: ModelConfig, plan: ParallelPlan, tcfg: TrainConfig, rank: int
                      ) -> int:
-    """Bytes ``rank`` reduces over dp (:func:`paratrain.layout.dp_payload_bytes`)."""
+    """Bytes ``rank`` reduces over dp (:func:`paratrain.cost.layout.dp_payload_bytes`)."""
     return _payload(mcfg, plan, tcfg.dtype, rank, tcfg.reduce_dtype)

@@ -1,7 +1,7 @@
 """The context- and expert-parallel terms of the one prediction (:func:`paratrain.predict.
 predict`), per pipeline stage and micro-batch, so that any composed layout (dp, pp, tp, sp,
 cp, ep) is priced by the same critical path. Bytes come from their homes: CP from
-:func:`paratrain.layout.cp_wire_bytes` (the runtime's own count), CP seconds from
+:func:`paratrain.cost.layout.cp_wire_bytes` (the runtime's own count), CP seconds from
 :func:`paratrain.systems.comm_time.cp_s` and :func:`~paratrain.systems.comm_time.
 cp_exposed_s`, EP seconds from :func:`~paratrain.systems.comm_time.ep_s`. The EP byte
 count is here (:func:`ep_wire_bytes`): it depends on the routing, so it takes the rows a
@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import dataclasses
 
-from paratrain import layout as L
 from paratrain.config import ModelConfig
+from paratrain.cost import collectives as coll
+from paratrain.cost import layout as L
+from paratrain.cost.hardware import Hardware
+from paratrain.cost.shapes import as_shape
 from paratrain.plan import ParallelPlan
-from paratrain.systems import collectives as coll
 from paratrain.systems import comm_time as ct
-from paratrain.systems.hardware import Hardware
 from paratrain.systems.layer_cost import expert_imbalance
-from paratrain.systems.models import as_shape
 
 COUNT_BYTES = 8  # the split sizes every MoE layer exchanges first are int64
 

@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from paratrain.systems.hardware import Hardware, load_hardware
+from paratrain.cost.hardware import Hardware, load_hardware
 
 DEFAULT_PROFILE = Path("~/.cache/paratrain/hardware.toml")
 FIT_NAME = "cpu_fit.json"  # written next to the profile by `paratrain check-model`

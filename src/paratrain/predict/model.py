@@ -1,14 +1,17 @@
 """One step of one run on this machine, priced (:func:`predict`), and the CPU fit that
 calibrates it from single-process runs (:func:`fit_from_runs`). Every byte count comes
-from :mod:`paratrain.layout` (CP, EP terms: :mod:`paratrain.predict.axes`)."""
+from :mod:`paratrain.cost.layout` (CP, EP terms: :mod:`paratrain.predict.axes`)."""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from paratrain import layout as L
 from paratrain.config import ModelConfig, TrainConfig
-from paratrain.layout import ELEMENT_BYTES, RankLayout
+from paratrain.cost import collectives as coll
+from paratrain.cost import layout as L
+from paratrain.cost.hardware import Hardware
+from paratrain.cost.layout import ELEMENT_BYTES, RankLayout
+from paratrain.cost.tp_bytes import tp_forward_backward
 from paratrain.plan import ParallelPlan
 from paratrain.predict.axes import (
     cp_block_s,
@@ -22,10 +25,7 @@ from paratrain.predict.axes import (
     one_host,
 )
 from paratrain.predict.machine import MachineModel
-from paratrain.systems import collectives as coll
-from paratrain.systems.hardware import Hardware
 from paratrain.systems.layer_cost import expert_imbalance
-from paratrain.systems.tp_bytes import tp_forward_backward
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,7 @@ class Prediction:
     cp_comm_s: float = 0.0  # the CP exchange along the critical path, total
     cp_exposed_s: float = 0.0  # of which not hidden under the block attention
     ep_comm_s: float = 0.0  # MoE all-to-alls along the critical path (all exposed)
-    cp_wire_bytes: float = 0.0  # rank 0, per step (paratrain.layout.cp_wire_bytes)
+    cp_wire_bytes: float = 0.0  # rank 0, per step (paratrain.cost.layout.cp_wire_bytes)
     ep_wire_bytes: float = 0.0  # rank 0, per step, expected under uniform routing
     states_bytes_per_rank: list[dict] = field(default_factory=list)
     dp_wire_bytes_per_rank: list[float] = field(default_factory=list)  # per step
@@ -117,7 +117,7 @@ def _stage_mb_time(mcfg: ModelConfig, plan: ParallelPlan, lay: RankLayout, token
 def _tp_block_calls(mcfg: ModelConfig, plan: ParallelPlan, lay: RankLayout, act: float
                     ) -> tuple[float, int]:
     """(bytes, all-reduce-sized calls) of the blocks' TP collectives per micro-batch:
-    :func:`paratrain.systems.tp_bytes.tp_forward_backward` per dense block (the same
+    :func:`paratrain.cost.tp_bytes.tp_forward_backward` per dense block (the same
     steps and bytes under SP's all-gather + reduce-scatter); an MoE block has one
     forward and one backward fewer (its MLP is whole on every tp rank: no entry, no exit)."""
     n_fwd, n_bwd = tp_forward_backward(plan.recompute)
@@ -154,8 +154,8 @@ def _pp_calls(plan: ParallelPlan, lay: RankLayout, act: float, v: int
 def _dp_groups(mcfg: ModelConfig, plan: ParallelPlan, tcfg: TrainConfig, rank: int
                ) -> list[tuple[int, list[tuple[str, float, int]]]]:
     """(group size, calls) of each gradient reducer of ``rank``: one over dp x cp
-    (:func:`paratrain.layout.reducer_plan`), or with ep > 1 the dense one and the
-    experts' (:func:`paratrain.layout.reducers`)."""
+    (:func:`paratrain.cost.layout.reducer_plan`), or with ep > 1 the dense one and the
+    experts' (:func:`paratrain.cost.layout.reducers`)."""
     parts = [(plan, rank, "all", None)] if plan.ep == 1 else L.reducers(plan, rank)
     out = []
     for q, r, part, e in parts:

@@ -7,7 +7,7 @@ import math
 from pathlib import Path
 
 from paratrain.config import ModelConfig, TrainConfig
-from paratrain.layout import ELEMENT_BYTES
+from paratrain.cost.layout import ELEMENT_BYTES
 from paratrain.plan import ParallelPlan
 from paratrain.predict.axes import ep_rows_from_load, ep_wire_bytes
 from paratrain.predict.machine import load_machine, sample_other_sessions

@@ -5,20 +5,20 @@ Achieved bandwidth of a group (:func:`group_bw`): inside one node, the NVLink/IC
 (each GPU of a DGX/HGX node has its own NIC), so a group with g members per node moves
 g x the per-GPU network bandwidth x ``net_eff`` across each node boundary, and never more
 than its NVLink hops carry. Times are the alpha-beta forms of
-:mod:`paratrain.systems.collectives` (ring steps x latency + bytes / bandwidth); wire
+:mod:`paratrain.cost.collectives` (ring steps x latency + bytes / bandwidth); wire
 bytes come from the homes that count them for the runtime
-(:mod:`paratrain.systems.tp_bytes`, :mod:`paratrain.layout.context`).
+(:mod:`paratrain.cost.tp_bytes`, :mod:`paratrain.cost.cp_bytes`).
 """
 
 from __future__ import annotations
 
-from paratrain.layout.context import cp_bytes_per_sequence_layer
+from paratrain.cost import collectives as coll
+from paratrain.cost.cp_bytes import cp_bytes_per_sequence_layer
+from paratrain.cost.groups import span, strides
+from paratrain.cost.hardware import Hardware
+from paratrain.cost.shapes import ModelShape
+from paratrain.cost.tp_bytes import tp_forward_backward
 from paratrain.plan import ParallelPlan
-from paratrain.systems import collectives as coll
-from paratrain.systems.hardware import Hardware
-from paratrain.systems.layout import span, strides
-from paratrain.systems.models import ModelShape
-from paratrain.systems.tp_bytes import tp_forward_backward
 
 
 def group_bw(plan: ParallelPlan, axis: str, size: int, hw: Hardware, nvlink_eff: float,

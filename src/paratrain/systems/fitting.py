@@ -21,11 +21,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from paratrain.systems._toml import tomllib
-from paratrain.systems.catalogue import DATA_DIR
+from paratrain.cost._toml import tomllib
 from paratrain.systems.gemm import family
 from paratrain.systems.overlap import Engine, engine, infer_engine
-from paratrain.systems.runs import Case, Record
+from paratrain.systems.runs import DATA_DIR, Case, Record
 from paratrain.systems.step_model import Breakdown, predict_step
 from paratrain.systems.step_params import BOUNDS, SCALARS, StepParams
 
@@ -81,7 +80,7 @@ def breakdown(case: Case, params: StepParams) -> Breakdown:
 
 def source_count(case: Case) -> str:
     """How the row's source counts model FLOPs (``Case.flops_count``, else its engine's;
-    :data:`paratrain.systems.models.FLOP_COUNTS`)."""
+    :data:`paratrain.cost.shapes.FLOP_COUNTS`)."""
     return case.flops_count or case_engine(case).flops_count
 
 

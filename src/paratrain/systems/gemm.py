@@ -36,7 +36,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from paratrain.systems.hardware import Hardware
+from paratrain.cost.hardware import Hardware
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ experts         E / ep grouped GEMMs of M k ep / E tokens   x expected imbalance
 Backward is the input-gradient and weight-gradient GEMMs (twice the forward FLOPs);
 flash attention's backward does 2.5 times its forward's matmul work (five matmuls to
 two, Dao 2023). Causal attention computes half the score matrix; context parallelism's
-load-balanced split gives each rank 1/cp of it (:mod:`paratrain.layout.context`).
+load-balanced split gives each rank 1/cp of it (:mod:`paratrain.cost.cp_bytes`).
 
 Memory-bound work (norms, residual adds, activation functions, RoPE, dropout, MoE
 permutation) is counted in bytes read and written per token and priced at the HBM's
@@ -36,9 +36,9 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
+from paratrain.cost.hardware import Hardware
+from paratrain.cost.shapes import ModelShape
 from paratrain.systems.gemm import Chip, train_gemm_s
-from paratrain.systems.hardware import Hardware
-from paratrain.systems.models import ModelShape
 
 KERNELS_FWD = 14  # norms, GEMMs, RoPE, attention, adds, activation, TP collectives
 # eager attention, forward, per score element beyond what its two batched GEMMs move

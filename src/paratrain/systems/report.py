@@ -10,11 +10,11 @@ from __future__ import annotations
 import math
 
 from paratrain.config import ModelConfig
+from paratrain.cost import collectives as coll
+from paratrain.cost.hardware import Hardware
+from paratrain.cost.memory import memory, params_per_gpu, recipe
+from paratrain.cost.shapes import as_shape
 from paratrain.plan import ParallelPlan
-from paratrain.systems import collectives as coll
-from paratrain.systems.hardware import Hardware
-from paratrain.systems.memory import memory, params_per_gpu, recipe
-from paratrain.systems.models import as_shape
 from paratrain.systems.step_time import OVERLAP_FRACTION, dp_sync_wire_bytes, step_time
 
 GB = 1e9
@@ -28,7 +28,7 @@ def build_report(model: ModelConfig, hw: Hardware, plan: ParallelPlan, tokens_pe
     """Every number `paratrain plan` shows, in SI units (bytes, seconds, fractions).
 
     ``attention`` is the kernel whose saved activations are priced (``flash`` keeps no
-    s x s scores; ``eager`` keeps them: :func:`paratrain.systems.memory.block_activation_bytes`).
+    s x s scores; ``eager`` keeps them: :func:`paratrain.cost.memory.block_activation_bytes`).
     ``step_kwargs`` go to :func:`step_time` (e.g. a fitted ``dp_algorithm`` and
     ``overhead_width`` from ``paratrain validate --fit``)."""
     m = as_shape(model)

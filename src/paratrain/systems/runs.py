@@ -23,12 +23,12 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from paratrain.cost.groups import split_batch
+from paratrain.cost.hardware import Hardware, load_hardware
+from paratrain.cost.shapes import FLOP_COUNTS, ModelShape, load_model
 from paratrain.plan import ParallelPlan
-from paratrain.systems.catalogue import DATA_DIR
-from paratrain.systems.hardware import Hardware, load_hardware
-from paratrain.systems.layout import split_batch
-from paratrain.systems.models import FLOP_COUNTS, ModelShape, load_model
 
+DATA_DIR = Path(__file__).parent / "data"  # the published runs and the fitted values
 DEFAULT_RUNS = DATA_DIR / "calibration.csv"
 SPLITS = ("fit", "heldout")
 # the expert-parallel issue's column names -> ModelShape fields
@@ -120,7 +120,7 @@ def source_key(row: dict) -> str:
 
 
 def _hardware(name: str) -> tuple[str, Hardware]:
-    from paratrain.systems.catalogue import lookup
+    from paratrain.cost.catalogue import lookup
 
     candidates = [name, name.split("(")[0].strip()]
     low = name.lower()

@@ -15,7 +15,7 @@ Layouts are priced by the step model (:func:`paratrain.systems.step_model.predic
 per-GEMM efficiency, so thin micro-batches and narrow shards cost what they cost; kernel
 launches and p2p latency per micro-batch; the busiest stage's share of the layers) unless
 ``reference=True`` asks for docs/design.md's model. Memory (in-flight activations of the
-schedule included) is :func:`paratrain.systems.memory.memory`'s.
+schedule included) is :func:`paratrain.cost.memory.memory`'s.
 
 The winner is explained in the rules of thumb of docs/design.md: tensor parallel inside a
 node, pipeline or FSDP across nodes until the model fits, data parallel for the rest,
@@ -29,10 +29,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from paratrain.config import ModelConfig
+from paratrain.cost.hardware import Hardware
+from paratrain.cost.memory import Memory, memory
+from paratrain.cost.shapes import as_shape
 from paratrain.plan import ParallelPlan
-from paratrain.systems.hardware import Hardware
-from paratrain.systems.memory import Memory, memory
-from paratrain.systems.models import as_shape
 from paratrain.systems.overlap import SEARCH_ENGINE
 from paratrain.systems.step_model import Breakdown, predict_step
 from paratrain.systems.step_params import StepParams

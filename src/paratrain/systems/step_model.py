@@ -6,7 +6,7 @@ the way the step runs on the busiest pipeline rank (docs/systems-model.md):
 
 1. one micro-batch's block: each GEMM from its shape, attention, memory-bound work and
    kernel launches (:mod:`paratrain.systems.layer_cost`); the stage holds the runtime's
-   split of blocks (:func:`paratrain.systems.stages.rank_blocks`), the last one the head;
+   split of blocks (:func:`paratrain.cost.stages.rank_blocks`), the last one the head;
 2. per micro-batch, what tensor, context and expert parallelism leave exposed: each
    axis' time (:mod:`paratrain.systems.comm_time`) less the engine's overlap of it
    (:mod:`paratrain.systems.overlap`), a ring's K/V passes hidden only under the block's
@@ -26,17 +26,17 @@ import dataclasses
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from paratrain.parallel.pipeline.schedule import bubble_over_compute
+from paratrain.cost.groups import split_batch
+from paratrain.cost.hardware import Hardware
+from paratrain.cost.memory import params_per_gpu
+from paratrain.cost.schedule import bubble_over_compute
+from paratrain.cost.shapes import as_shape
+from paratrain.cost.stages import rank_blocks, stage_costs
 from paratrain.plan import ParallelPlan
 from paratrain.systems import comm_time as ct
 from paratrain.systems.gemm import chip_of
-from paratrain.systems.hardware import Hardware
 from paratrain.systems.layer_cost import GEMM_CLASSES, block_cost, head_cost
-from paratrain.systems.layout import split_batch
-from paratrain.systems.memory import params_per_gpu
-from paratrain.systems.models import as_shape
 from paratrain.systems.overlap import COLLECTIVES_PER_BLOCK, Engine, engine
-from paratrain.systems.stages import rank_blocks, stage_costs
 from paratrain.systems.step_params import StepParams
 from paratrain.systems.step_time import recompute_flops_per_token
 

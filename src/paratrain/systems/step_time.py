@@ -5,8 +5,8 @@ token, forward + backward, are 6 N + 12 L H Q T; full recomputation adds another
 (hardware FLOPs, HFU), selective recomputation the attention-score forward. Compute time is
 hardware FLOPs / (GPUs x peak x eta).
 
-Communication per step, each priced with :mod:`paratrain.systems.collectives` on the
-slowest link its group spans (:mod:`paratrain.systems.layout`):
+Communication per step, each priced with :mod:`paratrain.cost.collectives` on the
+slowest link its group spans (:mod:`paratrain.cost.groups`):
 
 - data parallel (dp x cp ranks): ZeRO 0 ring all-reduce of the gradients; ZeRO 1
   reduce-scatter of gradients + all-gather of weights (the same 2(p-1)/p bytes); ZeRO 2
@@ -16,7 +16,7 @@ slowest link its group spans (:mod:`paratrain.systems.layout`):
 - tensor parallel (Shoeybi et al. 2019): 2 all-reduces of the layer's activations in
   forward and 2 in backward per layer and micro-batch (with sequence parallelism: the
   same bytes as all-gathers + reduce-scatters); full recomputation repeats the attention
-  exit's only, 5 per layer (:mod:`paratrain.systems.tp_bytes`, the runtime's own count).
+  exit's only, 5 per layer (:mod:`paratrain.cost.tp_bytes`, the runtime's own count).
 - pipeline: one point-to-point activation send forward and one gradient back per micro-batch
   and virtual stage (scatter/gather optimisation: 1/tp of it per rank, Narayanan et al. 2021).
 - context parallel (ring attention, Liu et al. 2023): K and V pass around the cp ring,
@@ -29,7 +29,7 @@ micro-batch's backward, their all-gathers under a forward (the other 1/3). What 
 not fit is exposed. Tensor, pipeline and expert communication is counted as exposed.
 Pipeline bubble: (p-1)/m of the compute for GPipe and 1F1B (a fraction (p-1)/(m+p-1) of
 the step), divided by v for interleaving, by 3 for ZB-H1 with m >= p (Qi et al. 2023);
-one closed form, :func:`paratrain.parallel.pipeline.schedule.bubble_over_compute`
+one closed form, :func:`paratrain.cost.schedule.bubble_over_compute`
 (torch-free), equal to the simulated schedule the runtime runs.
 
 MFU = model FLOPs / (step time x GPUs x peak); HFU uses hardware FLOPs.
@@ -40,22 +40,22 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from paratrain.config import ModelConfig
-from paratrain.layout import zero_wire_factor
-from paratrain.parallel.pipeline.schedule import bubble_formula, bubble_over_compute
+from paratrain.cost import collectives as coll
+from paratrain.cost.groups import group_link, span, split_batch, stage_layers
+from paratrain.cost.hardware import Hardware
+from paratrain.cost.layout import zero_wire_factor
+from paratrain.cost.memory import Precision, params_per_gpu, recipe
+from paratrain.cost.schedule import bubble_formula, bubble_over_compute
+from paratrain.cost.shapes import as_shape
+from paratrain.cost.tp_bytes import tp_forward_backward, tp_wire_bytes_per_layer
 from paratrain.plan import ParallelPlan
-from paratrain.systems import collectives as coll
-from paratrain.systems.hardware import Hardware
-from paratrain.systems.layout import group_link, span, split_batch, stage_layers
-from paratrain.systems.memory import Precision, params_per_gpu, recipe
-from paratrain.systems.models import as_shape
-from paratrain.systems.tp_bytes import tp_forward_backward, tp_wire_bytes_per_layer
 
 OVERLAP_FRACTION = 2 / 3  # backward's share of compute (2 of 6N per token)
 
 
 def bubble_fraction(schedule: str, pp: int, m: int, v: int = 1) -> float:
     """Idle fraction of a pipeline step: the schedule module's closed form
-    (:func:`paratrain.parallel.pipeline.schedule.bubble_formula`), which equals the
+    (:func:`paratrain.cost.schedule.bubble_formula`), which equals the
     simulated bubble of the schedule the runtime executes."""
     return bubble_formula(schedule, pp, m, v)
 
@@ -63,7 +63,7 @@ def bubble_fraction(schedule: str, pp: int, m: int, v: int = 1) -> float:
 def dp_sync_wire_bytes(payload_bytes: float, p: int, zero: int, micro_batches: int = 1,
                        pipelined: bool = False) -> float:
     """Bytes each data-parallel rank sends per step for its gradient sync, m micro-batches
-    (:func:`paratrain.layout.dp_wire_factor`, the runtime's count):
+    (:func:`paratrain.cost.layout.dp_wire_factor`, the runtime's count):
 
     ZeRO 0/1: one all-reduce (1: reduce-scatter + all-gather), 2(p-1)/p x payload.
     ZeRO 2: gradients are sharded, so each micro-batch reduce-scatters, then one
@@ -190,7 +190,7 @@ def step_time(model: ModelConfig, plan: ParallelPlan, hw: Hardware, tokens_per_s
     """Predict one optimizer step of ``plan`` on ``plan.world_size`` GPUs of ``hw``.
 
     ``dp_algorithm``: "ring" (docs/design.md's reference), "auto" (hierarchical across nodes),
-    or any algorithm of :mod:`paratrain.systems.collectives`. ``overhead_width`` (h0)
+    or any algorithm of :mod:`paratrain.cost.collectives`. ``overhead_width`` (h0)
     prices the memory-bound, non-matmul work of a layer (norms, activations, softmax,
     optimizer): it scales with s b h while matmuls scale with s b h^2, so compute time is
     multiplied by (1 + h0 / d_model); 0 (the default, docs/design.md's model) ignores it.

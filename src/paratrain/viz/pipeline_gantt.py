@@ -1,8 +1,8 @@
 """Gantt chart of a pipeline schedule: ranks x time, one box per compute action.
 
-Drawn from the very :class:`~paratrain.parallel.pipeline.schedule.PipelineSchedule` the runtime
+Drawn from the very :class:`~paratrain.cost.schedule.PipelineSchedule` the runtime
 executes: the predicted panel places each action at the time
-:func:`~paratrain.parallel.pipeline.schedule.simulate_pipeline` gives it (F = 1, B = 2,
+:func:`~paratrain.cost.schedule.simulate_pipeline` gives it (F = 1, B = 2,
 BI = BW = 1 per full stage, a chunk 1/v of that); white gaps are the bubble. With a
 measured timeline (``RUN_DIR/pipeline_timeline.json``, written by ``paratrain train``
 with ``--pp > 1``) a second panel draws the recorded start and end of every action of
@@ -74,7 +74,7 @@ def draw_pipeline(name: str, pp: int, micro_batches: int, virtual_stages: int, o
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
-    from paratrain.parallel.pipeline.schedule import (
+    from paratrain.cost.schedule import (
         bubble_formula,
         build_schedule,
         simulate_pipeline,

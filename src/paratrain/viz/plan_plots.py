@@ -121,7 +121,7 @@ def write_plan_plots(rep: dict, out_dir: str | Path) -> list[Path]:
 
 def write_plan_output(out, out_dir: str | Path) -> list[Path]:
     """The charts of one `paratrain plan` result (``out`` is a
-    :class:`paratrain.systems.cli.PlanOutput`): memory and step time for a priced plan,
+    :class:`paratrain.cli.plan.PlanOutput`): memory and step time for a priced plan,
     the Pareto front for a search."""
     if out.kind == "search":
         return [plot_pareto(out.data, out_dir, out.title)]

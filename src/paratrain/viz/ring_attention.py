@@ -2,9 +2,9 @@
 chunk) blocks each cp rank computes, which it skips, which K/V block it holds and which
 is in flight; saved as PNGs and a GIF.
 
-Drawn from :func:`paratrain.layout.ring_blocks`, the schedule
+Drawn from :func:`paratrain.cost.layout.ring_blocks`, the schedule
 :class:`paratrain.parallel.context.RingAttention` runs, with the load-balanced split of
-:func:`paratrain.layout.cp_chunks` (sequence cut into 2cp chunks; rank i holds chunks i
+:func:`paratrain.cost.layout.cp_chunks` (sequence cut into 2cp chunks; rank i holds chunks i
 and 2cp-1-i). Left: the 2cp x 2cp causal attention matrix (rows: query chunks, columns:
 key chunks), each block coloured by the rank that computes it, solid at the step it is
 computed, faded afterwards; diagonal blocks are triangles (causal mask inside the chunk);
@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from paratrain.layout import attention_pairs_per_rank, cp_chunks, ring_blocks
+from paratrain.cost.layout import attention_pairs_per_rank, cp_chunks, ring_blocks
 
 # colour-blind safe (Okabe-Ito), dark enough for white labels
 PALETTE = ["#0072B2", "#D55E00", "#009E73", "#CC79A7", "#E69F00", "#56B4E9", "#8C564B",

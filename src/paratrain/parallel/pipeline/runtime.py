@@ -47,8 +47,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from paratrain.cost.schedule import COMPUTE, Action, PipelineSchedule
 from paratrain.parallel.memory import ActivationMeter
-from paratrain.parallel.pipeline.schedule import COMPUTE, Action, PipelineSchedule
 
 
 # ---- zero-bubble: deferring weight gradients ---------------------------------------

@@ -7,7 +7,7 @@ absent), so the tensor-parallel transform shards a chunk exactly as it shards a 
 :class:`~paratrain.model.Decoder`, and it runs the same composition
 ``head(norm(blocks(embed(idx))))`` restricted to its slice.
 
-Where the cuts go is decided by :func:`paratrain.systems.stages.split_layers` (torch-free,
+Where the cuts go is decided by :func:`paratrain.cost.stages.split_layers` (torch-free,
 re-exported here): blocks cost their training FLOPs, the head is added to the last stage,
 and the contiguous split minimising the most expensive stage is chosen, every stage
 keeping at least one block (``ParallelPlan.check`` refuses more stages than layers). The
@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from paratrain.systems.stages import split_layers, stage_costs
+from paratrain.cost.stages import split_layers, stage_costs
 
 __all__ = ["StageChunk", "build_chunks", "split_layers", "stage_costs"]
 

@@ -1,0 +1,43 @@
+"""`paratrain generate` and `paratrain export`: a checkpoint back in one process, as
+text or as a Hugging Face folder. No torch at import time (like every command module)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+Opt = typer.Option
+
+
+def register(app: typer.Typer) -> None:
+    @app.command()
+    def generate(
+        checkpoint: Annotated[str, Opt(help="A training run's --checkpoint-dir.")],
+        prompt: Annotated[str, Opt(help="Text to continue.")],
+        max_new_tokens: Annotated[int, Opt(help="Tokens to add.")] = 200,
+        temperature: Annotated[float, Opt(help="Softmax temperature (0 = greedy).")] = 0.8,
+        top_k: Annotated[int | None, Opt(help="Sample among the k likeliest tokens.")] = None,
+        seed: Annotated[int, Opt(help="Seed of the sampler.")] = 0,
+    ) -> None:
+        """Continue --prompt with text sampled from a checkpoint (any layout)."""
+        from paratrain.files.inference import load
+        from paratrain.run.generate import check_args, sample
+
+        check_args(max_new_tokens, temperature, top_k)
+        run = load(checkpoint)
+        ids, new = sample(run, prompt, max_new_tokens, temperature, top_k, seed)
+        print(run.tokenizer.decode(ids + new), flush=True)
+
+    @app.command()
+    def export(
+        checkpoint: Annotated[str, Opt(help="A training run's --checkpoint-dir.")],
+        out: Annotated[str, Opt(help="Folder for config.json, model.safetensors, tokenizer."
+                                )],
+    ) -> None:
+        """Write a checkpoint as a Hugging Face LlamaForCausalLM folder."""
+        from paratrain.files.export import export as write
+        from paratrain.files.inference import load
+
+        files = write(load(checkpoint), out)
+        print("wrote " + ", ".join(str(f) for f in files), flush=True)

@@ -1,0 +1,344 @@
+"""`paratrain train`: settings from defaults <- TOML (--config) <- flags, then run.
+
+``--nproc 1`` trains in this process. ``--nproc N`` validates everything here, writes the
+resolved settings to ``RUN_DIR/run.json`` and hands over to torchrun's own launcher
+(``python -m torch.distributed.run --standalone --nproc-per-node N``), whose workers run
+:mod:`paratrain.run.worker`. Running ``torchrun ... -m paratrain.cli train ...`` directly
+works too: the command sees torchrun's environment and joins the group itself.
+
+No torch import at module level (the CLI must start instantly for `paratrain plan`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import stat
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from paratrain.run import launcher, shutdown
+from paratrain.config import ModelConfig, TrainConfig, build, check_types, load_toml
+from paratrain.files.prepare import settle_vocab
+from paratrain.plan import ParallelPlan
+
+Opt = typer.Option
+
+
+def _pick(values: dict) -> dict:
+    return {k: v for k, v in values.items() if v is not None}
+
+
+def resolve(config: str | None, model_flags: dict, train_flags: dict,
+            plan_flags: dict, nproc: int) -> tuple[ModelConfig, TrainConfig, ParallelPlan]:
+    """Defaults <- TOML tables <- explicit flags; validated, with dp inferred."""
+    tables = load_toml(config) if config else {}
+    for cls, where in ((ModelConfig, "model"), (TrainConfig, "train"), (ParallelPlan, "plan")):
+        check_types(cls, tables.get(where, {}), where)
+    mcfg = build(ModelConfig, {**tables.get("model", {}), **_pick(model_flags)}, "model")
+    tcfg = build(TrainConfig, {**tables.get("train", {}), **_pick(train_flags)}, "train")
+    pvals = {**tables.get("plan", {}), **_pick(plan_flags)}
+    if "dp" not in pvals:
+        denom = pvals.get("tp", 1) * pvals.get("pp", 1) * pvals.get("cp", 1)
+        if nproc % denom:
+            raise ValueError(f"--nproc {nproc} is not divisible by tp*pp*cp={denom}; "
+                             f"use a multiple of {denom}")
+        pvals["dp"] = nproc // denom
+    plan = build(ParallelPlan, pvals, "plan")
+    return mcfg, tcfg, plan
+
+
+# ---- checks before anything is launched -------------------------------------------------
+def check_data(path: str) -> None:
+    """``--data`` exists, is a regular file or a folder of them, can be read, holds bytes."""
+    p = Path(path)
+    if not p.exists():
+        raise ValueError(f"data path {path!r} does not exist; pass an existing file or folder "
+                         "to --data, or omit it to use the standard library")
+    try:
+        files = sorted(f for f in p.rglob("*") if f.is_file()) if p.is_dir() else [p]
+        if p.is_dir():
+            os.listdir(p)
+    except OSError as e:
+        raise ValueError(f"data folder {path!r} cannot be read ({e.strerror}); pass a "
+                         "readable --data") from None
+    size = 0
+    for f in files:
+        mode = f.stat().st_mode
+        if not stat.S_ISREG(mode):  # a FIFO would block the read; a device never ends
+            raise ValueError(f"data path {str(f)!r} is not a regular file or folder; pass a "
+                             "text file or folder to --data")
+        try:
+            with f.open("rb") as fh:
+                fh.read(1)
+        except OSError as e:
+            raise ValueError(f"data file {str(f)!r} cannot be read ({e.strerror}); pass a "
+                             "readable --data") from None
+        size += f.stat().st_size
+    if size == 0:
+        raise ValueError(f"data path {path!r} holds no text; point --data at a non-empty "
+                         "text file or folder")
+
+
+def check_output_dir(flag: str, path: str) -> None:
+    """``path`` is, or can be created as, a writable directory (checked, not created)."""
+    p = Path(path).absolute()
+    if p.exists() and not p.is_dir():
+        raise ValueError(f"{flag} {path!r} is a file, not a directory; pass a directory path")
+    a = p
+    while not a.exists():
+        a = a.parent
+    if not a.is_dir():
+        raise ValueError(f"{flag} {path!r} cannot be created: {str(a)!r} is a file, not a "
+                         "directory; pass another path")
+    if not os.access(a, os.W_OK | os.X_OK):
+        raise ValueError(f"{flag} {path!r} is not writable ({str(a)!r}); pass a writable path")
+
+
+def check_resume(checkpoint_dir: str, mcfg: ModelConfig, tcfg: TrainConfig,
+                 plan: ParallelPlan) -> None:
+    """The newest intact checkpoint exists, is below ``--steps`` and was trained with the
+    same trajectory settings and data (the workers check again; any layout may resume)."""
+    from paratrain.files import checkpoint
+    from paratrain.files.batches import read_corpus
+
+    meta = checkpoint.peek(checkpoint_dir)
+    if meta is None and checkpoint.steps(checkpoint_dir):
+        raise ValueError(f"no intact checkpoint in {checkpoint_dir!r} (every step failed "
+                         "verification); start again without --resume")
+    if meta is None:
+        raise ValueError(f"no checkpoint found in {checkpoint_dir!r}; run without --resume "
+                         "first, or point --checkpoint-dir at a directory that has one")
+    if meta.get("step", 0) >= tcfg.steps:
+        raise ValueError(f"the checkpoint in {checkpoint_dir!r} is at step {meta.get('step')} "
+                         f"but --steps is {tcfg.steps}; pass --steps above {meta.get('step')} "
+                         "to train further")
+    text = read_corpus(tcfg.data, tcfg.text_field)
+    want = checkpoint.run_settings(mcfg, tcfg, plan, checkpoint.data_sha256(text))
+    checkpoint.check_settings(meta, want, checkpoint.step_dir(checkpoint_dir, meta["step"]))
+    checkpoint.check_residual_layout(meta, plan, checkpoint.step_dir(checkpoint_dir,
+                                                                   meta["step"]))
+
+
+FLOAT_MAX = {"float32": 3.4028234663852886e38, "bfloat16": 3.3895313892515355e38,
+             "float64": 1.7976931348623157e308}
+
+
+def check_lr(tcfg: TrainConfig) -> None:
+    """A learning rate the parameters' dtype can hold (1e300 is finite as a Python float
+    but infinite in float32: the first step would turn every weight into inf or NaN)."""
+    top = FLOAT_MAX.get(tcfg.dtype, FLOAT_MAX["float64"])
+    if not math.isfinite(tcfg.lr) or tcfg.lr > top:
+        raise ValueError(f"--lr {tcfg.lr:g} does not fit in {tcfg.dtype} (largest "
+                         f"{top:.3g}); pass a learning rate such as --lr 3e-3")
+
+
+def _has_checkpoint(checkpoint_dir: str) -> bool:
+    from paratrain.files import checkpoint
+
+    return checkpoint.peek(checkpoint_dir) is not None
+
+
+def new_run_dir() -> str:
+    """runs/<time>-<pid>[-k]: created here, so two runs never share one."""
+    base = Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    for k in range(1000):
+        p = base if k == 0 else base.with_name(f"{base.name}-{k}")
+        try:
+            p.mkdir(parents=True)
+            return str(p)
+        except FileExistsError:
+            continue
+        except OSError as e:
+            raise ValueError(f"cannot create the run directory {str(p)!r} ({e.strerror}); "
+                             "pass a writable --run-dir") from None
+    raise ValueError(f"cannot create a fresh run directory beside {str(base)!r}; pass --run-dir")
+
+
+def register(app: typer.Typer) -> None:
+    @app.command()
+    def train(
+        nproc: Annotated[int, Opt(help="Worker processes (torchrun).")] = 2,
+        simulate_workers: Annotated[int, Opt(help="W simulated workers in one process.")] = 1,
+        config: Annotated[str | None, Opt(help="TOML with \\[model] \\[train] \\[plan] "
+                                               "tables.")] = None,
+        # model
+        layers: Annotated[int | None, Opt(help="Transformer blocks.")] = None,
+        d_model: Annotated[int | None, Opt(help="Model width.")] = None,
+        heads: Annotated[int | None, Opt(help="Attention heads.")] = None,
+        kv_heads: Annotated[int | None, Opt(help="KV heads (GQA).")] = None,
+        d_ff: Annotated[int | None, Opt(help="SwiGLU hidden width.")] = None,
+        context: Annotated[int | None, Opt(help="Sequence length.")] = None,
+        tie_embeddings: Annotated[bool | None, Opt(help="Tie input/output embeddings.")] = None,
+        attention: Annotated[str | None, Opt(help="sdpa (fused) | eager (keeps scores).")] = None,
+        experts: Annotated[int | None, Opt(help="Routed experts per MoE MLP (0 = dense).")] = None,
+        top_k: Annotated[int | None, Opt(help="Experts each token goes to.")] = None,
+        moe_ffn: Annotated[int | None, Opt(help="Expert hidden width (default d_ff).")] = None,
+        shared_experts: Annotated[int | None, Opt(help="Always-on shared experts.")] = None,
+        moe_every: Annotated[int | None, Opt(help="Every L-th block's MLP is MoE.")] = None,
+        aux_loss_coef: Annotated[float | None, Opt(help="Load-balancing loss weight.")] = None,
+        z_loss_coef: Annotated[float | None, Opt(help="Router z-loss weight (0 = off).")] = None,
+        capacity_factor: Annotated[float | None, Opt(help="Expert capacity (0 = dropless)."
+                                                     )] = None,
+        # training
+        steps: Annotated[int | None, Opt(help="Optimizer steps.")] = None,
+        global_batch: Annotated[int | None, Opt(help="Windows per step, all workers.")] = None,
+        lr: Annotated[float | None, Opt(help="Peak learning rate.")] = None,
+        warmup_steps: Annotated[int | None, Opt(help="Linear warm-up steps.")] = None,
+        seed: Annotated[int | None, Opt(help="Seed of weights and batches.")] = None,
+        dtype: Annotated[str | None, Opt(help="float32 | float64 | bfloat16.")] = None,
+        reduce_dtype: Annotated[str | None, Opt(help="bf16 grads reduced in bfloat16|float32."
+                                                )] = None,
+        eval_every: Annotated[int | None, Opt(help="Validate every K steps.")] = None,
+        data: Annotated[str | None, Opt(help="Text, .jsonl or .parquet file, or a folder "
+                                        "(default: stdlib).")] = None,
+        tokenizer: Annotated[str | None, Opt(help="bytes | bpe:N | tokenizer.json path.")] = None,
+        text_field: Annotated[str | None, Opt(help="Text field of .jsonl/.parquet records."
+                                              )] = None,
+        run_dir: Annotated[str | None, Opt(help="Metrics dir, new or empty unless --resume "
+                                               "(default runs/<time>-<pid>).")] = None,
+        checkpoint_dir: Annotated[str | None, Opt(help="Checkpoint directory.")] = None,
+        checkpoint_every: Annotated[int | None, Opt(help="Checkpoint every K steps.")] = None,
+        resume: Annotated[bool, Opt(help="Resume from --checkpoint-dir; '--resume auto': "
+                                         "if it holds a checkpoint, else start.")] = False,
+        resume_mode: Annotated[str | None, typer.Argument(
+            hidden=True, help="'auto' after --resume.")] = None,
+        keep_checkpoints: Annotated[int, Opt(help="Keep the newest K checkpoints (0 = all)."
+                                             )] = 0,
+        max_restarts: Annotated[int, Opt(help="Elastic restarts of failed workers (torchrun)."
+                                         )] = 0,
+        nnodes: Annotated[int, Opt(help="Nodes (one launcher per node).")] = 1,
+        node_rank: Annotated[int, Opt(help="This node's index, 0..nnodes-1.")] = 0,
+        rdzv_endpoint: Annotated[str | None, Opt(help="HOST:PORT of the c10d rendezvous "
+                                                      "(multi-node).")] = None,
+        timeout: Annotated[float, Opt(help="Seconds a collective may wait for its peers."
+                                      )] = 120.0,
+        grace: Annotated[float, Opt(help="Seconds a signalled run has to checkpoint before "
+                                         "SIGKILL.")] = 7.0,
+        quiet: Annotated[bool, Opt(help="No progress bar or summary table.")] = False,
+        tensorboard: Annotated[str | None, Opt(help="Also write TensorBoard event files "
+                                                   "here (rank 0).")] = None,
+        # plan
+        dp: Annotated[int | None, Opt(help="Data-parallel size (default nproc/(tp*pp*cp))."
+                                      )] = None,
+        tp: Annotated[int | None, Opt(help="Tensor-parallel size.")] = None,
+        pp: Annotated[int | None, Opt(help="Pipeline stages.")] = None,
+        sp: Annotated[bool | None, Opt(help="Sequence parallelism (needs tp>1).")] = None,
+        cp: Annotated[int | None, Opt(help="Context-parallel size (sequence split).")] = None,
+        cp_algorithm: Annotated[str | None, Opt(help="ring | all-to-all (Ulysses).")] = None,
+        ep: Annotated[int | None, Opt(help="Expert-parallel size (divides dp).")] = None,
+        zero: Annotated[int | None, Opt(help="ZeRO stage 0-3.")] = None,
+        micro_batches: Annotated[int | None, Opt(help="Micro-batches / accumulation.")] = None,
+        schedule: Annotated[str | None, Opt(help="gpipe|1f1b|interleaved|zb-h1.")] = None,
+        virtual_stages: Annotated[int | None, Opt(help="Chunks per rank (interleaved).")] = None,
+        recompute: Annotated[str | None, Opt(help="none|selective|full.")] = None,
+        bucket_mb: Annotated[float | None, Opt(help="Gradient bucket size, MB.")] = None,
+        overlap: Annotated[bool | None, Opt(help="Overlap grad sync with backward.")] = None,
+        compress: Annotated[str | None, Opt(help="Gradient compression, e.g. topk:16.")] = None,
+        collectives: Annotated[str | None, Opt(help="native | ours.")] = None,
+    ) -> None:
+        """Train the decoder LM (default: 2 workers, data parallel, stdlib corpus)."""
+        in_torchrun = "WORLD_SIZE" in os.environ and "RANK" in os.environ
+        if in_torchrun:
+            nproc = int(os.environ["WORLD_SIZE"])
+        if nproc < 1:
+            raise ValueError(f"--nproc {nproc} must be >= 1")
+        launcher.check_endpoint(rdzv_endpoint, nnodes, node_rank)
+        world = nproc if in_torchrun else nproc * nnodes
+        if simulate_workers < 1:
+            raise ValueError(f"--simulate-workers {simulate_workers} must be >= 1")
+        mcfg, tcfg, plan = resolve(
+            config,
+            dict(n_layers=layers, d_model=d_model, n_heads=heads, n_kv_heads=kv_heads,
+                 d_ff=d_ff, context=context, tie_embeddings=tie_embeddings,
+                 attention=attention, experts=experts, top_k=top_k, moe_ffn=moe_ffn,
+                 shared_experts=shared_experts, moe_every=moe_every,
+                 aux_loss_coef=aux_loss_coef, z_loss_coef=z_loss_coef,
+                 capacity_factor=capacity_factor),
+            dict(steps=steps, global_batch=global_batch, lr=lr, warmup_steps=warmup_steps,
+                 seed=seed, dtype=dtype, reduce_dtype=reduce_dtype, eval_every=eval_every,
+                 data=data, tokenizer=tokenizer, text_field=text_field,
+                 checkpoint_every=checkpoint_every),
+            dict(dp=dp, tp=tp, pp=pp, sp=sp, cp=cp, cp_algorithm=cp_algorithm, ep=ep, zero=zero,
+                 micro_batches=micro_batches,
+                 schedule=schedule, virtual_stages=virtual_stages, recompute=recompute,
+                 bucket_mb=bucket_mb, overlap=overlap, compress=compress,
+                 collectives=collectives),
+            world)
+        plan.check(mcfg, world, tcfg.global_batch)
+        plan.check_runtime(mcfg)
+        if simulate_workers > 1 and world > 1:
+            raise ValueError("--simulate-workers runs in one process; add --nproc 1")
+        if tcfg.data is not None:
+            check_data(tcfg.data)
+        if resume_mode is not None and (resume_mode != "auto" or not resume):
+            raise ValueError(f"unexpected argument {resume_mode!r}; pass --resume (the "
+                             "checkpoint must exist) or --resume auto (if it exists)")
+        resume = ("auto" if resume_mode else "yes") if resume else None
+        for flag, v, low in (("--keep-checkpoints", keep_checkpoints, 0),
+                             ("--max-restarts", max_restarts, 0)):
+            if v < low:
+                raise ValueError(f"{flag} {v} must be >= {low}")
+        for flag, v in (("--timeout", timeout), ("--grace", grace)):
+            if not (v > 0 and math.isfinite(v)):
+                raise ValueError(f"{flag} {v} must be a positive number of seconds")
+        check_lr(tcfg)
+        launcher.check_memory(mcfg, tcfg, plan, 1 if in_torchrun else nproc)
+        if resume and not checkpoint_dir:
+            raise ValueError("--resume needs --checkpoint-dir DIR to resume from")
+        lead = not in_torchrun or os.environ.get("RANK") == "0"  # checks once
+        if run_dir is not None:
+            check_output_dir("--run-dir", run_dir)
+            if lead and not resume and Path(run_dir).is_dir() and any(Path(run_dir).iterdir()):
+                raise ValueError(f"--run-dir {run_dir!r} already holds files (an earlier run?); "
+                                 "pass a new or empty directory, omit --run-dir for a fresh "
+                                 "one, or add --resume to continue into it")
+        if checkpoint_dir is not None:
+            check_output_dir("--checkpoint-dir", checkpoint_dir)
+        mcfg = settle_vocab(mcfg, tcfg, config)  # slow, so late: BPE trained, ids cached
+        plan.check(mcfg, world, tcfg.global_batch)  # again: the vocabulary may have changed
+        if lead and (resume == "yes" or (resume == "auto" and _has_checkpoint(checkpoint_dir))):
+            check_resume(checkpoint_dir, mcfg, tcfg, plan)
+        if run_dir is None:
+            if in_torchrun:  # every rank must name the same directory: torchrun's run id
+                rid = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+                rid = rid if rid != "none" else os.environ.get("MASTER_PORT", "0")
+                run_dir = str(Path("runs") / f"torchrun-{rid}")
+            else:
+                run_dir = new_run_dir()
+        spec = {"model": dataclasses.asdict(mcfg), "train": dataclasses.asdict(tcfg),
+                "plan": dataclasses.asdict(plan),
+                "opts": dict(run_dir=run_dir, checkpoint_dir=checkpoint_dir,
+                             resume={"yes": True, "auto": "auto"}.get(resume, False),
+                             keep_checkpoints=keep_checkpoints,
+                             simulate_workers=simulate_workers, quiet=quiet,
+                             tensorboard=tensorboard),
+                "timeout_s": timeout}
+        if in_torchrun:
+            from paratrain.run.worker import run_worker
+
+            run_worker(spec)  # ends the process
+        if world == 1 and not max_restarts:
+            from paratrain.run.worker import run_local
+
+            try:
+                run_local(spec)
+            except shutdown.Stopped as e:
+                print(e, flush=True)
+                raise typer.Exit(e.exit_code) from None
+            return
+        Path(run_dir).mkdir(parents=True, exist_ok=True)
+        spec_path = Path(run_dir) / "run.json"
+        spec_path.write_text(json.dumps({**spec, "failure_file": True}, indent=1))
+        cmd = launcher.torchrun_command(nproc, str(spec_path), nnodes, node_rank,
+                                        rdzv_endpoint, max_restarts)
+        if not quiet:
+            print(f"launching {nproc} of {world} workers: {' '.join(cmd[1:])}", flush=True)
+        rc = launcher.launch(cmd, run_dir, grace)
+        if rc != 0:
+            raise typer.Exit(rc)

@@ -1,0 +1,367 @@
+"""Activation memory: the bytes a layer, the model's ends and a pipeline rank keep for
+backward (torch-free). Korthikanti et al. 2022 for published shapes; exact counts of the
+tensors paratrain's own block saves (:func:`block_activation_bytes`)."""
+
+from __future__ import annotations
+
+import math
+
+from paratrain.config import ModelConfig
+from paratrain.cost.groups import split_batch
+from paratrain.cost.shapes import as_shape
+from paratrain.plan import ParallelPlan
+
+ATTENTION = ("flash", "eager")
+
+
+def _check_kinds(recompute: str, attention: str) -> None:
+    if recompute not in ("none", "selective", "full"):
+        raise ValueError(f"recompute={recompute!r} is unknown; choose none, selective or full")
+    if attention not in ATTENTION:
+        raise ValueError(f"attention={attention!r} is unknown; choose flash or eager "
+                         "(pass e.g. --attention flash)")
+
+
+def layer_activation_bytes(seq: int, batch: int, hidden: int, heads: int, tp: int = 1,
+                           sp: bool = False, recompute: str = "none",
+                           attention: str = "eager") -> float:
+    """Korthikanti et al. 2022, Table 2: activation bytes one GPT layer (LayerNorm, GeLU
+    MLP, dropout) keeps for backward at 16 bit. ``attention="eager"`` (their setting, the
+    default here so the published figures are reproduced) keeps the 5 a s^2 b bytes of
+    scores, softmax output and dropout mask; ``"flash"`` keeps none of them."""
+    _check_kinds(recompute, attention)
+    sbh = seq * batch * hidden
+    t = tp
+    if recompute == "full":
+        return 2 * sbh / (t if sp else 1)
+    if recompute == "selective":
+        return 34 * sbh / t if sp else sbh * (10 + 24 / t)
+    attn = 5 * heads * seq / hidden if attention == "eager" else 0.0
+    if sp:
+        return sbh * (34 + attn) / t
+    return sbh * (10 + 24 / t + attn / t)
+
+
+def is_paratrain_block(model: ModelConfig) -> bool:
+    """Whether ``model``'s layers are paratrain's own block (model.py): RMSNorm x 2, RoPE
+    attention with head dim d_model / n_heads, SwiGLU, no biases; its MLP dense or
+    paratrain's :class:`paratrain.model.MoE` (``ModelConfig.experts``, layers picked by
+    ``is_moe_layer``). A catalogue MoE shape (``ModelShape.n_experts``, a published
+    model's layer plan) is not: it keeps Korthikanti's figure."""
+    m = as_shape(model)
+    return (m.mlp == "swiglu" and not m.bias and not m.learned_positions
+            and m.norms_per_layer == 2 and not m.is_moe and not m.is_mla
+            and m.head_dim * m.n_heads == m.d_model)
+
+
+def block_activation_bytes(model: ModelConfig, seq: int, *, tp: int = 1, sp: bool = False,
+                           recompute: str = "none", attention: str = "flash",
+                           element_bytes: float = 2.0, cp: int = 1,
+                           cp_algorithm: str = "ring", layer: int | None = None,
+                           ep: int = 1) -> float:
+    """Bytes one layer keeps for backward, per sequence of ``seq`` tokens held by this
+    rank (T / cp under context parallelism), on one tensor-parallel rank of ``tp`` (with
+    sequence parallelism if ``sp``), at ``element_bytes`` per element. The one
+    activation formula of paratrain.
+
+    For paratrain's block (:func:`is_paratrain_block`) it is exact: the tensors autograd
+    keeps in model.py, counted once per storage as
+    :class:`paratrain.parallel.memory.ActivationMeter` measures them (the tests check
+    float32 and float64 runs). With h = d_model, f = d_ff, a heads of E, K kv heads,
+    t = tp and u = t with sequence parallelism (else 1), in elements:
+
+    ====================  =====================================================  ========
+    part                  kept for backward                                      elements
+    ====================  =====================================================  ========
+    each RMSNorm (2)      its input x, the normalised x r before the weight,    (2 s h
+                          the reciprocal rms r                                    + s) / u
+    linear inputs (2)     the normed input of wq/wk/wv and of w_gate/w_up;      2 s h
+                          with SP the all-gathered (full-T) copy
+    attention, flash      q, and k, v repeated to a heads (our GQA repeats       (4 s a E
+                          before the kernel), the output, a log-sum-exp per row  + s a)/t
+    attention, eager      q, k, v (repeated), the probabilities, wo's input      (4 s a E
+                                                                                 + a s^2)/t
+    attention, selective  q; k, v before the repeat (kept by the checkpoint);    (2 s a E
+                          wo's input; the core is rerun in backward              + 2 s K E)/t
+    SwiGLU                gate output, its silu, up output, their product        4 s f / t
+    full recompute        only the block input                                   s h / u
+    ====================  =====================================================  ========
+
+    Context parallelism (cp > 1, :mod:`paratrain.parallel.context`) changes only the
+    attention row (selective and full recompute keep the same tensors as without cp):
+
+    ====================  =====================================================  ========
+    ring (any kernel)     q; k, v as the rank holds them (kv heads, not         (2 s a E
+                          repeated: GQA repeats per block); the merged output,  + 2 s K E
+                          which is also wo's input (a view); one log-sum-exp     + s a)/t
+                          per row. Blocks are computed and dropped one by one:
+                          no s x s scores are kept, whatever ``attention`` says
+    all-to-all, flash     as flash, over the whole sequence T = cp s on a / cp   (5 s a E
+                          heads (the same element count), plus wo's input: the   + s a)/t
+                          output after the return all-to-all is a new tensor
+    all-to-all, eager     q, k, v, the a / cp heads' T x T probabilities, wo's   (4 s a E
+                          input                                                  + cp a s^2)/t
+    ====================  =====================================================  ========
+
+    The K/V blocks in flight around the ring (the rank's own and the one arriving: 4 s K E
+    elements; in backward also the travelling dK/dV accumulators), the ring's per-block
+    scores, and all-to-all's received pieces before they are put in global order are
+    working memory of one layer at a time, freed before the next layer runs: they are not
+    kept for backward and not counted here (docs/context-parallel.md).
+
+    How it differs from Korthikanti's 34 s b h (16 bit): RMSNorm keeps the normalised
+    tensor before and after its weight (LayerNorm in Megatron keeps its input only);
+    SwiGLU keeps four d_ff-wide tensors where GeLU keeps two 4h-wide ones; there is no
+    dropout (Korthikanti's masks are 3 s b h + a s^2 b). Under eager our block keeps
+    only the softmax output (a s^2, no scores, no mask), not 5 a s^2 b. The RoPE
+    tables are constants shared by all layers and are not counted. Under bf16
+    autocast the element size varies by tensor (the norms run in fp32), so the count is
+    exact only for float32 / float64 runs.
+
+    MoE (``model.experts`` > 0): block ``layer`` (0-based) keeps, when it is an MoE layer
+    (``model.is_moe_layer(layer)``), :func:`moe_mlp_activation_bytes` in place of the
+    SwiGLU row (the norms, attention and the MLP's linear input, which is the router's,
+    are the dense block's); ``layer`` None gives the mean over the model's blocks (times
+    n_layers: the model's total). ``ep``: the expert-parallel size (its index tensors).
+
+    Other shapes: Korthikanti's per-sequence figure scaled from 2 bytes to
+    ``element_bytes`` (:func:`layer_activation_bytes`; ``flash`` drops 5 a s^2).
+    """
+    _check_kinds(recompute, attention)
+    m = as_shape(model)
+    ring = cp > 1 and cp_algorithm == "ring"
+    if not is_paratrain_block(m):
+        def korthikanti(kind: str) -> float:
+            return layer_activation_bytes(seq, 1, m.d_model, m.n_heads, tp, sp, recompute,
+                                          kind) * element_bytes / 2.0
+        if ring or attention == "flash" or cp == 1:
+            return korthikanti("flash" if ring else attention)
+        # all-to-all, unfused: each rank's a / cp heads keep T x T = cp s x s scores
+        return korthikanti("eager") + (cp - 1) * (korthikanti("eager") - korthikanti("flash"))
+    s, h, f, a, t = seq, m.d_model, m.d_ff, m.n_heads, tp
+    u = t if sp else 1
+    ae, ke = a * m.head_dim, m.kv_heads * m.head_dim
+    if recompute == "full":
+        return s * h / u * element_bytes
+    norms = 2 * (2 * s * h + s) / u
+    linear_inputs = 2 * s * h
+    if recompute == "selective":
+        attn = (2 * s * ae + 2 * s * ke) / t
+    elif ring:
+        attn = (2 * s * ae + 2 * s * ke + s * a) / t
+    elif attention == "eager":
+        attn = (4 * s * ae + cp * a * s * s) / t
+    else:
+        attn = (4 * s * ae + s * a + (s * ae if cp > 1 else 0)) / t
+    dense_mlp = 4 * s * f / t * element_bytes
+    if layer is None:
+        moe_share = sum(map(m.is_moe_layer, range(m.n_layers))) / m.n_layers
+    else:
+        moe_share = float(m.is_moe_layer(layer))
+    mlp = dense_mlp
+    if moe_share:
+        moe = moe_mlp_activation_bytes(m, s, element_bytes=element_bytes, ep=ep)
+        mlp = (1 - moe_share) * dense_mlp + moe_share * moe
+    return (norms + linear_inputs + attn) * element_bytes + mlp
+
+
+def moe_rows(model: ModelConfig, seq: int) -> int:
+    """Routed rows (token, expert) one sequence of ``seq`` tokens sends to the experts:
+    seq k dropless; under capacity C at most min(seq k, E min(cap, seq)), cap =
+    ceil(C seq k / E) per expert (an expert takes a token once, so at most seq): exact
+    whenever nothing is dropped, e.g. always when cap >= seq (C >= E / k)."""
+    m = as_shape(model)
+    E, k = m.experts, m.top_k
+    if m.capacity_factor <= 0:
+        return seq * k
+    cap = math.ceil(m.capacity_factor * seq * k / E)
+    return min(seq * k, E * min(cap, seq))
+
+
+def moe_mlp_activation_bytes(model: ModelConfig, seq: int, *, element_bytes: float = 2.0,
+                             ep: int = 1) -> float:
+    """Bytes paratrain's :class:`paratrain.model.MoE` keeps for backward beyond its input
+    (the router's input, counted with the block's linear inputs), per sequence of
+    ``seq`` tokens, each storage once as
+    :class:`paratrain.parallel.memory.ActivationMeter` counts it. With s = seq, h =
+    d_model, E experts, k = top_k, f the expert width, f_s = shared_experts f, e the
+    element size, r = max(e, 4) the router's (it runs in float32 at least), 8 bytes an
+    index (int64), S = :func:`moe_rows` the routed rows and R the rows this rank's experts
+    run (R = S without ep), in bytes:
+
+    ======================  ====================================================  =======
+    part                    kept for backward                                     bytes
+    ======================  ====================================================  =======
+    router                  softmax output (s E), top-k indices (s k), the        r (s E
+                            renormalisation's numerator (s k) and sum (s), the    + s k
+                            aux loss's routed fractions f (E per sequence)        + s + E)
+                                                                                  + 8 s k
+    z-loss (coef > 0)       the logits and their log-sum-exp (square's input)     r (s E
+                                                                                  + s)
+    capacity (C > 0)        the keep mask (bool) that selects the kept weights    s k
+    sort                    the argsort order (gathers the weights) and the       16 S
+                            token index (gathers the rows, scatters them back)
+    experts                 their input rows (one storage) and, per row, the      e R
+                            SwiGLU's gate, silu, up and product                   (h + 4 f)
+    ep > 1                  the regrouping permutation and its inverse            16 R
+    combine                 the sorted weights, the expert outputs (the           e S
+                            concatenation, or the return all-to-all's buffer),    (1 + 2 h)
+                            their weighted product (index_add_'s source)
+    shared experts          SwiGLU of width f_s on every token                    4 e s f_s
+    ======================  ====================================================  =======
+
+    Under ep the rows leave by all-to-all: the dispatched copy (S h) is not kept, the
+    received rows, permuted by local expert, are (R h). R depends on the routing: the
+    sum over the ep ranks of R is the sum of S (every row lands on one rank), so the
+    figure, with R = S, is exact for the mean over ep ranks and for every rank when each
+    token uses every expert (k = E); the auxiliary loss pushes R towards S. Nothing is
+    divided by tp (an MoE MLP is whole on every tp rank; MoE refuses sp and cp).
+    Under bf16 the weights and rows are 2 bytes but the router runs in float32: the
+    count uses r for what the router keeps, e for the rest."""
+    m = as_shape(model)
+    s, h, E, k, e = seq, m.d_model, m.experts, m.top_k, element_bytes
+    f, fs = m.expert_ffn, m.shared_experts * m.expert_ffn
+    r = max(e, 4.0)
+    S = R = moe_rows(m, s)
+    out = r * (s * E + s * k + s + E) + 8 * s * k
+    if m.z_loss_coef > 0:
+        out += r * (s * E + s)
+    if m.capacity_factor > 0:
+        out += s * k
+    out += 16 * S + e * R * (h + 4 * f) + e * S * (1 + 2 * h) + 4 * e * s * fs
+    if ep > 1:
+        out += 16 * R
+    return out
+
+
+def edge_activation_bytes(model: ModelConfig, seq: int, micro_batch: int, *,
+                          window_sequences: int, tp: int = 1, sp: bool = False,
+                          first: bool = True, last: bool = True,
+                          element_bytes: float = 2.0, cp_ids: bool = False) -> float:
+    """Bytes paratrain's runtime keeps for backward outside the blocks, for one
+    micro-batch of ``micro_batch`` sequences on a chunk that holds the embedding
+    (``first``) and/or the final norm, head and loss (``last``); each storage counted
+    once per micro-batch, as both meters count it. With s = seq, b = micro_batch,
+    h = d_model, V the vocabulary (ceil(V / t) rows on the busiest tp rank), e the
+    element size, l = max(e, 4) the loss's (the loss runs in at least float32):
+
+    ====================  =========================================  ================
+    part                  kept for backward                          bytes
+    ====================  =========================================  ================
+    embedding, tp = 1     the token ids: a view into the loader's     8 W (s + 1)
+                          (W, s + 1) window of the W sequences this
+                          rank takes per step (x and y are views)
+    embedding, tp > 1     the local ids and the outside-shard mask    9 b s
+    final norm, head      norm input, normalised, 1/rms (sp: T / t);  e b ((2 s h + s)
+                          the head's input (sp: all-gathered)         / u + s h)
+    loss, tp = 1          log-softmax output, the targets (a copy     l b s V + 8 b s
+                          if b > 1; for b = 1 a view of the window,   + l
+                          counted unless the embedding holds it),
+                          nll's scalar total weight
+    loss, tp > 1          the local softmax, local target ids, mask   l b s V / t
+                                                                      + 9 b s
+    ====================  =========================================  ================
+
+    ``cp_ids`` (context parallelism): x and y are this cp rank's columns, gathered into
+    two new (W, s) tensors, so with tp = 1 the embedding keeps 8 W s (x) and the loss
+    8 W s (its targets, a view of y whatever b is), W the sequences gathered at once.
+    """
+    m = as_shape(model)
+    s, b, h, e = seq, micro_batch, m.d_model, element_bytes
+    u = tp if sp else 1
+    window = 8.0 * window_sequences * (s if cp_ids else s + 1)
+    out = 0.0
+    if first:
+        out += window if tp == 1 else 9.0 * b * s
+    if last:
+        loss_e = max(e, 4.0)
+        out += e * b * ((2 * s * h + s) / u + s * h)
+        if tp == 1:
+            if cp_ids:
+                target = window
+            else:
+                target = 8.0 * b * s if b > 1 else (0.0 if first else window)
+            out += loss_e * b * s * m.vocab_size + target + loss_e
+        else:
+            out += loss_e * b * s * -(-m.vocab_size // tp) + 9.0 * b * s
+    return out
+
+
+def rank_activation_peaks(model: ModelConfig, plan: ParallelPlan, tokens_per_step: int,
+                          seq_len: int, attention: str = "flash",
+                          element_bytes: float = 2.0) -> list[float]:
+    """Peak bytes saved for backward on each pipeline rank of paratrain's runtime, exact
+    for its own model (float32 / float64; bf16 approximately).
+
+    Each (micro-batch, chunk) keeps its blocks (:func:`block_activation_bytes`, block
+    by block: an MoE model's MoE and dense blocks differ; ``plan.ep`` for its exchange), the
+    RoPE tables (the model's (context / cp, E/2) cos and sin buffers, shared by its layers:
+    counted once per micro-batch; under full recompute the checkpoints keep them as
+    inputs) and the terms
+    outside the blocks (:func:`edge_activation_bytes`), from its forward until its
+    backward (``B``; under zero-bubble from ``F`` to the weight pass ``BW``). The peak of
+    each rank is read off the pipeline schedule itself
+    (:func:`paratrain.cost.schedule.build_schedule`): the live sum after
+    each ``F`` in that rank's action order, which is what the runtime's meter records.
+    The block split is the runtime's (:func:`paratrain.cost.stages.split_layers`).
+    """
+    from paratrain.cost.schedule import build_schedule
+    from paratrain.cost.stages import split_layers
+
+    m = as_shape(model)
+    batch = split_batch(tokens_per_step, seq_len, plan)
+    s, b = batch.local_seq, batch.micro_batch
+    v = plan.virtual_stages if plan.schedule == "interleaved" and plan.pp > 1 else 1
+    S = plan.pp * v
+    ranges = split_layers(model, S)
+    per_block = [b * block_activation_bytes(m, s, tp=plan.tp, sp=plan.sp,
+                                            recompute=plan.recompute, attention=attention,
+                                            element_bytes=element_bytes, cp=plan.cp,
+                                            cp_algorithm=plan.cp_algorithm, layer=i,
+                                            ep=plan.ep)
+                 for i in range(m.n_layers)]
+    # full recompute: checkpoint inputs; cp: the rank's own T / cp rows of the tables
+    rope = m.context // plan.cp * m.head_dim * element_bytes
+    # cp: the ids are gathered per forward_backward call (one micro-batch without a
+    # pipeline, the rank's whole batch with one)
+    window = b * plan.micro_batches if plan.cp == 1 or plan.pp > 1 else b
+
+    def chunk_bytes(rank: int, chunk: int) -> float:
+        k = chunk * plan.pp + rank
+        lo, hi = ranges[k]
+        return sum(per_block[lo:hi]) + (rope if hi > lo else 0.0) + edge_activation_bytes(
+            m, s, b, window_sequences=window, tp=plan.tp, sp=plan.sp,
+            first=k == 0, last=k == S - 1, element_bytes=element_bytes, cp_ids=plan.cp > 1)
+
+    if plan.pp == 1:
+        return [chunk_bytes(0, 0)]
+    sched = build_schedule(plan.schedule, plan.pp, plan.micro_batches, v)
+    peaks = []
+    for r, acts in enumerate(sched.actions):
+        live: dict = {}
+        cur = peak = 0.0
+        for a in acts:
+            if a.kind == "F":
+                live[(a.mb, a.chunk)] = chunk_bytes(r, a.chunk)
+                cur += live[(a.mb, a.chunk)]
+                peak = max(peak, cur)
+            elif a.kind in ("B", "BW"):  # BI keeps them until the weight pass
+                cur -= live.pop((a.mb, a.chunk), 0.0)
+        peaks.append(peak)
+    return peaks
+
+
+def micro_batches_in_flight(schedule: str, pp: int, m: int, v: int = 1) -> float:
+    """Micro-batches whose activations the first (busiest) stage holds at its peak.
+
+    GPipe: all m. 1F1B and ZB-H1: min(pp, m) (Narayanan et al. 2021; Qi et al. 2023).
+    Interleaved 1F1B with v chunks: pp (1 + (pp - 1)/(pp v)) in units of a full stage
+    (Korthikanti et al. 2022, Sec. 4.2.3).
+    """
+    if pp == 1:
+        return 1
+    if schedule == "gpipe":
+        return m
+    if schedule == "interleaved":
+        return min(m, pp) * (1 + (pp - 1) / (pp * v))
+    return min(pp, m)

@@ -1,0 +1,61 @@
+"""Shared loader for the package's TOML catalogues and users' TOML/JSON files.
+
+A catalogue is a TOML file of tables, one per entry, each with a ``name`` and optional
+``aliases``. Lookup is case-insensitive over the table key, the name and the aliases, so
+``h100``, ``H100-SXM5-80GB`` and ``h100-sxm`` all find the same entry.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import cache
+from pathlib import Path
+
+from paratrain.cost._toml import tomllib
+
+DATA_DIR = Path(__file__).parent / "data"
+
+
+@cache
+def read_catalogue(filename: str) -> dict[str, dict]:
+    """Entries of ``data/<filename>`` keyed by their table key."""
+    with (DATA_DIR / filename).open("rb") as f:
+        return tomllib.load(f)
+
+
+def _norm(s: str) -> str:
+    return s.strip().lower().replace("_", "-").replace(" ", "-")
+
+
+def read_file(path: Path) -> dict:
+    """One entry from a user's ``.toml`` or ``.json`` file (a flat table of keys)."""
+    if path.suffix.lower() == ".json":
+        data = json.loads(path.read_text())
+    else:
+        with path.open("rb") as f:
+            data = tomllib.load(f)
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} does not hold a table of keys; write key = value pairs")
+    return data
+
+
+def lookup(name_or_path: str, filename: str, kind: str) -> tuple[str, dict]:
+    """Find a catalogue entry by key/name/alias, or read ``name_or_path`` as a file.
+
+    Returns (key, fields); the key is the table key, or the file's stem.
+    """
+    p = Path(name_or_path)
+    if p.suffix.lower() in (".toml", ".json"):
+        if not p.is_file():
+            raise ValueError(f"{kind} file {name_or_path!r} does not exist; pass an existing path")
+        return p.stem, read_file(p)
+    want = _norm(name_or_path)
+    entries = read_catalogue(filename)
+    for key, fields in entries.items():
+        names = {key, fields.get("name", key), *fields.get("aliases", [])}
+        if want in {_norm(n) for n in names}:
+            return key, dict(fields)
+    known = ", ".join(entries)
+    raise ValueError(
+        f"unknown {kind} {name_or_path!r}; choose one of {known} or pass a .toml/.json file"
+    )

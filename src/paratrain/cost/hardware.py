@@ -1,0 +1,102 @@
+"""Accelerators: peak FLOP/s, memory, and the two links a collective can run over.
+
+Catalogue: ``data/hardware.toml`` (each entry with its sources). A calibration run on
+this machine writes a TOML/JSON file with the same keys; ``load_hardware(path)`` reads it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from paratrain.cost.catalogue import lookup
+
+TOPOLOGIES = ("switch", "torus")
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One accelerator and the cluster around it (per-GPU figures, SI units).
+
+    intra_* is the link inside a node (NVLink, ICI), inter_* the network between nodes;
+    bandwidths are bytes/s per direction per GPU, alphas the latency of one collective
+    step in seconds. ``eta`` is the achieved fraction of ``peak_flops`` on large matrix
+    multiplies (0.473: docs/design.md's fitted H100 figure).
+    """
+
+    name: str
+    peak_flops: float
+    hbm_bytes: float
+    hbm_bw: float
+    gpus_per_node: int
+    intra_bw: float
+    intra_alpha: float
+    inter_bw: float
+    inter_alpha: float
+    peak_flops_fp8: float | None = None
+    eta: float = 0.473
+    topology: str = "switch"
+
+    def __post_init__(self) -> None:
+        for f in ("peak_flops", "hbm_bytes", "hbm_bw", "intra_bw", "inter_bw"):
+            v = getattr(self, f)
+            if not (isinstance(v, (int, float)) and v > 0):
+                raise ValueError(f"hardware {self.name!r}: {f}={v!r} must be a positive number")
+        for f in ("intra_alpha", "inter_alpha"):
+            v = getattr(self, f)
+            if not (isinstance(v, (int, float)) and v >= 0):
+                raise ValueError(f"hardware {self.name!r}: {f}={v!r} must be >= 0 seconds")
+        if not (isinstance(self.gpus_per_node, int) and self.gpus_per_node >= 1):
+            raise ValueError(
+                f"hardware {self.name!r}: gpus_per_node={self.gpus_per_node!r} must be an "
+                "integer >= 1"
+            )
+        if not 0 < self.eta <= 1:
+            raise ValueError(f"hardware {self.name!r}: eta={self.eta!r} must be in (0, 1]")
+        if self.topology not in TOPOLOGIES:
+            raise ValueError(
+                f"hardware {self.name!r}: topology={self.topology!r} must be one of "
+                f"{', '.join(TOPOLOGIES)}"
+            )
+
+    def replace(self, **changes) -> Hardware:
+        return dataclasses.replace(self, **changes)
+
+    def link(self, span_gpus: int) -> tuple[float, float]:
+        """(alpha_s, bw_bytes_per_s) of the slowest link a group of ``span_gpus``
+        consecutive ranks crosses: the intra-node link if it fits in one node."""
+        if span_gpus <= self.gpus_per_node:
+            return self.intra_alpha, self.intra_bw
+        return self.inter_alpha, self.inter_bw
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(Hardware)}
+_REQUIRED = [n for n, f in _FIELDS.items() if f.default is dataclasses.MISSING]
+
+
+def hardware_from_dict(values: dict, where: str) -> Hardware:
+    """Build a Hardware from a flat dict; missing or unknown keys are one clear error."""
+    values = {k: v for k, v in values.items() if k != "aliases"}
+    values.setdefault("name", where)
+    missing = [k for k in _REQUIRED if k not in values]
+    if missing:
+        raise ValueError(f"hardware {where!r} is missing key(s) {', '.join(missing)}; add them")
+    unknown = sorted(set(values) - set(_FIELDS))
+    if unknown:
+        raise ValueError(
+            f"hardware {where!r} has unknown key(s) {', '.join(unknown)}; "
+            f"known keys: {', '.join(_FIELDS)}"
+        )
+    return Hardware(**values)
+
+
+def load_hardware(name_or_path: str) -> Hardware:
+    """A catalogue entry by name or alias (case-insensitive), or a .toml/.json file."""
+    key, fields = lookup(name_or_path, "hardware.toml", "hardware")
+    return hardware_from_dict(fields, key)
+
+
+def hardware_names() -> list[str]:
+    from paratrain.cost.catalogue import read_catalogue
+
+    return list(read_catalogue("hardware.toml"))

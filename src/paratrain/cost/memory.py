@@ -1,0 +1,257 @@
+"""Memory per GPU: model states by precision recipe and ZeRO stage, activations by
+tensor/sequence parallelism, recomputation and pipeline schedule, and the HBM verdict.
+
+Model states (Rajbhandari et al. 2020, "ZeRO", Sec. 3-5), per parameter, default recipe
+BF16 weights (2 bytes) and gradients (2) plus FP32 master weights, Adam m and v (12):
+
+    stage 0: 2 + 2 + 12 = 16     stage 1: 2 + 2 + 12/d
+    stage 2: 2 + (2 + 12)/d      stage 3: 16/d
+
+with d the data-parallel degree (dp x cp: context-parallel ranks hold the same weights).
+Tensor and pipeline parallelism divide the parameters a GPU holds; expert parallelism
+divides the routed experts, whose ZeRO shards are over the d / ep ranks holding the same
+experts (the dense parameters' over d). paratrain's runtime keeps an MoE MLP whole on
+every tp rank; published MoE shapes are priced with experts split over tp too.
+
+Activations per layer: :func:`block_activation_bytes` is the one formula (the runtime's
+prediction, the plan's memory and the pipeline report all call it). For paratrain's own
+block it counts, tensor by tensor, what autograd keeps for backward (see its docstring;
+the tests measure it). For shapes paratrain's block does not implement (GPT-3's GeLU MLP
+with biases, mixture of experts, latent attention) it falls back to Korthikanti et al.
+2022 ("Reducing Activation Recomputation in Large Transformer Models", Table 2), s
+tokens, b sequences, h width, a heads, t tensor-parallel ranks, 16-bit:
+
+    no parallelism          s b h (34 + 5 a s / h)
+    tensor parallel         s b h (10 + 24/t + 5 a s / (h t))
+    tensor + sequence par.  s b h (34 + 5 a s / h) / t
+    selective recompute     s b h (10 + 24/t)      (sequence parallel: 34 s b h / t)
+    full recompute          2 s b h                (sequence parallel: 2 s b h / t)
+
+The 5 a s / h term is the attention scores, softmax output and dropout mask of an
+unfused kernel; a fused (flash) kernel keeps none of them, so ``attention="flash"``
+drops it.
+
+Either is multiplied by the layers the busiest pipeline stage holds and the
+micro-batches in flight on it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from paratrain.config import ModelConfig
+from paratrain.cost.activations import (  # noqa: F401 - re-exported
+    ATTENTION,
+    _check_kinds,
+    block_activation_bytes,
+    edge_activation_bytes,
+    is_paratrain_block,
+    layer_activation_bytes,
+    micro_batches_in_flight,
+    rank_activation_peaks,
+)
+from paratrain.cost.groups import split_batch, stage_layers
+from paratrain.cost.hardware import Hardware
+from paratrain.cost.shapes import ModelShape, as_shape
+from paratrain.plan import ParallelPlan
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Bytes per parameter for weights, gradients and optimizer state (master + m + v)."""
+
+    name: str
+    weight_bytes: float
+    grad_bytes: float
+    optim_bytes: float
+    act_bytes: float = 2.0
+
+    @property
+    def total_bytes(self) -> float:
+        return self.weight_bytes + self.grad_bytes + self.optim_bytes
+
+
+RECIPES = {
+    "bf16-adam": Precision("bf16-adam", 2, 2, 12),  # mixed precision, fp32 master + m + v
+    "fp32-adam": Precision("fp32-adam", 4, 4, 8, act_bytes=4),  # fp32 weights, grads, m, v
+}
+
+
+def recipe(name: str) -> Precision:
+    if name not in RECIPES:
+        raise ValueError(f"precision {name!r} is unknown; choose one of {', '.join(RECIPES)}")
+    return RECIPES[name]
+
+
+@dataclass(frozen=True)
+class ParamsPerGPU:
+    """Parameters the busiest GPU holds, split by how they are replicated."""
+
+    dense: float  # replicated over dp x cp
+    expert: float  # replicated over dp x cp / ep
+    layer_full: float  # one layer's parameters on this tensor-parallel rank (ZeRO-3 buffer)
+
+    @property
+    def total(self) -> float:
+        return self.dense + self.expert
+
+
+def params_per_gpu(model: ModelConfig, plan: ParallelPlan) -> ParamsPerGPU:
+    """Parameters on the busiest GPU: its pipeline stage's layers (plus the embedding or
+    head; with pp > 1 the vocabulary matrix of the first or last stage), over tp; routed
+    experts also over ep. Exact for tp = pp = 1.
+
+    paratrain's own MoE model (a :class:`ModelConfig` with ``experts``) as its runtime
+    holds it (:func:`_runtime_moe_params`); a published MoE shape (:class:`ModelShape`
+    with ``n_experts``) as Megatron-LM splits it, routed experts over tp x ep."""
+    if getattr(model, "experts", 0) and not isinstance(model, ModelShape):
+        return _runtime_moe_params(model, plan)
+    m = as_shape(model)
+    share = stage_layers(m.n_layers, plan.pp) / m.n_layers
+    if plan.pp == 1:
+        emb = m.embedding_params()
+    else:
+        emb = m.vocab_size * m.d_model + (m.context * m.d_model if m.learned_positions else 0)
+    expert = m.expert_params() * share
+    dense = m.num_layer_params() * share - expert + emb
+    return ParamsPerGPU(dense / plan.tp, expert / (plan.tp * plan.ep),
+                        m.num_layer_params() / m.n_layers / plan.tp)
+
+
+def _runtime_moe_params(model: ModelConfig, plan: ParallelPlan) -> ParamsPerGPU:
+    """paratrain's runtime (:mod:`paratrain.parallel.expert`, :mod:`paratrain.cost.layout`):
+    each ep rank keeps E / ep routed experts of every MoE layer; the router and shared
+    experts are dense parameters; the whole MoE MLP is replicated over tp (attention,
+    dense MLPs and the vocabulary are split as in a dense model)."""
+    share = stage_layers(model.n_layers, plan.pp) / model.n_layers
+    emb = model.embedding_params() if plan.pp == 1 else model.vocab_size * model.d_model
+    one = model.expert_params()  # one routed expert: gate, up, down
+    moe = model.moe_layers * share
+    routed = moe * model.experts * one
+    whole = moe * (model.d_model * model.experts + model.shared_experts * one)
+    blocks = (model.num_params() - model.embedding_params()) * share
+    dense = (blocks - routed - whole + emb) / plan.tp + whole
+
+    def block(i: int) -> float:  # block i's parameters on one rank (ZeRO-3's gather)
+        if not model.is_moe_layer(i):
+            return model.layer_params(i) / plan.tp
+        mlp = model.moe_mlp_params() - model.experts * one * (1 - 1 / plan.ep)
+        return (model.layer_params(i) - model.moe_mlp_params()) / plan.tp + mlp
+
+    return ParamsPerGPU(dense, routed / plan.ep, max(map(block, range(model.n_layers))))
+
+
+@dataclass(frozen=True)
+class ModelStates:
+    weights_bytes: float
+    grads_bytes: float
+    optimizer_bytes: float
+
+    @property
+    def total_bytes(self) -> float:
+        return self.weights_bytes + self.grads_bytes + self.optimizer_bytes
+
+
+def _sharded(params: float, d: float, zero: int, prec: Precision,
+             pipelined: bool = False) -> ModelStates:
+    """ZeRO-2 under a pipeline keeps whole gradient buffers over the step (Megatron-LM's
+    distributed optimizer; :mod:`paratrain.cost.layout`): only ZeRO-3 shards them then."""
+    w, g, o = prec.weight_bytes * params, prec.grad_bytes * params, prec.optim_bytes * params
+    if zero >= 1:
+        o /= d
+    if zero >= 3 or (zero == 2 and not pipelined):
+        g /= d
+    if zero >= 3:
+        w /= d
+    return ModelStates(w, g, o)
+
+
+def model_states(model: ModelConfig, plan: ParallelPlan,
+                 precision: str | Precision = "bf16-adam") -> ModelStates:
+    """Weights, gradients and optimizer state per GPU for ``plan.zero`` over dp x cp
+    (gradients unsharded under ZeRO-2 with a pipeline, as the runtime keeps them)."""
+    prec = recipe(precision) if isinstance(precision, str) else precision
+    p = params_per_gpu(model, plan)
+    d = plan.dp * plan.cp
+    a = _sharded(p.dense, d, plan.zero, prec, plan.pp > 1)
+    b = _sharded(p.expert, d / plan.ep, plan.zero, prec, plan.pp > 1)
+    return ModelStates(a.weights_bytes + b.weights_bytes, a.grads_bytes + b.grads_bytes,
+                       a.optimizer_bytes + b.optimizer_bytes)
+
+
+def model_states_bytes(model: ModelConfig, plan: ParallelPlan,
+                       precision: str | Precision = "bf16-adam") -> float:
+    return model_states(model, plan, precision).total_bytes
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Memory per GPU (busiest rank), bytes, and the verdict against the HBM."""
+
+    weights_bytes: float
+    grads_bytes: float
+    optimizer_bytes: float
+    activations_bytes: float
+    logits_bytes: float  # fp32 logits for the loss (last stage; counted when pp == 1)
+    buffers_bytes: float  # ZeRO-3: one layer gathered plus one prefetched
+    hbm_bytes: float
+
+    @property
+    def states_bytes(self) -> float:
+        return self.weights_bytes + self.grads_bytes + self.optimizer_bytes
+
+    @property
+    def total_bytes(self) -> float:
+        return self.states_bytes + self.activations_bytes + self.logits_bytes + \
+            self.buffers_bytes
+
+    @property
+    def margin_bytes(self) -> float:
+        return self.hbm_bytes - self.total_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.margin_bytes >= 0
+
+
+def activation_bytes(model: ModelConfig, plan: ParallelPlan, tokens_per_step: int,
+                     seq_len: int, attention: str = "eager",
+                     element_bytes: float = 2.0, *, runtime: bool = False) -> float:
+    """Activations on the busiest GPU: per layer x layers per stage x in-flight
+    micro-batches. ``attention`` defaults to Korthikanti's unfused kernel (``eager``);
+    ``paratrain plan`` passes ``flash`` unless told otherwise.
+
+    ``runtime=True`` (paratrain's own model as its runtime runs it): the busiest rank of
+    :func:`rank_activation_peaks` instead, which adds the terms outside the blocks
+    (embedding ids, final norm, head input, the loss's logits), the RoPE tables, the
+    runtime's block split and the micro-batches in flight read off the schedule."""
+    m = as_shape(model)
+    if runtime and is_paratrain_block(m):
+        return max(rank_activation_peaks(model, plan, tokens_per_step, seq_len, attention,
+                                         element_bytes))
+    batch = split_batch(tokens_per_step, seq_len, plan)
+    per_layer = batch.micro_batch * block_activation_bytes(
+        m, batch.local_seq, tp=plan.tp, sp=plan.sp, recompute=plan.recompute,
+        attention=attention, element_bytes=element_bytes, cp=plan.cp,
+        cp_algorithm=plan.cp_algorithm, ep=plan.ep)
+    layers = stage_layers(m.n_layers, plan.pp)
+    inflight = micro_batches_in_flight(plan.schedule, plan.pp, plan.micro_batches,
+                                       plan.virtual_stages)
+    return per_layer * layers * inflight
+
+
+def memory(model: ModelConfig, plan: ParallelPlan, hw: Hardware, tokens_per_step: int,
+           seq_len: int, precision: str | Precision = "bf16-adam",
+           attention: str = "eager") -> Memory:
+    """Everything the busiest GPU holds at its peak, against ``hw.hbm_bytes``."""
+    m: ModelShape = as_shape(model)
+    prec = recipe(precision) if isinstance(precision, str) else precision
+    st = model_states(model, plan, prec)
+    act = activation_bytes(m, plan, tokens_per_step, seq_len, attention)
+    batch = split_batch(tokens_per_step, seq_len, plan)
+    logits = 4.0 * batch.local_seq * batch.micro_batch * m.vocab_size / plan.tp \
+        if plan.pp == 1 else 0.0
+    buffers = 2 * params_per_gpu(model, plan).layer_full * prec.weight_bytes if plan.zero == 3 \
+        else 0.0
+    return Memory(st.weights_bytes, st.grads_bytes, st.optimizer_bytes, act, logits, buffers,
+                  hw.hbm_bytes)

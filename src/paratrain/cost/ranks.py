@@ -1,0 +1,160 @@
+"""Coordinates, shards and the parameters each rank holds (torch-free)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from paratrain.config import ModelConfig
+from paratrain.cost.stages import split_layers
+from paratrain.plan import ParallelPlan
+
+ELEMENT_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2}
+
+
+def elements(dtype: str, reduce_dtype: str = "bfloat16") -> tuple[int, int, int]:
+    """(working, gradient, master) bytes per element of a run (parallel/precision.py):
+    float32 / float64 keep one copy; bfloat16 is BF16 parameters, gradients reduced in
+    ``reduce_dtype`` and FP32 masters in the optimizer."""
+    w = ELEMENT_BYTES[dtype]
+    if dtype != "bfloat16":
+        return w, w, w
+    return w, ELEMENT_BYTES[reduce_dtype] if reduce_dtype == "bfloat16" else 4, 4
+PER_BLOCK = 9  # parameters of one block: two norms, four attention, three MLP matrices
+
+
+# ---- coordinates and shards -----------------------------------------------------------
+def mesh_coords(rank: int, plan: ParallelPlan) -> tuple[int, int, int, int]:
+    """(pp, dp, cp, tp) of a global rank: the runtime's pp-dp-cp-tp order, tp innermost."""
+    tp, cp, dp = plan.tp, plan.cp, plan.dp
+    return (rank // (dp * cp * tp), (rank // (cp * tp)) % dp, (rank // tp) % cp, rank % tp)
+
+
+def coords(rank: int, plan: ParallelPlan) -> tuple[int, int, int]:
+    """(pp, dp, tp) of a global rank (its cp index: :func:`mesh_coords`)."""
+    pp, dp, _, tp = mesh_coords(rank, plan)
+    return pp, dp, tp
+
+
+def rank_of(pp: int, dp: int, tp: int, plan: ParallelPlan, cp: int = 0) -> int:
+    """Inverse of :func:`mesh_coords` (cp index 0 unless given)."""
+    return ((pp * plan.dp + dp) * plan.cp + cp) * plan.tp + tp
+
+
+def vocab_range(vocab: int, tp: int, rank: int) -> tuple[int, int]:
+    """Rows [start, end) of a vocabulary of ``vocab`` owned by ``rank`` of ``tp``:
+    ceil(vocab / tp) each, the last rank(s) fewer."""
+    if vocab < tp:
+        raise ValueError(f"vocab_size={vocab} is smaller than tp={tp}: a rank would own no "
+                         "rows; use tp <= vocab_size")
+    per = -(-vocab // tp)
+    return min(rank * per, vocab), min((rank + 1) * per, vocab)
+
+
+def virtual_stages(plan: ParallelPlan) -> int:
+    """Chunks per pipeline rank: ``virtual_stages`` when interleaved, else 1."""
+    return plan.virtual_stages if plan.schedule == "interleaved" and plan.pp > 1 else 1
+
+
+def block_param_sizes(mcfg: ModelConfig, tp: int = 1, i: int | None = None, ep: int = 1,
+                      part: str = "all") -> list[int]:
+    """Elements of block ``i``'s parameters on one tp rank, in registration order (``i``
+    None: a dense block). An MoE MLP (:class:`paratrain.model.MoE`) is not tp-sharded:
+    router (E x d), this ep rank's E/ep experts (gate, up, down each), the shared
+    experts' three matrices. ``part``: "all", "dense" (all but the routed experts) or
+    "expert" (only those) — the two gradient reducers of expert parallelism."""
+    d, hd, t = mcfg.d_model, mcfg.head_dim, tp
+    q, kv = mcfg.n_heads * hd * d // t, mcfg.kv_heads * hd * d // t
+    attn = [d, q, kv, kv, q, d]
+    if i is None or not mcfg.is_moe_layer(i):
+        f = mcfg.d_ff * d // t
+        return [] if part == "expert" else attn + [f, f, f]
+    fe = mcfg.expert_ffn * d
+    experts = [fe] * (3 * (mcfg.experts // ep))
+    shared = [fe * mcfg.shared_experts] * 3 if mcfg.shared_experts else []
+    if part == "expert":
+        return experts
+    if part == "dense":
+        return attn + [d * mcfg.experts] + shared
+    return attn + [d * mcfg.experts] + experts + shared
+
+
+# ---- what a rank holds ----------------------------------------------------------------
+@dataclass(frozen=True)
+class RankLayout:
+    """One rank: its coordinates, and per chunk (virtual stage) the element counts of its
+    trainable parameters in registration order."""
+
+    rank: int
+    pp: int
+    dp: int
+    tp: int
+    stages: tuple[int, ...]  # virtual stage of each chunk
+    ranges: tuple[tuple[int, int], ...]  # blocks [a, b) of each chunk
+    chunks: tuple[tuple[int, ...], ...]
+    first: bool  # holds the embedding
+    last: bool  # holds the final norm and head
+    tied: bool  # the head is the embedding's parameter (pp = 1)
+    block_counts: tuple[tuple[int, ...], ...] = ()  # per chunk, parameters of each block
+
+    @property
+    def blocks(self) -> int:
+        return sum(b - a for a, b in self.ranges)
+
+    @property
+    def param_sizes(self) -> tuple[int, ...]:
+        return tuple(n for c in self.chunks for n in c)
+
+    @property
+    def params(self) -> int:
+        return sum(self.param_sizes)
+
+
+def rank_layout(mcfg: ModelConfig, plan: ParallelPlan, rank: int, part: str = "all",
+                ep: int | None = None) -> RankLayout:
+    """Parameters of ``rank`` as the runtime shards them (exact element counts); ``part``
+    and ``ep`` (default the plan's) as in :func:`block_param_sizes`."""
+    pp_i, dp_i, tp_i = coords(rank, plan)
+    ep = plan.ep if ep is None else ep
+    v = virtual_stages(plan)
+    S = plan.pp * v
+    ranges = split_layers(mcfg, S)
+    a0, b0 = vocab_range(mcfg.vocab_size, plan.tp, tp_i)
+    rows = (b0 - a0) * mcfg.d_model
+    tied = mcfg.tie_embeddings and S == 1
+    edges = part != "expert"
+    stages, chunks, counts = [], [], []
+    for c in range(v):
+        k = c * plan.pp + pp_i
+        a, b = ranges[k]
+        sizes = [rows] if k == 0 and edges else []
+        blocks = [block_param_sizes(mcfg, plan.tp, i, ep, part) for i in range(a, b)]
+        sizes += [n for blk in blocks for n in blk]
+        if k == S - 1 and edges:
+            sizes.append(mcfg.d_model)
+            if not tied:
+                sizes.append(rows)
+        stages.append(k)
+        chunks.append(tuple(sizes))
+        counts.append(tuple(len(blk) for blk in blocks))
+    return RankLayout(rank, pp_i, dp_i, tp_i, tuple(stages),
+                      tuple(ranges[k] for k in stages), tuple(chunks), 0 in stages,
+                      S - 1 in stages, tied, tuple(counts))
+
+
+def reducers(plan: ParallelPlan, rank: int) -> list[tuple[ParallelPlan, int, str, int]]:
+    """(plan as the reducer sees it, rank in it, part, ep) of each gradient reducer of
+    ``rank``: one, or with ep > 1 the dense one over dp and the expert one over the
+    dp / ep ranks holding the same experts (index dp_i // ep;
+    :mod:`paratrain.parallel.expert`)."""
+    if plan.ep == 1:
+        return [(plan, rank, "all", 1)]
+    pp_i, dp_i, cp_i, tp_i = mesh_coords(rank, plan)
+    eplan = plan.replace(dp=plan.dp // plan.ep, ep=1)
+    return [(plan.replace(ep=1), rank, "dense", plan.ep),
+            (eplan, rank_of(pp_i, dp_i // plan.ep, tp_i, eplan, cp_i), "expert", plan.ep)]
+
+
+def chunk_param_sizes(mcfg: ModelConfig, plan: ParallelPlan, rank: int
+                      ) -> list[list[int]]:
+    """Per chunk, the elements of each trainable parameter in registration order."""
+    return [list(c) for c in rank_layout(mcfg, plan, rank).chunks]

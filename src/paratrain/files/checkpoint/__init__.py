@@ -1,0 +1,307 @@
+"""Checkpoints that any layout can resume: sharded, atomic, verified, agreed on.
+
+Layout::
+
+    DIR/step_000010/.metadata, __0_0.distcp, ...   torch.distributed.checkpoint files
+    DIR/step_000010/meta.json                      step, settings, data identity, sha256s
+    DIR/latest                                     "step_000010" (a hint only)
+
+Each rank writes the pieces of the plain model's tensors it owns (:mod:`.pieces`,
+:mod:`.sharded`) into ``step_XXXXXX.tmp``; rank 0 then hashes every file into
+``meta.json`` and renames the directory into place; ``latest`` is replaced atomically
+last. A crash at any point leaves the previous checkpoint intact; the next save or load
+removes the stale ``.tmp``. ``keep``: only the newest K steps are kept.
+
+Importing this package does not import torch (the launcher reads meta.json with it).
+
+Loading does not trust ``latest``: it tries the step directories newest first. The
+ranks split the files of a step between them, each checks its share (present, sha256),
+and they agree with one all-reduce before anyone reads; a step that fails anywhere, or
+whose read fails, is skipped by every rank together, with one ``warning:`` line (rank
+0). The settings that decide the loss trajectory (model, seed, batch, optimizer, dtype,
+data identity) must match the checkpoint's; the refusal names the field. The layout
+(world size, dp/tp/pp/ep/cp, ZeRO stage, micro-batches) may differ: every rank reads
+the pieces its new layout owns, except a top-k run (``--compress``), whose per-rank
+residuals resume on the same layout only. Design notes: docs/faults.md.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+FORMAT = 2  # 1: one torch.save pickle per rank (world size locked)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _atomic_write_bytes(path: Path, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".")
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _rank_world() -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def step_dir(root: str | Path, step: int) -> Path:
+    return Path(root) / f"step_{step:06d}"
+
+
+def steps(root: str | Path) -> list[int]:
+    """Steps with a (renamed-into-place) directory under ``root``, newest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [int(m.group(1)) for p in root.iterdir()
+             if p.is_dir() and (m := re.fullmatch(r"step_(\d+)", p.name))]
+    return sorted(found, reverse=True)
+
+
+def remove_stale(root: str | Path) -> list[str]:
+    """Delete ``step_*.tmp`` directories (a save that crashed); their names."""
+    root = Path(root)
+    gone = []
+    if root.is_dir():
+        for p in root.glob("step_*.tmp"):
+            shutil.rmtree(p, ignore_errors=True)
+            gone.append(p.name)
+    return gone
+
+
+def read_meta(d: Path) -> dict | None:
+    try:
+        return json.loads((d / "meta.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _meta(root: Path, step: int) -> dict | None:
+    return read_meta(step_dir(root, step))
+
+
+TRAJECTORY = ("seed", "global_batch", "lr", "min_lr_ratio", "warmup_steps", "weight_decay",
+              "beta1", "beta2", "grad_clip", "dtype", "val_fraction")
+
+
+def run_settings(mcfg, tcfg, plan, data_sha256: str) -> dict:
+    """What decides the loss trajectory, recorded in meta.json and checked on resume:
+    the model, the optimisation settings, gradient compression (lossy, with state of its
+    own) and the data's identity (sha256 of the corpus bytes, :func:`data_sha256`; the
+    path for the message). Not the layout, and not ``steps`` (a run may be extended;
+    the cosine schedule follows)."""
+    from dataclasses import asdict
+
+    train = {k: getattr(tcfg, k) for k in TRAJECTORY}
+    if tcfg.dtype == "bfloat16":
+        train["reduce_dtype"] = tcfg.reduce_dtype
+    return {"model": asdict(mcfg), "train": train, "compress": plan.compress,
+            "data": {"sha256": data_sha256, "path": tcfg.data or "(standard library)"}}
+
+
+RESIDUAL_LAYOUT = ("dp", "tp", "pp", "cp", "ep", "virtual_stages")
+
+
+def check_residual_layout(meta: dict, plan, where: Path) -> None:
+    """Refuse to resume a top-k run on another layout. Each rank's error-feedback
+    residual (:mod:`paratrain.parallel.compress`) is saved whole, per rank: it is what
+    that rank's gradients have not yet delivered, not a piece of a model tensor. Another
+    layout has other ranks holding other parameters, and top-k's picks are not linear in
+    the residual, so no redistribution would continue the trajectory (docs/faults.md)."""
+    if plan.compress is None or meta.get("compress") is None:
+        return
+    have = meta.get("plan", {})
+    for k in RESIDUAL_LAYOUT:
+        if have.get(k, 1) != getattr(plan, k):
+            raise ValueError(
+                f"checkpoint {where} holds per-rank top-k residuals for {k}={have.get(k, 1)} "
+                f"but this run has {k}={getattr(plan, k)}; resume a --compress run on the "
+                f"same layout (--{k.replace('_', '-')} {have.get(k, 1)}, same --nproc), or "
+                "start a new --checkpoint-dir")
+
+
+def data_sha256(data: bytes) -> str:
+    """The corpus's identity: sha256 of its bytes (train and validation, in order)."""
+    return hashlib.sha256(data).hexdigest()
+
+
+def save(root: str | Path, step: int, engine, mcfg, plan, meta: dict, keep: int = 0) -> Path:
+    """Write ``engine``'s state at ``step``; collective over all ranks. ``keep`` > 0:
+    delete all but the newest ``keep`` steps afterwards."""
+    from paratrain.files.checkpoint.sharded import save_pieces
+
+    rank, world = _rank_world()
+    root = Path(root)
+    name = f"step_{step:06d}"
+    tmp_dir, final = root / f"{name}.tmp", root / name
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        remove_stale(root)
+        tmp_dir.mkdir()
+    _barrier()
+    save_pieces(tmp_dir, engine, mcfg, plan)
+    _barrier()
+    if rank == 0:
+        files = {p.name: _sha256(p) for p in sorted(tmp_dir.iterdir()) if p.is_file()}
+        from dataclasses import asdict
+
+        full = dict(meta, format=FORMAT, step=step, world_size=world, plan=asdict(plan),
+                    files=files)
+        _atomic_write_bytes(tmp_dir / "meta.json", json.dumps(full, indent=1).encode())
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp_dir, final)
+        _atomic_write_bytes(root / "latest", name.encode())
+        if keep > 0:
+            for old in steps(root)[keep:]:
+                shutil.rmtree(step_dir(root, old), ignore_errors=True)
+    _barrier()
+    return final
+
+
+def latest(root: str | Path) -> Path | None:
+    """The directory ``latest`` names (a hint only: :func:`load` verifies every step)."""
+    p = Path(root) / "latest"
+    return Path(root) / p.read_text().strip() if p.is_file() else None
+
+
+def peek(root: str | Path) -> dict | None:
+    """meta.json of the newest intact step (meta parses, every file present with its
+    sha256; no tensor is read): what the launcher checks before starting workers, so
+    a damaged newest step does not decide the checks. None when there is none."""
+    for step in steps(root):
+        d = step_dir(root, step)
+        meta = read_meta(d)
+        if meta is not None and not verify_files(d, meta, range(len(meta.get("files", {})))):
+            return meta
+    return None
+
+
+def verify_files(d: Path, meta: dict, share) -> list[str]:
+    """Problems with the files of step ``d`` numbered in ``share`` (sorted by name), and
+    any file meta.json lists that is missing."""
+    if meta.get("format") != FORMAT:
+        return [f"meta.json has format {meta.get('format', 1)}, this version reads {FORMAT}"]
+    names = sorted(meta["files"])
+    bad = [f"{n} is missing" for n in names if not (d / n).is_file()]
+    for i in share:
+        n = names[i]
+        if (d / n).is_file() and _sha256(d / n) != meta["files"][n]:
+            bad.append(f"{n} fails its sha256 check")
+    return bad
+
+
+def _failed_ranks(ok: bool, world: int, device) -> list[int]:
+    """Ranks whose check failed, the same list on every rank (one all-reduce)."""
+    import torch
+    import torch.distributed as dist
+
+    if world == 1 or not dist.is_initialized():
+        return [] if ok else [0]
+    flags = torch.zeros(world, dtype=torch.int32, device=device or "cpu")
+    flags[dist.get_rank()] = 0 if ok else 1
+    dist.all_reduce(flags)
+    return [r for r in range(world) if flags[r]]
+
+
+def check_settings(meta: dict, expect: dict, where: Path) -> None:
+    """Refuse a checkpoint whose trajectory settings differ, naming the first field."""
+    for key, want in expect.items():
+        have = meta.get(key)
+        if key == "data" and isinstance(have, dict) and have.get("sha256") != want["sha256"]:
+            raise ValueError(f"checkpoint {where} was trained on data {have.get('path')!r} "
+                             f"(sha256 {str(have.get('sha256'))[:12]}) but this run's data "
+                             f"{want['path']!r} has sha256 {want['sha256'][:12]}; resume with "
+                             "the same --data")
+        if key == "data":
+            continue
+        if isinstance(want, dict) and isinstance(have, dict):
+            diff = [k for k in sorted(set(want) | set(have)) if want.get(k) != have.get(k)]
+            if diff:
+                k = diff[0]
+                raise ValueError(f"checkpoint {where} has {key}.{k}={have.get(k)!r} but this "
+                                 f"run has {want.get(k)!r}; resume with the same {key} "
+                                 "settings or start a new --checkpoint-dir")
+        elif have != want:
+            raise ValueError(f"checkpoint {where} has {key}={have!r} but this run has "
+                             f"{want!r}; resume with the same settings or start a new "
+                             "--checkpoint-dir")
+
+
+def load(root: str | Path, engine, mcfg, plan, expect: dict | None = None,
+         device=None) -> int:
+    """Load the newest intact checkpoint under ``root`` into ``engine`` (any layout);
+    return its step. Collective when a process group exists; ``device``: where the
+    agreement all-reduce runs (the group's device, e.g. CUDA under NCCL)."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from paratrain.files.checkpoint.sharded import load_pieces
+
+    rank, world = _rank_world()
+    root = Path(root)
+    if rank == 0:
+        remove_stale(root)
+    candidates = steps(root)
+    metas = [(s, m) for s, m in ((s, _meta(root, s)) for s in candidates) if m is not None]
+    if not metas:
+        raise ValueError(f"no checkpoint found in {str(root)!r}; run without --resume first, "
+                         "or point --checkpoint-dir at a directory that has one")
+    check_settings(metas[0][1], expect or {}, step_dir(root, metas[0][0]))
+    check_residual_layout(metas[0][1], plan, step_dir(root, metas[0][0]))
+    for i, step in enumerate(candidates):
+        d = step_dir(root, step)
+        meta = read_meta(d)
+        if meta is None:
+            why = "meta.json is missing or unreadable"
+        else:
+            n = len(meta.get("files", {}))
+            why = "; ".join(verify_files(d, meta, range(rank, n, world)))
+        bad = _failed_ranks(not why, world, device)
+        if not bad:
+            try:
+                load_pieces(d, engine, mcfg, plan)
+                return step
+            except CheckpointException as e:  # raised on every rank together
+                said = f"reading it failed: {str(e).splitlines()[0][:200]}"
+        else:
+            reasons = [why]
+            if world > 1 and dist.is_initialized():
+                reasons = [None] * world
+                dist.all_gather_object(reasons, why)
+            said = "; ".join(f"rank {r}: {reasons[r]}" for r in bad)
+        if rank == 0:
+            nxt = f"step_{candidates[i + 1]:06d}" if i + 1 < len(candidates) else "nothing"
+            print(f"warning: checkpoint {d} is not intact ({said}); falling back to {nxt}",
+                  file=sys.stderr, flush=True)
+    raise ValueError(f"no intact checkpoint in {str(root)!r} (every step failed "
+                     "verification); start again without --resume")
+
+
+from paratrain.files.checkpoint.full import load_full_model as load_full_model  # noqa: E402

@@ -1,0 +1,103 @@
+"""A checkpoint as a Hugging Face folder that ``transformers`` loads as
+``LlamaForCausalLM`` with the same logits (docs/export.md).
+
+paratrain's dense decoder *is* Llama: pre-norm RMSNorm (same eps, computed in float32),
+SwiGLU MLP (gate, up, down; no biases), causal attention with GQA and scale 1/sqrt(E),
+RoPE with the same theta and frequencies, a final RMSNorm and an optional tied head. One
+difference is layout, not function: paratrain rotates interleaved pairs (x[2i],
+x[2i+1]) (Su et al. 2021, as Meta's Llama code), transformers rotates halves (x[i],
+x[i + E/2]). Permuting the rows of each head of wq and wk so that pair i lands on
+(i, i + E/2) makes the two identical: q.k within a head is unchanged by the same
+permutation of both, and v, wo are untouched (Meta's own conversion script does this).
+
+Written: ``config.json``, ``model.safetensors`` (float32), ``tokenizer.json`` (for the
+bytes tokenizer an equivalent byte-level one whose ids are the byte values),
+``tokenizer_config.json``. transformers is not needed to export, only to load.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from paratrain.config import ModelConfig
+from paratrain.files.inference import Loaded
+
+# paratrain name -> transformers name, per block ({i} = block index)
+_BLOCK = {"attn_norm.weight": "input_layernorm.weight",
+          "attn.wq.weight": "self_attn.q_proj.weight",
+          "attn.wk.weight": "self_attn.k_proj.weight",
+          "attn.wv.weight": "self_attn.v_proj.weight",
+          "attn.wo.weight": "self_attn.o_proj.weight",
+          "mlp_norm.weight": "post_attention_layernorm.weight",
+          "mlp.w_gate.weight": "mlp.gate_proj.weight",
+          "mlp.w_up.weight": "mlp.up_proj.weight",
+          "mlp.w_down.weight": "mlp.down_proj.weight"}
+
+
+def interleaved_to_halves(w: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """Rows of a q or k projection (heads x E, D) reordered so that each head's
+    interleaved RoPE pairs (2i, 2i+1) become rotate-half pairs (i, i + E/2)."""
+    heads = w.shape[0] // head_dim
+    return w.view(heads, head_dim // 2, 2, -1).transpose(1, 2).reshape(w.shape)
+
+
+def hf_config(cfg: ModelConfig) -> dict:
+    """config.json of the LlamaForCausalLM that computes what ``cfg`` computes."""
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,
+        "intermediate_size": cfg.d_ff, "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.kv_heads,
+        "head_dim": cfg.head_dim, "hidden_act": "silu",
+        "max_position_embeddings": cfg.context, "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta,  # transformers 4.x
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},  # 5.x
+        "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": False,
+        "mlp_bias": False, "attention_dropout": 0.0, "initializer_range": 0.02,
+        "bos_token_id": None, "eos_token_id": None, "pad_token_id": None,
+        "torch_dtype": "float32", "use_cache": True,
+    }
+
+
+def hf_state_dict(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """The Decoder's state_dict under Llama's names (RoPE rows permuted; see above)."""
+    out = {"model.embed_tokens.weight": state["tok_emb.weight"],
+           "model.norm.weight": state["norm.weight"]}
+    if not cfg.tie_embeddings:
+        out["lm_head.weight"] = state["head.weight"]
+    for i in range(cfg.n_layers):
+        for ours, theirs in _BLOCK.items():
+            w = state[f"blocks.{i}.{ours}"]
+            if ours in ("attn.wq.weight", "attn.wk.weight"):
+                w = interleaved_to_halves(w, cfg.head_dim)
+            out[f"model.layers.{i}.{theirs}"] = w
+    return {k: v.detach().float().contiguous().clone() for k, v in out.items()}
+
+
+def export(run: Loaded, out_dir: str | Path) -> list[Path]:
+    """Write the Hugging Face folder; returns the files written."""
+    from safetensors.torch import save_file
+
+    cfg = run.model.cfg
+    if cfg.experts:
+        raise ValueError(f"this checkpoint is a Mixture-of-Experts model (experts="
+                         f"{cfg.experts}); export writes LlamaForCausalLM, which is dense: "
+                         "export a model trained without --experts")
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {str(out_dir)!r} is a file; pass a directory")
+    out.mkdir(parents=True, exist_ok=True)
+    files = [out / n for n in ("config.json", "model.safetensors", "tokenizer.json",
+                               "tokenizer_config.json")]
+    files[0].write_text(json.dumps(hf_config(cfg), indent=1) + "\n")
+    save_file(hf_state_dict(run.model.state_dict(), cfg), str(files[1]),
+              metadata={"format": "pt"})
+    files[2].write_text(run.tokenizer.json)
+    files[3].write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": cfg.context,
+        "clean_up_tokenization_spaces": False, "add_bos_token": False,
+        "add_eos_token": False}, indent=1) + "\n")
+    return files

@@ -1,0 +1,63 @@
+"""A trained run back in one process: the plain :class:`~paratrain.model.Decoder` with the
+checkpoint's full weights, and the tokenizer the run trained with.
+
+Whatever layout wrote the checkpoint, :func:`paratrain.files.checkpoint.load_full_model`
+returns the unsharded state_dict; the tokenizer is the ``tokenizer.json`` that training
+writes beside the step directories (checked against the sha256 in the step's meta).
+Checkpoints written before tokenizers existed hold byte-level models: they get the bytes
+tokenizer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from paratrain.config import ModelConfig
+from paratrain.files.checkpoint import load_full_model
+from paratrain.files.tokenizer import Tokenizer, bytes_tokenizer_json, sha256
+from paratrain.model import Decoder
+
+
+@dataclass
+class Loaded:
+    model: Decoder  # eval mode, float32, CPU
+    tokenizer: Tokenizer
+    meta: dict  # the step's meta.json
+
+
+def load_tokenizer(root: str | Path, meta: dict) -> Tokenizer:
+    """The run's tokenizer, from ``root/tokenizer.json`` (verified) or bytes."""
+    info = meta.get("tokenizer") or {"spec": "bytes"}
+    path = Path(root) / "tokenizer.json"
+    if path.is_file():
+        text = path.read_text()
+        if info.get("sha256") not in (None, sha256(text)):
+            raise ValueError(f"{str(path)!r} is not the tokenizer this checkpoint was trained "
+                             "with (sha256 differs); restore the run's tokenizer.json")
+        return Tokenizer(info["spec"], text)
+    if info["spec"] != "bytes":
+        raise ValueError(f"{str(path)!r} is missing: the checkpoint was trained with "
+                         f"--tokenizer {info['spec']}; restore the run's tokenizer.json")
+    return Tokenizer("bytes", bytes_tokenizer_json())
+
+
+def load(root: str | Path) -> Loaded:
+    """The newest intact checkpoint under ``root`` as a float32 model and its tokenizer."""
+    if not Path(root).is_dir():
+        raise ValueError(f"--checkpoint {str(root)!r} is not a directory; pass the "
+                         "--checkpoint-dir of a training run")
+    meta, state = load_full_model(root)
+    model = Decoder(ModelConfig(**meta["model"]))
+    model.load_state_dict({k: v.float() for k, v in state.items()})
+    return Loaded(model.float().eval(), load_tokenizer(root, meta), meta)
+
+
+@torch.no_grad()
+def logits(model: Decoder, ids: list[int]) -> torch.Tensor:
+    """Next-token logits (V,) after ``ids`` (the last ``context`` of them: the model's
+    positions end there)."""
+    x = torch.tensor([ids[-model.cfg.context:]], dtype=torch.long)
+    return model(x)[0, -1]

@@ -1,0 +1,35 @@
+"""Before launch: the tokenizer and records are checked, a ``bpe:N`` tokenizer trained
+and the token ids cached once here, and the model's vocabulary set to the tokenizer's.
+
+Workers then find everything in the cache (:func:`paratrain.files.corpus.prepare`), so N
+processes never train N tokenizers, and a bad ``--tokenizer`` or a missing text field
+is one ``error:`` line from the launcher, not one per rank. No torch here.
+"""
+
+from __future__ import annotations
+
+from paratrain.config import ModelConfig, TrainConfig, load_toml
+
+
+def settle_vocab(mcfg: ModelConfig, tcfg: TrainConfig, config: str | None) -> ModelConfig:
+    """``mcfg`` with ``vocab_size`` = the tokenizer's (a larger ``vocab_size`` set in the
+    TOML is kept: unused rows; a smaller one is refused)."""
+    from paratrain.files.corpus import data_files, prepare  # numpy: not at CLI start-up
+    from paratrain.files.tokenizer import parse_spec
+
+    kind, _ = parse_spec(tcfg.tokenizer)
+    if not tcfg.text_field:
+        raise ValueError("--text-field '' is empty; pass the records' text field, e.g. "
+                         "--text-field text")
+    records = tcfg.data is not None and data_files(tcfg.data)[1]
+    if kind == "bytes" and not records:
+        return mcfg  # bytes of text files: nothing to prepare (as before tokenizers)
+    _, _, tok, _ = prepare(tcfg.data, tcfg.val_fraction, tcfg.tokenizer, tcfg.text_field)
+    if kind == "bytes":
+        return mcfg
+    set_in_toml = config is not None and "vocab_size" in load_toml(config).get("model", {})
+    if set_in_toml and mcfg.vocab_size < tok.vocab_size:
+        raise ValueError(f"vocab_size = {mcfg.vocab_size} in {config} is smaller than the "
+                         f"{tok.vocab_size} tokens of --tokenizer {tcfg.tokenizer}; remove "
+                         "vocab_size from the TOML (it follows the tokenizer)")
+    return mcfg if set_in_toml else mcfg.replace(vocab_size=tok.vocab_size)

@@ -1,0 +1,322 @@
+"""Close the loop on this machine: run a grid of plans, set the prediction beside each.
+
+Why: a model that is never checked is an opinion (issue 7). ``paratrain check-model``
+first fits this machine's CPU constants once from single-process runs of the grid's model
+(:func:`paratrain.predict.fit_from_runs`: eta of small one-thread matmuls, the fixed cost
+of a block pass and of a step), saves them beside the hardware profile, then trains every
+plan of the grid for a few steps in fresh gloo processes and compares, per plan:
+
+- step time: predicted vs the median measured step (steps after the first: warm-up),
+  with the error; the median absolute error over the grid is the headline figure;
+- wire bytes per rank (data-parallel sync counted by the runtime, TP blocks' collectives):
+  exact or not;
+- model-state bytes (parameters, gradients, AdamW state) of every rank: exact or not;
+- rank 0's CPU seconds per step, predicted (its compute, fixed costs and collectives on a
+  whole core) vs measured (``cpu_s`` in the run's metrics): the work model, checked
+  independently of how many cores the other sessions leave to this run.
+
+While each run trains, a thread samples the other sessions' runnable threads
+(:func:`paratrain.predict.sample_other_sessions`): on a shared box the cores this run gets
+are part of the machine's state, and the prediction uses them through the scheduler's
+fair split between sessions (the same physics for every plan; never a per-plan factor).
+
+Importing this module does not import torch (the CLI must start instantly).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from paratrain.config import ModelConfig, TrainConfig
+from paratrain.plan import ParallelPlan
+
+# Small enough for 8 processes on 2 cores, big enough that matmuls dominate the noise.
+GRID_MODEL = ModelConfig(n_layers=4, d_model=128, n_heads=4, d_ff=384, context=128)
+GRID_BATCH = 16
+
+GRID: dict[str, ParallelPlan] = {
+    "dp2": ParallelPlan(dp=2),
+    "dp4": ParallelPlan(dp=4),
+    "dp2 zero1": ParallelPlan(dp=2, zero=1),
+    "dp2 zero3": ParallelPlan(dp=2, zero=3),
+    "dp4 zero3": ParallelPlan(dp=4, zero=3),
+    "tp2": ParallelPlan(tp=2),
+    "pp2 1f1b m4": ParallelPlan(pp=2, micro_batches=4),
+    "tp2 x pp2 m4": ParallelPlan(tp=2, pp=2, micro_batches=4),
+    "dp2 x tp2": ParallelPlan(dp=2, tp=2),
+    "dp2 x pp2 x tp2": ParallelPlan(dp=2, pp=2, tp=2, micro_batches=2),
+    "dp2 x tp2 zero1": ParallelPlan(dp=2, tp=2, zero=1),
+    "dp2 x tp2 zero3": ParallelPlan(dp=2, tp=2, zero=3),
+    "dp2 x pp2 zero2 m4": ParallelPlan(dp=2, pp=2, zero=2, micro_batches=4),
+    "dp2 x pp2 zero3 m4": ParallelPlan(dp=2, pp=2, zero=3, micro_batches=4),
+    "dp2 x pp2 interleaved v2 m4": ParallelPlan(dp=2, pp=2, micro_batches=4,
+                                                schedule="interleaved", virtual_stages=2),
+    "dp8": ParallelPlan(dp=8),
+}
+MINI = ("dp2", "dp2 zero1")
+
+
+def _train_worker(rank: int, world: int, mcfg: dict, tcfg: dict, plan: dict,
+                  run_dir: str) -> dict:
+    """One rank of one grid run (spawned). Rank 0 returns its summary and step times."""
+    from paratrain.run.loop import RunOptions, train
+
+    opts = RunOptions(run_dir=run_dir if rank == 0 else None, quiet=True, measure_peak=False)
+    c0, w0 = time.process_time(), time.perf_counter()
+    s = train(ModelConfig(**mcfg), TrainConfig(**tcfg), ParallelPlan(**plan), opts)
+    got = (time.process_time() - c0) / (time.perf_counter() - w0)  # core share, diagnostic
+    if rank != 0:
+        return {}
+    s["cpu_share_rank0"] = got
+    s = {k: v for k, v in s.items() if k != "prediction"}
+    with open(Path(run_dir) / "metrics.jsonl") as f:
+        recs = [json.loads(line) for line in f]
+    s["step_times"] = [r["step_s"] for r in recs]
+    s["cpu_times"] = [r.get("cpu_s", float("nan")) for r in recs]
+    return json.loads(json.dumps(s))  # plain containers for torch.load(weights_only)
+
+
+def _one_process(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan) -> float:
+    """Seconds per step of a one-process, one-thread run on a whole core: the median CPU
+    time of a step (after the first), so the other sessions' load does not leak in."""
+    import torch
+
+    from paratrain.run.loop import RunOptions, train
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with tempfile.TemporaryDirectory() as d:
+            train(mcfg, tcfg, plan, RunOptions(run_dir=d, quiet=True, measure_peak=False))
+            with open(Path(d) / "metrics.jsonl") as f:
+                cpu = [json.loads(line)["cpu_s"] for line in f]
+    finally:
+        torch.set_num_threads(old)
+    return statistics.median(cpu[1:] or cpu)
+
+
+def _thread_peak(n: int = 512, reps: int = 8) -> float:
+    """One thread's fp32 matmul FLOP/s on CPU time (best of 3 bursts), so that other
+    sessions' load, which steals wall time, does not lower it."""
+    import torch
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        a, b = torch.randn(n, n), torch.randn(n, n)
+        a @ b
+        best = 0.0
+        for _ in range(3):
+            c0 = time.process_time()
+            for _ in range(reps):
+                a @ b
+            best = max(best, reps * 2 * n**3 / max(time.process_time() - c0, 1e-9))
+        return best
+    finally:
+        torch.set_num_threads(old)
+
+
+def _coll_cpu_worker(rank: int, world: int) -> list[tuple[int, float]]:
+    """CPU seconds per all-reduce call of this rank at two sizes (best of 3 blocks)."""
+    import torch
+    import torch.distributed as dist
+
+    out = []
+    for nbytes, iters in ((4096, 100), (1 << 20, 20)):
+        x = torch.zeros(nbytes // 4)
+        for _ in range(5):
+            dist.all_reduce(x)
+        best = float("inf")
+        for _ in range(3):
+            dist.barrier()
+            c0 = time.process_time()
+            for _ in range(iters):
+                dist.all_reduce(x)
+            best = min(best, (time.process_time() - c0) / iters)
+        out.append((nbytes, best))
+    return out
+
+
+def collective_cpu(log=print) -> tuple[float, float]:
+    """(CPU s per ring step, CPU s per byte sent) of gloo on this machine: 2 ranks, an
+    all-reduce of 4 KiB and of 1 MiB (2 steps; each rank sends the vector once)."""
+    from paratrain.parallel.process_groups import spawn
+
+    res = spawn(_coll_cpu_worker, 2)
+    (n0, t0), (n1, t1) = [(n, sum(r[i][1] for r in res) / 2) for i, (n, _) in
+                          enumerate(res[0])]
+    per_byte = max(0.0, (t1 - t0) / (n1 - n0))
+    per_step = max(0.0, (t0 - n0 * per_byte) / 2)
+    log(f"gloo CPU: {per_step * 1e6:.1f} us per ring step, {per_byte * 1e9:.3f} ns per byte")
+    return per_step, per_byte
+
+
+def fit_machine(mcfg: ModelConfig, tcfg: TrainConfig, profile: str | None,
+                save: bool = True, log=print):
+    """Fit eta and the fixed costs from three one-process runs (batch B and B/4 with one
+    micro-batch, B with four), on CPU time, against one thread's matmul peak; measure the
+    CPU a collective costs (:func:`collective_cpu`)."""
+    from paratrain.predict import fit_from_runs, load_machine, save_fit
+
+    machine = load_machine(profile)
+    if machine is None:
+        raise ValueError("no hardware profile of this machine; run `paratrain bench "
+                         "calibrate` first (or pass --profile PATH)")
+    peak = _thread_peak()
+    B = tcfg.global_batch
+    runs = []
+    for gb, m in ((B, 1), (max(1, B // 4), 1), (B, 4)):
+        t = _one_process(mcfg, TrainConfig(**{**asdict(tcfg), "global_batch": gb}),
+                         ParallelPlan(micro_batches=m))
+        runs.append((gb, m, t))
+        log(f"fit run: batch {gb}, micro-batches {m}: {t:.4f} CPU s/step")
+    step_cpu, byte_cpu = collective_cpu(log)
+    fitted = fit_from_runs(mcfg, runs, machine.hw, peak).replace(
+        coll_step_cpu_s=step_cpu, coll_byte_cpu_s=byte_cpu)
+    shape = f"{mcfg.n_layers}x{mcfg.d_model}, ff {mcfg.d_ff}, T {mcfg.context}"
+    if save:
+        path = save_fit(fitted, profile, shape)
+        fitted = fitted.replace(source=f"fit {path}")
+        log(f"saved the CPU fit to {path}")
+    log(f"fit: eta {fitted.eta:.3f} of {peak / 1e9:.1f} GFLOP/s (one thread), "
+        f"block pass {fitted.pass_s * 1e3:.3f} ms, step {fitted.step_s * 1e3:.2f} ms")
+    return fitted
+
+
+class _Sampler:
+    """Samples the other sessions' runnable threads in a thread while a run trains."""
+
+    def __init__(self, interval_s: float = 0.25) -> None:
+        import threading
+
+        self.samples: list[tuple[int, ...]] = []
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._loop, args=(interval_s,), daemon=True)
+
+    def _loop(self, interval_s: float) -> None:
+        from paratrain.predict import sample_other_sessions
+
+        while not self._stop.is_set():
+            self.samples += sample_other_sessions(samples=1)
+            self._stop.wait(interval_s)
+
+    def __enter__(self) -> _Sampler:
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._t.join()
+
+
+def run_grid(names: list[str] | None = None, *, profile: str | None = None, steps: int = 6,
+             fit: bool = True, mcfg: ModelConfig = GRID_MODEL, global_batch: int = GRID_BATCH,
+             data: str | None = None, log=print) -> dict:
+    """Run the grid (or ``names`` of it); return {"records": [...], "median_abs_error",
+    "machine": {...}}."""
+    from paratrain.parallel.process_groups import spawn
+    from paratrain.predict import compare, load_machine, predict
+
+    names = list(GRID) if names is None else names
+    unknown = [n for n in names if n not in GRID]
+    if unknown:
+        raise ValueError(f"unknown plan(s) {unknown}; choose from {', '.join(GRID)}")
+    if steps < 3:
+        raise ValueError(f"--steps {steps}: need at least 3 (the first is warm-up)")
+    tcfg = TrainConfig(steps=steps, global_batch=global_batch, lr=1e-3, warmup_steps=1,
+                       eval_every=0, eval_batches=1, data=data)
+    machine = fit_machine(mcfg, tcfg, profile, log=log) if fit else load_machine(profile)
+    if machine is None:
+        raise ValueError("no hardware profile of this machine; run `paratrain bench "
+                         "calibrate` first (or pass --profile PATH)")
+    records = []
+    for name in names:
+        plan = GRID[name]
+        plan.check(mcfg, plan.world_size, global_batch)
+        with tempfile.TemporaryDirectory(prefix="paratrain-check-") as d, _Sampler() as smp:
+            s = spawn(_train_worker, plan.world_size, asdict(mcfg), asdict(tcfg), asdict(plan),
+                      d, timeout_s=600)[0]
+        others = tuple(smp.samples)
+        pred = predict(mcfg, tcfg, plan, plan.world_size, machine.replace(others=others))
+        cmp = compare(pred, s, plan)
+        measured = statistics.median(s["step_times"][1:])
+        m_now = machine.replace(others=others)
+        rec = {"plan": name, "nproc": plan.world_size, "other_sessions": m_now.other_sessions,
+               "other_threads": m_now.other_threads, "share": pred.share,
+               "predicted_s": pred.step_s, "measured_s": measured,
+               "error": pred.step_s / measured - 1,
+               "measured_mean_s": s["step_s"], "cpu_share_rank0": s["cpu_share_rank0"],
+               "cpu_rank0_s": {"predicted": pred.cpu_rank0_s,
+                               "measured": statistics.median(s["cpu_times"][1:]),
+                               "error": pred.cpu_rank0_s
+                               / statistics.median(s["cpu_times"][1:]) - 1},
+               "critical_path_s": pred.critical_path_s,
+               "session_bound_s": pred.session_work_s / pred.session_cores,
+               "predicted": pred.to_dict(), "compare": cmp,
+               "wire_exact": _wire_exact(cmp), "states_exact": cmp["states_bytes"]["exact"]}
+        records.append(rec)
+        log(f"{name:<18} predicted {pred.step_s:.4f} s  measured {measured:.4f} s  "
+            f"{100 * rec['error']:+.0f}%  wire {_yes(rec['wire_exact'])}  "
+            f"states {_yes(rec['states_exact'])}  (core per rank: predicted {pred.share:.2f}, "
+            f"rank 0 got {s['cpu_share_rank0']:.2f}; rank 0 CPU s/step predicted "
+            f"{pred.cpu_rank0_s:.3f}, measured {rec['cpu_rank0_s']['measured']:.3f})")
+    errs = [abs(r["error"]) for r in records]
+    cpu_errs = [abs(r["cpu_rank0_s"]["error"]) for r in records]
+    return {"records": records, "median_abs_error": statistics.median(errs) if errs else None,
+            "median_abs_cpu_error": statistics.median(cpu_errs) if cpu_errs else None,
+            "machine": {"eta": machine.eta, "pass_s": machine.pass_s,
+                        "step_s": machine.step_s, "cores": machine.cores,
+                        "thread_peak_flops": machine.thread_peak, "alpha_s": machine.hw.intra_alpha,
+                        "bw_bytes_per_s": machine.hw.intra_bw, "source": machine.source},
+            "model": asdict(mcfg), "global_batch": global_batch, "steps": steps}
+
+
+def _wire_exact(cmp: dict) -> bool:
+    dp = cmp["dp_wire_bytes"]
+    ok = round(dp["predicted"]) == round(dp["measured"])
+    tp = cmp["tp_wire_bytes"]
+    if tp["measured"] is not None:
+        ok = ok and round(tp["predicted"]) == round(tp["measured"])
+    return ok
+
+
+def _yes(b: bool) -> str:
+    return "exact" if b else "DIFFERENT"
+
+
+def format_table(result: dict) -> str:
+    """Predicted vs measured per plan, the median absolute error, the exactness columns."""
+    m = result["machine"]
+    lines = [
+        f"machine: {m['cores']} cores, {m['thread_peak_flops'] / 1e9:.1f} GFLOP/s one-thread peak, "
+        f"eta {m['eta']:.3f}, block pass {m['pass_s'] * 1e3:.3f} ms, step "
+        f"{m['step_s'] * 1e3:.2f} ms, gloo alpha {m['alpha_s'] * 1e6:.0f} us, "
+        f"{m['bw_bytes_per_s'] / 1e9:.2f} GB/s",
+        f"{'plan':<18} {'procs':>5} {'core':>5} {'predicted s':>11} {'measured s':>10} "
+        f"{'error':>7} {'CPU s r0':>14} {'error':>7} {'wire B/rank (DP+TP)':>20} {'wire':>9} "
+        f"{'states':>9}",
+    ]
+    for r in result["records"]:
+        c = r["compare"]
+        wire = c["dp_wire_bytes"]["measured"] + (c["tp_wire_bytes"]["measured"] or 0.0)
+        cpu = r["cpu_rank0_s"]
+        lines.append(f"{r['plan']:<18} {r['nproc']:>5} {r['share']:>5.2f} "
+                     f"{r['predicted_s']:>11.4f} {r['measured_s']:>10.4f} "
+                     f"{100 * r['error']:>+6.0f}% {cpu['predicted']:>6.3f}/{cpu['measured']:<7.3f}"
+                     f"{100 * cpu['error']:>+6.0f}% {wire:>20,.0f} {_yes(r['wire_exact']):>9} "
+                     f"{_yes(r['states_exact']):>9}")
+    mae = result["median_abs_error"]
+    n_w = sum(r["wire_exact"] for r in result["records"])
+    n_s = sum(r["states_exact"] for r in result["records"])
+    k = len(result["records"])
+    lines.append(f"median absolute error of step time: {100 * mae:.1f}% over {k} plans; "
+                 f"wire bytes exact {n_w}/{k}; model states exact on every rank {n_s}/{k}")
+    lines.append(f"median absolute error of rank 0's CPU s per step (the work, whatever the "
+                 f"other sessions take): {100 * result['median_abs_cpu_error']:.1f}%; 'core' is "
+                 "the predicted core share per rank")
+    return "\n".join(lines)

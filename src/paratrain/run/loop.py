@@ -1,0 +1,368 @@
+"""The training loop: one loop for every world size and every plan.
+
+Reads top to bottom: set up -> (resume) -> for each step: batch, forward/backward,
+reduce gradients, clip and step, log, evaluate, checkpoint -> summary.
+Call :func:`train` in every worker after the process group exists (or with none, for
+one process).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from paratrain.files import checkpoint
+from paratrain.run import shutdown
+from paratrain.bench.peak import PeakTracker, memory_bytes
+from paratrain.config import ModelConfig, TrainConfig
+from paratrain.files.batches import Corpus, bits_per_byte
+from paratrain.files.corpus import write_atomic
+from paratrain.model import Decoder, take_moe_stats
+from paratrain.parallel.api import build_engine
+from paratrain.parallel.memory import ActivationMeter, format_report, memory_report
+from paratrain.parallel.optim import lr_at
+from paratrain.parallel.precision import working_dtype
+from paratrain.parallel.process_groups import at
+from paratrain.plan import ParallelPlan
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """Where a run writes and what it shows (not part of the numerics)."""
+
+    run_dir: str | None = None
+    checkpoint_dir: str | None = None
+    resume: bool | str = False  # True: from --checkpoint-dir; "auto": if it has one
+    keep_checkpoints: int = 0  # 0 = keep every step's checkpoint
+    simulate_workers: int = 1
+    quiet: bool = False
+    measure_peak: bool = True
+    stop_after: int | None = None  # end (and checkpoint) after this step, as if interrupted
+    profile: str | None = None  # hardware profile for the prediction (default: calibrate's)
+    tensorboard: str | None = None  # rank 0 also writes TensorBoard event files here
+
+
+def _rank_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def build_model(cfg: ModelConfig, tcfg: TrainConfig, device: torch.device) -> Decoder:
+    """The same weights on every rank and in every mode: seeded construction on CPU."""
+    torch.manual_seed(tcfg.seed)
+    model = Decoder(cfg)
+    return model.to(device=device, dtype=working_dtype(tcfg))
+
+
+class _Log:
+    """Rank 0's outputs: the JSONL of steps, the progress bar, the summary."""
+
+    def __init__(self, run_dir: Path | None, active: bool, quiet: bool, total: int,
+                 start: int = 0, tensorboard: str | None = None) -> None:
+        self.active = active
+        self.file = None
+        self.tb = None
+        if active and tensorboard:
+            from paratrain.run.tensorboard import EventLog
+
+            self.tb = EventLog(tensorboard)
+        if active and run_dir is not None:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            path = run_dir / "metrics.jsonl"
+            keep = _records_before(path, start) if start else ""
+            checkpoint._atomic_write_bytes(path, keep.encode())  # resumed: no duplicates
+            self.file = path.open("a")
+        self.progress = None
+        if active and not quiet:
+            from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self.progress = Progress(TextColumn("step {task.completed}/{task.total}"),
+                                     BarColumn(), TextColumn("{task.description}"),
+                                     TimeRemainingColumn(), transient=False)
+            self.task = self.progress.add_task("", total=total)
+            self.progress.start()
+
+    def step(self, rec: dict, advance_to: int, desc: str) -> None:
+        if self.file is not None:
+            self.file.write(json.dumps(rec) + "\n")
+            self.file.flush()
+        if self.tb is not None:
+            self.tb.step(rec)
+        if self.progress is not None:
+            self.progress.update(self.task, completed=advance_to, description=desc)
+
+    def close(self) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+        if self.file is not None:
+            self.file.close()
+        if self.tb is not None:
+            self.tb.close()
+
+
+def _records_before(path: Path, start: int) -> str:
+    """The lines of a metrics file whose step is below ``start`` (a resumed run rewrites
+    the steps after its checkpoint, so the file's steps stay strictly increasing)."""
+    if not path.is_file():
+        return ""
+    keep = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line)["step"] < start:
+                keep.append(line + "\n")
+        except (ValueError, KeyError, TypeError):  # a torn last line from a killed run
+            continue
+    return "".join(keep)
+
+
+def _stop_agreed(world: int, device: torch.device) -> int:
+    """The stop signal every rank agrees on (max over ranks; 0 = go on). Only when the
+    worker installed the handlers (library callers pay no extra collective)."""
+    if not shutdown.installed():
+        return 0
+    sig = shutdown.requested()
+    if world > 1:
+        t = torch.tensor([sig], dtype=torch.int32, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        sig = int(t.item())
+    return sig
+
+
+def evaluate(engine, corpus: Corpus, tcfg: TrainConfig, ctx: int) -> float:
+    """Mean validation loss per token over the fixed validation windows."""
+    total = 0.0
+    for x, y in corpus.val_batches(tcfg.eval_batches, tcfg.global_batch, ctx,
+                                   engine.dp_rank, engine.dp_size):
+        total += engine.eval_loss_sum(x, y)
+    (total,) = engine.all_sum([total])
+    return total / (tcfg.eval_batches * tcfg.global_batch * ctx)
+
+
+def _prediction(mcfg, tcfg, plan, world, summary, profile) -> dict | None:
+    """The systems model's prediction beside this run's measurement (paratrain.predict);
+    None without a hardware profile. A broken profile is reported, not fatal to a run.
+    Rank 0 computes it (it samples the machine's load) and sends it to every rank, so
+    the summary stays the same everywhere."""
+    from paratrain.predict import summary_prediction
+
+    rank, _ = _rank_world()
+    rep = None
+    if rank == 0:
+        try:
+            rep = summary_prediction(mcfg, tcfg, plan, world, summary, profile)
+        except ValueError as e:
+            rep = {"error": str(e)}
+    if world > 1:
+        box = [rep]
+        dist.broadcast_object_list(box, src=0)
+        rep = box[0]
+    return rep
+
+
+def moe_stats(engine, experts: int) -> list[float]:
+    """:func:`paratrain.model.take_moe_stats` of this rank, followed by a dp x E block
+    in which this rank fills its own row with its load (tokens it routed, per expert),
+    summed over the world in one collective: the totals, and each data rank's routing."""
+    mine = take_moe_stats(engine.model, experts)
+    by_rank = [0.0] * (engine.dp_size * experts)
+    r = engine.dp_rank * experts
+    by_rank[r:r + experts] = mine[3:]
+    return engine.all_sum(mine + by_rank)
+
+
+def moe_record(stats: list[float], mcfg: ModelConfig, sequences: int) -> dict:
+    """Metrics of a step's MoE layers from :func:`paratrain.model.take_moe_stats` summed
+    over ranks: ``aux_loss`` is the term the step's loss adds (coef x the mean over
+    sequences of the per-layer balance losses, summed over layers; each is 1.0 when
+    perfectly balanced), ``z_loss`` the router z-loss term it adds (z_coef x the mean
+    over tokens, summed over layers; with the coefficient 0 it is 0.0), ``moe_load`` the
+    assignments each expert received (summed over layers), ``moe_dropped`` the
+    assignments over capacity, ``moe_load_by_rank`` the load per data rank (the tokens
+    each routed: the all-to-all's send counts, ``paratrain viz moe``)."""
+    E = mcfg.experts
+    aux, z, dropped, load = stats[0], stats[1], stats[2], [int(v) for v in stats[3:3 + E]]
+    rest = [int(v) for v in stats[3 + E:]]  # moe_stats: each data rank's load
+    by_rank = [rest[i:i + E] for i in range(0, len(rest), E)] if rest else [load]
+    return {"aux_loss": mcfg.aux_loss_coef * aux / sequences,
+            "moe_load_by_rank": by_rank,
+            "z_loss": mcfg.z_loss_coef * z / (sequences * mcfg.context),
+            "moe_balance": aux / sequences / max(1, mcfg.moe_layers),
+            "moe_load": load, "moe_tokens_max": max(load),
+            "moe_tokens_mean": sum(load) / len(load), "moe_dropped": int(dropped)}
+
+
+def train(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan | None = None,
+          opts: RunOptions | None = None, device: torch.device | None = None) -> dict:
+    """Train and return the summary (same on every rank; rank 0 also writes files)."""
+    opts = opts or RunOptions()
+    rank, world = _rank_world()
+    plan = plan or ParallelPlan(dp=world)
+    plan.check(mcfg, world, tcfg.global_batch)
+    plan.check_runtime(mcfg)
+    if opts.simulate_workers > 1:
+        if world > 1:
+            raise ValueError("--simulate-workers runs in one process; use it with --nproc 1")
+        if tcfg.global_batch % opts.simulate_workers:
+            raise ValueError(f"global batch {tcfg.global_batch} is not divisible by "
+                             f"--simulate-workers {opts.simulate_workers}; use a multiple")
+    device = device or torch.device("cpu")
+    corpus = Corpus.load(tcfg.data, tcfg.val_fraction, mcfg.context, tcfg.tokenizer,
+                         tcfg.text_field)
+    # the embedding must cover every id the data holds (an ASCII corpus under the bytes
+    # tokenizer fits a vocabulary of 128; the tests' uneven 131-way splits rely on it)
+    if corpus.max_id() >= mcfg.vocab_size:
+        raise ValueError(f"vocab_size={mcfg.vocab_size} is smaller than the {corpus.vocab_size} "
+                         f"tokens of --tokenizer {tcfg.tokenizer}; set vocab_size to "
+                         f"{corpus.vocab_size} (paratrain train does)")
+    model = build_model(mcfg, tcfg, device)
+    engine = build_engine(model, tcfg, plan, device, opts.simulate_workers)
+    if rank == 0 and not opts.quiet and hasattr(engine, "describe_layout"):
+        print(engine.describe_layout(), flush=True)  # mesh / stages / buckets chosen
+
+    start = 0
+    meta = {"tokenizer": asdict(corpus.tokenizer.info),  # checked first on resume
+            **checkpoint.run_settings(mcfg, tcfg, plan, corpus.text_sha256)} \
+        if opts.checkpoint_dir else {}
+    if opts.resume:
+        if not opts.checkpoint_dir:
+            raise ValueError("--resume needs --checkpoint-dir DIR to resume from")
+        if opts.resume != "auto" or checkpoint.peek(opts.checkpoint_dir) is not None:
+            start = checkpoint.load(opts.checkpoint_dir, engine, mcfg, plan, expect=meta,
+                                    device=device)
+        if start >= tcfg.steps:
+            raise ValueError(f"the checkpoint in {opts.checkpoint_dir!r} is at step {start} "
+                             f"but --steps is {tcfg.steps}; pass --steps above {start} to "
+                             "train further")
+
+    if opts.checkpoint_dir and rank == 0:  # what generate and export decode with
+        write_atomic(Path(opts.checkpoint_dir) / "tokenizer.json", corpus.tokenizer.json.encode())
+    val_bytes = corpus.val_bytes(tcfg.eval_batches, tcfg.global_batch, mcfg.context)
+    val_tokens = tcfg.eval_batches * tcfg.global_batch * mcfg.context
+    run_dir = Path(opts.run_dir) if opts.run_dir else None
+    log = _Log(run_dir, rank == 0, opts.quiet, tcfg.steps, start, opts.tensorboard)
+    peak = PeakTracker(working_dtype(tcfg), device, opts.measure_peak and rank == 0)
+    tokens = tcfg.global_batch * mcfg.context
+    micro = plan.micro_batches if plan.pp == 1 else 1  # the pipeline splits its own
+    model_flops = mcfg.flops_per_token(mcfg.context) * tokens
+    losses, times, comms, val_loss = [], [], [], float("nan")
+    payload = wire = 0.0
+    meter = ActivationMeter()  # bytes saved for backward, watched on the first micro-batch
+    if log.progress is not None:
+        log.progress.update(log.task, completed=start)
+
+    ep_mark, moe_steps = 0, []
+    end = tcfg.steps if opts.stop_after is None else min(tcfg.steps, opts.stop_after)
+    for step in range(start, end):
+        t0, c0 = time.perf_counter(), time.process_time()  # wall; this process's CPU
+        x, y = corpus.batch(tcfg.seed, step, tcfg.global_batch, mcfg.context,
+                            engine.dp_rank, engine.dp_size)
+        loss_sum = 0.0
+        at("forward/backward (tp, pp, cp, ep exchanges)", "mesh", step)
+        for i, (xs, ys) in enumerate(zip(x.chunk(micro), y.chunk(micro), strict=True)):
+            with meter.watch(step == start and i == 0):
+                loss_sum += engine.forward_backward(xs, ys, tokens)
+        at("gradient reduction", "dp")
+        comm = engine.reduce_gradients()
+        if step == end - 1:
+            meter.snapshot(engine)  # grads, optimizer state and buffers all exist now
+        at("loss all-reduce", "world")
+        (loss_sum,) = engine.all_sum([loss_sum])
+        moe = moe_stats(engine, mcfg.experts) if mcfg.experts else None
+        lr = lr_at(step, tcfg)
+        at("gradient-norm all-reduce and optimizer step", "world, then dp")
+        gnorm = engine.clip_and_step(lr)
+        t2 = time.perf_counter()
+        loss = loss_sum / tokens
+        dt = t2 - t0
+        if not math.isfinite(loss):
+            raise FloatingPointError(f"loss became {loss} at step {step}; lower --lr")
+        losses.append(loss)
+        times.append(dt)
+        comms.append(comm.seconds)
+        payload, wire = comm.payload_bytes, comm.wire_bytes
+        rec = {"step": step, "loss": loss, "lr": lr, "grad_norm": gnorm,
+               "tokens_per_s": tokens / dt, "step_s": dt, "compute_s": dt - comm.seconds,
+               "comm_s": comm.seconds, "mfu": peak.observe(model_flops / dt / world),
+               "peak_flops": peak.peak, "cpu_s": time.process_time() - c0,
+               "mem_bytes": memory_bytes(device)}
+        if moe is not None:
+            moe_steps.append(moe_record(moe, mcfg, tcfg.global_batch))
+            ex = getattr(engine, "ep", None)
+            if ex is not None:  # rank 0's token all-to-all bytes (fwd + bwd, with splits)
+                moe_steps[-1]["ep_wire_bytes"] = ex.wire_bytes - ep_mark
+                ep_mark = ex.wire_bytes
+            rec.update(moe_steps[-1])
+        last = step == end - 1
+        if (tcfg.eval_every and (step + 1) % tcfg.eval_every == 0) or last:
+            at("evaluation", "mesh")
+            val_loss = evaluate(engine, corpus, tcfg, mcfg.context)
+            rec["val_loss"] = val_loss
+            rec["val_bpb"] = bits_per_byte(val_loss, val_tokens, val_bytes)
+        log.step(rec, step + 1, f"loss {loss:.4f} | {tokens / dt:,.0f} tok/s | "
+                 f"MFU {100 * rec['mfu']:.1f}%")
+        every = tcfg.checkpoint_every
+        at("stop-signal all-reduce", "world")
+        sig = _stop_agreed(world, device)
+        if opts.checkpoint_dir and ((every and (step + 1) % every == 0) or last or sig):
+            at("checkpoint save", "world")
+            checkpoint.save(opts.checkpoint_dir, step + 1, engine, mcfg, plan, meta,
+                            opts.keep_checkpoints)
+        if sig and not last:
+            log.close()
+            raise shutdown.Stopped(sig, step + 1, str(checkpoint.step_dir(
+                opts.checkpoint_dir, step + 1)) if opts.checkpoint_dir else None)
+    tb, log.tb = log.tb, None  # kept open for the summary's scalars
+    log.close()
+
+    skip = 1 if len(times) > 1 else 0  # the first step pays warm-up costs
+    n = max(1, len(times) - skip)
+    step_s = sum(times[skip:]) / n if times else float("nan")
+    comm_s = sum(comms[skip:]) / n if comms else float("nan")
+    if hasattr(engine, "activation_peak_bytes"):  # engines that meter their own: theirs
+        # (the pipeline's in-flight peak; the loop's watch spans a whole pipeline step,
+        # every micro-batch at once, which is no peak the rank ever holds)
+        meter.peak_bytes = engine.activation_peak_bytes()
+    summary = {
+        "steps": tcfg.steps, "world_size": world, "plan": asdict(plan),
+        "params": mcfg.num_params(), "active_params": mcfg.active_params(),
+        "tokens_per_step": tokens,
+        "final_loss": losses[-1] if losses else float("nan"),
+        "val_loss": val_loss, "losses": losses, "tokenizer": tcfg.tokenizer,
+        "val_bpb": bits_per_byte(val_loss, val_tokens, val_bytes), "moe_steps": moe_steps,
+        "step_s": step_s, "tokens_per_s": tokens / step_s,
+        "compute_s_per_step": step_s - comm_s, "comm_s_per_step": comm_s,
+        "payload_bytes_per_step": payload, "wire_bytes_per_step": wire,
+        "peak_flops_per_rank": peak.peak, "peak_remeasured": peak.remeasured,
+        "mfu": model_flops / step_s / (peak.peak * world),
+        "unigram_entropy": corpus.unigram_entropy(),
+        "memory": memory_report(engine, mcfg, plan, tcfg, meter),
+        "dp": engine.report() if hasattr(engine, "report") else {},
+        "model_parallel": engine.model_parallel_report()  # bubble, activations, TP bytes
+        if hasattr(engine, "model_parallel_report") else {},
+    }
+    summary["prediction"] = _prediction(mcfg, tcfg, plan, world, summary, opts.profile)
+    if tb is not None:
+        tb.summary(summary, end)
+        tb.close()
+    if rank == 0 and not opts.quiet:
+        print(format_report(summary["memory"]))
+        if summary["model_parallel"]:
+            from paratrain.parallel.mesh_report import format_model_parallel
+
+            print(format_model_parallel(summary["model_parallel"]))
+        from paratrain.predict import format_prediction
+
+        print(format_prediction(summary["prediction"]))
+    if rank == 0 and run_dir is not None:
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+        if "pipeline" in summary["model_parallel"]:  # for `paratrain viz pipeline --measured`
+            (run_dir / "pipeline_timeline.json").write_text(
+                json.dumps(summary["model_parallel"]["pipeline"]))
+    return summary
