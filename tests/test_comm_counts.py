@@ -43,15 +43,18 @@ def _expected_ok(op, p, n, x, outs, root) -> bool:
                                                       for i in range(p)])) for r in range(p))
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=40, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
 @given(case=st.sampled_from(CASES), p=P, n=st.integers(0, 300), seed=st.integers(0, 99),
        data=st.data())
 def test_simulator_results_and_traffic(case, p, n, seed, data):
     op, alg = case
     if alg == "halving_doubling" and op != "all_reduce":
         p = 1 << (p.bit_length() - 1)
-    if op == "all_to_all" or alg == "naive":
-        p = min(p, 64)  # p x p blocks / p-1 sequential whole vectors: keep it small
+    if op in ("all_to_all", "sparse_all_gather") or alg == "naive":
+        # p x p blocks / p whole payloads / p-1 sequential whole vectors: keep it small
+        # (at p = 1024 a sparse all-gather of 192 values is past the simulator's limit)
+        p = min(p, 64)
     root = data.draw(st.integers(0, p - 1)) if op in ("broadcast", "reduce") else 0
     g = data.draw(st.sampled_from([d for d in range(1, min(p, 64) + 1) if p % d == 0]))
     x = _inputs(p, n, seed)
