@@ -75,24 +75,10 @@ def _mean(rows: list[list[list[float]]]) -> list[list[float]]:
             for d in range(len(rows[0]))]
 
 
-def draw_moe(run_dir: str, out_dir: str) -> Path:
-    """Write ``moe_routing.png`` under ``out_dir``; return its path."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+def _load_panel(fig, ax, rel: list[list[float]], steps: list[int], E: int) -> None:
+    """Expert load over steps, relative to the mean (1 = balanced)."""
     from matplotlib.colors import TwoSlopeNorm
 
-    run = read_run(run_dir)
-    load, by_rank, steps = run["load"], run["by_rank"], run["steps"]
-    E, dp = len(load[0]), len(by_rank[0])
-    ep = run["plan"]["ep"] if dp == run["plan"]["dp"] else 1
-    rel = [[v / (sum(row) / E) if sum(row) else 0.0 for v in row] for row in load]
-    fig, axes = plt.subplots(2, 2, figsize=(13, 9), dpi=100)
-    fig.suptitle(f"MoE routing of {Path(run_dir).name}: {E} experts, dp {dp}, ep {ep} "
-                 f"({len(steps)} steps)", fontsize=13)
-
-    ax = axes[0][0]
     hi = max(2.0, max(max(r) for r in rel))
     im = ax.imshow([list(c) for c in zip(*rel, strict=True)], aspect="auto", cmap="RdBu_r",
                    norm=TwoSlopeNorm(vcenter=1.0, vmin=0.0, vmax=hi), interpolation="nearest",
@@ -102,8 +88,10 @@ def draw_moe(run_dir: str, out_dir: str) -> Path:
     ax.set_title("expert load / mean load over steps (1 = balanced)")
     fig.colorbar(im, ax=ax, fraction=0.05)
 
-    ax = axes[0][1]
-    imb = [max(row) / (sum(row) / E) if sum(row) else 0.0 for row in load]
+
+def _imbalance_panel(ax, run: dict, imb: list[float]) -> None:
+    """Max / mean expert load per step, and the dropped share under a capacity."""
+    steps, load = run["steps"], run["load"]
     ax.plot(steps, imb, color="#C44E52", label="max / mean expert load")
     ax.axhline(1.0, color="grey", linestyle=":", linewidth=1)
     ax.set_xlabel("step")
@@ -118,11 +106,13 @@ def draw_moe(run_dir: str, out_dir: str) -> Path:
         right.legend(loc="upper left")
     ax.legend(loc="upper right")
 
-    ax = axes[1][0]
-    worst = max(range(len(imb)), key=imb.__getitem__)
-    mean = _mean(by_rank)
-    per = E // ep
-    at = load[worst]
+
+def _worst_step_panel(ax, run: dict, worst: int, E: int, dp: int, ep: int) -> None:
+    """Tokens per expert at the most uneven step, stacked by the data rank they came from."""
+    import matplotlib.pyplot as plt
+
+    load, by_rank, steps = run["load"], run["by_rank"], run["steps"]
+    per, at = E // ep, load[worst]
     for j in range(ep):  # the experts ep rank j holds, and what they computed
         ax.axvspan(j * per - 0.5, (j + 1) * per - 0.5, color=f"C{j % 10}", alpha=0.08)
         ax.text((j + 0.5) * per - 0.5, 0.8, f"ep rank {j}: {sum(at[j * per:(j + 1) * per])}",
@@ -145,7 +135,9 @@ def draw_moe(run_dir: str, out_dir: str) -> Path:
     ax.set_ylim(top=max(bottom) * 1.5)
     ax.legend(fontsize=8, loc="upper center", ncol=3)
 
-    ax = axes[1][1]
+
+def _dispatch_panel(fig, ax, mean: list[list[float]], dp: int, ep: int) -> None:
+    """What the all-to-all carries between data ranks, per step (run mean)."""
     mat = send_matrix(mean, ep)
     im = ax.imshow(mat, cmap="Blues", interpolation="nearest")
     top = max(max(r) for r in mat) or 1.0
@@ -162,5 +154,26 @@ def draw_moe(run_dir: str, out_dir: str) -> Path:
                  f"their rank; the combine returns them")
     fig.colorbar(im, ax=ax, fraction=0.05)
 
+
+def draw_moe(run_dir: str, out_dir: str) -> Path:
+    """Write ``moe_routing.png`` under ``out_dir``; return its path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    run = read_run(run_dir)
+    load, by_rank, steps = run["load"], run["by_rank"], run["steps"]
+    E, dp = len(load[0]), len(by_rank[0])
+    ep = run["plan"]["ep"] if dp == run["plan"]["dp"] else 1
+    rel = [[v / (sum(row) / E) if sum(row) else 0.0 for v in row] for row in load]
+    imb = [max(row) / (sum(row) / E) if sum(row) else 0.0 for row in load]
+    fig, axes = plt.subplots(2, 2, figsize=(13, 9), dpi=100)
+    fig.suptitle(f"MoE routing of {Path(run_dir).name}: {E} experts, dp {dp}, ep {ep} "
+                 f"({len(steps)} steps)", fontsize=13)
+    _load_panel(fig, axes[0][0], rel, steps, E)
+    _imbalance_panel(axes[0][1], run, imb)
+    _worst_step_panel(axes[1][0], run, max(range(len(imb)), key=imb.__getitem__), E, dp, ep)
+    _dispatch_panel(fig, axes[1][1], _mean(by_rank), dp, ep)
     fig.tight_layout()
     return save_figure(fig, out_dir, "moe_routing.png")
