@@ -2,7 +2,8 @@
 fsdp_tp.py), so every comparison times and weighs runs the same way:
 
 - every run is a fresh set of gloo processes (one intra-op thread each, set by
-  :func:`paratrain.parallel.process_groups.spawn`), so a rank's peak RSS belongs to one implementation;
+  :func:`paratrain.parallel.process_groups.spawn`), so a rank's peak RSS belongs to one
+  implementation;
 - a run takes ``warmup`` untimed steps, then ``steps`` timed ones, each timed step
   starting after a barrier; a run's step time is the slower rank's median;
 - peak memory is the process's peak resident set size (``ru_maxrss``), per rank;

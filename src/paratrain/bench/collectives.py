@@ -160,7 +160,7 @@ class _Case:
 
 
 def bench_worker(rank: int, world: int, cfg: BenchConfig) -> dict:
-    """Runs on every rank (via paratrain.parallel.process_groups.spawn); returns this rank's rows."""
+    """Runs on every rank (via process_groups.spawn); returns this rank's rows."""
     import torch.distributed as dist
 
     from paratrain.bench import measure

@@ -171,7 +171,8 @@ def run_worker(spec: dict) -> None:
 
 def main() -> None:
     if len(sys.argv) != 2:
-        sys.exit("usage: python -m paratrain.run.worker RUN_DIR/run.json (written by paratrain train)")
+        sys.exit("usage: python -m paratrain.run.worker RUN_DIR/run.json "
+                 "(written by paratrain train)")
     with open(sys.argv[1]) as f:
         run_worker(json.load(f))
 
