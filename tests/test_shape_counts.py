@@ -81,6 +81,7 @@ def test_counts_flops_and_states_equal_the_built_decoder(name):
         assert m.block_flops_per_token(i) == 6.0 * used + 12.0 * hq_t
         norms = sum(_numel(n) for n in (b.attn_norm, b.mlp_norm))
         assert m.block_flops_per_token(i, norms=False) == 6.0 * (used - norms) + 12.0 * hq_t
+    assert m.head_flops_per_token() == 6.0 * dec.head.weight.numel()
     for plan in (ParallelPlan(), ParallelPlan(dp=4, zero=3)):
         ms = model_states(cfg, plan, FP64)
         want = 32 * total / plan.dp if plan.zero == 3 else 32 * total

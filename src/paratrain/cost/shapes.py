@@ -180,6 +180,11 @@ class ModelShape(ModelConfig):
         params = self.layer_params(i, active=True) - (0 if norms else self.norm_params())
         return 6.0 * params + self._attention_flops_per_layer(t)
 
+    def head_flops_per_token(self) -> float:
+        """The output layer's matmul, forward + backward: 6 V d (the embedding is a
+        lookup, no FLOPs)."""
+        return 6.0 * self.vocab_size * self.d_model
+
     def flops_per_token(self, seq_len: int | None = None, count: str = "6N") -> float:
         """Model FLOPs per token, forward + backward, as one of :data:`FLOP_COUNTS` counts
         them: ``6N`` (ours, docs/design.md: 6 N_active + 12 L H Q T, PaLM appendix B; N

@@ -42,8 +42,8 @@ def stage_costs(cfg: ModelConfig, seq_len: int | None = None) -> tuple[float, fl
     model's context, which is what the runtime trains at). Every block is weighed as a
     dense one (:meth:`paratrain.cost.shapes.ModelShape.block_flops_per_token`), MoE
     blocks too: the split assumes uniform blocks."""
-    block = as_shape(cfg).block_flops_per_token(None, seq_len)
-    return block, 0.0, 6.0 * cfg.vocab_size * cfg.d_model
+    m = as_shape(cfg)
+    return m.block_flops_per_token(None, seq_len), 0.0, m.head_flops_per_token()
 
 
 def _check(n: int, stages: int) -> None:
