@@ -124,6 +124,14 @@ def test_catalogue_moe_vocabulary_is_the_runtimes():
         ds.replace(first_dense_layers=61)
 
 
+def test_a_model_file_with_the_old_moe_keys_is_told_the_new_names(tmp_path):
+    f = tmp_path / "old.toml"
+    f.write_text("n_layers = 2\nd_model = 32\nn_heads = 4\nd_ff = 64\nvocab_size = 256\n"
+                 "n_experts = 4\nd_ff_expert = 32\n")
+    with pytest.raises(ValueError, match="d_ff_expert -> moe_ffn, n_experts -> experts"):
+        load_model(str(f))
+
+
 # ---- per rank, in real gloo processes ----------------------------------------------
 MOE_FOUR = {
     "moe dp4 ep4 zero2": (MOE, ParallelPlan(dp=4, ep=4, zero=2)),

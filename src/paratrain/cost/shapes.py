@@ -206,11 +206,18 @@ FLOP_COUNTS = ("6N", "matmul", "causal")
 
 
 _FIELDS = {f.name for f in dataclasses.fields(ModelShape)}
+# the MoE keys ModelShape had before it shared ModelConfig's names
+_RENAMED = {"n_experts": "experts", "d_ff_expert": "moe_ffn",
+            "n_shared_experts": "shared_experts", "n_dense_layers": "first_dense_layers"}
 
 
 def model_from_dict(values: dict, where: str) -> ModelShape:
     values = {k: v for k, v in values.items() if k != "aliases"}
     values.setdefault("name", where)
+    old = sorted(set(values) & set(_RENAMED))
+    if old:
+        raise ValueError(f"model {where!r} uses old key(s) {', '.join(old)}; rename them "
+                         + ", ".join(f"{k} -> {_RENAMED[k]}" for k in old))
     unknown = sorted(set(values) - _FIELDS)
     if unknown:
         raise ValueError(
