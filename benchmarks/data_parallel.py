@@ -35,6 +35,7 @@ import torch
 
 from _common import alternate, median_of, peak_rss_mb, timed_steps, torch_step
 from paratrain.config import ModelConfig, TrainConfig
+from paratrain.cost.shapes import as_shape
 from paratrain.parallel.process_groups import spawn
 
 MODEL = ModelConfig(n_layers=4, d_model=256, n_heads=8, d_ff=688, context=128)  # 3.29 M
@@ -134,7 +135,8 @@ def main() -> None:
     impls = a.impls.split(",")
     tokens = a.batch * MODEL.context
     records = []
-    print(f"model {MODEL.num_params():,} parameters, {a.batch} x {MODEL.context} tokens/step, "
+    print(f"model {as_shape(MODEL).num_params():,} parameters, {a.batch} x {MODEL.context} "
+          "tokens/step, "
           f"2 ranks gloo, 1 thread each; {a.rounds} rounds x {a.steps} steps", flush=True)
     for rnd, impl in alternate(impls, a.rounds, rotate=True):
         world = 1 if impl == "one-process-2-threads" else 2

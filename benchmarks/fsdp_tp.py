@@ -61,6 +61,7 @@ import torch
 
 from _common import alternate, median_of, peak_rss_mb, timed_steps, torch_step
 from paratrain.config import ModelConfig, TrainConfig
+from paratrain.cost.shapes import as_shape
 from paratrain.parallel.process_groups import spawn
 
 DP, TP = 2, 2
@@ -207,7 +208,7 @@ def main(argv: list[str] | None = None) -> None:
     mcfg = MODEL.replace(n_layers=a.n_layers, d_model=a.d_model, n_heads=a.n_heads,
                          d_ff=a.d_ff, context=a.context)
     tokens = a.batch * mcfg.context
-    print(f"{os.cpu_count()} CPU cores; model {mcfg.num_params():,} parameters "
+    print(f"{os.cpu_count()} CPU cores; model {as_shape(mcfg).num_params():,} parameters "
           f"(L={mcfg.n_layers} d={mcfg.d_model} H={mcfg.n_heads} ff={mcfg.d_ff} "
           f"T={mcfg.context}), {a.batch} x {mcfg.context} tokens/step, "
           f"dp {DP} x tp {TP} = {DP * TP} ranks gloo, 1 thread each; paratrain zero={a.zero}, "

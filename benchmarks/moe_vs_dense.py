@@ -25,6 +25,7 @@ import time
 import torch
 
 from paratrain.config import ModelConfig, TrainConfig
+from paratrain.cost.shapes import as_shape
 from paratrain.run.loop import RunOptions, train
 
 
@@ -69,8 +70,9 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         s = train(m, t, None, RunOptions(quiet=True, measure_peak=False))
         tail = s["losses"][-args.tail:]
-        rows[name] = {"params": m.num_params(), "active_params": m.active_params(),
-                      "flops_per_token": m.flops_per_token(), "train_loss_tail":
+        shape = as_shape(m)
+        rows[name] = {"params": shape.num_params(), "active_params": shape.active_params(),
+                      "flops_per_token": shape.flops_per_token(), "train_loss_tail":
                       sum(tail) / len(tail), "val_loss": s["val_loss"],
                       "seconds": time.perf_counter() - t0}
         if m.experts:

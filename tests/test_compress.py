@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 
 from paratrain.config import ModelConfig, TrainConfig
+from paratrain.cost.shapes import as_shape
 from paratrain.parallel.process_groups import spawn
 from paratrain.plan import ParallelPlan
 from paratrain.run.loop import RunOptions, train
@@ -49,7 +50,7 @@ def test_topk_converges_within_the_stated_margin(two):
 @pytest.mark.parametrize("p", [2, 4])
 def test_wire_bytes_grow_as_p_minus_1_times_payload(two, text_file, p):
     out = two if p == 2 else spawn(_worker, 4, text_file, 2)[0]
-    n = MODEL.num_params()
+    n = as_shape(MODEL).num_params()
     payload = (n // 16) * (4 + 4)  # float32 values + int32 indices
     r = out["topk:16"]
     assert r["payload_bytes_per_step"] == payload

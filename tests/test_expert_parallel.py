@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from conftest import max_rel_diff
 from paratrain.config import ModelConfig, TrainConfig
 from paratrain.cost.layout import dp_wire_bytes, state_bytes
+from paratrain.cost.shapes import as_shape
 from paratrain.model import Decoder, moe_modules, set_moe_loss_scale, take_moe_stats
 from paratrain.parallel.process_groups import spawn
 from paratrain.plan import ParallelPlan
@@ -222,10 +223,11 @@ def test_one_expert_top1_is_the_dense_model():
 def test_exact_parameter_counts_total_and_active():
     cfg = MOE.replace(shared_experts=1, moe_ffn=48, moe_every=2)
     m = Decoder(cfg)
-    assert sum(p.numel() for p in m.parameters()) == cfg.num_params()
+    shape = as_shape(cfg)
+    assert sum(p.numel() for p in m.parameters()) == shape.num_params()
     d, f = cfg.d_model, 48
-    assert cfg.num_params() - cfg.active_params() == (cfg.experts - cfg.top_k) * 3 * d * f
-    dense = ModelConfig(n_layers=2, d_model=32, n_heads=4, d_ff=64, context=16)
+    assert shape.num_params() - shape.active_params() == (cfg.experts - cfg.top_k) * 3 * d * f
+    dense = as_shape(ModelConfig(n_layers=2, d_model=32, n_heads=4, d_ff=64, context=16))
     assert dense.active_params() == dense.num_params()
     assert dense.flops_per_token() == 6.0 * dense.num_params() + 12.0 * 2 * 4 * 8 * 16
 
@@ -256,8 +258,8 @@ def test_systems_model_prices_moe_states_as_the_runtime_holds_them():
             for r in range(plan.dp):
                 assert got == state_bytes(model, plan, "float64", r), (plan, r)
             if plan.zero < 3:  # weights: everything but the other ep ranks' experts
-                routed = model.moe_layers * model.experts * model.expert_params()
-                assert ms.weights_bytes == 8 * (model.num_params() - routed
+                routed = as_shape(model).routed_expert_params()
+                assert ms.weights_bytes == 8 * (as_shape(model).num_params() - routed
                                                 + routed // plan.ep), plan
 
 

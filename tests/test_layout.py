@@ -11,6 +11,7 @@ import pytest
 
 from paratrain.config import ModelConfig
 from paratrain.cost import layout as L
+from paratrain.cost.shapes import as_shape
 from paratrain.plan import ParallelPlan
 
 M4 = ModelConfig(n_layers=4, d_model=32, n_heads=4, d_ff=64, context=16, vocab_size=131)
@@ -86,9 +87,9 @@ def test_rank_layout_tp_uneven_vocab_and_pp_split():
     assert lays[0].first and lays[2].last and not lays[0].last
     assert lays[0].param_sizes[0] == 66 * 32 and lays[1].param_sizes[0] == 65 * 32
     norms = 2 * 4 * 32 + 32  # replicated: counted on each tp rank
-    assert sum(x.params for x in lays) == M4.num_params() + norms
+    assert sum(x.params for x in lays) == as_shape(M4).num_params() + norms
     one = ParallelPlan(pp=2, micro_batches=2)
-    assert sum(L.rank_layout(M4, one, r).params for r in range(2)) == M4.num_params()
+    assert sum(L.rank_layout(M4, one, r).params for r in range(2)) == as_shape(M4).num_params()
 
 
 def test_interleaved_chunks_and_fsdp_units():
@@ -96,14 +97,14 @@ def test_interleaved_chunks_and_fsdp_units():
     plan = ParallelPlan(pp=2, micro_batches=4, schedule="interleaved", virtual_stages=2)
     lays = [L.rank_layout(m8, plan, r) for r in range(2)]
     assert [x.stages for x in lays] == [(0, 2), (1, 3)]
-    assert sum(x.params for x in lays) == m8.num_params()
+    assert sum(x.params for x in lays) == as_shape(m8).num_params()
     units = [L.fsdp_unit_sizes(x) for x in lays]
     assert len(units[0]) == 2 and units[0][0][0] == m8.vocab_size * 32  # embedding unit
     assert units[1][1][-1] == 32 + m8.vocab_size * 32  # norm + head
     tied = ModelConfig(n_layers=2, d_model=32, n_heads=4, d_ff=64, context=16,
                        tie_embeddings=True)
     lay = L.rank_layout(tied, ParallelPlan(dp=2, zero=3), 0)
-    assert lay.params == tied.num_params()
+    assert lay.params == as_shape(tied).num_params()
     assert L.fsdp_unit_sizes(lay)[0][0] == tied.vocab_size * 32 + 32  # tok_emb + norm
 
 
@@ -121,7 +122,7 @@ def test_padding_to_the_data_parallel_size_is_counted():
     """On 4 ranks ODD's flat buffers need padding (N = 2 mod 4): parameters held in flat
     buckets (ZeRO-1) count it, AdamW state holds only owned real elements."""
     odd = ModelConfig(n_layers=2, d_model=42, n_heads=3, d_ff=51, context=16)
-    n = odd.num_params()
+    n = as_shape(odd).num_params()
     assert n % 4 == 2
     st = [L.state_bytes(odd, ParallelPlan(dp=4, zero=1), "float32", r) for r in range(4)]
     assert st[0]["params"] == 4 * (n + 2)

@@ -17,6 +17,7 @@ import torch
 
 from paratrain.config import ModelConfig, TrainConfig
 from paratrain.cost.memory import model_states
+from paratrain.cost.shapes import as_shape
 from paratrain.parallel.memory import run_precision
 from paratrain.parallel.process_groups import spawn
 from paratrain.plan import ParallelPlan
@@ -78,7 +79,7 @@ def test_bf16_follows_float32(runs):
 @pytest.mark.parametrize("reduce_dtype", ["bfloat16", "float32"])
 def test_state_and_payload_bytes_follow_the_recipe(runs, reduce_dtype):
     _, _, out = runs
-    n = MODEL.num_params()
+    n = as_shape(MODEL).num_params()
     g = 2 if reduce_dtype == "bfloat16" else 4
     prec = run_precision(tcfg("", "bfloat16", reduce_dtype))
     assert (prec.weight_bytes, prec.grad_bytes, prec.optim_bytes) == (2, g, 12)

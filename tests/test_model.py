@@ -4,20 +4,21 @@ import pytest
 import torch
 
 from paratrain.config import ModelConfig
-from paratrain.model import Decoder, flops_per_token, num_params
+from paratrain.cost.shapes import as_shape
+from paratrain.model import Decoder
 
 LLAMA2_7B = ModelConfig(n_layers=32, d_model=4096, n_heads=32, d_ff=11008,
                         vocab_size=32000, context=4096)
 
 
 def test_llama2_7b_parameter_count():
-    assert num_params(LLAMA2_7B) == 6_738_415_616
+    assert as_shape(LLAMA2_7B).num_params() == 6_738_415_616
 
 
 def test_llama2_7b_flops_per_token_by_hand():
     n = 6_738_415_616
     attn = 12 * 32 * 32 * 128 * 4096  # 12 L H Q T
-    assert flops_per_token(LLAMA2_7B, 4096) == 6 * n + attn
+    assert as_shape(LLAMA2_7B).flops_per_token(4096) == 6 * n + attn
 
 
 @pytest.mark.parametrize("cfg", [
@@ -27,7 +28,7 @@ def test_llama2_7b_flops_per_token_by_hand():
 ])
 def test_count_matches_built_model(cfg):
     model = Decoder(cfg)
-    assert sum(p.numel() for p in model.parameters()) == cfg.num_params()
+    assert sum(p.numel() for p in model.parameters()) == as_shape(cfg).num_params()
 
 
 def test_hand_count_small_gqa():
@@ -36,7 +37,7 @@ def test_hand_count_small_gqa():
     attn = 32 * 32 + 2 * 32 * 16 + 32 * 32  # q, k and v with 2 kv heads of 8, o
     mlp = 3 * 32 * 64
     per_layer = attn + mlp + 2 * 32
-    assert cfg.num_params() == 2 * per_layer + 2 * 256 * 32 + 32
+    assert as_shape(cfg).num_params() == 2 * per_layer + 2 * 256 * 32 + 32
 
 
 def test_forward_shape_causality_and_tied_weights():

@@ -12,6 +12,7 @@ import pytest
 
 from paratrain.config import ModelConfig, TrainConfig
 from paratrain.cost.hardware import Hardware
+from paratrain.cost.shapes import as_shape
 from paratrain.parallel.process_groups import spawn
 from paratrain.plan import ParallelPlan
 from paratrain.predict import (
@@ -46,7 +47,7 @@ def test_dp2_step_by_hand():
     assert flops == 11_796_480
     assert p.compute_s == pytest.approx(flops / 0.5e9)
     assert p.overhead_s == pytest.approx(3 * 1e-3 + 2e-3)  # 2 blocks + embedding/head, step
-    n = MODEL.num_params()
+    n = as_shape(MODEL).num_params()
     assert n == 37024  # even: no padding on 2 ranks
     assert p.dp_wire_bytes == 4 * n  # 2(p-1)/p x payload at p = 2
     assert p.dp_comm_s == pytest.approx(2 * 1e-4 + 4 * n / 1e9)  # 2(p-1) alphas + bytes/bw
@@ -157,7 +158,7 @@ def test_topk_and_recomputed_tp_bytes_exact(runs):
     recompute: 5 all-reduces per block (checkpoint's recomputation stops early)."""
     got = {name: rep["vs_measured"] for name, _, rep in runs[-3:-1]}
     topk = got["topk"]["dp_wire_bytes"]
-    assert topk["predicted"] == topk["measured"] == (MODEL.num_params() // 16) * 8
+    assert topk["predicted"] == topk["measured"] == (as_shape(MODEL).num_params() // 16) * 8
     tp = got["tp-full"]["tp_wire_bytes"]
     act = 8 * 16 * 32 * 4  # 8 sequences x 16 tokens x d_model 32, fp32; ring at p=2 sends it once
     assert tp["exact"] and tp["predicted"] == 2 * 5 * act  # 2 blocks

@@ -15,6 +15,7 @@ import pytest
 from paratrain.config import ModelConfig, TrainConfig
 from paratrain.cost.hardware import Hardware
 from paratrain.cost.layout import cp_wire_bytes, state_bytes
+from paratrain.cost.shapes import as_shape
 from paratrain.parallel.memory import predicted_activations
 from paratrain.plan import ParallelPlan
 from paratrain.predict import MachineModel, predict
@@ -79,9 +80,9 @@ def test_ep_flops_bytes_states_by_hand(ep):
     plan = ParallelPlan(dp=ep, ep=ep)
     p = predict(MOE, tc, plan, ep, MACHINE)
     tokens, d, L = 2 * 16, MOE.d_model, MOE.n_layers
-    matmul = sum(MOE.layer_params(i, active=True) - 2 * d for i in range(L))
+    matmul = sum(as_shape(MOE).layer_params(i, active=True) - 2 * d for i in range(L))
     imb = 1 + math.sqrt(2 * math.log(2) / (tokens * 2)) if ep > 1 else 1.0
-    matmul += (imb - 1) * 2 * MOE.expert_params() * L  # the busiest rank's extra load
+    matmul += (imb - 1) * 2 * as_shape(MOE).expert_params() * L  # the busiest rank's extra load
     flops = tokens * (6 * matmul + 12 * L * 4 * 8 * 16 + 6 * d * MOE.vocab_size)
     assert math.isclose(p.compute_s, flops / 0.5e9)
     # per layer: 4 all-to-alls of 32 tokens x top-2 rows of 32 floats, half to the other

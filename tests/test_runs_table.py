@@ -80,14 +80,14 @@ def test_empty_shape_columns_come_from_the_catalogue_and_filled_ones_override_it
 
 def test_moe_rows_are_priced_as_moe_and_columns_override():
     grok = row_to_case(BY_ID["dgxc_grok1_512"]).model
-    assert grok.is_moe and grok.n_experts == 8 and grok.top_k == 2
+    assert grok.is_moe and grok.experts == 8 and grok.top_k == 2
     assert grok.active_params() < 0.3 * grok.num_params()
     ds = row_to_case(BY_ID["deepseek_v3_pretrain_2048"])
     assert ds.model.moe_layers == 58 and ds.plan.ep == 64
     row = {**BY_ID["dgxc_llama31_8b_8"], "experts": "8", "top_k": "2", "moe_ffn_hidden": "1024",
            "moe_layers": "16"}
     m = row_to_case(row).model
-    assert (m.n_experts, m.top_k, m.d_ff_expert, m.moe_layers) == (8, 2, 1024, 16)
+    assert (m.experts, m.top_k, m.expert_ffn, m.moe_layers) == (8, 2, 1024, 16)
 
 
 def test_tokens_per_second_rows_are_priced_as_model_tflops():

@@ -1,8 +1,10 @@
 """Model and training settings: small frozen dataclasses, validated on construction.
 
 Pure Python (no torch import), so the systems model and `paratrain plan` can use the same
-shapes and formulas as the runtime. Every invalid value raises one ``ValueError`` line
-that names the value and the fix; the CLI turns that into exit code 2.
+shapes as the runtime; the counts (parameters, FLOPs per token) live in
+:mod:`paratrain.cost.shapes` (``as_shape(cfg).num_params()``). Every invalid value raises
+one ``ValueError`` line that names the value and the fix; the CLI turns that into exit
+code 2.
 """
 
 from __future__ import annotations
@@ -158,60 +160,6 @@ class ModelConfig:
     @property
     def moe_layers(self) -> int:
         return sum(self.is_moe_layer(i) for i in range(self.n_layers))
-
-    def expert_params(self) -> int:
-        """Parameters of one routed expert (SwiGLU: gate, up, down)."""
-        return 3 * self.d_model * self.expert_ffn
-
-    def moe_mlp_params(self, active: bool = False) -> int:
-        """One MoE MLP: router + routed experts (all, or the top_k a token uses) + shared."""
-        routed = self.top_k if active else self.experts
-        return (self.d_model * self.experts + routed * self.expert_params()
-                + self.shared_experts * self.expert_params())
-
-    # ---- exact counts -------------------------------------------------------------
-    def layer_params(self, i: int | None = None, active: bool = False) -> int:
-        """Parameters of block ``i`` (attention, MLP, two RMSNorms); ``i`` None: a dense
-        block. ``active``: only what one token uses (its top_k experts)."""
-        d, hd = self.d_model, self.head_dim
-        attn = d * (self.n_heads * hd) + 2 * d * (self.kv_heads * hd) + (self.n_heads * hd) * d
-        if i is not None and self.is_moe_layer(i):
-            mlp = self.moe_mlp_params(active)
-        else:
-            mlp = 3 * d * self.d_ff
-        return attn + mlp + 2 * d
-
-    def embedding_params(self) -> int:
-        """Token embedding plus output head (one matrix when tied) plus the final norm."""
-        emb = self.vocab_size * self.d_model
-        return emb * (1 if self.tie_embeddings else 2) + self.d_model
-
-    def num_params(self) -> int:
-        """Exact parameter count (LLaMA 2 7B's shape gives 6,738,415,616); with MoE the
-        total (every expert)."""
-        if not self.experts:
-            return self.n_layers * self.layer_params() + self.embedding_params()
-        return sum(self.layer_params(i) for i in range(self.n_layers)) + \
-            self.embedding_params()
-
-    def active_params(self) -> int:
-        """Parameters one token uses: the total for a dense model; with MoE the router,
-        top_k routed experts and the shared experts of each MoE MLP."""
-        if not self.experts:
-            return self.num_params()
-        return sum(self.layer_params(i, active=True) for i in range(self.n_layers)) + \
-            self.embedding_params()
-
-    def flops_per_token(self, seq_len: int | None = None) -> float:
-        """Model FLOPs per token for forward + backward: 6N + 12 L H Q T (PaLM, app. B).
-
-        N counts all parameters a token uses (embedding included, as in docs/design.md's
-        reference figures; with MoE the active parameters, :meth:`active_params`); H is
-        the number of heads, Q the head dimension, T the sequence length.
-        """
-        t = self.context if seq_len is None else seq_len
-        return 6.0 * self.active_params() + \
-            12.0 * self.n_layers * self.n_heads * self.head_dim * t
 
     def replace(self, **changes) -> ModelConfig:
         return dataclasses.replace(self, **changes)

@@ -351,13 +351,3 @@ def take_moe_stats(model: nn.Module, experts: int) -> list[float]:
         load += m.stats["load"]
         m.reset_stats()
     return [aux, z, float(dropped), *map(float, load.tolist())]
-
-
-def num_params(cfg: ModelConfig) -> int:
-    """Exact parameter count from the shape (same as ``cfg.num_params()``)."""
-    return cfg.num_params()
-
-
-def flops_per_token(cfg: ModelConfig, seq_len: int | None = None) -> float:
-    """Model FLOPs per trained token: 6N + 12 L H Q T (PaLM, appendix B)."""
-    return cfg.flops_per_token(seq_len)

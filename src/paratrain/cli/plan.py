@@ -138,9 +138,9 @@ def plan(
                      virtual_stages=virtual_stages, recompute=recompute, overlap=overlap,
                      cp_algorithm=cp_algorithm)
     p.check(m, world_size=gpus)
-    if ep > 1 and (not m.is_moe or m.n_experts % ep):
+    if ep > 1 and (not m.is_moe or m.experts % ep):
         raise ValueError(f"ep={ep} needs an MoE model whose experts it divides (model has "
-                         f"{m.n_experts}); pass --experts 8 or a catalogue MoE model")
+                         f"{m.experts}); pass --experts 8 or a catalogue MoE model")
     rep = build_report(m, hw, p, tokens, seq_len, eta=eta, precision=precision,
                        attention=attention)
     lines = []
@@ -176,9 +176,8 @@ def _model(name: str, experts: int, top_k: int, moe_ffn: int | None, shared: int
     if not 1 <= top_k <= experts:
         raise ValueError(f"top_k={top_k} must be in 1..experts={experts}; pass e.g. "
                          "--top-k 2")
-    return m.replace(n_experts=experts, top_k=top_k, d_ff_expert=moe_ffn or m.d_ff,
-                     n_shared_experts=shared, n_dense_layers=0, experts=experts,
-                     moe_ffn=moe_ffn, shared_experts=shared)
+    return m.replace(experts=experts, top_k=top_k, moe_ffn=moe_ffn, shared_experts=shared,
+                     first_dense_layers=0, experts_over_tp=True)
 
 
 def _render_predicted(pred: dict, lines: list[str]) -> None:

@@ -46,11 +46,13 @@ def is_paratrain_block(model: ModelConfig) -> bool:
     """Whether ``model``'s layers are paratrain's own block (model.py): RMSNorm x 2, RoPE
     attention with head dim d_model / n_heads, SwiGLU, no biases; its MLP dense or
     paratrain's :class:`paratrain.model.MoE` (``ModelConfig.experts``, layers picked by
-    ``is_moe_layer``). A catalogue MoE shape (``ModelShape.n_experts``, a published
-    model's layer plan) is not: it keeps Korthikanti's figure."""
+    ``is_moe_layer``). A catalogue MoE shape (``experts_over_tp`` or
+    ``first_dense_layers``, a published model's layer plan) is not: it keeps
+    Korthikanti's figure."""
     m = as_shape(model)
     return (m.mlp == "swiglu" and not m.bias and not m.learned_positions
-            and m.norms_per_layer == 2 and not m.is_moe and not m.is_mla
+            and m.norms_per_layer == 2 and not m.is_mla
+            and not (m.is_moe and (m.experts_over_tp or m.first_dense_layers))
             and m.head_dim * m.n_heads == m.d_model)
 
 

@@ -11,7 +11,8 @@ with d the data-parallel degree (dp x cp: context-parallel ranks hold the same w
 Tensor and pipeline parallelism divide the parameters a GPU holds; expert parallelism
 divides the routed experts, whose ZeRO shards are over the d / ep ranks holding the same
 experts (the dense parameters' over d). paratrain's runtime keeps an MoE MLP whole on
-every tp rank; published MoE shapes are priced with experts split over tp too.
+every tp rank; a shape with ``experts_over_tp`` (the catalogue's published MoE models) is
+priced with the MoE MLP split over tp too.
 
 Activations per layer: :func:`block_activation_bytes` is the one formula (the runtime's
 prediction, the plan's memory and the pipeline report all call it). For paratrain's own
@@ -101,44 +102,44 @@ def params_per_gpu(model: ModelConfig, plan: ParallelPlan) -> ParamsPerGPU:
     head; with pp > 1 the vocabulary matrix of the first or last stage), over tp; routed
     experts also over ep. Exact for tp = pp = 1.
 
-    paratrain's own MoE model (a :class:`ModelConfig` with ``experts``) as its runtime
-    holds it (:func:`_runtime_moe_params`); a published MoE shape (:class:`ModelShape`
-    with ``n_experts``) as Megatron-LM splits it, routed experts over tp x ep."""
-    if getattr(model, "experts", 0) and not isinstance(model, ModelShape):
-        return _runtime_moe_params(model, plan)
+    An MoE model as paratrain's runtime holds it (:func:`_runtime_moe_params`), unless its
+    shape says ``experts_over_tp`` (published MoE runs, as Megatron-LM splits them: the
+    MoE MLP over tp too, routed experts over tp x ep)."""
     m = as_shape(model)
+    if m.is_moe and not m.experts_over_tp:
+        return _runtime_moe_params(m, plan)
     share = stage_layers(m.n_layers, plan.pp) / m.n_layers
-    if plan.pp == 1:
-        emb = m.embedding_params()
-    else:
-        emb = m.vocab_size * m.d_model + (m.context * m.d_model if m.learned_positions else 0)
-    expert = m.expert_params() * share
+    emb = m.embedding_params() if plan.pp == 1 else _stage_embedding(m)
+    expert = m.routed_expert_params() * share
     dense = m.num_layer_params() * share - expert + emb
     return ParamsPerGPU(dense / plan.tp, expert / (plan.tp * plan.ep),
                         m.num_layer_params() / m.n_layers / plan.tp)
 
 
-def _runtime_moe_params(model: ModelConfig, plan: ParallelPlan) -> ParamsPerGPU:
+def _stage_embedding(m: ModelShape) -> int:
+    """The vocabulary matrix (and learned positions) of the first or last stage."""
+    return m.vocab_size * m.d_model + (m.context * m.d_model if m.learned_positions else 0)
+
+
+def _runtime_moe_params(m: ModelShape, plan: ParallelPlan) -> ParamsPerGPU:
     """paratrain's runtime (:mod:`paratrain.parallel.expert`, :mod:`paratrain.cost.layout`):
     each ep rank keeps E / ep routed experts of every MoE layer; the router and shared
     experts are dense parameters; the whole MoE MLP is replicated over tp (attention,
     dense MLPs and the vocabulary are split as in a dense model)."""
-    share = stage_layers(model.n_layers, plan.pp) / model.n_layers
-    emb = model.embedding_params() if plan.pp == 1 else model.vocab_size * model.d_model
-    one = model.expert_params()  # one routed expert: gate, up, down
-    moe = model.moe_layers * share
-    routed = moe * model.experts * one
-    whole = moe * (model.d_model * model.experts + model.shared_experts * one)
-    blocks = (model.num_params() - model.embedding_params()) * share
-    dense = (blocks - routed - whole + emb) / plan.tp + whole
+    share = stage_layers(m.n_layers, plan.pp) / m.n_layers
+    emb = m.embedding_params() if plan.pp == 1 else _stage_embedding(m)
+    moe = m.moe_layers * share
+    routed = moe * m.experts * m.expert_params()
+    whole = moe * (m.moe_mlp_params() - m.experts * m.expert_params())  # router, shared
+    dense = (m.num_layer_params() * share - routed - whole + emb) / plan.tp + whole
 
     def block(i: int) -> float:  # block i's parameters on one rank (ZeRO-3's gather)
-        if not model.is_moe_layer(i):
-            return model.layer_params(i) / plan.tp
-        mlp = model.moe_mlp_params() - model.experts * one * (1 - 1 / plan.ep)
-        return (model.layer_params(i) - model.moe_mlp_params()) / plan.tp + mlp
+        if not m.is_moe_layer(i):
+            return m.layer_params(i) / plan.tp
+        mlp = m.moe_mlp_params() - m.experts * m.expert_params() * (1 - 1 / plan.ep)
+        return (m.layer_params(i) - m.moe_mlp_params()) / plan.tp + mlp
 
-    return ParamsPerGPU(dense, routed / plan.ep, max(map(block, range(model.n_layers))))
+    return ParamsPerGPU(dense, routed / plan.ep, max(map(block, range(m.n_layers))))
 
 
 @dataclass(frozen=True)

@@ -1,11 +1,16 @@
-"""Model shapes for the systems model: ModelConfig plus what large published models need.
+"""Model shapes and their counts: the one home of parameter counts and FLOPs per token.
 
 ``ModelShape`` extends :class:`paratrain.config.ModelConfig` (LLaMA-style by default, so
-the runtime's formulas hold unchanged) with: a GELU (two-matrix) MLP and biases (GPT-3),
-learned positions, a head size other than d_model / n_heads (PaLM), mixture-of-experts
-layers (Mixtral, DeepSeek-V3: Fedus et al. 2021; Dai et al. 2024) and multi-head latent
-attention (DeepSeek-V2/V3, arXiv:2405.04434). Counts stay exact: parameters are summed
-matrix by matrix from the shape.
+the runtime's model is priced as it is built) with: a GELU (two-matrix) MLP and biases
+(GPT-3), learned positions, a head size other than d_model / n_heads (PaLM), dense first
+layers in a mixture-of-experts model (DeepSeek-V3: Dai et al. 2024), the expert layout of
+published MoE runs, and multi-head latent attention (DeepSeek-V2/V3, arXiv:2405.04434).
+Mixture of experts uses ModelConfig's names (``experts``, ``top_k``, ``moe_ffn``,
+``shared_experts``, ``moe_every``; Fedus et al. 2021), so ``as_shape(cfg)`` counts what
+the runtime builds from ``cfg``. Counts are exact: parameters are summed matrix by matrix
+from the shape. Every caller (runtime, systems model, run prediction, tests, benchmarks)
+prices a ModelConfig through :func:`as_shape` (docs/design.md, "Parameter and FLOP
+counts").
 """
 
 from __future__ import annotations
@@ -29,12 +34,12 @@ class ModelShape(ModelConfig):
     learned_positions: bool = False
     head_size: int | None = None  # None = d_model // n_heads
     norms_per_layer: int = 2
-    # mixture of experts (0 experts = dense)
-    n_experts: int = 0
-    top_k: int = 0
-    d_ff_expert: int = 0
-    n_shared_experts: int = 0
-    n_dense_layers: int = 0  # the first layers keep a dense MLP of width d_ff
+    # mixture of experts beyond ModelConfig: the first layers keep a dense MLP of width
+    # d_ff (DeepSeek-V3's first 3); routed and shared experts and the router split over
+    # tp as well as ep, as Megatron-LM runs published MoE models (False: paratrain's
+    # runtime keeps an MoE MLP whole on every tp rank, paratrain.parallel.tensor)
+    first_dense_layers: int = 0
+    experts_over_tp: bool = False
     # multi-head latent attention (kv_lora_rank 0 = ordinary attention)
     q_lora_rank: int = 0
     kv_lora_rank: int = 0
@@ -46,17 +51,9 @@ class ModelShape(ModelConfig):
         super().__post_init__()
         if self.mlp not in MLPS:
             raise ValueError(f"mlp={self.mlp!r} is unknown; choose one of {', '.join(MLPS)}")
-        if self.n_experts:
-            if not 1 <= self.top_k <= self.n_experts:
-                raise ValueError(
-                    f"top_k={self.top_k} must be in 1..n_experts={self.n_experts}; set top_k"
-                )
-            if self.d_ff_expert <= 0:
-                raise ValueError("d_ff_expert must be positive for an MoE model; set it")
-            if not 0 <= self.n_dense_layers < self.n_layers:
-                raise ValueError(
-                    f"n_dense_layers={self.n_dense_layers} must be below n_layers={self.n_layers}"
-                )
+        if self.experts and not 0 <= self.first_dense_layers < self.n_layers:
+            raise ValueError(f"first_dense_layers={self.first_dense_layers} must be in "
+                             f"[0, n_layers={self.n_layers}); set e.g. first_dense_layers = 0")
 
     # ---- shape helpers -------------------------------------------------------------
     @property
@@ -65,16 +62,17 @@ class ModelShape(ModelConfig):
 
     @property
     def is_moe(self) -> bool:
-        return self.n_experts > 0
+        return self.experts > 0
 
     @property
     def is_mla(self) -> bool:
         return self.kv_lora_rank > 0
 
-    @property
-    def moe_layers(self) -> int:
-        return self.n_layers - self.n_dense_layers if self.is_moe else 0
+    def is_moe_layer(self, i: int) -> bool:
+        """ModelConfig's rule ((i + 1) % moe_every == 0) past the first dense layers."""
+        return i >= self.first_dense_layers and super().is_moe_layer(i)
 
+    # ---- exact parameter counts ----------------------------------------------------
     def _mlp_params(self, width: int) -> int:
         d = self.d_model
         if self.mlp == "swiglu":
@@ -96,62 +94,49 @@ class ModelShape(ModelConfig):
             n += h * hd + 2 * self.kv_heads * hd + d
         return n
 
-    def _norm_params(self) -> int:
+    def norm_params(self) -> int:
+        """One block's norm weights (and LayerNorm biases): element-wise, no matmul."""
         return self.norms_per_layer * self.d_model * (2 if self.bias else 1)
 
-    def dense_layer_params(self) -> int:
-        return self.attention_params() + self._mlp_params(self.d_ff) + self._norm_params()
+    def expert_params(self) -> int:
+        """One routed expert: an MLP of width ``expert_ffn`` (SwiGLU: gate, up, down)."""
+        return self._mlp_params(self.expert_ffn)
 
-    def expert_params_per_layer(self) -> int:
-        """Routed experts of one MoE layer (these are what expert parallelism splits)."""
-        return self.n_experts * self._mlp_params(self.d_ff_expert)
+    def moe_mlp_params(self, active: bool = False) -> int:
+        """One MoE MLP: router (d_model -> experts) + the routed experts (all, or the
+        top_k a token uses) + the shared experts (one MLP of shared_experts x moe_ffn)."""
+        routed = self.top_k if active else self.experts
+        shared = (self._mlp_params(self.shared_experts * self.expert_ffn)
+                  if self.shared_experts else 0)
+        return self.d_model * self.experts + routed * self.expert_params() + shared
 
-    def moe_layer_params(self) -> int:
-        shared = self.n_shared_experts * self._mlp_params(self.d_ff_expert)
-        router = self.d_model * self.n_experts
-        return (self.attention_params() + self.expert_params_per_layer() + shared + router
-                + self._norm_params())
+    def layer_params(self, i: int | None = None, active: bool = False) -> int:
+        """Parameters of block ``i`` (attention, MLP, norms); ``i`` None: a dense block.
+        ``active``: only what one token uses (its top_k experts)."""
+        moe = i is not None and self.is_moe_layer(i)
+        mlp = self.moe_mlp_params(active) if moe else self._mlp_params(self.d_ff)
+        return self.attention_params() + mlp + self.norm_params()
 
-    # ---- exact counts (override ModelConfig's) --------------------------------------
-    def layer_params(self) -> int:
-        """Parameters of an average block (exact for dense models)."""
-        return self.num_layer_params() // self.n_layers
+    def num_layer_params(self, active: bool = False) -> int:
+        """All blocks' parameters (``active``: those one token uses)."""
+        n_moe = self.moe_layers if self.is_moe else 0
+        moe = self.layer_params(self._first_moe_layer(), active) if n_moe else 0
+        return (self.n_layers - n_moe) * self.layer_params() + n_moe * moe
 
-    def num_layer_params(self) -> int:
-        if not self.is_moe:
-            return self.n_layers * self.dense_layer_params()
-        return (self.n_dense_layers * self.dense_layer_params()
-                + self.moe_layers * self.moe_layer_params())
+    def _first_moe_layer(self) -> int:
+        return next(i for i in range(self.n_layers) if self.is_moe_layer(i))
+
+    def routed_expert_params(self) -> int:
+        """Every routed expert of every MoE layer: what expert parallelism splits."""
+        return self.moe_layers * self.experts * self.expert_params() if self.is_moe else 0
 
     def embedding_params(self) -> int:
+        """Token embedding plus output head (one matrix when tied), learned positions,
+        the final norm."""
         d = self.d_model
         emb = self.vocab_size * d * (1 if self.tie_embeddings else 2)
         pos = self.context * d if self.learned_positions else 0
         return emb + pos + d * (2 if self.bias else 1)
-
-    def num_params(self) -> int:
-        return self.num_layer_params() + self.embedding_params()
-
-    def expert_params(self) -> int:
-        """All routed-expert parameters (split by ep); the rest is replicated."""
-        return self.moe_layers * self.expert_params_per_layer()
-
-    def active_params(self) -> int:
-        """Parameters each token passes through (MoE: top_k of the routed experts)."""
-        if not self.is_moe:
-            return self.num_params()
-        unused = self.moe_layers * (self.n_experts - self.top_k) * self._mlp_params(
-            self.d_ff_expert)
-        return self.num_params() - unused
-
-    def attention_flops_per_token(self, seq_len: int) -> float:
-        """Score and value matmuls, forward + backward: 6 T H (d_qk + d_v) per layer,
-        i.e. 12 L H Q T when d_qk = d_v = Q (PaLM, appendix B)."""
-        if self.is_mla:
-            dqk, dv = self.qk_nope_dim + self.qk_rope_dim, self.v_head_dim
-        else:
-            dqk = dv = self.head_dim
-        return 6.0 * self.n_layers * self.n_heads * (dqk + dv) * seq_len
 
     def lookup_params(self) -> int:
         """Tables a token only reads a row of (no matmul): the input embedding when it is
@@ -160,13 +145,54 @@ class ModelShape(ModelConfig):
         return ((0 if self.tie_embeddings else self.vocab_size * d)
                 + (self.context * d if self.learned_positions else 0))
 
+    def num_params(self) -> int:
+        """Exact parameter count (LLaMA 2 7B's shape gives 6,738,415,616); with MoE the
+        total (every expert)."""
+        return self.num_layer_params() + self.embedding_params()
+
+    def active_params(self) -> int:
+        """Parameters one token uses: the total for a dense model; with MoE the router,
+        top_k routed experts and the shared experts of each MoE MLP."""
+        return self.num_layer_params(active=True) + self.embedding_params()
+
+    # ---- FLOPs per token -----------------------------------------------------------
+    def _attention_flops_per_layer(self, seq_len: int) -> float:
+        if self.is_mla:
+            dqk, dv = self.qk_nope_dim + self.qk_rope_dim, self.v_head_dim
+        else:
+            dqk = dv = self.head_dim
+        return 6.0 * self.n_heads * (dqk + dv) * seq_len
+
+    def attention_flops_per_token(self, seq_len: int) -> float:
+        """Score and value matmuls, forward + backward: 6 T H (d_qk + d_v) per layer,
+        i.e. 12 L H Q T when d_qk = d_v = Q (PaLM, appendix B)."""
+        return self.n_layers * self._attention_flops_per_layer(seq_len)
+
+    def block_flops_per_token(self, i: int | None = None, seq_len: int | None = None, *,
+                              norms: bool = True) -> float:
+        """Forward + backward FLOPs of block ``i`` (None: a dense block) per token at
+        ``seq_len`` (default: the context): 6 x the parameters a token uses + the
+        attention's 6 T H (d_qk + d_v) (PaLM, appendix B). ``norms=False`` leaves out the
+        norm weights (element-wise, and replicated over tensor-parallel ranks, so the rest
+        is what a tp shard divides). The pipeline split (:mod:`paratrain.cost.stages`)
+        and the run prediction (:mod:`paratrain.predict.model`) weigh blocks by it."""
+        t = self.context if seq_len is None else seq_len
+        params = self.layer_params(i, active=True) - (0 if norms else self.norm_params())
+        return 6.0 * params + self._attention_flops_per_layer(t)
+
+    def head_flops_per_token(self) -> float:
+        """The output layer's matmul, forward + backward: 6 V d (the embedding is a
+        lookup, no FLOPs)."""
+        return 6.0 * self.vocab_size * self.d_model
+
     def flops_per_token(self, seq_len: int | None = None, count: str = "6N") -> float:
         """Model FLOPs per token, forward + backward, as one of :data:`FLOP_COUNTS` counts
-        them: ``6N`` (ours, docs/design.md: 6 N_active + 12 L H Q T), ``matmul`` (the
-        input-embedding lookup is no matmul: 6 (N_active - lookup tables) + 12 L H Q T, as
-        Megatron-LM, NeMo, MaxText, torchtitan and llm-foundry's benchmark table report)
-        or ``causal`` (``matmul`` with the attention halved for the causal mask, for a
-        source that counts only the scores a causal kernel computes)."""
+        them: ``6N`` (ours, docs/design.md: 6 N_active + 12 L H Q T, PaLM appendix B; N
+        includes the embedding), ``matmul`` (the input-embedding lookup is no matmul:
+        6 (N_active - lookup tables) + 12 L H Q T, as Megatron-LM, NeMo, MaxText,
+        torchtitan and llm-foundry's benchmark table report) or ``causal`` (``matmul``
+        with the attention halved for the causal mask, for a source that counts only the
+        scores a causal kernel computes)."""
         t = self.context if seq_len is None else seq_len
         if count not in FLOP_COUNTS:
             raise ValueError(f"FLOP count {count!r} is unknown; use one of "
@@ -180,11 +206,18 @@ FLOP_COUNTS = ("6N", "matmul", "causal")
 
 
 _FIELDS = {f.name for f in dataclasses.fields(ModelShape)}
+# the MoE keys ModelShape had before it shared ModelConfig's names
+_RENAMED = {"n_experts": "experts", "d_ff_expert": "moe_ffn",
+            "n_shared_experts": "shared_experts", "n_dense_layers": "first_dense_layers"}
 
 
 def model_from_dict(values: dict, where: str) -> ModelShape:
     values = {k: v for k, v in values.items() if k != "aliases"}
     values.setdefault("name", where)
+    old = sorted(set(values) & set(_RENAMED))
+    if old:
+        raise ValueError(f"model {where!r} uses old key(s) {', '.join(old)}; rename them "
+                         + ", ".join(f"{k} -> {_RENAMED[k]}" for k in old))
     unknown = sorted(set(values) - _FIELDS)
     if unknown:
         raise ValueError(

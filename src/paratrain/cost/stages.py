@@ -5,7 +5,8 @@ The runtime (:mod:`paratrain.parallel.pipeline.stage`) cuts the model with
 prices the busiest pipeline rank from the same split, so the two never disagree.
 
 Costs (Narayanan et al. 2021 balance layers; the ends are not free): each block costs its
-training FLOPs per token, ``6 * layer_params + 12 * d_model * T`` (PaLM, appendix B); the
+training FLOPs per token, ``6 * layer_params + 12 H Q T`` (PaLM, appendix B;
+:meth:`paratrain.cost.shapes.ModelShape.block_flops_per_token`, a dense block's); the
 head costs ``6 * V * d_model`` and is added to the last stage; the embedding lookup costs
 no FLOPs (its parameters are memory, not compute). The contiguous split that minimises
 the most expensive stage is wanted; every stage gets at least one block.
@@ -33,14 +34,16 @@ from __future__ import annotations
 from functools import lru_cache
 
 from paratrain.config import ModelConfig
+from paratrain.cost.shapes import as_shape
 
 
 def stage_costs(cfg: ModelConfig, seq_len: int | None = None) -> tuple[float, float, float]:
     """(per block, embedding, head) training FLOPs per token at ``seq_len`` (default: the
-    model's context, which is what the runtime trains at)."""
-    t = cfg.context if seq_len is None else seq_len
-    block = 6.0 * cfg.layer_params() + 12.0 * cfg.d_model * t
-    return block, 0.0, 6.0 * cfg.vocab_size * cfg.d_model
+    model's context, which is what the runtime trains at). Every block is weighed as a
+    dense one (:meth:`paratrain.cost.shapes.ModelShape.block_flops_per_token`), MoE
+    blocks too: the split assumes uniform blocks."""
+    m = as_shape(cfg)
+    return m.block_flops_per_token(None, seq_len), 0.0, m.head_flops_per_token()
 
 
 def _check(n: int, stages: int) -> None:

@@ -44,7 +44,8 @@ def moe_extra_flops(mcfg: ModelConfig, plan: ParallelPlan, tokens: float) -> flo
     load (:func:`paratrain.systems.layer_cost.expert_imbalance`)."""
     K = mcfg.top_k
     imb = expert_imbalance(tokens * K, plan.ep) if plan.ep > 1 else 1.0
-    moe = mcfg.moe_mlp_params(active=True) + (imb - 1) * K * mcfg.expert_params()
+    m = as_shape(mcfg)
+    moe = m.moe_mlp_params(active=True) + (imb - 1) * K * m.expert_params()
     dense = 3 * mcfg.d_ff * mcfg.d_model / plan.tp
     redo = 4 / 3 if plan.recompute == "full" else 1.0
     return redo * 6.0 * tokens * (moe - dense)

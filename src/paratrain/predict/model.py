@@ -11,6 +11,7 @@ from paratrain.cost import collectives as coll
 from paratrain.cost import layout as L
 from paratrain.cost.hardware import Hardware
 from paratrain.cost.layout import ELEMENT_BYTES, RankLayout
+from paratrain.cost.shapes import as_shape
 from paratrain.cost.tp_bytes import tp_forward_backward
 from paratrain.plan import ParallelPlan
 from paratrain.predict.axes import (
@@ -86,14 +87,14 @@ class Prediction:
 
 def _flops_block(mcfg: ModelConfig, tokens: float, tp: int, recompute: str = "none"
                  ) -> float:
-    """Forward + backward FLOPs of one block on ``tokens`` tokens, one tensor shard:
-    6 x matmul params + attention scores and values 12 H Q T (PaLM, appendix B); full
-    recomputation adds a forward (1/3), selective the attention's forward. Each token
+    """Forward + backward FLOPs of one dense block on ``tokens`` tokens, one tensor shard:
+    :meth:`paratrain.cost.shapes.ModelShape.block_flops_per_token` without the norms
+    (6 x matmul params + attention scores and values 12 H Q T, PaLM appendix B) over tp;
+    full recomputation adds a forward (1/3), selective the attention's forward. Each token
     attends to the whole context T, so under cp a rank's T/cp tokens cost T/cp of it."""
-    d, hd = mcfg.d_model, mcfg.head_dim
-    mat = (2 * mcfg.n_heads * hd * d + 2 * mcfg.kv_heads * hd * d + 3 * mcfg.d_ff * d) / tp
-    attn = 12.0 * mcfg.n_heads * hd * mcfg.context / tp
-    f = 6.0 * mat + attn
+    m = as_shape(mcfg)
+    attn = m.attention_flops_per_token(m.context) / m.n_layers / tp
+    f = m.block_flops_per_token(None, m.context, norms=False) / tp
     if recompute == "full":
         f *= 4 / 3
     elif recompute == "selective":

@@ -79,6 +79,7 @@ def rank_bytes(mcfg, tcfg, plan) -> float:
     (:func:`paratrain.cost.activations.rank_activation_peaks`), or the full FP32 model
     every rank builds before sharding it, whichever is larger."""
     from paratrain.cost.activations import rank_activation_peaks
+    from paratrain.cost.shapes import as_shape
     from paratrain.predict import rank_state_bytes
 
     world = plan.dp * plan.tp * plan.pp * plan.cp
@@ -90,7 +91,7 @@ def rank_bytes(mcfg, tcfg, plan) -> float:
             "eager" if mcfg.attention == "eager" else "flash", elem))
     except ValueError:
         acts = 0.0
-    return max(states + acts, mcfg.num_params() * 4.0)
+    return max(states + acts, as_shape(mcfg).num_params() * 4.0)
 
 
 def check_memory(mcfg, tcfg, plan, local_ranks: int) -> None:

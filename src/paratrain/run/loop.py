@@ -21,6 +21,7 @@ from paratrain.files import checkpoint
 from paratrain.run import shutdown
 from paratrain.bench.peak import PeakTracker, memory_bytes
 from paratrain.config import ModelConfig, TrainConfig
+from paratrain.cost.shapes import as_shape
 from paratrain.files.batches import Corpus, bits_per_byte
 from paratrain.files.corpus import write_atomic
 from paratrain.model import Decoder, take_moe_stats
@@ -250,7 +251,7 @@ def train(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan | None = None
     peak = PeakTracker(working_dtype(tcfg), device, opts.measure_peak and rank == 0)
     tokens = tcfg.global_batch * mcfg.context
     micro = plan.micro_batches if plan.pp == 1 else 1  # the pipeline splits its own
-    model_flops = mcfg.flops_per_token(mcfg.context) * tokens
+    model_flops = as_shape(mcfg).flops_per_token(mcfg.context) * tokens
     losses, times, comms, val_loss = [], [], [], float("nan")
     payload = wire = 0.0
     meter = ActivationMeter()  # bytes saved for backward, watched on the first micro-batch
@@ -329,9 +330,10 @@ def train(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan | None = None
         # (the pipeline's in-flight peak; the loop's watch spans a whole pipeline step,
         # every micro-batch at once, which is no peak the rank ever holds)
         meter.peak_bytes = engine.activation_peak_bytes()
+    shape = as_shape(mcfg)
     summary = {
         "steps": tcfg.steps, "world_size": world, "plan": asdict(plan),
-        "params": mcfg.num_params(), "active_params": mcfg.active_params(),
+        "params": shape.num_params(), "active_params": shape.active_params(),
         "tokens_per_step": tokens,
         "final_loss": losses[-1] if losses else float("nan"),
         "val_loss": val_loss, "losses": losses, "tokenizer": tcfg.tokenizer,

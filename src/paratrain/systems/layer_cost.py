@@ -143,16 +143,16 @@ def block_cost(m: ModelShape, M: int, seq_len: int, tp: int, cp: int, sp: bool, 
     up = 2 if m.mlp == "swiglu" else 1
     f_act = 0.0
     if moe:
-        E, k, fe = m.n_experts, m.top_k, m.d_ff_expert
+        E, k, fe = m.experts, m.top_k, m.expert_ffn
         lin("router", E, d)
         per_expert = M * k * ep / E
         imb = expert_imbalance(per_expert, E)
         rows = max(1, round(per_expert * imb))
         lin("experts", up * fe // tp, d, rows, E // ep)
         lin("experts", d, fe // tp, rows, E // ep)
-        if m.n_shared_experts:
-            lin("mlp", up * m.n_shared_experts * fe // tp, d)
-            lin("mlp", d, m.n_shared_experts * fe // tp)
+        if m.shared_experts:
+            lin("mlp", up * m.shared_experts * fe // tp, d)
+            lin("mlp", d, m.shared_experts * fe // tp)
         f_act = (up + 1) * fe / tp * k * imb + 4 * d * k  # activation + permute copies
     else:
         lin("mlp", up * m.d_ff // tp, d)

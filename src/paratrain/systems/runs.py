@@ -31,9 +31,9 @@ from paratrain.plan import ParallelPlan
 DATA_DIR = Path(__file__).parent / "data"  # the published runs and the fitted values
 DEFAULT_RUNS = DATA_DIR / "calibration.csv"
 SPLITS = ("fit", "heldout")
-# the expert-parallel issue's column names -> ModelShape fields
-MOE_COLUMNS = {"experts": "n_experts", "top_k": "top_k", "moe_ffn_hidden": "d_ff_expert",
-               "shared_experts": "n_shared_experts"}
+# the expert-parallel issue's column names -> ModelShape (ModelConfig) fields
+MOE_COLUMNS = {"experts": "experts", "top_k": "top_k", "moe_ffn_hidden": "moe_ffn",
+               "shared_experts": "shared_experts"}
 # shape columns -> ModelShape fields
 SHAPE_COLUMNS = {"layers": "n_layers", "hidden": "d_model", "heads": "n_heads",
                  "kv_heads": "n_kv_heads", "ffn_hidden": "d_ff", "vocab": "vocab_size",
@@ -183,9 +183,9 @@ def _moe_fields(row: dict, n_layers: int) -> dict:
     out = {k: v for k, v in out.items() if v is not None}
     moe_layers = _num(row, "moe_layers", int)
     if moe_layers is not None:
-        out["n_dense_layers"] = n_layers - moe_layers
-    if out.get("n_experts") and "d_ff_expert" not in out:
-        out["d_ff_expert"] = _num(row, "ffn_hidden", int) or 0
+        out["first_dense_layers"] = n_layers - moe_layers
+    if out.get("experts"):
+        out["experts_over_tp"] = True  # a published run: experts split over tp too
     return out
 
 
@@ -218,8 +218,8 @@ def row_shape(row: dict, seq: int) -> ModelShape:
             over.update(_style(row))
             n_layers = over.get("n_layers", base.n_layers)
             over.update(_moe_fields(row, n_layers))
-            if "n_dense_layers" not in over and base.is_moe:
-                over["n_dense_layers"] = min(base.n_dense_layers, n_layers - 1)
+            if "first_dense_layers" not in over and base.is_moe:
+                over["first_dense_layers"] = min(base.first_dense_layers, n_layers - 1)
             return dataclasses.replace(base, context=seq, **over)
         if not (L and h and heads):
             raise Skip(f"model shape incomplete (layers, hidden, heads) and model "

@@ -109,8 +109,8 @@ def enumerate_plans(model: ModelConfig, hw: Hardware, gpus: int, sequences: int,
                 if sequences % dp:
                     continue
                 per_replica = sequences // dp
-                eps = [e for e in _pow2_upto(min(dp, m.n_experts)) if dp % e == 0 and
-                       m.n_experts % e == 0] if m.is_moe else [1]
+                eps = [e for e in _pow2_upto(min(dp, m.experts)) if dp % e == 0 and
+                       m.experts % e == 0] if m.is_moe else [1]
                 for b in _divisors(per_replica):
                     if b > max_micro_batch:
                         break
@@ -247,7 +247,7 @@ def explain(result: SearchResult, model: ModelConfig, hw: Hardware) -> list[str]
             lines.append(f"best with {axis}={getattr(alt.plan, axis)} instead: "
                          f"{100 * (alt.step_s / c.step_s - 1):+.1f}% step time")
     if m.is_moe and p.ep > 1:
-        lines.append(f"expert parallel {p.ep}: each rank keeps {m.n_experts // p.ep} experts")
+        lines.append(f"expert parallel {p.ep}: each rank keeps {m.experts // p.ep} experts")
     return lines
 
 
