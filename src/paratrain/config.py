@@ -16,7 +16,7 @@ from pathlib import Path
 
 if sys.version_info >= (3, 11):
     import tomllib
-else:  # pragma: no cover
+else:  # pragma: no cover: tomllib is stdlib from 3.11; on 3.10 the tomli backport
     import tomli as tomllib
 
 
@@ -295,12 +295,18 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
 
 
+def read_toml(path: str | Path) -> dict:
+    """The one TOML reader of the package (the catalogues, fitted parameters and run
+    configs all come through here): ``tomllib`` from Python 3.11, ``tomli`` on 3.10."""
+    with Path(path).open("rb") as f:
+        return tomllib.load(f)
+
+
 def load_toml(path: str | Path) -> dict:
     """Read a TOML file of ``[model]``, ``[train]`` and ``[plan]`` tables."""
     p = Path(path)
     _require(p.is_file(), f"config file {str(p)!r} does not exist; pass an existing TOML path")
-    with p.open("rb") as f:
-        data = tomllib.load(f)
+    data = read_toml(p)
     unknown = set(data) - {"model", "train", "plan"}
     _require(
         not unknown, f"unknown table(s) {sorted(unknown)} in {p}; use [model], [train], [plan]"

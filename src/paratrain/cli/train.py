@@ -22,10 +22,10 @@ from typing import Annotated
 
 import typer
 
-from paratrain.run import launcher, shutdown
 from paratrain.config import ModelConfig, TrainConfig, build, check_types, load_toml
 from paratrain.files.prepare import settle_vocab
 from paratrain.plan import ParallelPlan
+from paratrain.run import launcher, shutdown
 
 Opt = typer.Option
 

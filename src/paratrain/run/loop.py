@@ -17,10 +17,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from paratrain.files import checkpoint
-from paratrain.run import shutdown
 from paratrain.bench.peak import PeakTracker, memory_bytes
 from paratrain.config import ModelConfig, TrainConfig
+from paratrain.files import checkpoint
 from paratrain.files.batches import Corpus, bits_per_byte
 from paratrain.files.corpus import write_atomic
 from paratrain.model import Decoder, take_moe_stats
@@ -30,6 +29,7 @@ from paratrain.parallel.optim import lr_at
 from paratrain.parallel.precision import working_dtype
 from paratrain.parallel.process_groups import at
 from paratrain.plan import ParallelPlan
+from paratrain.run import shutdown
 
 
 @dataclass(frozen=True)
