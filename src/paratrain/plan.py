@@ -196,3 +196,18 @@ class ParallelPlan:
 
     def replace(self, **changes) -> ParallelPlan:
         return dataclasses.replace(self, **changes)
+
+
+def infer_dp(values: dict, world: int, world_name: str = "nproc") -> dict:
+    """``values`` of a [plan] table (field -> value) with dp = world / (tp pp cp) when
+    it names no dp: the one place the data-parallel size is inferred, for `paratrain
+    train` and `paratrain plan` (``world_name``: what set the world size, for the
+    message)."""
+    if "dp" in values:
+        return values
+    tp, pp, cp = (values.get(k, 1) for k in ("tp", "pp", "cp"))
+    denom = tp * pp * cp
+    if denom < 1 or world % denom:
+        raise ValueError(f"tp*pp*cp = {tp}*{pp}*{cp} = {denom} does not divide "
+                         f"{world_name}={world}; choose sizes whose product divides it")
+    return {**values, "dp": world // denom}

@@ -17,13 +17,13 @@ import math
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Annotated, Any, NamedTuple
 
 import typer
 
-from paratrain.cli.settings import DEFAULT_NPROC, infer_dp, read_tables, resolve, with_settings
+from paratrain.cli.settings import DEFAULT_NPROC, read_tables, resolve, with_settings
 from paratrain.config import ModelConfig, TrainConfig, build
-from paratrain.plan import ParallelPlan
+from paratrain.plan import ParallelPlan, infer_dp
 
 DEFAULT_TOKENS = 1_048_576
 
@@ -53,46 +53,54 @@ def _warn(old: str, new: str) -> None:
     print(f"warning: {old} is deprecated; use {new}", file=sys.stderr)
 
 
+# `paratrain plan`'s own options (the settings' flags are generated: cli/settings.py)
+HELP = {
+    "model": "Catalogue model name or a .toml/.json file (default llama2-7b; not with "
+             "--config, whose \\[model] is the model).",
+    "config": "A run's TOML (\\[model] \\[train] \\[plan]): price the run `paratrain "
+              "train --config` trains.",
+    "hardware": "Catalogue accelerator or a .toml/.json file.",
+    "gpus": "Number of GPUs (default 64; with --config the \\[plan]'s dp*tp*pp*cp, else "
+            f"train's --nproc default {DEFAULT_NPROC}).",
+    "tokens": "Global batch in tokens per optimizer step (with --config: global_batch * "
+              "context).",
+    "eta": "Matmul efficiency (default: the hardware's, 0.473 for H100).",
+    "precision": "bf16-adam (16 B/param) or fp32-adam (default bf16-adam; with --config "
+                 "from \\[train] dtype).",
+    "json": "Print the numbers as JSON.",
+    "plot": "Write memory and step-time PNGs to DIR (with --search: the Pareto front).",
+    "search": "Search every layout that fits; rank by predicted step time.",
+    "top": "With --search: how many layouts to show.",
+    "engine": "Training engine whose overlap and collectives the step model prices: "
+              "megatron, nemo, megascale, deepspeed, fsdp, torchtitan or xla (default: "
+              "megatron; nemo for --search).",
+    "explain": "Show the step model's breakdown: compute per GEMM class, memory-bound "
+               "work, each axis' exposed communication, bubble.",
+    "reference": "Price with docs/design.md's reference model only (one eta, flat ring); "
+                 "--search too.",
+    "params": "Step-model parameters (default: the shipped data/fitted.toml).",
+}
+Opt = typer.Option
+
+
 def plan(
-    model: str | None = typer.Option(None, help="Catalogue model name or a .toml/.json "
-                                                "file (default llama2-7b; not with "
-                                                "--config, whose [model] is the model)."),
-    config: str | None = typer.Option(None, help="A run's TOML (\\[model] \\[train] "
-                                                 "\\[plan]): price the run `paratrain "
-                                                 "train --config` trains."),
-    hardware: str = typer.Option("h100", help="Catalogue accelerator or a .toml/.json file."),
-    gpus: int | None = typer.Option(None, help="Number of GPUs (default 64; with --config "
-                                               "the [plan]'s dp*tp*pp*cp, else train's "
-                                               f"--nproc default {DEFAULT_NPROC})."),
-    tokens: int = typer.Option(DEFAULT_TOKENS, "--tokens", "--tokens-per-step",
-                               help="Global batch in tokens per optimizer step (with "
-                                    "--config: global_batch * context)."),
-    seq_len: int | None = typer.Option(None, hidden=True, help="Deprecated: --context."),
-    eta: float | None = typer.Option(None, help="Matmul efficiency (default: the "
-                                                   "hardware's, 0.473 for H100)."),
-    precision: str | None = typer.Option(None, help="bf16-adam (16 B/param) or fp32-adam "
-                                                    "(default bf16-adam; with --config "
-                                                    "from [train] dtype)."),
-    json_out: bool = typer.Option(False, "--json", help="Print the numbers as JSON."),
-    plot: str | None = typer.Option(None, help="Write memory and step-time PNGs to DIR "
-                                                "(with --search: the Pareto front)."),
-    search: bool = typer.Option(False, "--search", help="Search every layout that fits; "
-                                                        "rank by predicted step time."),
-    top: int = typer.Option(10, help="With --search: how many layouts to show."),
-    engine: str | None = typer.Option(None, help="Training engine whose overlap and "
-                                                 "collectives the step model prices: "
-                                                 "megatron, nemo, megascale, deepspeed, "
-                                                 "fsdp, torchtitan or xla (default: "
-                                                 "megatron; nemo for --search)."),
-    explain: bool = typer.Option(False, "--explain", help="Show the step model's "
-                                                         "breakdown: compute per GEMM class, "
-                                                         "memory-bound work, each axis' "
-                                                         "exposed communication, bubble."),
-    reference: bool = typer.Option(False, "--reference", help="Price with docs/design.md's "
-                                                             "reference model only (one eta, "
-                                                             "flat ring); --search too."),
-    params: str | None = typer.Option(None, help="Step-model parameters (default: the "
-                                                 "shipped data/fitted.toml)."),
+    model: Annotated[str | None, Opt(help=HELP["model"])] = None,
+    config: Annotated[str | None, Opt(help=HELP["config"])] = None,
+    hardware: Annotated[str, Opt(help=HELP["hardware"])] = "h100",
+    gpus: Annotated[int | None, Opt(help=HELP["gpus"])] = None,
+    tokens: Annotated[int, Opt("--tokens", "--tokens-per-step",
+                               help=HELP["tokens"])] = DEFAULT_TOKENS,
+    seq_len: Annotated[int | None, Opt(hidden=True, help="Deprecated: --context.")] = None,
+    eta: Annotated[float | None, Opt(help=HELP["eta"])] = None,
+    precision: Annotated[str | None, Opt(help=HELP["precision"])] = None,
+    json_out: Annotated[bool, Opt("--json", help=HELP["json"])] = False,
+    plot: Annotated[str | None, Opt(help=HELP["plot"])] = None,
+    search: Annotated[bool, Opt("--search", help=HELP["search"])] = False,
+    top: Annotated[int, Opt(help=HELP["top"])] = 10,
+    engine: Annotated[str | None, Opt(help=HELP["engine"])] = None,
+    explain: Annotated[bool, Opt("--explain", help=HELP["explain"])] = False,
+    reference: Annotated[bool, Opt("--reference", help=HELP["reference"])] = False,
+    params: Annotated[str | None, Opt(help=HELP["params"])] = None,
     flags: dict | None = None,
 ) -> PlanOutput:
     """Price a parallel plan: memory per GPU, wire bytes, step time, MFU (no GPU needed).
@@ -103,48 +111,60 @@ def plan(
     same flags (its per-rank bytes under "run" in ``--json``).
     """
     from paratrain.cost.hardware import load_hardware
-    from paratrain.systems.overlap import engine as find_engine
 
     flags = _undeprecate(flags or {"model": {}, "train": {}, "plan": {}}, seq_len)
-    if config is not None and model is not None:
-        raise ValueError(f"--model {model} and --config {config} both name a model; pass "
-                         "one (the TOML's [model] table is the run's model)")
-    run = _run_settings(config, flags, gpus) if config is not None else None
-    if run is not None:
-        mcfg, tcfg, p = run
-        m, gpus, seq = _run_model(mcfg), p.world_size, mcfg.context
-        tokens = tcfg.global_batch * seq
-        precision = precision or ("bf16-adam" if tcfg.dtype == "bfloat16" else "fp32-adam")
-    else:
-        m, seq, gpus = _catalogue_model(model, flags["model"]), None, gpus or 64
-        seq = flags["model"].get("context", CATALOGUE_CONTEXT)
-        if "global_batch" in flags["train"]:
-            tokens = flags["train"]["global_batch"] * seq
-        if gpus < 1:
-            raise ValueError(f"gpus={gpus} must be >= 1; pass e.g. --gpus 64")
-        p = None if search else build(ParallelPlan, infer_dp(flags["plan"], gpus, "gpus"),
-                                      "plan")
-    attention = COST_ATTENTION[flags["model"].get("attention", m.attention)]
+    m, p, gpus, tokens, seq, precision, run = _what(model, config, flags, gpus, tokens,
+                                                    search, precision)
+    attention = COST_ATTENTION[m.attention]
     hw = load_hardware(hardware)
-    if engine is None:
-        from paratrain.systems.overlap import DEFAULT_ENGINE, SEARCH_ENGINE
-
-        engine = SEARCH_ENGINE if search else DEFAULT_ENGINE
-    eng = find_engine(engine)
-    step_params = None
-    if not reference:
-        from paratrain.systems.fitting import load_params
-
-        step_params = load_params(params)
+    eng, step_params = _step_model(engine, search, reference, params)
     if search:
         return _search(m, hw, gpus, tokens, seq, top, eta, json_out, plot, attention,
                        step_params, eng.name)
-    rep = _report(m, hw, p, gpus, tokens, seq, eta, precision or "bf16-adam", attention,
-                  step_params, eng, explain)
+    rep = _report(m, hw, p, gpus, tokens, seq, eta, precision, attention, step_params, eng,
+                  explain)
     if run is not None:
         rep["run"] = run_bytes(*run)
     _print_report(rep, json_out)
     return PlanOutput("report", rep, f"{m.name} on {gpus} x {hw.name}")
+
+
+def _what(model: str | None, config: str | None, flags: dict, gpus: int | None,
+          tokens: int, search: bool, precision: str | None):
+    """(shape, plan, gpus, tokens, sequence, precision, run settings) to price: the run
+    of ``--config`` (run settings: its (ModelConfig, TrainConfig, ParallelPlan)), or a
+    catalogue model (run settings None; no plan with ``--search``)."""
+    if config is not None and model is not None:
+        raise ValueError(f"--model {model} and --config {config} both name a model; pass "
+                         "one (the TOML's [model] table is the run's model)")
+    if config is not None:
+        run = _run_settings(config, flags, gpus)
+        mcfg, tcfg, p = run
+        precision = precision or ("bf16-adam" if tcfg.dtype == "bfloat16" else "fp32-adam")
+        return (_run_model(mcfg), p, p.world_size, tcfg.global_batch * mcfg.context,
+                mcfg.context, precision, run)
+    m, gpus = _catalogue_model(model, flags["model"]), 64 if gpus is None else gpus
+    seq = flags["model"].get("context", CATALOGUE_CONTEXT)
+    if "global_batch" in flags["train"]:
+        tokens = flags["train"]["global_batch"] * seq
+    if gpus < 1:
+        raise ValueError(f"gpus={gpus} must be >= 1; pass e.g. --gpus 64")
+    p = None if search else build(ParallelPlan, infer_dp(flags["plan"], gpus, "gpus"), "plan")
+    return m, p, gpus, tokens, seq, precision or "bf16-adam", None
+
+
+def _step_model(engine: str | None, search: bool, reference: bool, params: str | None):
+    """(the engine the step model prices, its fitted parameters; None: the reference
+    model only)."""
+    from paratrain.systems.overlap import DEFAULT_ENGINE, SEARCH_ENGINE
+    from paratrain.systems.overlap import engine as find_engine
+
+    eng = find_engine(engine or (SEARCH_ENGINE if search else DEFAULT_ENGINE))
+    if reference:
+        return eng, None
+    from paratrain.systems.fitting import load_params
+
+    return eng, load_params(params)
 
 
 def _undeprecate(flags: dict, seq_len: int | None) -> dict:

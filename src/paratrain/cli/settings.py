@@ -21,7 +21,7 @@ from typing import Annotated, Optional
 import typer
 
 from paratrain.config import ModelConfig, TrainConfig, build, check_types, flag_of, load_toml
-from paratrain.plan import ParallelPlan
+from paratrain.plan import ParallelPlan, infer_dp
 
 DEFAULT_NPROC = 2  # `paratrain train --nproc`'s default, the world `plan --config` prices
 TABLES = {"model": ModelConfig, "train": TrainConfig, "plan": ParallelPlan}
@@ -61,7 +61,8 @@ def schema(tables: dict[str, tuple[str, ...] | None]) -> list[Setting]:
 
 
 def _parameter(s: Setting) -> inspect.Parameter:
-    decls = (f"{s.flag}/--no-{s.flag[2:]}",) if s.type is bool else (s.flag,)
+    # a bool gets its off switch: --sp/--no-sp
+    decls = (f"{s.flag}/{s.flag[:2]}no-{s.flag[2:]}",) if s.type is bool else (s.flag,)
     # the field's default, which a --config TOML may change
     shown = "" if s.default is None else f" \\[default: {str(s.default).lower()}]" \
         if s.type is bool else f" \\[default: {s.default}]"
@@ -90,20 +91,6 @@ def with_settings(func: Callable, tables: dict[str, tuple[str, ...] | None]) -> 
     command.__signature__ = inspect.Signature(own + [_parameter(s) for s in settings])
     command.__name__, command.__doc__ = func.__name__, func.__doc__
     return command
-
-
-def infer_dp(values: dict, world: int, world_name: str = "nproc") -> dict:
-    """``values`` of a [plan] table with dp = world / (tp pp cp) when it names no dp:
-    the one place the data-parallel size is inferred (``world_name``: the flag that set
-    the world size, for the message)."""
-    if "dp" in values:
-        return values
-    tp, pp, cp = (values.get(k, 1) for k in ("tp", "pp", "cp"))
-    denom = tp * pp * cp
-    if denom < 1 or world % denom:
-        raise ValueError(f"tp*pp*cp = {tp}*{pp}*{cp} = {denom} does not divide "
-                         f"{world_name}={world}; choose sizes whose product divides it")
-    return {**values, "dp": world // denom}
 
 
 def read_tables(config: str | None) -> dict[str, dict]:
