@@ -79,6 +79,9 @@ def with_settings(func: Callable, tables: dict[str, tuple[str, ...] | None]) -> 
     own = [p for p in inspect.signature(func, eval_str=True).parameters.values()
            if p.name != "flags"]
     settings = schema(tables)
+    clash = {p.name for p in own} & {s.name for s in settings}
+    if clash:  # a programming error, caught when the CLI is built
+        raise TypeError(f"{func.__name__}'s own options {sorted(clash)} shadow settings")
 
     def command(**kwargs):
         flags = {t: {} for t in tables}
