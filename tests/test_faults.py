@@ -567,7 +567,7 @@ def test_messages_name_only_flags_that_exist():
 
     from typer.main import get_command
 
-    from paratrain.cli import app
+    from paratrain.cli.app import app
 
     flags = {"--nproc-per-node", "--standalone", "--field-name", "--rdzv-backend",
              "--rdzv-id"}  # torchrun's; a comment

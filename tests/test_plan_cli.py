@@ -39,7 +39,7 @@ def test_json_has_the_same_numbers(capsys):
 
 def test_flags_change_the_plan(capsys):
     args = ["plan", "--json", "--model", "llama3-70b", "--hardware", "H200", "--gpus", "128",
-            "--tokens", "2097152", "--seq-len", "8192", "--tp", "8", "--pp", "4", "--sp",
+            "--tokens", "2097152", "--context", "8192", "--tp", "8", "--pp", "4", "--sp",
             "--zero", "1", "--micro-batches", "8", "--schedule", "interleaved",
             "--virtual-stages", "2", "--recompute", "selective", "--no-overlap", "--eta", "0.5"]
     assert main(args) == 0
@@ -129,7 +129,7 @@ def test_step_model_beside_the_reference_and_reference_mode(capsys):
 
 def test_moe_and_cp_flags(capsys):
     args = ["plan", "--json", "--model", "llama3-8b", "--gpus", "16", "--tokens",
-            str(32 * 8192), "--seq-len", "8192"]
+            str(32 * 8192), "--context", "8192"]
     assert main([*args, "--experts", "8", "--top-k", "2", "--ep", "4"]) == 0
     rep = json.loads(capsys.readouterr().out)
     assert rep["predicted"]["comm_s"]["ep"] > 0 and "experts" in rep["predicted"]["gemm_s"]
@@ -141,3 +141,57 @@ def test_moe_and_cp_flags(capsys):
     assert "needs an MoE model" in capsys.readouterr().err
     assert main([*args, "--engine", "horovod"]) == 2
     assert "engine 'horovod' is unknown" in capsys.readouterr().err
+
+
+RUNS = {  # a dense and an MoE run, both data parallel over 2 workers
+    "dense": "[model]\nn_layers = 2\nd_model = 32\nn_heads = 4\nd_ff = 64\ncontext = 32\n"
+             "[plan]\nzero = 1\n",
+    "moe": "[model]\nn_layers = 2\nd_model = 32\nn_heads = 4\nd_ff = 64\ncontext = 32\n"
+           "experts = 4\ntop_k = 2\nmoe_ffn = 48\nshared_experts = 1\n[plan]\nzero = 2\n",
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", sorted(RUNS))
+def test_plan_config_prices_the_run_train_config_trains(kind, tmp_path, text_file, capsys):
+    """Issue 20's "done when": `plan --config run.toml` and the summary of `train --config
+    run.toml` agree on parameters, model-state bytes and wire bytes per rank."""
+    cfg = tmp_path / "run.toml"
+    cfg.write_text(RUNS[kind] + f'[train]\nsteps = 2\nglobal_batch = 8\neval_every = 0\n'
+                                f'data = "{text_file}"\n')
+    assert main(["train", "--config", str(cfg), "--nproc", "2", "--quiet",
+                 "--run-dir", str(tmp_path / "run")]) == 0
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    capsys.readouterr()
+    assert main(["plan", "--config", str(cfg), "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    run = rep["run"]
+    assert rep["plan"]["gpus"] == summary["world_size"] == 2
+    assert run["params"] == summary["params"] == rep["model"]["params"]
+    assert run["active_params"] == summary["active_params"]
+    states = [{k: m[k] for k in ("params", "grads", "optimizer")}
+              for m in summary["memory"]["measured_per_rank"]]
+    assert run["model_state_bytes_per_rank"] == states
+    assert run["dp_wire_bytes_per_rank"][0] == summary["wire_bytes_per_step"]
+    assert rep["plan"]["zero"] == summary["plan"]["zero"]
+    assert rep["plan"]["tokens_per_step"] == summary["tokens_per_step"]
+
+
+def test_old_plan_spellings_warn_once_and_mean_the_new(capsys):
+    assert main(["plan", "--json", "--seq-len", "2048", "--attention", "flash"]) == 0
+    out = capsys.readouterr()
+    assert out.err.splitlines() == ["warning: --seq-len is deprecated; use --context",
+                                    "warning: --attention flash is deprecated; use "
+                                    "--attention sdpa"]
+    old = json.loads(out.out)
+    assert main(["plan", "--json", "--context", "2048", "--attention", "sdpa"]) == 0
+    new = capsys.readouterr()
+    assert new.err == "" and json.loads(new.out) == old
+
+
+def test_plan_config_refuses_a_second_model(tmp_path, capsys):
+    cfg = tmp_path / "run.toml"
+    cfg.write_text("[model]\nn_layers = 2\n")
+    assert main(["plan", "--config", str(cfg), "--model", "llama2-7b"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --model llama2-7b and --config")

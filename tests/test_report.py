@@ -121,7 +121,7 @@ def test_every_help_text_renders(monkeypatch, capsys):
     from rich.markup import render
     from typer.main import get_command
 
-    from paratrain.cli import app
+    from paratrain.cli.app import app
 
     def walk(group):
         for cmd in getattr(group, "commands", {}).values():

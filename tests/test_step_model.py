@@ -110,7 +110,7 @@ def _ms(text: str) -> float:
 
 def test_explanation_adds_up_to_the_step_it_prints(capsys):
     assert main(["plan", "--model", "llama3-70b", "--gpus", "64", "--tp", "8", "--pp", "2",
-                 "--sp", "--micro-batches", "8", "--tokens", str(64 * 8192), "--seq-len",
+                 "--sp", "--micro-batches", "8", "--tokens", str(64 * 8192), "--context",
                  "8192", "--zero", "1", "--explain", "--json"]) == 0
     import json
 

@@ -1,7 +1,7 @@
 """Import rules read from the source with ``ast`` (nothing is imported to check them).
 
 - Python 3.10 is declared supported, so ``tomllib`` (3.11+) may only be imported under a
-  ``sys.version_info`` guard; inside :mod:`paratrain.systems` only ``_toml.py`` does it.
+  ``sys.version_info`` guard; only ``config.py`` does it (its ``read_toml`` is the one reader).
 - The systems model never imports the plots: the dependency runs viz -> systems only.
 """
 
@@ -46,11 +46,11 @@ def test_tomllib_is_imported_only_under_a_version_guard():
     assert not bare, f"bare `import tomllib` breaks Python 3.10: {bare}"
 
 
-def test_systems_reads_toml_through_one_helper():
-    others = [f"{p.relative_to(SRC)}:{n.lineno}" for p, tree in _modules(SYSTEMS)
-              if p.name != "_toml.py"
+def test_the_package_reads_toml_through_one_helper():
+    others = [f"{p.relative_to(SRC)}:{n.lineno}" for p, tree in _modules(SRC)
+              if p != SRC / "config.py"
               for name, n, _ in _imports(tree) if name.split(".")[0] in ("tomllib", "tomli")]
-    assert not others, f"import tomllib from paratrain.cost._toml instead: {others}"
+    assert not others, f"use paratrain.config.read_toml instead: {others}"
 
 
 def test_systems_never_imports_viz():

@@ -18,11 +18,13 @@ from pathlib import Path
 
 if sys.version_info >= (3, 11):
     import tomllib
-else:  # pragma: no cover
+else:  # pragma: no cover: tomllib is stdlib from 3.11; on 3.10 the tomli backport
     import tomli as tomllib
 
 
 ATTENTION = ("sdpa", "eager")
+DTYPES = ("float32", "float64", "bfloat16")
+REDUCE_DTYPES = ("bfloat16", "float32")
 
 
 def _require(ok: bool, msg: str) -> None:
@@ -30,16 +32,30 @@ def _require(ok: bool, msg: str) -> None:
         raise ValueError(msg)
 
 
-# Field names whose `paratrain train` flag is not simply --field-name (None: TOML only).
-_FLAGS = {"n_layers": "--layers", "n_heads": "--heads", "n_kv_heads": "--kv-heads",
-          "vocab_size": None, "norm_eps": None, "rope_theta": None, "min_lr_ratio": None,
-          "weight_decay": None, "beta1": None, "beta2": None, "grad_clip": None,
-          "eval_batches": None, "val_fraction": None}
+def setting(default: object, help: str, *, flag: str | None = "",
+            choices: tuple[str, ...] = ()) -> object:
+    """A settings field with what its command-line flag needs: ``help``, the ``flag``
+    ("" = ``--field-name``; None = a TOML key only) and the ``choices`` it allows (the
+    ``__post_init__`` checks them). `paratrain train`, `plan` and `check-model` generate
+    their flags from these fields (paratrain/cli/settings.py), so a setting is defined
+    here once: name, type, default, help, flag, allowed values."""
+    return field(default=default, metadata={"help": help, "flag": flag, "choices": choices})
+
+
+def flag_of(f: dataclasses.Field) -> str | None:
+    """The flag that sets field ``f`` (None: only a TOML key)."""
+    flag = f.metadata.get("flag", "")
+    return "--" + f.name.replace("_", "-") if flag == "" else flag
 
 
 def flag_for(name: str) -> str | None:
-    """The `paratrain train` flag that sets field ``name`` (None: only a TOML key)."""
-    return _FLAGS.get(name, "--" + name.replace("_", "-"))
+    """The `paratrain train` flag that sets the field ``name`` of ModelConfig or
+    TrainConfig (a ParallelPlan field's flag is always --field-name)."""
+    for cls in (ModelConfig, TrainConfig):
+        for f in dataclasses.fields(cls):
+            if f.name == name:
+                return flag_of(f)
+    return "--" + name.replace("_", "-")
 
 
 def pass_hint(name: str, example: object) -> str:
@@ -59,29 +75,32 @@ class ModelConfig:
     checked against, and what Korthikanti et al. 2022's 5 a s / h term describes).
     """
 
-    n_layers: int = 4
-    d_model: int = 192
-    n_heads: int = 6
-    n_kv_heads: int | None = None  # None = n_heads (plain multi-head attention)
-    d_ff: int = 512
-    vocab_size: int = 256
-    context: int = 128
-    tie_embeddings: bool = False
-    norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
-    attention: str = "sdpa"
+    n_layers: int = setting(4, "Transformer blocks.", flag="--layers")
+    d_model: int = setting(192, "Model width.")
+    n_heads: int = setting(6, "Attention heads.", flag="--heads")
+    n_kv_heads: int | None = setting(None, "KV heads (GQA; default: heads).", flag="--kv-heads")
+    d_ff: int = setting(512, "SwiGLU hidden width.")
+    vocab_size: int = setting(256, "Vocabulary (follows the tokenizer).", flag=None)
+    context: int = setting(128, "Sequence length in tokens.")
+    tie_embeddings: bool = setting(False, "Tie input/output embeddings.")
+    norm_eps: float = setting(1e-5, "RMSNorm epsilon.", flag=None)
+    rope_theta: float = setting(10000.0, "RoPE base.", flag=None)
+    attention: str = setting("sdpa", "sdpa (fused, keeps no scores) or eager (keeps them).",
+                             choices=ATTENTION)
     # Mixture of Experts (0 experts = dense). Block i's MLP is MoE when
     # (i + 1) % moe_every == 0; each MoE MLP has a router (d_model -> experts), `experts`
     # SwiGLU experts of width moe_ffn (None = d_ff), each token sent to its top_k,
     # plus `shared_experts` always-on experts (one SwiGLU of width shared_experts*moe_ffn).
-    experts: int = 0
-    top_k: int = 2
-    moe_ffn: int | None = None
-    shared_experts: int = 0
-    moe_every: int = 1
-    aux_loss_coef: float = 0.01
-    z_loss_coef: float = 0.0  # router z-loss weight (ST-MoE: 1e-3); 0 = off
-    capacity_factor: float = 0.0  # 0 = dropless; C > 0: ceil(C T k / E) per sequence
+    experts: int = setting(0, "Routed experts per MoE MLP (0 = dense).")
+    top_k: int = setting(2, "Experts each token goes to.")
+    moe_ffn: int | None = setting(None, "Expert hidden width (default d_ff).")
+    shared_experts: int = setting(0, "Always-on shared experts.")
+    moe_every: int = setting(1, "Every L-th block's MLP is MoE.")
+    aux_loss_coef: float = setting(0.01, "Load-balancing loss weight.")
+    # ST-MoE uses 1e-3 for the router z-loss
+    z_loss_coef: float = setting(0.0, "Router z-loss weight (0 = off).")
+    # C > 0: ceil(C T k / E) tokens per expert and sequence
+    capacity_factor: float = setting(0.0, "Expert capacity (0 = dropless).")
 
     def __post_init__(self) -> None:
         for name in ("n_layers", "d_model", "n_heads", "d_ff", "vocab_size", "context"):
@@ -169,25 +188,27 @@ class ModelConfig:
 class TrainConfig:
     """Optimisation and run settings (not the model, not the parallel layout)."""
 
-    steps: int = 300
-    global_batch: int = 16  # windows (sequences) per optimizer step, summed over workers
-    lr: float = 3e-3
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 20
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    grad_clip: float = 1.0
-    seed: int = 0
-    dtype: str = "float32"
-    reduce_dtype: str = "bfloat16"  # gradient reduction under dtype bfloat16 (or float32)
-    eval_every: int = 50
-    eval_batches: int = 8
-    checkpoint_every: int = 0  # 0 = only at the end (when a checkpoint dir is set)
-    data: str | None = None  # None = the Python standard library's own source
-    tokenizer: str = "bytes"  # bytes | bpe:N | path to a tokenizer.json (docs/data.md)
-    text_field: str = "text"  # the text of each .jsonl / .parquet record
-    val_fraction: float = 0.05
+    steps: int = setting(300, "Optimizer steps.")
+    global_batch: int = setting(16, "Windows (sequences) per step, summed over workers.")
+    lr: float = setting(3e-3, "Peak learning rate.")
+    min_lr_ratio: float = setting(0.1, "Cosine floor as a fraction of lr.", flag=None)
+    warmup_steps: int = setting(20, "Linear warm-up steps.")
+    weight_decay: float = setting(0.1, "AdamW weight decay.", flag=None)
+    beta1: float = setting(0.9, "AdamW beta1.", flag=None)
+    beta2: float = setting(0.95, "AdamW beta2.", flag=None)
+    grad_clip: float = setting(1.0, "Gradient-norm clip (0 = off).", flag=None)
+    seed: int = setting(0, "Seed of weights and batches.")
+    dtype: str = setting("float32", "Parameter dtype.", choices=DTYPES)
+    reduce_dtype: str = setting("bfloat16", "Gradient reduction dtype under --dtype bfloat16.",
+                                choices=REDUCE_DTYPES)
+    eval_every: int = setting(50, "Validate every K steps (0 = only at the end).")
+    eval_batches: int = setting(8, "Validation batches.", flag=None)
+    checkpoint_every: int = setting(0, "Checkpoint every K steps (0 = only at the end).")
+    data: str | None = setting(None, "Text, .jsonl or .parquet file, or a folder "
+                               "(default: the standard library's source).")
+    tokenizer: str = setting("bytes", "bytes | bpe:N | tokenizer.json path (docs/data.md).")
+    text_field: str = setting("text", "Text field of .jsonl/.parquet records.")
+    val_fraction: float = setting(0.05, "Held-out fraction of the corpus.", flag=None)
 
     def __post_init__(self) -> None:
         _require(self.steps > 0, f"steps={self.steps} must be positive; pass e.g. --steps 100")
@@ -231,10 +252,6 @@ class TrainConfig:
         )
 
 
-DTYPES = ("float32", "float64", "bfloat16")
-REDUCE_DTYPES = ("bfloat16", "float32")
-
-
 @dataclass(frozen=True)
 class RunConfig:
     """Everything a training run needs; built the same way from the CLI and from TOML."""
@@ -243,12 +260,18 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
 
 
+def read_toml(path: str | Path) -> dict:
+    """The one TOML reader of the package (the catalogues, fitted parameters and run
+    configs all come through here): ``tomllib`` from Python 3.11, ``tomli`` on 3.10."""
+    with Path(path).open("rb") as f:
+        return tomllib.load(f)
+
+
 def load_toml(path: str | Path) -> dict:
     """Read a TOML file of ``[model]``, ``[train]`` and ``[plan]`` tables."""
     p = Path(path)
     _require(p.is_file(), f"config file {str(p)!r} does not exist; pass an existing TOML path")
-    with p.open("rb") as f:
-        data = tomllib.load(f)
+    data = read_toml(p)
     unknown = set(data) - {"model", "train", "plan"}
     _require(
         not unknown, f"unknown table(s) {sorted(unknown)} in {p}; use [model], [train], [plan]"

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from paratrain.config import ModelConfig, pass_hint
+from paratrain.config import ModelConfig, pass_hint, setting
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 RECOMPUTE = ("none", "selective", "full")
@@ -31,22 +31,23 @@ class ParallelPlan:
     when pp == 1.
     """
 
-    dp: int = 1
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1
-    ep: int = 1
-    zero: int = 0
-    sp: bool = False
-    micro_batches: int = 1
-    schedule: str = "1f1b"
-    virtual_stages: int = 1
-    recompute: str = "none"
-    bucket_mb: float = 25.0
-    overlap: bool = True
-    compress: str | None = None  # e.g. "topk:16"
-    collectives: str = "native"
-    cp_algorithm: str = "ring"  # context parallelism: "ring" (K/V pass) or "all-to-all"
+    dp: int = setting(1, "Data-parallel size (default: world / (tp*pp*cp)).")
+    tp: int = setting(1, "Tensor-parallel size.")
+    pp: int = setting(1, "Pipeline stages.")
+    cp: int = setting(1, "Context-parallel size (sequence split).")
+    ep: int = setting(1, "Expert-parallel size (divides dp).")
+    zero: int = setting(0, "ZeRO stage 0-3 (3 = FSDP).")
+    sp: bool = setting(False, "Sequence parallelism (needs tp > 1).")
+    micro_batches: int = setting(1, "Micro-batches (gradient accumulation at pp 1).")
+    schedule: str = setting("1f1b", "Pipeline schedule.", choices=SCHEDULES)
+    virtual_stages: int = setting(1, "Chunks per stage (interleaved schedule).")
+    recompute: str = setting("none", "Activation recomputation.", choices=RECOMPUTE)
+    bucket_mb: float = setting(25.0, "Gradient bucket size, MB.")
+    overlap: bool = setting(True, "Overlap gradient sync with backward.")
+    compress: str | None = setting(None, "Gradient compression, e.g. topk:16.")
+    collectives: str = setting("native", "Collective implementation.", choices=COLLECTIVES)
+    cp_algorithm: str = setting("ring", "Context parallelism: ring (K/V pass around the cp "
+                                "ring) or all-to-all (Ulysses).", choices=CP_ALGORITHMS)
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp", "cp", "ep", "micro_batches", "virtual_stages"):
@@ -195,3 +196,18 @@ class ParallelPlan:
 
     def replace(self, **changes) -> ParallelPlan:
         return dataclasses.replace(self, **changes)
+
+
+def infer_dp(values: dict, world: int, world_name: str = "nproc") -> dict:
+    """``values`` of a [plan] table (field -> value) with dp = world / (tp pp cp) when
+    it names no dp: the one place the data-parallel size is inferred, for `paratrain
+    train` and `paratrain plan` (``world_name``: what set the world size, for the
+    message)."""
+    if "dp" in values:
+        return values
+    tp, pp, cp = (values.get(k, 1) for k in ("tp", "pp", "cp"))
+    denom = tp * pp * cp
+    if denom < 1 or world % denom:
+        raise ValueError(f"tp*pp*cp = {tp}*{pp}*{cp} = {denom} does not divide "
+                         f"{world_name}={world}; choose sizes whose product divides it")
+    return {**values, "dp": world // denom}

@@ -16,6 +16,7 @@ from paratrain.cli.check import register as register_check
 from paratrain.cli.checkpoint import register as register_model
 from paratrain.cli.plan import register as register_systems
 from paratrain.cli.train import register as register_train
+from paratrain.cli.validate import register as register_validate
 from paratrain.cli.viz import app as viz_app
 from paratrain.viz.plan_plots import write_plan_output
 from paratrain.viz.report_page import register as register_report
@@ -28,6 +29,7 @@ app = typer.Typer(
 )
 register_train(app)
 register_systems(app, plotter=write_plan_output)  # viz -> systems, never back
+register_validate(app)
 register_check(app)
 register_model(app)  # generate, export
 register_report(app)

@@ -1,4 +1,4 @@
-"""`paratrain plan` and `paratrain validate`.
+"""`paratrain plan`.
 
 Importing this module must not import torch or the systems model's heavier parts: the
 commands import what they need inside their bodies. Bad names or layouts raise
@@ -13,11 +13,17 @@ which writes the charts when ``--plot DIR`` is given.
 from __future__ import annotations
 
 import functools
+import math
+import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Annotated, Any, NamedTuple
 
 import typer
+
+from paratrain.cli.settings import DEFAULT_NPROC, read_tables, resolve, with_settings
+from paratrain.config import ModelConfig, TrainConfig, build
+from paratrain.plan import ParallelPlan, infer_dp
 
 DEFAULT_TOKENS = 1_048_576
 
@@ -35,149 +41,239 @@ class PlanOutput(NamedTuple):
 Plotter = Callable[[PlanOutput, str], list[Path]]
 
 
+CATALOGUE_CONTEXT = 4096  # a catalogue model's sequence length unless --context
+# Old spellings of `paratrain plan`, kept for a release: each prints one warning line.
+DEPRECATED_FLAGS = {"--seq-len": "--context"}
+DEPRECATED_VALUES = {("attention", "flash"): "sdpa"}
+# The cost model's name of the fused kernel (cost/activations.py's ATTENTION)
+COST_ATTENTION = {"sdpa": "flash", "eager": "eager"}
+
+
+def _warn(old: str, new: str) -> None:
+    print(f"warning: {old} is deprecated; use {new}", file=sys.stderr)
+
+
+# `paratrain plan`'s own options (the settings' flags are generated: cli/settings.py)
+HELP = {
+    "model": "Catalogue model name or a .toml/.json file (default llama2-7b; not with "
+             "--config, whose \\[model] is the model).",
+    "config": "A run's TOML (\\[model] \\[train] \\[plan]): price the run `paratrain "
+              "train --config` trains.",
+    "hardware": "Catalogue accelerator or a .toml/.json file.",
+    "gpus": "Number of GPUs (default 64; with --config the \\[plan]'s dp*tp*pp*cp, else "
+            f"train's --nproc default {DEFAULT_NPROC}).",
+    "tokens": "Global batch in tokens per optimizer step (with --config: global_batch * "
+              "context).",
+    "eta": "Matmul efficiency (default: the hardware's, 0.473 for H100).",
+    "precision": "bf16-adam (16 B/param) or fp32-adam (default bf16-adam; with --config "
+                 "from \\[train] dtype).",
+    "json": "Print the numbers as JSON.",
+    "plot": "Write memory and step-time PNGs to DIR (with --search: the Pareto front).",
+    "search": "Search every layout that fits; rank by predicted step time.",
+    "top": "With --search: how many layouts to show.",
+    "engine": "Training engine whose overlap and collectives the step model prices: "
+              "megatron, nemo, megascale, deepspeed, fsdp, torchtitan or xla (default: "
+              "megatron; nemo for --search).",
+    "explain": "Show the step model's breakdown: compute per GEMM class, memory-bound "
+               "work, each axis' exposed communication, bubble.",
+    "reference": "Price with docs/design.md's reference model only (one eta, flat ring); "
+                 "--search too.",
+    "params": "Step-model parameters (default: the shipped data/fitted.toml).",
+}
+Opt = typer.Option
+
+
 def plan(
-    model: str = typer.Option("llama2-7b", help="Catalogue model name or a .toml/.json file."),
-    hardware: str = typer.Option("h100", help="Catalogue accelerator or a .toml/.json file."),
-    gpus: int = typer.Option(64, help="Number of GPUs (accelerators)."),
-    tokens: int = typer.Option(DEFAULT_TOKENS, "--tokens", "--tokens-per-step",
-                               help="Global batch in tokens per optimizer step."),
-    seq_len: int = typer.Option(4096, help="Sequence length in tokens."),
-    dp: int | None = typer.Option(None, help="Data-parallel size (default: the GPUs "
-                                                "left after tp, pp, cp)."),
-    tp: int = typer.Option(1, help="Tensor-parallel size."),
-    pp: int = typer.Option(1, help="Pipeline stages."),
-    cp: int = typer.Option(1, help="Context-parallel size."),
-    ep: int = typer.Option(1, help="Expert-parallel size (divides dp)."),
-    zero: int = typer.Option(0, help="ZeRO stage 0-3 (3 = FSDP)."),
-    sp: bool = typer.Option(False, "--sp", help="Sequence parallelism (needs tp > 1)."),
-    micro_batches: int = typer.Option(1, help="Micro-batches (gradient accumulation at pp 1)."),
-    schedule: str = typer.Option("1f1b", help="gpipe, 1f1b, interleaved or zb-h1."),
-    virtual_stages: int = typer.Option(1, help="Chunks per stage (interleaved schedule)."),
-    recompute: str = typer.Option("none", help="none, selective or full."),
-    attention: str = typer.Option("flash", help="flash (a fused kernel: keeps no s x s "
-                                                "scores) or eager (keeps them)."),
-    overlap: bool = typer.Option(True, "--overlap/--no-overlap",
-                                 help="Overlap gradient sync with backward."),
-    eta: float | None = typer.Option(None, help="Matmul efficiency (default: the "
-                                                   "hardware's, 0.473 for H100)."),
-    precision: str = typer.Option("bf16-adam", help="bf16-adam (16 B/param) or fp32-adam."),
-    json_out: bool = typer.Option(False, "--json", help="Print the numbers as JSON."),
-    plot: str | None = typer.Option(None, help="Write memory and step-time PNGs to DIR "
-                                                "(with --search: the Pareto front)."),
-    search: bool = typer.Option(False, "--search", help="Search every layout that fits; "
-                                                        "rank by predicted step time."),
-    top: int = typer.Option(10, help="With --search: how many layouts to show."),
-    global_batch: int | None = typer.Option(None, help="Global batch in sequences "
-                                                       "(overrides --tokens)."),
-    cp_algorithm: str = typer.Option("ring", help="Context parallelism: ring (K/V pass "
-                                                  "around the cp ring) or all-to-all."),
-    experts: int = typer.Option(0, help="Routed experts per MoE layer (0: the catalogue "
-                                        "model's own; makes a dense model MoE)."),
-    top_k: int = typer.Option(2, help="With --experts: experts per token."),
-    moe_ffn: int | None = typer.Option(None, help="With --experts: expert FFN width "
-                                                  "(default: the model's d_ff)."),
-    shared_experts: int = typer.Option(0, help="With --experts: always-on experts."),
-    engine: str | None = typer.Option(None, help="Training engine whose overlap and "
-                                                 "collectives the step model prices: "
-                                                 "megatron, nemo, megascale, deepspeed, "
-                                                 "fsdp, torchtitan or xla (default: "
-                                                 "megatron; nemo for --search)."),
-    explain: bool = typer.Option(False, "--explain", help="Show the step model's "
-                                                         "breakdown: compute per GEMM class, "
-                                                         "memory-bound work, each axis' "
-                                                         "exposed communication, bubble."),
-    reference: bool = typer.Option(False, "--reference", help="Price with docs/design.md's "
-                                                             "reference model only (one eta, "
-                                                             "flat ring); --search too."),
-    params: str | None = typer.Option(None, help="Step-model parameters (default: the "
-                                                 "shipped data/fitted.toml)."),
+    model: Annotated[str | None, Opt(help=HELP["model"])] = None,
+    config: Annotated[str | None, Opt(help=HELP["config"])] = None,
+    hardware: Annotated[str, Opt(help=HELP["hardware"])] = "h100",
+    gpus: Annotated[int | None, Opt(help=HELP["gpus"])] = None,
+    tokens: Annotated[int, Opt("--tokens", "--tokens-per-step",
+                               help=HELP["tokens"])] = DEFAULT_TOKENS,
+    seq_len: Annotated[int | None, Opt(hidden=True, help="Deprecated: --context.")] = None,
+    eta: Annotated[float | None, Opt(help=HELP["eta"])] = None,
+    precision: Annotated[str | None, Opt(help=HELP["precision"])] = None,
+    json_out: Annotated[bool, Opt("--json", help=HELP["json"])] = False,
+    plot: Annotated[str | None, Opt(help=HELP["plot"])] = None,
+    search: Annotated[bool, Opt("--search", help=HELP["search"])] = False,
+    top: Annotated[int, Opt(help=HELP["top"])] = 10,
+    engine: Annotated[str | None, Opt(help=HELP["engine"])] = None,
+    explain: Annotated[bool, Opt("--explain", help=HELP["explain"])] = False,
+    reference: Annotated[bool, Opt("--reference", help=HELP["reference"])] = False,
+    params: Annotated[str | None, Opt(help=HELP["params"])] = None,
+    flags: dict | None = None,
 ) -> PlanOutput:
     """Price a parallel plan: memory per GPU, wire bytes, step time, MFU (no GPU needed).
 
     With no flags: docs/design.md's reference example, LLaMA 2 7B on 64 H100, with its
-    figures from the reference model, and beside them the step model's prediction.
+    figures from the reference model, and beside them the step model's prediction. With
+    ``--config run.toml``: the run `paratrain train --config run.toml` trains, with the
+    same flags (its per-rank bytes under "run" in ``--json``).
     """
     from paratrain.cost.hardware import load_hardware
-    from paratrain.cost.memory import ATTENTION
-    from paratrain.plan import ParallelPlan
-    from paratrain.systems.overlap import engine as find_engine
-    from paratrain.systems.report import build_report, render
 
-    if attention not in ATTENTION:
-        raise ValueError(f"attention={attention!r} is unknown; choose flash or eager "
-                         "(pass e.g. --attention flash)")
-    m = _model(model, experts, top_k, moe_ffn, shared_experts)
+    flags = _undeprecate(flags or {"model": {}, "train": {}, "plan": {}}, seq_len)
+    m, p, gpus, tokens, seq, precision, run = _what(model, config, flags, gpus, tokens,
+                                                    search, precision)
+    attention = COST_ATTENTION[m.attention]
     hw = load_hardware(hardware)
-    if engine is None:
-        from paratrain.systems.overlap import DEFAULT_ENGINE, SEARCH_ENGINE
+    eng, step_params = _step_model(engine, search, reference, params)
+    if search:
+        return _search(m, hw, gpus, tokens, seq, top, eta, json_out, plot, attention,
+                       step_params, eng.name)
+    rep = _report(m, hw, p, gpus, tokens, seq, eta, precision, attention, step_params, eng,
+                  explain)
+    if run is not None:
+        rep["run"] = run_bytes(*run)
+    _print_report(rep, json_out)
+    return PlanOutput("report", rep, f"{m.name} on {gpus} x {hw.name}")
 
-        engine = SEARCH_ENGINE if search else DEFAULT_ENGINE
-    eng = find_engine(engine)
-    step_params = None
-    if not reference:
-        from paratrain.systems.fitting import load_params
 
-        step_params = load_params(params)
+def _what(model: str | None, config: str | None, flags: dict, gpus: int | None,
+          tokens: int, search: bool, precision: str | None):
+    """(shape, plan, gpus, tokens, sequence, precision, run settings) to price: the run
+    of ``--config`` (run settings: its (ModelConfig, TrainConfig, ParallelPlan)), or a
+    catalogue model (run settings None; no plan with ``--search``)."""
+    if config is not None and model is not None:
+        raise ValueError(f"--model {model} and --config {config} both name a model; pass "
+                         "one (the TOML's [model] table is the run's model)")
+    if config is not None:
+        run = _run_settings(config, flags, gpus)
+        mcfg, tcfg, p = run
+        precision = precision or ("bf16-adam" if tcfg.dtype == "bfloat16" else "fp32-adam")
+        return (_run_model(mcfg), p, p.world_size, tcfg.global_batch * mcfg.context,
+                mcfg.context, precision, run)
+    m, gpus = _catalogue_model(model, flags["model"]), 64 if gpus is None else gpus
+    seq = flags["model"].get("context", CATALOGUE_CONTEXT)
+    if "global_batch" in flags["train"]:
+        tokens = flags["train"]["global_batch"] * seq
     if gpus < 1:
         raise ValueError(f"gpus={gpus} must be >= 1; pass e.g. --gpus 64")
-    if global_batch is not None:
-        tokens = global_batch * seq_len
-    if search:
-        return _search(m, hw, gpus, tokens, seq_len, top, eta, json_out, plot, attention,
-                       step_params, eng.name)
-    if dp is None:
-        rest = tp * pp * cp
-        if rest < 1 or gpus % rest:
-            raise ValueError(
-                f"tp*pp*cp = {tp}*{pp}*{cp} = {rest} does not divide gpus={gpus}; "
-                "choose sizes whose product divides the GPU count"
-            )
-        dp = gpus // rest
-    p = ParallelPlan(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=zero, sp=sp,
-                     micro_batches=micro_batches, schedule=schedule,
-                     virtual_stages=virtual_stages, recompute=recompute, overlap=overlap,
-                     cp_algorithm=cp_algorithm)
+    p = None if search else build(ParallelPlan, infer_dp(flags["plan"], gpus, "gpus"), "plan")
+    return m, p, gpus, tokens, seq, precision or "bf16-adam", None
+
+
+def _step_model(engine: str | None, search: bool, reference: bool, params: str | None):
+    """(the engine the step model prices, its fitted parameters; None: the reference
+    model only)."""
+    from paratrain.systems.overlap import DEFAULT_ENGINE, SEARCH_ENGINE
+    from paratrain.systems.overlap import engine as find_engine
+
+    eng = find_engine(engine or (SEARCH_ENGINE if search else DEFAULT_ENGINE))
+    if reference:
+        return eng, None
+    from paratrain.systems.fitting import load_params
+
+    return eng, load_params(params)
+
+
+def _undeprecate(flags: dict, seq_len: int | None) -> dict:
+    """``flags`` in today's names: --seq-len is --context, --attention flash is sdpa
+    (one warning line each)."""
+    flags = {t: dict(v) for t, v in flags.items()}
+    if seq_len is not None:
+        _warn("--seq-len", DEPRECATED_FLAGS["--seq-len"])
+        flags["model"].setdefault("context", seq_len)
+    for (name, old), new in DEPRECATED_VALUES.items():
+        if flags["model"].get(name) == old:
+            _warn(f"--{name} {old}", f"--{name} {new}")
+            flags["model"][name] = new
+    return flags
+
+
+def _run_settings(config: str, flags: dict, gpus: int | None):
+    """(ModelConfig, TrainConfig, ParallelPlan) of `paratrain train --config` with these
+    flags: its resolution and validation (paratrain/cli/settings.py)."""
+    if gpus is None:  # the world train would start: the [plan]'s product, else --nproc's
+        pv = {**read_tables(config).get("plan", {}), **flags["plan"]}
+        gpus = math.prod(pv.get(k, 1) for k in ("dp", "tp", "pp", "cp")) if "dp" in pv \
+            else DEFAULT_NPROC
+    mcfg, tcfg, p = resolve(config, flags["model"], flags["train"], flags["plan"], gpus,
+                            "gpus")
+    p.check(mcfg, gpus, tcfg.global_batch)
+    return mcfg, tcfg, p
+
+
+def run_bytes(mcfg: ModelConfig, tcfg: TrainConfig, p: ParallelPlan) -> dict:
+    """What a run's summary measures, per rank, from the cost functions the run's
+    prediction uses (:mod:`paratrain.cost.layout`): parameters, model-state bytes
+    (params, grads, optimizer) and data-parallel wire bytes per step."""
+    from paratrain.cost.layout import dp_wire_bytes, state_bytes
+    from paratrain.cost.shapes import as_shape
+
+    ranks, shape = range(p.world_size), as_shape(mcfg)
+    return {"params": shape.num_params(), "active_params": shape.active_params(),
+            "model_state_bytes_per_rank": [state_bytes(mcfg, p, tcfg.dtype, r,
+                                                       tcfg.reduce_dtype) for r in ranks],
+            "dp_wire_bytes_per_rank": [dp_wire_bytes(mcfg, p, tcfg.dtype, r,
+                                                     tcfg.reduce_dtype) for r in ranks]}
+
+
+def _report(m, hw, p, gpus, tokens, seq, eta, precision, attention, step_params, eng,
+            explain) -> dict:
+    """The reference model's report of plan ``p``, and the step model's prediction."""
+    from paratrain.systems.report import build_report
+
     p.check(m, world_size=gpus)
-    if ep > 1 and (not m.is_moe or m.experts % ep):
-        raise ValueError(f"ep={ep} needs an MoE model whose experts it divides (model has "
+    if p.ep > 1 and (not m.is_moe or m.experts % p.ep):
+        raise ValueError(f"ep={p.ep} needs an MoE model whose experts it divides (model has "
                          f"{m.experts}); pass --experts 8 or a catalogue MoE model")
-    rep = build_report(m, hw, p, tokens, seq_len, eta=eta, precision=precision,
+    rep = build_report(m, hw, p, tokens, seq, eta=eta, precision=precision,
                        attention=attention)
-    lines = []
     if step_params is not None:
         from paratrain.systems.explain import explain_lines
         from paratrain.systems.step_model import predict_step
 
-        bd = predict_step(m, p, hw, tokens, seq_len, step_params, eng)
+        bd = predict_step(m, p, hw, tokens, seq, step_params, eng)
         rep["predicted"] = bd.as_dict()
         if explain:
-            lines = explain_lines(bd)
-            rep["predicted"]["explain"] = lines
+            rep["predicted"]["explain"] = explain_lines(bd)
+    return rep
+
+
+def _print_report(rep: dict, json_out: bool) -> None:
+    from paratrain.systems.report import render
+
     if json_out:
         import json
 
         print(json.dumps(rep, indent=2))
-    else:
-        render(rep)
-        if "predicted" in rep:
-            _render_predicted(rep["predicted"], lines)
-    return PlanOutput("report", rep, f"{m.name} on {gpus} x {hw.name}")
+        return
+    render(rep)
+    if "predicted" in rep:
+        _render_predicted(rep["predicted"], rep["predicted"].get("explain", []))
 
 
-def _model(name: str, experts: int, top_k: int, moe_ffn: int | None, shared: int):
-    """The catalogue model, made MoE by ``--experts`` (every layer routed)."""
+def _catalogue_model(name: str | None, values: dict):
+    """The catalogue model (default llama2-7b) with the model flags given: a shape field
+    replaced, made MoE by ``--experts``."""
     from paratrain.cost.shapes import load_model
 
-    m = load_model(name)
+    m = load_model(name or "llama2-7b")
+    moe = ("experts", "top_k", "moe_ffn", "shared_experts")
+    shape = {k: v for k, v in values.items() if k not in moe and k != "context"}
+    m = m.replace(**shape) if shape else m
+    experts = values.get("experts", 0)
     if experts < 0:
         raise ValueError(f"experts={experts} must be >= 0; pass e.g. --experts 8")
     if not experts:
         return m
+    top_k = values.get("top_k", 2)
     if not 1 <= top_k <= experts:
         raise ValueError(f"top_k={top_k} must be in 1..experts={experts}; pass e.g. "
                          "--top-k 2")
-    return m.replace(experts=experts, top_k=top_k, moe_ffn=moe_ffn, shared_experts=shared,
-                     first_dense_layers=0, experts_over_tp=True)
+    # a catalogue model made MoE prices the experts as Megatron places them (split over
+    # tp); a run's own model (--config) keeps paratrain's placement (whole on each tp rank)
+    return m.replace(experts=experts, top_k=top_k, moe_ffn=values.get("moe_ffn"),
+                     shared_experts=values.get("shared_experts", 0), first_dense_layers=0,
+                     experts_over_tp=True)
+
+
+def _run_model(mcfg: ModelConfig):
+    """The run's model as the systems model's shape."""
+    from paratrain.cost.shapes import as_shape
+
+    return as_shape(mcfg)
 
 
 def _render_predicted(pred: dict, lines: list[str]) -> None:
@@ -236,89 +332,8 @@ def _no_plotter(out: PlanOutput, out_dir: str) -> list[Path]:
     raise ValueError("--plot needs the plotting package; run through `paratrain plan`")
 
 
-def validate(
-    runs: str | None = typer.Option(None, help="CSV of published runs in the columns of "
-                                               "calibration.csv (default: the shipped one)."),
-    json_out: bool = typer.Option(False, "--json", help="Print records and summary as JSON."),
-    fit: bool = typer.Option(False, "--fit", help="Refit the step model's physical "
-                                                  "parameters (least absolute relative "
-                                                  "error); report in-table, leave-one-out "
-                                                  "and held-out error."),
-    out: str | None = typer.Option(None, help="With --fit: write the fitted values here "
-                                              "(TOML)."),
-    params: str | None = typer.Option(None, help="Fitted parameters to use (default: the "
-                                                 "shipped data/fitted.toml)."),
-    unfitted: bool = typer.Option(False, "--unfitted", help="Use the step model at its "
-                                                            "parameters' provenance values."),
-    reference: bool = typer.Option(False, "--reference", help="Use docs/design.md's "
-                                                             "reference model (catalogue "
-                                                             "eta, flat ring)."),
-    holdout: str = typer.Option("", help="With --fit: comma-separated row ids kept out of "
-                                         "the fit (default: the table's split=heldout "
-                                         "rows)."),
-    explain: str | None = typer.Option(None, help="Print one row's breakdown (compute per "
-                                                  "GEMM class, memory-bound work, each "
-                                                  "axis' exposed communication, bubble) "
-                                                  "beside its reported figure."),
-) -> None:
-    """Score the systems model against published training runs (MFU / HFU / TFLOP/s)."""
-    from paratrain.systems.validate import render_validate, run_validate
-
-    if explain:
-        _explain_row(runs, params, unfitted, explain, json_out)
-        return
-    ids = tuple(x.strip() for x in holdout.split(",") if x.strip()) or None
-    res = run_validate(runs, params, unfitted, fit, ids, out, reference=reference)
-    if json_out:
-        import json
-
-        print(json.dumps(res, indent=2))
-    else:
-        render_validate(res)
-
-
-def _explain_row(runs, params, unfitted, row_id, json_out) -> None:
-    from paratrain.systems.explain import explain_lines
-    from paratrain.systems.fitting import _figure, breakdown, source_count
-    from paratrain.systems.runs import Skip, read_runs, row_to_case
-    from paratrain.systems.validate import UNFITTED, load_params
-
-    rows = {r["id"]: r for r in read_runs(runs)}
-    if row_id not in rows:
-        raise ValueError(f"row {row_id!r} is not in the runs table; pass an id from its "
-                         "'id' column")
-    try:
-        case = row_to_case(rows[row_id])
-    except Skip as e:
-        raise ValueError(f"row {row_id!r} cannot be priced: {e}") from None
-    p = UNFITTED if unfitted else load_params(params)
-    bd = breakdown(case, p)
-    pred = _figure(case, bd)
-    unit = (lambda x: f"{x:.1f} TFLOP/s") if case.metric == "tflops" else \
-        (lambda x: f"{100 * x:.1f}%")
-    rep = f"{case.metric} {unit(case.reported)}, predicted {unit(pred)} " \
-          f"({100 * (pred / case.reported - 1):+.1f}%)"
-    count = source_count(case)
-    if case.model.flops_per_token(case.seq_len, count) != \
-            case.model.flops_per_token(case.seq_len):
-        rep += f", in the source's FLOP count ({count}, docs/systems-model.md)"
-    lines = [f"{row_id}: {case.model.name} on {case.plan.world_size} x {case.hw.name}, "
-             f"dp {case.plan.dp} tp {case.plan.tp} pp {case.plan.pp} cp {case.plan.cp} "
-             f"ep {case.plan.ep}, ZeRO-{case.plan.zero}, {case.plan.micro_batches} "
-             f"micro-batches, recompute {case.plan.recompute}"] + explain_lines(bd, rep)
-    if json_out:
-        import json
-
-        print(json.dumps({"id": row_id, "metric": case.metric, "reported": case.reported,
-                          "predicted": pred, "breakdown": bd.as_dict(), "lines": lines},
-                         indent=2))
-    else:
-        for line in lines:
-            print(line)
-
-
 def register(app: typer.Typer, plotter: Plotter | None = None) -> None:
-    """Add the systems-model commands to the top-level app; ``plotter`` draws `plan
-    --plot` (without one, ``--plot`` is refused)."""
-    app.command("plan")(with_plots(plan, plotter or _no_plotter))
-    app.command("validate")(validate)
+    """Add `paratrain plan` to the top-level app; ``plotter`` draws `plan --plot`
+    (without one, ``--plot`` is refused)."""
+    every = {"model": None, "train": None, "plan": None}
+    app.command("plan")(with_plots(with_settings(plan, every), plotter or _no_plotter))

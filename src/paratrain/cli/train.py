@@ -22,35 +22,13 @@ from typing import Annotated
 
 import typer
 
-from paratrain.run import launcher, shutdown
-from paratrain.config import ModelConfig, TrainConfig, build, check_types, load_toml
+from paratrain.cli.settings import DEFAULT_NPROC, resolve, with_settings
+from paratrain.config import ModelConfig, TrainConfig
 from paratrain.files.prepare import settle_vocab
 from paratrain.plan import ParallelPlan
+from paratrain.run import launcher, shutdown
 
 Opt = typer.Option
-
-
-def _pick(values: dict) -> dict:
-    return {k: v for k, v in values.items() if v is not None}
-
-
-def resolve(config: str | None, model_flags: dict, train_flags: dict,
-            plan_flags: dict, nproc: int) -> tuple[ModelConfig, TrainConfig, ParallelPlan]:
-    """Defaults <- TOML tables <- explicit flags; validated, with dp inferred."""
-    tables = load_toml(config) if config else {}
-    for cls, where in ((ModelConfig, "model"), (TrainConfig, "train"), (ParallelPlan, "plan")):
-        check_types(cls, tables.get(where, {}), where)
-    mcfg = build(ModelConfig, {**tables.get("model", {}), **_pick(model_flags)}, "model")
-    tcfg = build(TrainConfig, {**tables.get("train", {}), **_pick(train_flags)}, "train")
-    pvals = {**tables.get("plan", {}), **_pick(plan_flags)}
-    if "dp" not in pvals:
-        denom = pvals.get("tp", 1) * pvals.get("pp", 1) * pvals.get("cp", 1)
-        if nproc % denom:
-            raise ValueError(f"--nproc {nproc} is not divisible by tp*pp*cp={denom}; "
-                             f"use a multiple of {denom}")
-        pvals["dp"] = nproc // denom
-    plan = build(ParallelPlan, pvals, "plan")
-    return mcfg, tcfg, plan
 
 
 # ---- checks before anything is launched -------------------------------------------------
@@ -160,185 +138,156 @@ def new_run_dir() -> str:
     raise ValueError(f"cannot create a fresh run directory beside {str(base)!r}; pass --run-dir")
 
 
-def register(app: typer.Typer) -> None:
-    @app.command()
-    def train(
-        nproc: Annotated[int, Opt(help="Worker processes (torchrun).")] = 2,
-        simulate_workers: Annotated[int, Opt(help="W simulated workers in one process.")] = 1,
-        config: Annotated[str | None, Opt(help="TOML with \\[model] \\[train] \\[plan] "
-                                               "tables.")] = None,
-        # model
-        layers: Annotated[int | None, Opt(help="Transformer blocks.")] = None,
-        d_model: Annotated[int | None, Opt(help="Model width.")] = None,
-        heads: Annotated[int | None, Opt(help="Attention heads.")] = None,
-        kv_heads: Annotated[int | None, Opt(help="KV heads (GQA).")] = None,
-        d_ff: Annotated[int | None, Opt(help="SwiGLU hidden width.")] = None,
-        context: Annotated[int | None, Opt(help="Sequence length.")] = None,
-        tie_embeddings: Annotated[bool | None, Opt(help="Tie input/output embeddings.")] = None,
-        attention: Annotated[str | None, Opt(help="sdpa (fused) | eager (keeps scores).")] = None,
-        experts: Annotated[int | None, Opt(help="Routed experts per MoE MLP (0 = dense).")] = None,
-        top_k: Annotated[int | None, Opt(help="Experts each token goes to.")] = None,
-        moe_ffn: Annotated[int | None, Opt(help="Expert hidden width (default d_ff).")] = None,
-        shared_experts: Annotated[int | None, Opt(help="Always-on shared experts.")] = None,
-        moe_every: Annotated[int | None, Opt(help="Every L-th block's MLP is MoE.")] = None,
-        aux_loss_coef: Annotated[float | None, Opt(help="Load-balancing loss weight.")] = None,
-        z_loss_coef: Annotated[float | None, Opt(help="Router z-loss weight (0 = off).")] = None,
-        capacity_factor: Annotated[float | None, Opt(help="Expert capacity (0 = dropless)."
-                                                     )] = None,
-        # training
-        steps: Annotated[int | None, Opt(help="Optimizer steps.")] = None,
-        global_batch: Annotated[int | None, Opt(help="Windows per step, all workers.")] = None,
-        lr: Annotated[float | None, Opt(help="Peak learning rate.")] = None,
-        warmup_steps: Annotated[int | None, Opt(help="Linear warm-up steps.")] = None,
-        seed: Annotated[int | None, Opt(help="Seed of weights and batches.")] = None,
-        dtype: Annotated[str | None, Opt(help="float32 | float64 | bfloat16.")] = None,
-        reduce_dtype: Annotated[str | None, Opt(help="bf16 grads reduced in bfloat16|float32."
-                                                )] = None,
-        eval_every: Annotated[int | None, Opt(help="Validate every K steps.")] = None,
-        data: Annotated[str | None, Opt(help="Text, .jsonl or .parquet file, or a folder "
-                                        "(default: stdlib).")] = None,
-        tokenizer: Annotated[str | None, Opt(help="bytes | bpe:N | tokenizer.json path.")] = None,
-        text_field: Annotated[str | None, Opt(help="Text field of .jsonl/.parquet records."
-                                              )] = None,
-        run_dir: Annotated[str | None, Opt(help="Metrics dir, new or empty unless --resume "
-                                               "(default runs/<time>-<pid>).")] = None,
-        checkpoint_dir: Annotated[str | None, Opt(help="Checkpoint directory.")] = None,
-        checkpoint_every: Annotated[int | None, Opt(help="Checkpoint every K steps.")] = None,
-        resume: Annotated[bool, Opt(help="Resume from --checkpoint-dir; '--resume auto': "
-                                         "if it holds a checkpoint, else start.")] = False,
-        resume_mode: Annotated[str | None, typer.Argument(
-            hidden=True, help="'auto' after --resume.")] = None,
-        keep_checkpoints: Annotated[int, Opt(help="Keep the newest K checkpoints (0 = all)."
-                                             )] = 0,
-        max_restarts: Annotated[int, Opt(help="Elastic restarts of failed workers (torchrun)."
+def _world(nproc: int, nnodes: int, node_rank: int, rdzv_endpoint: str | None,
+           simulate_workers: int, in_torchrun: bool) -> tuple[int, int]:
+    """(processes on this node, world size); under torchrun, torchrun's."""
+    if in_torchrun:
+        nproc = int(os.environ["WORLD_SIZE"])
+    if nproc < 1:
+        raise ValueError(f"--nproc {nproc} must be >= 1")
+    launcher.check_endpoint(rdzv_endpoint, nnodes, node_rank)
+    if simulate_workers < 1:
+        raise ValueError(f"--simulate-workers {simulate_workers} must be >= 1")
+    return nproc, (nproc if in_torchrun else nproc * nnodes)
+
+
+def _check_run_options(resume: bool, resume_mode: str | None, keep_checkpoints: int,
+                       max_restarts: int, timeout: float, grace: float,
+                       checkpoint_dir: str | None) -> str | None:
+    """The launch options that are no settings; returns the resume mode (None, "yes" or
+    "auto")."""
+    if resume_mode is not None and (resume_mode != "auto" or not resume):
+        raise ValueError(f"unexpected argument {resume_mode!r}; pass --resume (the "
+                         "checkpoint must exist) or --resume auto (if it exists)")
+    for flag, v in (("--keep-checkpoints", keep_checkpoints), ("--max-restarts", max_restarts)):
+        if v < 0:
+            raise ValueError(f"{flag} {v} must be >= 0")
+    for flag, v in (("--timeout", timeout), ("--grace", grace)):
+        if not (v > 0 and math.isfinite(v)):
+            raise ValueError(f"{flag} {v} must be a positive number of seconds")
+    if resume and not checkpoint_dir:
+        raise ValueError("--resume needs --checkpoint-dir DIR to resume from")
+    return ("auto" if resume_mode else "yes") if resume else None
+
+
+def _check_dirs(run_dir: str | None, checkpoint_dir: str | None, resume: str | None,
+                lead: bool) -> None:
+    if run_dir is not None:
+        check_output_dir("--run-dir", run_dir)
+        if lead and not resume and Path(run_dir).is_dir() and any(Path(run_dir).iterdir()):
+            raise ValueError(f"--run-dir {run_dir!r} already holds files (an earlier run?); "
+                             "pass a new or empty directory, omit --run-dir for a fresh "
+                             "one, or add --resume to continue into it")
+    if checkpoint_dir is not None:
+        check_output_dir("--checkpoint-dir", checkpoint_dir)
+
+
+def _run_dir(run_dir: str | None, in_torchrun: bool) -> str:
+    if run_dir is not None:
+        return run_dir
+    if in_torchrun:  # every rank must name the same directory: torchrun's run id
+        rid = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+        rid = rid if rid != "none" else os.environ.get("MASTER_PORT", "0")
+        return str(Path("runs") / f"torchrun-{rid}")
+    return new_run_dir()
+
+
+def _start(spec: dict, in_torchrun: bool, world: int, nproc: int, launch: dict) -> None:
+    """Run ``spec`` here (torchrun's worker, or one process), or hand it to torchrun."""
+    run_dir = spec["opts"]["run_dir"]
+    if in_torchrun:
+        from paratrain.run.worker import run_worker
+
+        run_worker(spec)  # ends the process
+    if world == 1 and not launch["max_restarts"]:
+        from paratrain.run.worker import run_local
+
+        try:
+            run_local(spec)
+        except shutdown.Stopped as e:
+            print(e, flush=True)
+            raise typer.Exit(e.exit_code) from None
+        return
+    Path(run_dir).mkdir(parents=True, exist_ok=True)
+    spec_path = Path(run_dir) / "run.json"
+    spec_path.write_text(json.dumps({**spec, "failure_file": True}, indent=1))
+    cmd = launcher.torchrun_command(nproc, str(spec_path), launch["nnodes"],
+                                    launch["node_rank"], launch["rdzv_endpoint"],
+                                    launch["max_restarts"])
+    if not spec["opts"]["quiet"]:
+        print(f"launching {nproc} of {world} workers: {' '.join(cmd[1:])}", flush=True)
+    rc = launcher.launch(cmd, run_dir, launch["grace"])
+    if rc != 0:
+        raise typer.Exit(rc)
+
+
+def train(
+    nproc: Annotated[int, Opt(help="Worker processes (torchrun).")] = DEFAULT_NPROC,
+    simulate_workers: Annotated[int, Opt(help="W simulated workers in one process.")] = 1,
+    config: Annotated[str | None, Opt(help="TOML with \\[model] \\[train] \\[plan] "
+                                           "tables.")] = None,
+    run_dir: Annotated[str | None, Opt(help="Metrics dir, new or empty unless --resume "
+                                           "(default runs/<time>-<pid>).")] = None,
+    checkpoint_dir: Annotated[str | None, Opt(help="Checkpoint directory.")] = None,
+    resume: Annotated[bool, Opt(help="Resume from --checkpoint-dir; '--resume auto': "
+                                     "if it holds a checkpoint, else start.")] = False,
+    resume_mode: Annotated[str | None, typer.Argument(
+        hidden=True, help="'auto' after --resume.")] = None,
+    keep_checkpoints: Annotated[int, Opt(help="Keep the newest K checkpoints (0 = all)."
                                          )] = 0,
-        nnodes: Annotated[int, Opt(help="Nodes (one launcher per node).")] = 1,
-        node_rank: Annotated[int, Opt(help="This node's index, 0..nnodes-1.")] = 0,
-        rdzv_endpoint: Annotated[str | None, Opt(help="HOST:PORT of the c10d rendezvous "
-                                                      "(multi-node).")] = None,
-        timeout: Annotated[float, Opt(help="Seconds a collective may wait for its peers."
-                                      )] = 120.0,
-        grace: Annotated[float, Opt(help="Seconds a signalled run has to checkpoint before "
-                                         "SIGKILL.")] = 7.0,
-        quiet: Annotated[bool, Opt(help="No progress bar or summary table.")] = False,
-        tensorboard: Annotated[str | None, Opt(help="Also write TensorBoard event files "
-                                                   "here (rank 0).")] = None,
-        # plan
-        dp: Annotated[int | None, Opt(help="Data-parallel size (default nproc/(tp*pp*cp))."
-                                      )] = None,
-        tp: Annotated[int | None, Opt(help="Tensor-parallel size.")] = None,
-        pp: Annotated[int | None, Opt(help="Pipeline stages.")] = None,
-        sp: Annotated[bool | None, Opt(help="Sequence parallelism (needs tp>1).")] = None,
-        cp: Annotated[int | None, Opt(help="Context-parallel size (sequence split).")] = None,
-        cp_algorithm: Annotated[str | None, Opt(help="ring | all-to-all (Ulysses).")] = None,
-        ep: Annotated[int | None, Opt(help="Expert-parallel size (divides dp).")] = None,
-        zero: Annotated[int | None, Opt(help="ZeRO stage 0-3.")] = None,
-        micro_batches: Annotated[int | None, Opt(help="Micro-batches / accumulation.")] = None,
-        schedule: Annotated[str | None, Opt(help="gpipe|1f1b|interleaved|zb-h1.")] = None,
-        virtual_stages: Annotated[int | None, Opt(help="Chunks per rank (interleaved).")] = None,
-        recompute: Annotated[str | None, Opt(help="none|selective|full.")] = None,
-        bucket_mb: Annotated[float | None, Opt(help="Gradient bucket size, MB.")] = None,
-        overlap: Annotated[bool | None, Opt(help="Overlap grad sync with backward.")] = None,
-        compress: Annotated[str | None, Opt(help="Gradient compression, e.g. topk:16.")] = None,
-        collectives: Annotated[str | None, Opt(help="native | ours.")] = None,
-    ) -> None:
-        """Train the decoder LM (default: 2 workers, data parallel, stdlib corpus)."""
-        in_torchrun = "WORLD_SIZE" in os.environ and "RANK" in os.environ
-        if in_torchrun:
-            nproc = int(os.environ["WORLD_SIZE"])
-        if nproc < 1:
-            raise ValueError(f"--nproc {nproc} must be >= 1")
-        launcher.check_endpoint(rdzv_endpoint, nnodes, node_rank)
-        world = nproc if in_torchrun else nproc * nnodes
-        if simulate_workers < 1:
-            raise ValueError(f"--simulate-workers {simulate_workers} must be >= 1")
-        mcfg, tcfg, plan = resolve(
-            config,
-            dict(n_layers=layers, d_model=d_model, n_heads=heads, n_kv_heads=kv_heads,
-                 d_ff=d_ff, context=context, tie_embeddings=tie_embeddings,
-                 attention=attention, experts=experts, top_k=top_k, moe_ffn=moe_ffn,
-                 shared_experts=shared_experts, moe_every=moe_every,
-                 aux_loss_coef=aux_loss_coef, z_loss_coef=z_loss_coef,
-                 capacity_factor=capacity_factor),
-            dict(steps=steps, global_batch=global_batch, lr=lr, warmup_steps=warmup_steps,
-                 seed=seed, dtype=dtype, reduce_dtype=reduce_dtype, eval_every=eval_every,
-                 data=data, tokenizer=tokenizer, text_field=text_field,
-                 checkpoint_every=checkpoint_every),
-            dict(dp=dp, tp=tp, pp=pp, sp=sp, cp=cp, cp_algorithm=cp_algorithm, ep=ep, zero=zero,
-                 micro_batches=micro_batches,
-                 schedule=schedule, virtual_stages=virtual_stages, recompute=recompute,
-                 bucket_mb=bucket_mb, overlap=overlap, compress=compress,
-                 collectives=collectives),
-            world)
-        plan.check(mcfg, world, tcfg.global_batch)
-        plan.check_runtime(mcfg)
-        if simulate_workers > 1 and world > 1:
-            raise ValueError("--simulate-workers runs in one process; add --nproc 1")
-        if tcfg.data is not None:
-            check_data(tcfg.data)
-        if resume_mode is not None and (resume_mode != "auto" or not resume):
-            raise ValueError(f"unexpected argument {resume_mode!r}; pass --resume (the "
-                             "checkpoint must exist) or --resume auto (if it exists)")
-        resume = ("auto" if resume_mode else "yes") if resume else None
-        for flag, v, low in (("--keep-checkpoints", keep_checkpoints, 0),
-                             ("--max-restarts", max_restarts, 0)):
-            if v < low:
-                raise ValueError(f"{flag} {v} must be >= {low}")
-        for flag, v in (("--timeout", timeout), ("--grace", grace)):
-            if not (v > 0 and math.isfinite(v)):
-                raise ValueError(f"{flag} {v} must be a positive number of seconds")
-        check_lr(tcfg)
-        launcher.check_memory(mcfg, tcfg, plan, 1 if in_torchrun else nproc)
-        if resume and not checkpoint_dir:
-            raise ValueError("--resume needs --checkpoint-dir DIR to resume from")
-        lead = not in_torchrun or os.environ.get("RANK") == "0"  # checks once
-        if run_dir is not None:
-            check_output_dir("--run-dir", run_dir)
-            if lead and not resume and Path(run_dir).is_dir() and any(Path(run_dir).iterdir()):
-                raise ValueError(f"--run-dir {run_dir!r} already holds files (an earlier run?); "
-                                 "pass a new or empty directory, omit --run-dir for a fresh "
-                                 "one, or add --resume to continue into it")
-        if checkpoint_dir is not None:
-            check_output_dir("--checkpoint-dir", checkpoint_dir)
-        mcfg = settle_vocab(mcfg, tcfg, config)  # slow, so late: BPE trained, ids cached
-        plan.check(mcfg, world, tcfg.global_batch)  # again: the vocabulary may have changed
-        if lead and (resume == "yes" or (resume == "auto" and _has_checkpoint(checkpoint_dir))):
-            check_resume(checkpoint_dir, mcfg, tcfg, plan)
-        if run_dir is None:
-            if in_torchrun:  # every rank must name the same directory: torchrun's run id
-                rid = os.environ.get("TORCHELASTIC_RUN_ID", "none")
-                rid = rid if rid != "none" else os.environ.get("MASTER_PORT", "0")
-                run_dir = str(Path("runs") / f"torchrun-{rid}")
-            else:
-                run_dir = new_run_dir()
-        spec = {"model": dataclasses.asdict(mcfg), "train": dataclasses.asdict(tcfg),
-                "plan": dataclasses.asdict(plan),
-                "opts": dict(run_dir=run_dir, checkpoint_dir=checkpoint_dir,
-                             resume={"yes": True, "auto": "auto"}.get(resume, False),
-                             keep_checkpoints=keep_checkpoints,
-                             simulate_workers=simulate_workers, quiet=quiet,
-                             tensorboard=tensorboard),
-                "timeout_s": timeout}
-        if in_torchrun:
-            from paratrain.run.worker import run_worker
+    max_restarts: Annotated[int, Opt(help="Elastic restarts of failed workers (torchrun)."
+                                     )] = 0,
+    nnodes: Annotated[int, Opt(help="Nodes (one launcher per node).")] = 1,
+    node_rank: Annotated[int, Opt(help="This node's index, 0..nnodes-1.")] = 0,
+    rdzv_endpoint: Annotated[str | None, Opt(help="HOST:PORT of the c10d rendezvous "
+                                                  "(multi-node).")] = None,
+    timeout: Annotated[float, Opt(help="Seconds a collective may wait for its peers."
+                                  )] = 120.0,
+    grace: Annotated[float, Opt(help="Seconds a signalled run has to checkpoint before "
+                                     "SIGKILL.")] = 7.0,
+    quiet: Annotated[bool, Opt(help="No progress bar or summary table.")] = False,
+    tensorboard: Annotated[str | None, Opt(help="Also write TensorBoard event files "
+                                               "here (rank 0).")] = None,
+    flags: dict | None = None,
+) -> None:
+    """Train the decoder LM (default: 2 workers, data parallel, stdlib corpus)."""
+    in_torchrun = "WORLD_SIZE" in os.environ and "RANK" in os.environ
+    nproc, world = _world(nproc, nnodes, node_rank, rdzv_endpoint, simulate_workers,
+                          in_torchrun)
+    flags = flags or {}
+    mcfg, tcfg, plan = resolve(config, flags.get("model", {}), flags.get("train", {}),
+                               flags.get("plan", {}), world)
+    plan.check(mcfg, world, tcfg.global_batch)
+    plan.check_runtime(mcfg)
+    if simulate_workers > 1 and world > 1:
+        raise ValueError("--simulate-workers runs in one process; add --nproc 1")
+    if tcfg.data is not None:
+        check_data(tcfg.data)
+    resume_as = _check_run_options(resume, resume_mode, keep_checkpoints, max_restarts,
+                                   timeout, grace, checkpoint_dir)
+    check_lr(tcfg)
+    launcher.check_memory(mcfg, tcfg, plan, 1 if in_torchrun else nproc)
+    lead = not in_torchrun or os.environ.get("RANK") == "0"  # checks once
+    _check_dirs(run_dir, checkpoint_dir, resume_as, lead)
+    mcfg = settle_vocab(mcfg, tcfg, config)  # slow, so late: BPE trained, ids cached
+    plan.check(mcfg, world, tcfg.global_batch)  # again: the vocabulary may have changed
+    if lead and (resume_as == "yes"
+                 or (resume_as == "auto" and _has_checkpoint(checkpoint_dir))):
+        check_resume(checkpoint_dir, mcfg, tcfg, plan)
+    spec = {"model": dataclasses.asdict(mcfg), "train": dataclasses.asdict(tcfg),
+            "plan": dataclasses.asdict(plan),
+            "opts": dict(run_dir=_run_dir(run_dir, in_torchrun), checkpoint_dir=checkpoint_dir,
+                         resume={"yes": True, "auto": "auto"}.get(resume_as, False),
+                         keep_checkpoints=keep_checkpoints,
+                         simulate_workers=simulate_workers, quiet=quiet,
+                         tensorboard=tensorboard),
+            "timeout_s": timeout}
+    _start(spec, in_torchrun, world, nproc,
+           dict(nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint,
+                max_restarts=max_restarts, grace=grace))
 
-            run_worker(spec)  # ends the process
-        if world == 1 and not max_restarts:
-            from paratrain.run.worker import run_local
 
-            try:
-                run_local(spec)
-            except shutdown.Stopped as e:
-                print(e, flush=True)
-                raise typer.Exit(e.exit_code) from None
-            return
-        Path(run_dir).mkdir(parents=True, exist_ok=True)
-        spec_path = Path(run_dir) / "run.json"
-        spec_path.write_text(json.dumps({**spec, "failure_file": True}, indent=1))
-        cmd = launcher.torchrun_command(nproc, str(spec_path), nnodes, node_rank,
-                                        rdzv_endpoint, max_restarts)
-        if not quiet:
-            print(f"launching {nproc} of {world} workers: {' '.join(cmd[1:])}", flush=True)
-        rc = launcher.launch(cmd, run_dir, grace)
-        if rc != 0:
-            raise typer.Exit(rc)
+def register(app: typer.Typer) -> None:
+    """`paratrain train`: its launch options above, and one generated flag per setting of
+    [model], [train] and [plan] (paratrain/cli/settings.py)."""
+    app.command("train")(with_settings(train, {"model": None, "train": None, "plan": None}))

@@ -11,7 +11,7 @@ import json
 from functools import cache
 from pathlib import Path
 
-from paratrain.cost._toml import tomllib
+from paratrain.config import read_toml
 
 DATA_DIR = Path(__file__).parent / "data"
 
@@ -19,8 +19,7 @@ DATA_DIR = Path(__file__).parent / "data"
 @cache
 def read_catalogue(filename: str) -> dict[str, dict]:
     """Entries of ``data/<filename>`` keyed by their table key."""
-    with (DATA_DIR / filename).open("rb") as f:
-        return tomllib.load(f)
+    return read_toml(DATA_DIR / filename)
 
 
 def _norm(s: str) -> str:
@@ -32,8 +31,7 @@ def read_file(path: Path) -> dict:
     if path.suffix.lower() == ".json":
         data = json.loads(path.read_text())
     else:
-        with path.open("rb") as f:
-            data = tomllib.load(f)
+        data = read_toml(path)
     if not isinstance(data, dict):
         raise ValueError(f"{path} does not hold a table of keys; write key = value pairs")
     return data

@@ -11,26 +11,27 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from paratrain.files import checkpoint
-from paratrain.run import shutdown
 from paratrain.bench.peak import PeakTracker, memory_bytes
 from paratrain.config import ModelConfig, TrainConfig
 from paratrain.cost.shapes import as_shape
+from paratrain.files import checkpoint
 from paratrain.files.batches import Corpus, bits_per_byte
 from paratrain.files.corpus import write_atomic
 from paratrain.model import Decoder, take_moe_stats
 from paratrain.parallel.api import build_engine
-from paratrain.parallel.memory import ActivationMeter, format_report, memory_report
+from paratrain.parallel.memory import ActivationMeter
 from paratrain.parallel.optim import lr_at
 from paratrain.parallel.precision import working_dtype
 from paratrain.parallel.process_groups import at
 from paratrain.plan import ParallelPlan
+from paratrain.run import shutdown
+from paratrain.run.summary import build_summary, report_summary
 
 
 @dataclass(frozen=True)
@@ -199,12 +200,9 @@ def moe_record(stats: list[float], mcfg: ModelConfig, sequences: int) -> dict:
             "moe_tokens_mean": sum(load) / len(load), "moe_dropped": int(dropped)}
 
 
-def train(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan | None = None,
-          opts: RunOptions | None = None, device: torch.device | None = None) -> dict:
-    """Train and return the summary (same on every rank; rank 0 also writes files)."""
-    opts = opts or RunOptions()
-    rank, world = _rank_world()
-    plan = plan or ParallelPlan(dp=world)
+def _setup(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan, opts: RunOptions,
+           world: int, device: torch.device):
+    """Checks, then the corpus, the model and the engine that runs ``plan``."""
     plan.check(mcfg, world, tcfg.global_batch)
     plan.check_runtime(mcfg)
     if opts.simulate_workers > 1:
@@ -213,7 +211,6 @@ def train(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan | None = None
         if tcfg.global_batch % opts.simulate_workers:
             raise ValueError(f"global batch {tcfg.global_batch} is not divisible by "
                              f"--simulate-workers {opts.simulate_workers}; use a multiple")
-    device = device or torch.device("cpu")
     corpus = Corpus.load(tcfg.data, tcfg.val_fraction, mcfg.context, tcfg.tokenizer,
                          tcfg.text_field)
     # the embedding must cover every id the data holds (an ASCII corpus under the bytes
@@ -224,9 +221,14 @@ def train(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan | None = None
                          f"{corpus.vocab_size} (paratrain train does)")
     model = build_model(mcfg, tcfg, device)
     engine = build_engine(model, tcfg, plan, device, opts.simulate_workers)
-    if rank == 0 and not opts.quiet and hasattr(engine, "describe_layout"):
+    if _rank_world()[0] == 0 and not opts.quiet and hasattr(engine, "describe_layout"):
         print(engine.describe_layout(), flush=True)  # mesh / stages / buckets chosen
+    return corpus, engine
 
+
+def _resume(engine, corpus: Corpus, mcfg: ModelConfig, tcfg: TrainConfig,
+            plan: ParallelPlan, opts: RunOptions, device: torch.device) -> tuple[int, dict]:
+    """(first step, the checkpoint's settings record): 0 unless resuming."""
     start = 0
     meta = {"tokenizer": asdict(corpus.tokenizer.info),  # checked first on resume
             **checkpoint.run_settings(mcfg, tcfg, plan, corpus.text_sha256)} \
@@ -241,130 +243,134 @@ def train(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan | None = None
             raise ValueError(f"the checkpoint in {opts.checkpoint_dir!r} is at step {start} "
                              f"but --steps is {tcfg.steps}; pass --steps above {start} to "
                              "train further")
-
-    if opts.checkpoint_dir and rank == 0:  # what generate and export decode with
+    if opts.checkpoint_dir and _rank_world()[0] == 0:  # what generate and export decode with
         write_atomic(Path(opts.checkpoint_dir) / "tokenizer.json", corpus.tokenizer.json.encode())
+    return start, meta
+
+
+@dataclass
+class _Tally:
+    """What the steps leave for the summary."""
+
+    losses: list = field(default_factory=list)
+    times: list = field(default_factory=list)
+    comms: list = field(default_factory=list)
+    moe_steps: list = field(default_factory=list)
+    payload: float = 0.0
+    wire: float = 0.0
+    ep_mark: int = 0
+    val_loss: float = float("nan")
+
+
+def _train_step(engine, corpus: Corpus, mcfg: ModelConfig, tcfg: TrainConfig,
+                plan: ParallelPlan, step: int, first_last: tuple[bool, bool],
+                meter: ActivationMeter, tally: _Tally) -> dict:
+    """One optimizer step: forward/backward over the micro-batches, gradient reduction,
+    clip and update; returns the step's metrics record. Activations are watched on the
+    first step's first micro-batch; model states are measured after the last step."""
+    t0, c0 = time.perf_counter(), time.process_time()  # wall; this process's CPU
+    tokens = tcfg.global_batch * mcfg.context
+    micro = plan.micro_batches if plan.pp == 1 else 1  # the pipeline splits its own
+    x, y = corpus.batch(tcfg.seed, step, tcfg.global_batch, mcfg.context,
+                        engine.dp_rank, engine.dp_size)
+    loss_sum = 0.0
+    at("forward/backward (tp, pp, cp, ep exchanges)", "mesh", step)
+    for i, (xs, ys) in enumerate(zip(x.chunk(micro), y.chunk(micro), strict=True)):
+        with meter.watch(first_last[0] and i == 0):
+            loss_sum += engine.forward_backward(xs, ys, tokens)
+    at("gradient reduction", "dp")
+    comm = engine.reduce_gradients()
+    if first_last[1]:
+        meter.snapshot(engine)  # grads, optimizer state and buffers all exist now
+    at("loss all-reduce", "world")
+    (loss_sum,) = engine.all_sum([loss_sum])
+    moe = moe_stats(engine, mcfg.experts) if mcfg.experts else None
+    lr = lr_at(step, tcfg)
+    at("gradient-norm all-reduce and optimizer step", "world, then dp")
+    gnorm = engine.clip_and_step(lr)
+    dt = time.perf_counter() - t0
+    loss = loss_sum / tokens
+    if not math.isfinite(loss):
+        raise FloatingPointError(f"loss became {loss} at step {step}; lower --lr")
+    tally.losses.append(loss)
+    tally.times.append(dt)
+    tally.comms.append(comm.seconds)
+    tally.payload, tally.wire = comm.payload_bytes, comm.wire_bytes
+    rec = {"step": step, "loss": loss, "lr": lr, "grad_norm": gnorm,
+           "tokens_per_s": tokens / dt, "step_s": dt, "compute_s": dt - comm.seconds,
+           "comm_s": comm.seconds, "cpu_s": time.process_time() - c0}
+    if moe is not None:
+        tally.moe_steps.append(moe_record(moe, mcfg, tcfg.global_batch))
+        ex = getattr(engine, "ep", None)
+        if ex is not None:  # rank 0's token all-to-all bytes (fwd + bwd, with splits)
+            tally.moe_steps[-1]["ep_wire_bytes"] = ex.wire_bytes - tally.ep_mark
+            tally.ep_mark = ex.wire_bytes
+        rec.update(tally.moe_steps[-1])
+    return rec
+
+
+def train(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan | None = None,
+          opts: RunOptions | None = None, device: torch.device | None = None) -> dict:
+    """Train and return the summary (same on every rank; rank 0 also writes files)."""
+    opts = opts or RunOptions()
+    rank, world = _rank_world()
+    plan = plan or ParallelPlan(dp=world)
+    device = device or torch.device("cpu")
+    corpus, engine = _setup(mcfg, tcfg, plan, opts, world, device)
+    start, meta = _resume(engine, corpus, mcfg, tcfg, plan, opts, device)
     val_bytes = corpus.val_bytes(tcfg.eval_batches, tcfg.global_batch, mcfg.context)
     val_tokens = tcfg.eval_batches * tcfg.global_batch * mcfg.context
     run_dir = Path(opts.run_dir) if opts.run_dir else None
     log = _Log(run_dir, rank == 0, opts.quiet, tcfg.steps, start, opts.tensorboard)
     peak = PeakTracker(working_dtype(tcfg), device, opts.measure_peak and rank == 0)
     tokens = tcfg.global_batch * mcfg.context
-    micro = plan.micro_batches if plan.pp == 1 else 1  # the pipeline splits its own
     model_flops = as_shape(mcfg).flops_per_token(mcfg.context) * tokens
-    losses, times, comms, val_loss = [], [], [], float("nan")
-    payload = wire = 0.0
     meter = ActivationMeter()  # bytes saved for backward, watched on the first micro-batch
+    tally = _Tally()
     if log.progress is not None:
         log.progress.update(log.task, completed=start)
-
-    ep_mark, moe_steps = 0, []
     end = tcfg.steps if opts.stop_after is None else min(tcfg.steps, opts.stop_after)
     for step in range(start, end):
-        t0, c0 = time.perf_counter(), time.process_time()  # wall; this process's CPU
-        x, y = corpus.batch(tcfg.seed, step, tcfg.global_batch, mcfg.context,
-                            engine.dp_rank, engine.dp_size)
-        loss_sum = 0.0
-        at("forward/backward (tp, pp, cp, ep exchanges)", "mesh", step)
-        for i, (xs, ys) in enumerate(zip(x.chunk(micro), y.chunk(micro), strict=True)):
-            with meter.watch(step == start and i == 0):
-                loss_sum += engine.forward_backward(xs, ys, tokens)
-        at("gradient reduction", "dp")
-        comm = engine.reduce_gradients()
-        if step == end - 1:
-            meter.snapshot(engine)  # grads, optimizer state and buffers all exist now
-        at("loss all-reduce", "world")
-        (loss_sum,) = engine.all_sum([loss_sum])
-        moe = moe_stats(engine, mcfg.experts) if mcfg.experts else None
-        lr = lr_at(step, tcfg)
-        at("gradient-norm all-reduce and optimizer step", "world, then dp")
-        gnorm = engine.clip_and_step(lr)
-        t2 = time.perf_counter()
-        loss = loss_sum / tokens
-        dt = t2 - t0
-        if not math.isfinite(loss):
-            raise FloatingPointError(f"loss became {loss} at step {step}; lower --lr")
-        losses.append(loss)
-        times.append(dt)
-        comms.append(comm.seconds)
-        payload, wire = comm.payload_bytes, comm.wire_bytes
-        rec = {"step": step, "loss": loss, "lr": lr, "grad_norm": gnorm,
-               "tokens_per_s": tokens / dt, "step_s": dt, "compute_s": dt - comm.seconds,
-               "comm_s": comm.seconds, "mfu": peak.observe(model_flops / dt / world),
-               "peak_flops": peak.peak, "cpu_s": time.process_time() - c0,
-               "mem_bytes": memory_bytes(device)}
-        if moe is not None:
-            moe_steps.append(moe_record(moe, mcfg, tcfg.global_batch))
-            ex = getattr(engine, "ep", None)
-            if ex is not None:  # rank 0's token all-to-all bytes (fwd + bwd, with splits)
-                moe_steps[-1]["ep_wire_bytes"] = ex.wire_bytes - ep_mark
-                ep_mark = ex.wire_bytes
-            rec.update(moe_steps[-1])
         last = step == end - 1
+        rec = _train_step(engine, corpus, mcfg, tcfg, plan, step, (step == start, last),
+                          meter, tally)
+        rec.update(mfu=peak.observe(model_flops / rec["step_s"] / world),
+                   peak_flops=peak.peak, mem_bytes=memory_bytes(device))
         if (tcfg.eval_every and (step + 1) % tcfg.eval_every == 0) or last:
             at("evaluation", "mesh")
-            val_loss = evaluate(engine, corpus, tcfg, mcfg.context)
-            rec["val_loss"] = val_loss
-            rec["val_bpb"] = bits_per_byte(val_loss, val_tokens, val_bytes)
-        log.step(rec, step + 1, f"loss {loss:.4f} | {tokens / dt:,.0f} tok/s | "
-                 f"MFU {100 * rec['mfu']:.1f}%")
-        every = tcfg.checkpoint_every
-        at("stop-signal all-reduce", "world")
-        sig = _stop_agreed(world, device)
-        if opts.checkpoint_dir and ((every and (step + 1) % every == 0) or last or sig):
-            at("checkpoint save", "world")
-            checkpoint.save(opts.checkpoint_dir, step + 1, engine, mcfg, plan, meta,
-                            opts.keep_checkpoints)
-        if sig and not last:
-            log.close()
-            raise shutdown.Stopped(sig, step + 1, str(checkpoint.step_dir(
-                opts.checkpoint_dir, step + 1)) if opts.checkpoint_dir else None)
+            tally.val_loss = rec["val_loss"] = evaluate(engine, corpus, tcfg, mcfg.context)
+            rec["val_bpb"] = bits_per_byte(tally.val_loss, val_tokens, val_bytes)
+        log.step(rec, step + 1, f"loss {rec['loss']:.4f} | {rec['tokens_per_s']:,.0f} "
+                 f"tok/s | MFU {100 * rec['mfu']:.1f}%")
+        _checkpoint_or_stop(engine, mcfg, tcfg, plan, opts, meta, step, last, world, device,
+                            log)
     tb, log.tb = log.tb, None  # kept open for the summary's scalars
     log.close()
-
-    skip = 1 if len(times) > 1 else 0  # the first step pays warm-up costs
-    n = max(1, len(times) - skip)
-    step_s = sum(times[skip:]) / n if times else float("nan")
-    comm_s = sum(comms[skip:]) / n if comms else float("nan")
-    if hasattr(engine, "activation_peak_bytes"):  # engines that meter their own: theirs
-        # (the pipeline's in-flight peak; the loop's watch spans a whole pipeline step,
-        # every micro-batch at once, which is no peak the rank ever holds)
-        meter.peak_bytes = engine.activation_peak_bytes()
-    shape = as_shape(mcfg)
-    summary = {
-        "steps": tcfg.steps, "world_size": world, "plan": asdict(plan),
-        "params": shape.num_params(), "active_params": shape.active_params(),
-        "tokens_per_step": tokens,
-        "final_loss": losses[-1] if losses else float("nan"),
-        "val_loss": val_loss, "losses": losses, "tokenizer": tcfg.tokenizer,
-        "val_bpb": bits_per_byte(val_loss, val_tokens, val_bytes), "moe_steps": moe_steps,
-        "step_s": step_s, "tokens_per_s": tokens / step_s,
-        "compute_s_per_step": step_s - comm_s, "comm_s_per_step": comm_s,
-        "payload_bytes_per_step": payload, "wire_bytes_per_step": wire,
-        "peak_flops_per_rank": peak.peak, "peak_remeasured": peak.remeasured,
-        "mfu": model_flops / step_s / (peak.peak * world),
-        "unigram_entropy": corpus.unigram_entropy(),
-        "memory": memory_report(engine, mcfg, plan, tcfg, meter),
-        "dp": engine.report() if hasattr(engine, "report") else {},
-        "model_parallel": engine.model_parallel_report()  # bubble, activations, TP bytes
-        if hasattr(engine, "model_parallel_report") else {},
-    }
+    summary = build_summary(engine, corpus, mcfg, tcfg, plan, world, tally, peak, meter,
+                            val_tokens, val_bytes)
     summary["prediction"] = _prediction(mcfg, tcfg, plan, world, summary, opts.profile)
     if tb is not None:
         tb.summary(summary, end)
         tb.close()
-    if rank == 0 and not opts.quiet:
-        print(format_report(summary["memory"]))
-        if summary["model_parallel"]:
-            from paratrain.parallel.mesh_report import format_model_parallel
-
-            print(format_model_parallel(summary["model_parallel"]))
-        from paratrain.predict import format_prediction
-
-        print(format_prediction(summary["prediction"]))
-    if rank == 0 and run_dir is not None:
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
-        if "pipeline" in summary["model_parallel"]:  # for `paratrain viz pipeline --measured`
-            (run_dir / "pipeline_timeline.json").write_text(
-                json.dumps(summary["model_parallel"]["pipeline"]))
+    report_summary(summary, rank, opts.quiet, run_dir)
     return summary
+
+
+
+def _checkpoint_or_stop(engine, mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan,
+                        opts: RunOptions, meta: dict, step: int, last: bool,
+                        world: int, device: torch.device, log: _Log) -> None:
+    """Checkpoint every K steps, at the end, or when the ranks agree on a stop signal;
+    then stop (:class:`paratrain.run.shutdown.Stopped`) unless this was the last step."""
+    every = tcfg.checkpoint_every
+    at("stop-signal all-reduce", "world")
+    sig = _stop_agreed(world, device)
+    if opts.checkpoint_dir and ((every and (step + 1) % every == 0) or last or sig):
+        at("checkpoint save", "world")
+        checkpoint.save(opts.checkpoint_dir, step + 1, engine, mcfg, plan, meta,
+                        opts.keep_checkpoints)
+    if sig and not last:
+        log.close()
+        raise shutdown.Stopped(sig, step + 1, str(checkpoint.step_dir(
+            opts.checkpoint_dir, step + 1)) if opts.checkpoint_dir else None)
+

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from paratrain.cost._toml import tomllib
+from paratrain.config import read_toml
 from paratrain.systems.gemm import family
 from paratrain.systems.overlap import Engine, engine, infer_engine
 from paratrain.systems.runs import DATA_DIR, Case, Record
@@ -43,8 +43,7 @@ def load_params(path: str | Path | None = None) -> StepParams:
     p = Path(path) if path else FITTED
     if not p.is_file():
         raise ValueError(f"fitted parameters {str(p)!r} do not exist; run validate --fit")
-    with p.open("rb") as f:
-        d = tomllib.load(f)
+    d = read_toml(p)
     base = StepParams()
     kw = {k: float(d[k]) for k in SCALARS if k in d}
     known = {t: {k: v for k, v in d.get(t, {}).items() if k in getattr(base, t)}
