@@ -144,16 +144,19 @@ def block_cost(m: ModelShape, M: int, seq_len: int, tp: int, cp: int, sp: bool, 
     f_act = 0.0
     if moe:
         E, k, fe = m.experts, m.top_k, m.expert_ffn
+        # published MoE runs split the experts over tp too; paratrain's runtime keeps the
+        # whole MoE MLP on every tp rank (docs/expert-parallel.md)
+        etp = tp if m.experts_over_tp else 1
         lin("router", E, d)
         per_expert = M * k * ep / E
         imb = expert_imbalance(per_expert, E)
         rows = max(1, round(per_expert * imb))
-        lin("experts", up * fe // tp, d, rows, E // ep)
-        lin("experts", d, fe // tp, rows, E // ep)
+        lin("experts", up * fe // etp, d, rows, E // ep)
+        lin("experts", d, fe // etp, rows, E // ep)
         if m.shared_experts:
-            lin("mlp", up * m.shared_experts * fe // tp, d)
-            lin("mlp", d, m.shared_experts * fe // tp)
-        f_act = (up + 1) * fe / tp * k * imb + 4 * d * k  # activation + permute copies
+            lin("mlp", up * m.shared_experts * fe // etp, d)
+            lin("mlp", d, m.shared_experts * fe // etp)
+        f_act = (up + 1) * fe / etp * k * imb + 4 * d * k  # activation + permute copies
     else:
         lin("mlp", up * m.d_ff // tp, d)
         lin("mlp", d, m.d_ff // tp)
