@@ -56,3 +56,22 @@ def test_step_time_prices_the_same_bubble():
 def test_unknown_schedule_is_one_line_error():
     with pytest.raises(ValueError, match="unknown"):
         bubble_formula("pipedream", 4, 8)
+
+
+@pytest.mark.parametrize("p", range(1, 17))
+def test_run_prediction_prices_the_simulated_bubble(p):
+    """The run prediction's bubble (:func:`paratrain.predict.model.pipeline_bubble`, with
+    injected equal stage times) is the simulated schedule's idle time per rank, and its
+    critical path the simulated step, for every schedule the builder accepts: ZB-H1 is
+    not priced like 1F1B."""
+    from paratrain.plan import ParallelPlan
+    from paratrain.predict.model import pipeline_bubble, pipeline_path
+
+    t = 1.5  # one micro-batch's forward + backward on a stage (seconds)
+    costs = {"F": t / 3, "B": 2 * t / 3, "BI": t / 3, "BW": t / 3}
+    for name, m, v, sched in _accepted(p):
+        plan = ParallelPlan(pp=p, micro_batches=m, schedule=name, virtual_stages=v)
+        tl = simulate_pipeline(sched, costs)
+        got = pipeline_bubble([t] * p, plan)
+        assert got == pytest.approx(tl.makespan - m * t, rel=1e-12, abs=TOL), (name, p, m, v)
+        assert pipeline_path([t] * p, 0, plan) == pytest.approx(tl.makespan, rel=1e-12)

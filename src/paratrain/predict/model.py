@@ -11,6 +11,8 @@ from paratrain.cost import collectives as coll
 from paratrain.cost import layout as L
 from paratrain.cost.hardware import Hardware
 from paratrain.cost.layout import ELEMENT_BYTES, RankLayout
+from paratrain.cost.ranks import virtual_stages
+from paratrain.cost.schedule import bubble_over_compute
 from paratrain.cost.tp_bytes import tp_forward_backward
 from paratrain.plan import ParallelPlan
 from paratrain.predict.axes import (
@@ -165,6 +167,39 @@ def _dp_groups(mcfg: ModelConfig, plan: ParallelPlan, tcfg: TrainConfig, rank: i
     return out
 
 
+# ---- the pipeline's critical path: the schedule's own bubble ---------------------------------
+def slowest_stage(per_stage: list[float]) -> int:
+    """The pipeline rank whose micro-batches take longest (the first of equals)."""
+    return max(range(len(per_stage)), key=lambda i: per_stage[i])
+
+
+def _fill_per_stage(plan: ParallelPlan) -> float:
+    """Fill and drain along the critical path per second of one other stage's micro-batch:
+    the schedule's closed form (:func:`paratrain.cost.schedule.bubble_over_compute`, which
+    equals the simulated schedule) x m, spread over the p - 1 other stages. 1/v for GPipe,
+    1F1B and interleaved; ZB-H1's deferred weight gradients fill most of it."""
+    if plan.pp == 1:
+        return 0.0
+    m = plan.micro_batches
+    over = bubble_over_compute(plan.schedule, plan.pp, m, virtual_stages(plan))
+    return over * m / (plan.pp - 1)
+
+
+def pipeline_path(xs: list[float], slow: int, plan: ParallelPlan) -> float:
+    """Seconds of ``xs`` (per stage, one micro-batch) along the critical path: m x the
+    slowest stage's plus the others' share of the schedule's fill (:func:`_fill_per_stage`)."""
+    others = sum(x for i, x in enumerate(xs) if i != slow)
+    return plan.micro_batches * xs[slow] + _fill_per_stage(plan) * others
+
+
+def pipeline_bubble(per_stage: list[float], plan: ParallelPlan) -> float:
+    """The step's pipeline bubble (seconds) for ``per_stage`` seconds of one micro-batch's
+    forward + backward on each pipeline rank; with equal stages, the simulated schedule's
+    idle time per rank (``tests/test_systems_bubble.py``)."""
+    slow = slowest_stage(per_stage)
+    return _fill_per_stage(plan) * sum(x for i, x in enumerate(per_stage) if i != slow)
+
+
 def _comm_cpu(machine: MachineModel, p: int, calls: list[tuple[str, float, int]]) -> float:
     """CPU seconds a rank spends in ``calls`` on a group of ``p``: ring steps x the
     measured CPU per step plus the bytes it sends x the CPU per byte (or bytes / the
@@ -223,18 +258,16 @@ def predict(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan, world: int
         stages.append((f, fx, tp_t, lay.blocks * cp_exp_blk, moe_blocks(mcfg, lay) * ep_blk))
         cp_tot.append(lay.blocks * cp_blk)
     per_stage = [sum(x) for x in stages]
-    v = plan.virtual_stages if plan.schedule == "interleaved" and plan.pp > 1 else 1
-    slow = max(range(plan.pp), key=lambda i: per_stage[i])
-    others = [i for i in range(plan.pp) if i != slow]
+    v = virtual_stages(plan)
+    slow = slowest_stage(per_stage)
 
     def path(xs: list[float]) -> float:
-        """Along the critical path: m x the slowest stage's + the others' fill."""
-        return m * xs[slow] + sum(xs[i] for i in others) / v
+        return pipeline_path(xs, slow, plan)
 
     flop_s, fixed_path, tp_s, cp_exposed, ep_s = (path([st[j] for st in stages])
                                                   for j in range(5))
     cp_s = path(cp_tot)
-    bubble_s = sum(per_stage[i] for i in others) / v
+    bubble_s = pipeline_bubble(per_stage, plan)
     overhead_s = fixed_path + fixed_s
     lay0 = lays[0]
     tp_wire = 0.0
