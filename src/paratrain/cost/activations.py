@@ -8,6 +8,7 @@ import math
 
 from paratrain.config import ModelConfig
 from paratrain.cost.groups import split_batch
+from paratrain.cost.ranks import virtual_stages
 from paratrain.cost.shapes import as_shape
 from paratrain.plan import ParallelPlan
 
@@ -311,7 +312,7 @@ def rank_activation_peaks(model: ModelConfig, plan: ParallelPlan, tokens_per_ste
     m = as_shape(model)
     batch = split_batch(tokens_per_step, seq_len, plan)
     s, b = batch.local_seq, batch.micro_batch
-    v = plan.virtual_stages if plan.schedule == "interleaved" and plan.pp > 1 else 1
+    v = virtual_stages(plan)
     S = plan.pp * v
     ranges = split_layers(model, S)
     per_block = [b * block_activation_bytes(m, s, tp=plan.tp, sp=plan.sp,
