@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from paratrain.config import ModelConfig
 from paratrain.cost.buffers import dp_flats, dp_kind, owned, pad, reducer_plan, topk_keep
+from paratrain.cost.collectives import ring_share
 from paratrain.cost.ranks import elements, rank_layout, reducers
 from paratrain.plan import ParallelPlan
 
@@ -138,10 +139,10 @@ def dp_wire_bytes(mcfg: ModelConfig, plan: ParallelPlan, dtype: str, rank: int,
                 continue
             payload = g * sum(pad(b, q.dp) for b in dp_flats(mcfg, q, w, r, part, ep))
             if w != g and dp_kind(q) == "zero":
-                total += sum(k * n * (q.dp - 1) / q.dp for _, n, k in
+                total += sum(k * n * ring_share(q.dp) for _, n, k in
                              dp_calls(mcfg, q, dtype, r, reduce_dtype, part, ep))
             else:
-                total += dp_wire_factor(q) * (q.dp - 1) / q.dp * payload
+                total += dp_wire_factor(q) * ring_share(q.dp) * payload
         return total
     plan = reducer_plan(plan)
     p = plan.dp
@@ -149,7 +150,7 @@ def dp_wire_bytes(mcfg: ModelConfig, plan: ParallelPlan, dtype: str, rank: int,
         return 0.0
     w, g, _ = elements(dtype, reduce_dtype)
     if w != g and dp_kind(plan) in ("zero", "fsdp"):  # gathers and reductions differ
-        return sum(k * n * (p - 1) / p for _, n, k in
+        return sum(k * n * ring_share(p) for _, n, k in
                    dp_calls(mcfg, plan, dtype, rank, reduce_dtype))
-    return dp_wire_factor(plan) * (p - 1) / p * dp_payload_bytes(mcfg, plan, dtype, rank,
+    return dp_wire_factor(plan) * ring_share(p) * dp_payload_bytes(mcfg, plan, dtype, rank,
                                                                  reduce_dtype)
