@@ -52,6 +52,7 @@ from paratrain.cost.activations import (  # noqa: F401 - re-exported
 )
 from paratrain.cost.groups import split_batch, stage_layers
 from paratrain.cost.hardware import Hardware
+from paratrain.cost.ranks import ELEMENT_BYTES
 from paratrain.cost.shapes import ModelShape, as_shape
 from paratrain.plan import ParallelPlan
 
@@ -71,9 +72,10 @@ class Precision:
         return self.weight_bytes + self.grad_bytes + self.optim_bytes
 
 
-RECIPES = {
-    "bf16-adam": Precision("bf16-adam", 2, 2, 12),  # mixed precision, fp32 master + m + v
-    "fp32-adam": Precision("fp32-adam", 4, 4, 8, act_bytes=4),  # fp32 weights, grads, m, v
+_BF16, _FP32 = ELEMENT_BYTES["bfloat16"], ELEMENT_BYTES["float32"]
+RECIPES = {  # mixed precision: fp32 master + m + v; fp32: the weights are the master
+    "bf16-adam": Precision("bf16-adam", _BF16, _BF16, 3 * _FP32),
+    "fp32-adam": Precision("fp32-adam", _FP32, _FP32, 2 * _FP32, act_bytes=_FP32),
 }
 
 

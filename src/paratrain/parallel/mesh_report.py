@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from paratrain.cost.memory import block_activation_bytes
+from paratrain.cost.ranks import ELEMENT_BYTES
 from paratrain.cost.schedule import bubble_formula, simulate_pipeline
 from paratrain.cost.tp_bytes import tp_wire_bytes_per_layer
 from paratrain.parallel.mesh import Mesh
@@ -157,7 +158,8 @@ def format_model_parallel(rep: dict) -> str:
 
 
 def _elem(dtype: torch.dtype) -> int:
-    return torch.tensor([], dtype=dtype).element_size()
+    """Bytes per element of the engine's working dtype (torch.bfloat16 -> "bfloat16")."""
+    return ELEMENT_BYTES[str(dtype).removeprefix("torch.")]
 
 
 def _rank_for(mesh: Mesh, pp_index: int) -> int:
