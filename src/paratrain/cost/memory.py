@@ -50,6 +50,7 @@ from paratrain.cost.activations import (  # noqa: F401 - re-exported
     micro_batches_in_flight,
     rank_activation_peaks,
 )
+from paratrain.cost.dp_bytes import sharded_states
 from paratrain.cost.groups import split_batch, stage_layers
 from paratrain.cost.hardware import Hardware
 from paratrain.cost.ranks import ELEMENT_BYTES
@@ -156,16 +157,11 @@ class ModelStates:
 
 def _sharded(params: float, d: float, zero: int, prec: Precision,
              pipelined: bool = False) -> ModelStates:
-    """ZeRO-2 under a pipeline keeps whole gradient buffers over the step (Megatron-LM's
-    distributed optimizer; :mod:`paratrain.cost.layout`): only ZeRO-3 shards them then."""
+    """Per-parameter bytes of each state, over ``d`` where ZeRO shards it
+    (:func:`paratrain.cost.dp_bytes.sharded_states`)."""
     w, g, o = prec.weight_bytes * params, prec.grad_bytes * params, prec.optim_bytes * params
-    if zero >= 1:
-        o /= d
-    if zero >= 3 or (zero == 2 and not pipelined):
-        g /= d
-    if zero >= 3:
-        w /= d
-    return ModelStates(w, g, o)
+    ws, gs, os_ = sharded_states(zero, pipelined)
+    return ModelStates(w / d if ws else w, g / d if gs else g, o / d if os_ else o)
 
 
 def model_states(model: ModelConfig, plan: ParallelPlan,
