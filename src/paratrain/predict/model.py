@@ -12,6 +12,7 @@ from paratrain.cost import layout as L
 from paratrain.cost.hardware import Hardware
 from paratrain.cost.layout import ELEMENT_BYTES, RankLayout
 from paratrain.cost.ranks import virtual_stages
+from paratrain.cost.run_figures import predicted_activations, predicted_states
 from paratrain.cost.schedule import bubble_over_compute
 from paratrain.cost.tp_bytes import tp_forward_backward
 from paratrain.plan import ParallelPlan
@@ -331,8 +332,6 @@ def predict(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan, world: int
     if work / cores > crit:
         notes.append(f"CPU-bound: the session's {work:.3f} CPU s per step on {cores:.2f} "
                      f"cores take longer than the critical path ({crit:.3f} s)")
-    from paratrain.parallel.memory import predicted_activations, predicted_states
-
     sys_states = sum(predicted_states(mcfg, plan, tcfg).values())
     return Prediction(
         step_s=step, compute_s=flop_s, overhead_s=overhead_s, bubble_s=bubble_s,
