@@ -73,7 +73,6 @@ from paratrain.predict.machine import (
     save_fit,
     waterfill,
 )
-from paratrain.predict.model import Prediction, _flops_block, fit_from_runs, predict
 from paratrain.predict.report import (
     CALIBRATE_HINT,
     compare,
@@ -81,6 +80,7 @@ from paratrain.predict.report import (
     summary_prediction,
     summary_row,
 )
+from paratrain.predict.step import Prediction, _flops_block, fit_from_runs, predict
 
 __all__ = ["CALIBRATE_HINT", "DEFAULT_PROFILE", "ELEMENT_BYTES", "FIT_NAME",
            "MachineModel",

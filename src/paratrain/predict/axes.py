@@ -37,7 +37,7 @@ def moe_blocks(mcfg: ModelConfig, lay: L.RankLayout) -> int:
 
 def moe_extra_flops(mcfg: ModelConfig, plan: ParallelPlan, tokens: float) -> float:
     """FLOPs an MoE block adds (forward + backward, recompute included) over the dense
-    block :func:`paratrain.predict.model._flops_block` priced, on ``tokens`` tokens: the
+    block :func:`paratrain.predict.step._flops_block` priced, on ``tokens`` tokens: the
     router, top_k routed experts and the shared ones instead of the tp-sharded SwiGLU
     (the MoE MLP is whole on every tp rank, :func:`paratrain.parallel.tensor.
     shard_block`); with ep > 1 the busiest rank's experts carry the expected extreme
