@@ -60,12 +60,12 @@ def test_unknown_schedule_is_one_line_error():
 
 @pytest.mark.parametrize("p", range(1, 17))
 def test_run_prediction_prices_the_simulated_bubble(p):
-    """The run prediction's bubble (:func:`paratrain.predict.step.pipeline_bubble`, with
+    """The run prediction's bubble (:func:`paratrain.predict.pipeline.pipeline_bubble`, with
     injected equal stage times) is the simulated schedule's idle time per rank, and its
     critical path the simulated step, for every schedule the builder accepts: ZB-H1 is
     not priced like 1F1B."""
     from paratrain.plan import ParallelPlan
-    from paratrain.predict.step import pipeline_bubble, pipeline_path
+    from paratrain.predict.pipeline import pipeline_bubble, pipeline_path
 
     t = 1.5  # one micro-batch's forward + backward on a stage (seconds)
     costs = {"F": t / 3, "B": 2 * t / 3, "BI": t / 3, "BW": t / 3}

@@ -63,6 +63,7 @@ from paratrain.cost.layout import ELEMENT_BYTES, RankLayout, coords, rank_layout
 from paratrain.cost.layout import dp_payload_bytes as _payload
 from paratrain.cost.layout import state_bytes as _state_bytes
 from paratrain.plan import ParallelPlan
+from paratrain.predict.fit import fit_from_runs
 from paratrain.predict.machine import (
     DEFAULT_PROFILE,
     FIT_NAME,
@@ -80,7 +81,7 @@ from paratrain.predict.report import (
     summary_prediction,
     summary_row,
 )
-from paratrain.predict.step import Prediction, _flops_block, fit_from_runs, predict
+from paratrain.predict.step import Prediction, _flops_block, predict
 
 __all__ = ["CALIBRATE_HINT", "DEFAULT_PROFILE", "ELEMENT_BYTES", "FIT_NAME",
            "MachineModel",
