@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pytest
 
+from paratrain.cost.pipeline_sim import simulate_pipeline
 from paratrain.cost.schedule import (
     SCHEDULES,
     bubble_formula,
     bubble_over_compute,
     build_schedule,
-    simulate_pipeline,
 )
 from paratrain.systems import step_time as st
 

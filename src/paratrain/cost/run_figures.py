@@ -17,8 +17,9 @@ from __future__ import annotations
 
 from paratrain.config import ModelConfig, TrainConfig
 from paratrain.cost.memory import Precision, activation_bytes, block_activation_bytes, model_states
+from paratrain.cost.pipeline_sim import simulate_pipeline
 from paratrain.cost.ranks import ELEMENT_BYTES, elements
-from paratrain.cost.schedule import PipelineSchedule, bubble_formula, simulate_pipeline
+from paratrain.cost.schedule import PipelineSchedule, bubble_formula
 from paratrain.cost.tp_bytes import tp_wire_bytes_per_layer
 from paratrain.plan import ParallelPlan
 

@@ -2,8 +2,9 @@
 micro-batch plus the other stages' fill, which is the schedule's own bubble
 (:func:`paratrain.cost.schedule.bubble_over_compute`, the closed form the simulated
 schedule equals), so ZB-H1, interleaving and GPipe are each priced as the runtime runs them
-(``tests/test_systems_bubble.py``: equal to :func:`paratrain.cost.schedule.simulate_pipeline`
-for every schedule and (p, m, v) up to 16)."""
+(``tests/test_systems_bubble.py``: equal to
+:func:`paratrain.cost.pipeline_sim.simulate_pipeline` for every schedule and (p, m, v) up
+to 16)."""
 
 from __future__ import annotations
 
