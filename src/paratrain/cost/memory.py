@@ -53,7 +53,7 @@ from paratrain.cost.activations import (  # noqa: F401 - re-exported
 from paratrain.cost.dp_bytes import sharded_states
 from paratrain.cost.groups import split_batch, stage_layers
 from paratrain.cost.hardware import Hardware
-from paratrain.cost.ranks import ELEMENT_BYTES
+from paratrain.cost.ranks import ELEMENT_BYTES, virtual_stages
 from paratrain.cost.shapes import ModelShape, as_shape
 from paratrain.plan import ParallelPlan
 
@@ -234,7 +234,7 @@ def activation_bytes(model: ModelConfig, plan: ParallelPlan, tokens_per_step: in
         cp_algorithm=plan.cp_algorithm, ep=plan.ep)
     layers = stage_layers(m.n_layers, plan.pp)
     inflight = micro_batches_in_flight(plan.schedule, plan.pp, plan.micro_batches,
-                                       plan.virtual_stages)
+                                       virtual_stages(plan))
     return per_layer * layers * inflight
 
 

@@ -45,6 +45,7 @@ from paratrain.cost.groups import group_link, span, split_batch, stage_layers
 from paratrain.cost.hardware import Hardware
 from paratrain.cost.layout import zero_wire_factor
 from paratrain.cost.memory import Precision, params_per_gpu, recipe
+from paratrain.cost.ranks import virtual_stages
 from paratrain.cost.schedule import bubble_formula, bubble_over_compute
 from paratrain.cost.shapes import as_shape
 from paratrain.cost.tp_bytes import tp_forward_backward, tp_wire_bytes_per_layer
@@ -250,7 +251,7 @@ def _pp_time(plan: ParallelPlan, hw: Hardware, act_bytes: float) -> float:
         return 0.0
     a, bw = group_link(plan, "pp", hw)
     send = a + act_bytes / plan.tp / bw
-    return 2 * plan.micro_batches * plan.virtual_stages * send
+    return 2 * plan.micro_batches * virtual_stages(plan) * send
 
 
 def _cp_terms(m: ModelConfig, plan: ParallelPlan, hw: Hardware, batch, prec: Precision,
@@ -306,12 +307,12 @@ def step_time(model: ModelConfig, plan: ParallelPlan, hw: Hardware, tokens_per_s
         tokens_per_step
     rate = gpus * hw.peak_flops * eta
     compute_s = hw_flops / rate * (1 + overhead_width / m.d_model)
-    bubble_s = compute_s * bubble_over_compute(plan.schedule, plan.pp, mb, plan.virtual_stages)
+    bubble_s = compute_s * bubble_over_compute(plan.schedule, plan.pp, mb, virtual_stages(plan))
     compute_mb = compute_s / mb  # one micro-batch's forward + backward on a stage
     dp_comm, dp_exposed, dp_wire = _dp_sync(m, plan, hw, prec, compute_mb, overlap_fraction,
                                             dp_algorithm)
 
-    layers = stage_layers(m.n_layers, plan.pp, model=m, virtual_stages=plan.virtual_stages,
+    layers = stage_layers(m.n_layers, plan.pp, model=m, virtual_stages=virtual_stages(plan),
                           seq_len=seq_len)  # the runtime's busiest pipeline rank
     act_bytes = batch.micro_batch * batch.local_seq * m.d_model * prec.act_bytes
     tp_comm, tp_wire = _tp_terms(m, plan, hw, batch, prec, layers, act_bytes)
