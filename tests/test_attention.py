@@ -203,7 +203,7 @@ def test_train_flag_and_toml_set_the_attention(tmp_path, capsys):
 
 def test_runtime_prediction_uses_the_kernel_and_element_size():
     from paratrain.config import TrainConfig
-    from paratrain.parallel.memory import predicted_activations
+    from paratrain.cost.run_figures import predicted_activations
     from paratrain.plan import ParallelPlan
 
     cfg = MEASURE_CFGS[0]

@@ -17,8 +17,8 @@ import torch
 
 from paratrain.config import ModelConfig, TrainConfig
 from paratrain.cost.memory import model_states
+from paratrain.cost.run_figures import run_precision
 from paratrain.cost.shapes import as_shape
-from paratrain.parallel.memory import run_precision
 from paratrain.parallel.process_groups import spawn
 from paratrain.plan import ParallelPlan
 from paratrain.run.loop import RunOptions, build_model, train

@@ -8,13 +8,12 @@ import dataclasses
 
 import pytest
 
+from paratrain.cost.pipeline_sim import simulate_pipeline, validate
 from paratrain.cost.schedule import (
     SCHEDULES,
     Action,
     bubble_formula,
     build_schedule,
-    simulate_pipeline,
-    validate,
 )
 
 

@@ -8,7 +8,8 @@ import subprocess
 import sys
 
 from paratrain.cli import main
-from paratrain.cost.schedule import build_schedule, simulate_pipeline
+from paratrain.cost.pipeline_sim import simulate_pipeline
+from paratrain.cost.schedule import build_schedule
 
 
 def test_viz_cli_does_not_import_torch():

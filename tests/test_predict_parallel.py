@@ -15,8 +15,8 @@ import pytest
 from paratrain.config import ModelConfig, TrainConfig
 from paratrain.cost.hardware import Hardware
 from paratrain.cost.layout import cp_wire_bytes, state_bytes
+from paratrain.cost.run_figures import predicted_activations
 from paratrain.cost.shapes import as_shape
-from paratrain.parallel.memory import predicted_activations
 from paratrain.plan import ParallelPlan
 from paratrain.predict import MachineModel, predict
 from paratrain.predict.axes import ep_rows_from_load, ep_wire_bytes

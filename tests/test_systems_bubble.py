@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pytest
 
+from paratrain.cost.pipeline_sim import simulate_pipeline
 from paratrain.cost.schedule import (
     SCHEDULES,
     bubble_formula,
     bubble_over_compute,
     build_schedule,
-    simulate_pipeline,
 )
 from paratrain.systems import step_time as st
 
@@ -56,3 +56,49 @@ def test_step_time_prices_the_same_bubble():
 def test_unknown_schedule_is_one_line_error():
     with pytest.raises(ValueError, match="unknown"):
         bubble_formula("pipedream", 4, 8)
+
+
+@pytest.mark.parametrize("p", range(1, 17))
+def test_run_prediction_prices_the_simulated_bubble(p):
+    """The run prediction's bubble (:func:`paratrain.predict.pipeline.pipeline_bubble`, with
+    injected equal stage times) is the simulated schedule's idle time per rank, and its
+    critical path the simulated step, for every schedule the builder accepts: ZB-H1 is
+    not priced like 1F1B."""
+    from paratrain.plan import ParallelPlan
+    from paratrain.predict.pipeline import pipeline_bubble, pipeline_path
+
+    t = 1.5  # one micro-batch's forward + backward on a stage (seconds)
+    costs = {"F": t / 3, "B": 2 * t / 3, "BI": t / 3, "BW": t / 3}
+    for name, m, v, sched in _accepted(p):
+        plan = ParallelPlan(pp=p, micro_batches=m, schedule=name, virtual_stages=v)
+        tl = simulate_pipeline(sched, costs)
+        got = pipeline_bubble([t] * p, plan)
+        assert got == pytest.approx(tl.makespan - m * t, rel=1e-12, abs=TOL), (name, p, m, v)
+        assert pipeline_path([t] * p, 0, plan) == pytest.approx(tl.makespan, rel=1e-12)
+
+
+def test_run_prediction_prices_each_schedule_its_own_bubble():
+    """Through :func:`paratrain.predict.predict`: the same stages cost the same, and the
+    bubble scales by the schedule's closed form, ZB-H1 a third of 1F1B's with m >= p."""
+    from paratrain.config import ModelConfig, TrainConfig
+    from paratrain.cost.hardware import Hardware
+    from paratrain.plan import ParallelPlan
+    from paratrain.predict import MachineModel, predict
+
+    model = ModelConfig(n_layers=4, d_model=32, n_heads=4, d_ff=64, context=16)
+    tc = TrainConfig(steps=2, global_batch=8, dtype="float32")
+    hw = Hardware("test-box", peak_flops=4e9, hbm_bytes=8e9, hbm_bw=1e10, gpus_per_node=4,
+                  intra_bw=1e9, intra_alpha=1e-4, inter_bw=1e9, inter_alpha=1e-4, eta=1.0)
+    machine = MachineModel(hw, eta=0.5, thread_peak=1e9, pass_s=1e-3, step_s=2e-3,
+                           fitted=True)
+    got = {s: predict(model, tc, ParallelPlan(pp=2, micro_batches=4, schedule=s), 2,
+                      machine) for s in ("1f1b", "gpipe", "zb-h1")}
+    one_f = got["1f1b"].bubble_s
+    assert one_f > 0 and got["gpipe"].bubble_s == one_f
+    assert got["zb-h1"].bubble_s == pytest.approx(
+        one_f * bubble_over_compute("zb-h1", 2, 4) / bubble_over_compute("1f1b", 2, 4),
+        rel=1e-12)
+    assert got["zb-h1"].bubble_s == pytest.approx(one_f / 3, rel=1e-12)
+    # the schedule changes the fill only: the critical path is shorter by the difference
+    saved = got["1f1b"].critical_path_s - got["zb-h1"].critical_path_s
+    assert saved == pytest.approx(one_f - got["zb-h1"].bubble_s, rel=1e-9)

@@ -24,11 +24,13 @@ def test_counts_per_block():
 
 
 def test_the_runtime_uses_this_formula():
-    """One home: the runtime's report and the systems model call the same function."""
-    from paratrain.parallel import mesh_report, tensor
+    """One home: the runtime's report (its formulas: cost/run_figures.py) and the
+    systems model call the same function."""
+    from paratrain.cost import run_figures
+    from paratrain.parallel import tensor
 
     assert tensor.tp_wire_bytes_per_layer is tp_wire_bytes_per_layer
-    assert mesh_report.tp_wire_bytes_per_layer is tp_wire_bytes_per_layer
+    assert run_figures.tp_wire_bytes_per_layer is tp_wire_bytes_per_layer
 
 
 @pytest.mark.parametrize("sp", [False, True])

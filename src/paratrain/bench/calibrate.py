@@ -18,6 +18,8 @@ import statistics
 import time
 from pathlib import Path
 
+from paratrain.cost.collectives import ring_factor, steps
+
 DEFAULT_PROFILE = Path("~/.cache/paratrain/hardware.toml")
 
 
@@ -68,10 +70,11 @@ def fit(sizes: list[int], per_rank: list[dict], p: int) -> dict:
     pp = per_rank[0]["ping_pong"]
     a_pp, b_pp = fit_two_regimes([float(s) for s in sizes], pp)
     native = [statistics.fmean(r["native"][i] for r in per_rank) for i in range(len(sizes))]
-    xs = [2 * (p - 1) / p * s for s in sizes]
-    a_ar, b_ar = fit_two_regimes(xs, native, small=4096 * 2 * (p - 1) / p,
-                                 large=(1 << 20) * 2 * (p - 1) / p)
-    return {"alpha_pp": a_pp, "bw_pp": 1 / b_pp, "alpha_ar": a_ar / (2 * (p - 1)),
+    f = ring_factor("all_reduce", p)  # wire bytes per payload byte: 2(p-1)/p
+    xs = [f * s for s in sizes]
+    a_ar, b_ar = fit_two_regimes(xs, native, small=4096 * f, large=(1 << 20) * f)
+    return {"alpha_pp": a_pp, "bw_pp": 1 / b_pp,
+            "alpha_ar": a_ar / steps("all_reduce", "ring", p),
             "bw_ar": 1 / b_ar, "native": native}
 
 

@@ -20,17 +20,15 @@ import statistics
 import time
 from dataclasses import dataclass
 
+from paratrain.cost.collectives import ring_factor
+
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "all_to_all")
 CHUNKED = ("reduce_scatter", "all_gather", "all_to_all")  # count rounded to a multiple of p
 
 
 def bus_factor(op: str, p: int) -> float:
-    """nccl-tests' busbw / algbw factor."""
-    if op == "all_reduce":
-        return 2 * (p - 1) / p
-    if op in CHUNKED:
-        return (p - 1) / p
-    return 1.0
+    """nccl-tests' busbw / algbw factor (:func:`paratrain.cost.collectives.ring_factor`)."""
+    return ring_factor(op, p)
 
 
 def parse_bytes(text: str) -> int:
@@ -160,7 +158,8 @@ class _Case:
 
 
 def bench_worker(rank: int, world: int, cfg: BenchConfig) -> dict:
-    """Runs on every rank (via process_groups.spawn); returns this rank's rows."""
+    """Runs on every rank (via paratrain.parallel.process_groups.spawn); returns this
+    rank's rows."""
     import torch.distributed as dist
 
     from paratrain.bench import measure

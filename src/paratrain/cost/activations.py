@@ -8,7 +8,8 @@ import math
 
 from paratrain.config import ModelConfig
 from paratrain.cost.groups import split_batch
-from paratrain.cost.shapes import as_shape
+from paratrain.cost.ranks import virtual_stages
+from paratrain.cost.shapes import ModelShape, as_shape
 from paratrain.plan import ParallelPlan
 
 ATTENTION = ("flash", "eager")
@@ -69,8 +70,8 @@ def block_activation_bytes(model: ModelConfig, seq: int, *, tp: int = 1, sp: boo
     For paratrain's block (:func:`is_paratrain_block`) it is exact: the tensors autograd
     keeps in model.py, counted once per storage as
     :class:`paratrain.parallel.memory.ActivationMeter` measures them (the tests check
-    float32 and float64 runs). With h = d_model, f = d_ff, a heads of E, K kv heads,
-    t = tp and u = t with sequence parallelism (else 1), in elements:
+    float32 and float64 runs). With h = d_model, f = d_ff, t = tp and u = t with
+    sequence parallelism (else 1), in elements:
 
     ====================  =====================================================  ========
     part                  kept for backward                                      elements
@@ -79,18 +80,71 @@ def block_activation_bytes(model: ModelConfig, seq: int, *, tp: int = 1, sp: boo
                           the reciprocal rms r                                    + s) / u
     linear inputs (2)     the normed input of wq/wk/wv and of w_gate/w_up;      2 s h
                           with SP the all-gathered (full-T) copy
+    attention             :func:`attention_elements` (kernel, recompute, cp)
+    SwiGLU                gate output, its silu, up output, their product        4 s f / t
+    full recompute        only the block input                                   s h / u
+    ====================  =====================================================  ========
+
+    How it differs from Korthikanti's 34 s b h (16 bit): RMSNorm keeps the normalised
+    tensor before and after its weight (LayerNorm in Megatron keeps its input only);
+    SwiGLU keeps four d_ff-wide tensors where GeLU keeps two 4h-wide ones; there is no
+    dropout (Korthikanti's masks are 3 s b h + a s^2 b). Under eager our block keeps
+    only the softmax output (a s^2, no scores, no mask), not 5 a s^2 b. The RoPE
+    tables are constants shared by all layers and are not counted. Under bf16
+    autocast the element size varies by tensor (the norms run in fp32), so the count is
+    exact only for float32 / float64 runs.
+
+    MoE layers keep :func:`mlp_activation_bytes` in place of the SwiGLU row. Other
+    shapes: :func:`_published_block_bytes` (Korthikanti et al. 2022).
+    """
+    _check_kinds(recompute, attention)
+    m = as_shape(model)
+    ring = cp > 1 and cp_algorithm == "ring"
+    if not is_paratrain_block(m):
+        return _published_block_bytes(m, seq, tp, sp, recompute, attention, element_bytes,
+                                      cp, ring)
+    s, h, t = seq, m.d_model, tp
+    u = t if sp else 1
+    if recompute == "full":
+        return s * h / u * element_bytes
+    norms = 2 * (2 * s * h + s) / u
+    linear_inputs = 2 * s * h
+    attn = attention_elements(m, s, t, recompute, attention, cp, ring)
+    mlp = mlp_activation_bytes(m, s, t, element_bytes, layer, ep)
+    return (norms + linear_inputs + attn) * element_bytes + mlp
+
+
+def _published_block_bytes(m: ModelShape, seq: int, tp: int, sp: bool, recompute: str,
+                           attention: str, element_bytes: float, cp: int, ring: bool
+                           ) -> float:
+    """Shapes paratrain's block does not implement: Korthikanti's per-sequence figure
+    scaled from 2 bytes to ``element_bytes`` (:func:`layer_activation_bytes`; ``flash``
+    drops 5 a s^2); the ring keeps no scores; all-to-all, unfused, keeps each rank's
+    a / cp heads' T x T = cp s x s scores."""
+    def korthikanti(kind: str) -> float:
+        return layer_activation_bytes(seq, 1, m.d_model, m.n_heads, tp, sp, recompute,
+                                      kind) * element_bytes / 2.0
+    if ring or attention == "flash" or cp == 1:
+        return korthikanti("flash" if ring else attention)
+    return korthikanti("eager") + (cp - 1) * (korthikanti("eager") - korthikanti("flash"))
+
+
+def attention_elements(m: ModelShape, s: int, t: int, recompute: str, attention: str, cp: int,
+                       ring: bool) -> float:
+    """Elements paratrain's attention keeps for backward per sequence of ``s`` tokens on
+    one of ``t`` tensor-parallel ranks, a heads of E, K kv heads:
+
+    ====================  =====================================================  ========
     attention, flash      q, and k, v repeated to a heads (our GQA repeats       (4 s a E
                           before the kernel), the output, a log-sum-exp per row  + s a)/t
     attention, eager      q, k, v (repeated), the probabilities, wo's input      (4 s a E
                                                                                  + a s^2)/t
     attention, selective  q; k, v before the repeat (kept by the checkpoint);    (2 s a E
                           wo's input; the core is rerun in backward              + 2 s K E)/t
-    SwiGLU                gate output, its silu, up output, their product        4 s f / t
-    full recompute        only the block input                                   s h / u
     ====================  =====================================================  ========
 
-    Context parallelism (cp > 1, :mod:`paratrain.parallel.context`) changes only the
-    attention row (selective and full recompute keep the same tensors as without cp):
+    Context parallelism (cp > 1, :mod:`paratrain.parallel.context`) changes only this
+    (selective and full recompute keep the same tensors as without cp):
 
     ====================  =====================================================  ========
     ring (any kernel)     q; k, v as the rank holds them (kv heads, not         (2 s a E
@@ -109,62 +163,35 @@ def block_activation_bytes(model: ModelConfig, seq: int, *, tp: int = 1, sp: boo
     elements; in backward also the travelling dK/dV accumulators), the ring's per-block
     scores, and all-to-all's received pieces before they are put in global order are
     working memory of one layer at a time, freed before the next layer runs: they are not
-    kept for backward and not counted here (docs/context-parallel.md).
-
-    How it differs from Korthikanti's 34 s b h (16 bit): RMSNorm keeps the normalised
-    tensor before and after its weight (LayerNorm in Megatron keeps its input only);
-    SwiGLU keeps four d_ff-wide tensors where GeLU keeps two 4h-wide ones; there is no
-    dropout (Korthikanti's masks are 3 s b h + a s^2 b). Under eager our block keeps
-    only the softmax output (a s^2, no scores, no mask), not 5 a s^2 b. The RoPE
-    tables are constants shared by all layers and are not counted. Under bf16
-    autocast the element size varies by tensor (the norms run in fp32), so the count is
-    exact only for float32 / float64 runs.
-
-    MoE (``model.experts`` > 0): block ``layer`` (0-based) keeps, when it is an MoE layer
-    (``model.is_moe_layer(layer)``), :func:`moe_mlp_activation_bytes` in place of the
-    SwiGLU row (the norms, attention and the MLP's linear input, which is the router's,
-    are the dense block's); ``layer`` None gives the mean over the model's blocks (times
-    n_layers: the model's total). ``ep``: the expert-parallel size (its index tensors).
-
-    Other shapes: Korthikanti's per-sequence figure scaled from 2 bytes to
-    ``element_bytes`` (:func:`layer_activation_bytes`; ``flash`` drops 5 a s^2).
-    """
-    _check_kinds(recompute, attention)
-    m = as_shape(model)
-    ring = cp > 1 and cp_algorithm == "ring"
-    if not is_paratrain_block(m):
-        def korthikanti(kind: str) -> float:
-            return layer_activation_bytes(seq, 1, m.d_model, m.n_heads, tp, sp, recompute,
-                                          kind) * element_bytes / 2.0
-        if ring or attention == "flash" or cp == 1:
-            return korthikanti("flash" if ring else attention)
-        # all-to-all, unfused: each rank's a / cp heads keep T x T = cp s x s scores
-        return korthikanti("eager") + (cp - 1) * (korthikanti("eager") - korthikanti("flash"))
-    s, h, f, a, t = seq, m.d_model, m.d_ff, m.n_heads, tp
-    u = t if sp else 1
+    kept for backward and not counted here (docs/context-parallel.md)."""
+    a = m.n_heads
     ae, ke = a * m.head_dim, m.kv_heads * m.head_dim
-    if recompute == "full":
-        return s * h / u * element_bytes
-    norms = 2 * (2 * s * h + s) / u
-    linear_inputs = 2 * s * h
     if recompute == "selective":
-        attn = (2 * s * ae + 2 * s * ke) / t
-    elif ring:
-        attn = (2 * s * ae + 2 * s * ke + s * a) / t
-    elif attention == "eager":
-        attn = (4 * s * ae + cp * a * s * s) / t
-    else:
-        attn = (4 * s * ae + s * a + (s * ae if cp > 1 else 0)) / t
-    dense_mlp = 4 * s * f / t * element_bytes
+        return (2 * s * ae + 2 * s * ke) / t
+    if ring:
+        return (2 * s * ae + 2 * s * ke + s * a) / t
+    if attention == "eager":
+        return (4 * s * ae + cp * a * s * s) / t
+    return (4 * s * ae + s * a + (s * ae if cp > 1 else 0)) / t
+
+
+def mlp_activation_bytes(m: ModelShape, s: int, t: int, element_bytes: float, layer: int | None,
+                         ep: int) -> float:
+    """Bytes the MLP of block ``layer`` keeps per sequence of ``s`` tokens: the SwiGLU's
+    4 s f / t elements, or when it is an MoE layer (``model.is_moe_layer(layer)``)
+    :func:`moe_mlp_activation_bytes` (the norms, attention and the MLP's linear input,
+    which is the router's, are the dense block's); ``layer`` None gives the mean over the
+    model's blocks (times n_layers: the model's total). ``ep``: the expert-parallel size
+    (its index tensors)."""
+    dense_mlp = 4 * s * m.d_ff / t * element_bytes
     if layer is None:
         moe_share = sum(map(m.is_moe_layer, range(m.n_layers))) / m.n_layers
     else:
         moe_share = float(m.is_moe_layer(layer))
-    mlp = dense_mlp
-    if moe_share:
-        moe = moe_mlp_activation_bytes(m, s, element_bytes=element_bytes, ep=ep)
-        mlp = (1 - moe_share) * dense_mlp + moe_share * moe
-    return (norms + linear_inputs + attn) * element_bytes + mlp
+    if not moe_share:
+        return dense_mlp
+    moe = moe_mlp_activation_bytes(m, s, element_bytes=element_bytes, ep=ep)
+    return (1 - moe_share) * dense_mlp + moe_share * moe
 
 
 def moe_rows(model: ModelConfig, seq: int) -> int:
@@ -313,7 +340,7 @@ def rank_activation_peaks(model: ModelConfig, plan: ParallelPlan, tokens_per_ste
     m = as_shape(model)
     batch = split_batch(tokens_per_step, seq_len, plan)
     s, b = batch.local_seq, batch.micro_batch
-    v = plan.virtual_stages if plan.schedule == "interleaved" and plan.pp > 1 else 1
+    v = virtual_stages(plan)
     S = plan.pp * v
     ranges = split_layers(model, S)
     per_block = [b * block_activation_bytes(m, s, tp=plan.tp, sp=plan.sp,

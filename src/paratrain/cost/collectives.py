@@ -62,6 +62,24 @@ _SUPPORTED = {
 }
 
 
+def ring_share(p: int) -> float:
+    """(p-1)/p: the share of the full vector each of ``p`` ranks sends in a ring
+    all-gather or reduce-scatter (its own 1/p it keeps); the one home of the ring factor
+    (Patarasuk & Yuan 2009), which every byte counter imports."""
+    return (p - 1) / p
+
+
+def ring_factor(op: str, p: int) -> float:
+    """Bytes each rank sends per payload byte in a ring ``op`` (pairwise for all_to_all),
+    nccl-tests' busbw / algbw factor: 2(p-1)/p all-reduce; (p-1)/p all-gather,
+    reduce-scatter, all-to-all; 1 broadcast and reduce (a chain)."""
+    if op not in OPS:
+        raise ValueError(f"op={op!r} is unknown; choose one of {', '.join(OPS)}")
+    if op == "all_reduce":
+        return 2 * ring_share(p)
+    return ring_share(p) if op in ("reduce_scatter", "all_gather", "all_to_all") else 1.0
+
+
 def _check(op: str, algorithm: str, p: int, gpus_per_node: int | None = None) -> None:
     if op not in OPS:
         raise ValueError(f"collective op {op!r} is unknown; choose one of {', '.join(OPS)}")
@@ -111,7 +129,7 @@ def _flat(op: str, algorithm: str, p: int, n: float, segments: int | None = None
     if p == 1:
         return 0, 0.0, 0.0
     L = _log2(p)
-    f = (p - 1) / p
+    f = ring_share(p)
     if algorithm == "ring":
         if op in ("broadcast", "reduce"):  # a pipelined chain: every rank but one sends n
             if segments is None:

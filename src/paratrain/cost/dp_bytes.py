@@ -4,11 +4,22 @@ from __future__ import annotations
 
 from paratrain.config import ModelConfig
 from paratrain.cost.buffers import dp_flats, dp_kind, owned, pad, reducer_plan, topk_keep
+from paratrain.cost.collectives import ring_share
 from paratrain.cost.ranks import elements, rank_layout, reducers
 from paratrain.plan import ParallelPlan
 
 
 # ---- bytes -----------------------------------------------------------------------------
+def sharded_states(zero: int, pipelined: bool = False) -> tuple[bool, bool, bool]:
+    """Which of (weights, gradients, optimizer state) ZeRO stage ``zero`` shards over the
+    data-parallel ranks (Rajbhandari et al. 2020, sec. 5): 1 the optimizer state, 2 also
+    the gradients, except under a pipeline, where they stay whole over the step
+    (Megatron-LM's distributed optimizer), 3 everything. The one home of the rule: the
+    runtime's exact bytes (:func:`state_bytes`) and the planner's per-parameter ones
+    (:func:`paratrain.cost.memory.model_states`) both read it."""
+    return zero >= 3, zero >= 3 or (zero == 2 and not pipelined), zero >= 1
+
+
 def state_bytes(mcfg: ModelConfig, plan: ParallelPlan, dtype: str, rank: int,
                 reduce_dtype: str = "bfloat16") -> dict[str, int]:
     """Bytes of parameters, gradients and optimizer state (AdamW m, v and, under mixed
@@ -38,12 +49,10 @@ def _state_bytes(mcfg: ModelConfig, plan: ParallelPlan, dtype: str, rank: int,
     if kind == "ddp":  # grads are (or main_grad is) views into the padded buckets
         return {"params": w * n, "grads": g * padded, "optimizer": (2 + mixed) * m * n}
     masters = m * padded // p if mixed else 0  # a master of each whole owned chunk
-    if kind == "fsdp":
-        return {"params": w * padded // p, "grads": g * padded // p,
-                "optimizer": 2 * m * own + masters}
-    # ZeRO-2 keeps only the owned shard, except under a pipeline (full buffers, as ZeRO-1)
-    grads = padded // p if plan.zero == 2 and plan.pp == 1 else padded
-    return {"params": w * padded, "grads": g * grads, "optimizer": 2 * m * own + masters}
+    weights_sharded, grads_sharded, _ = sharded_states(plan.zero, plan.pp > 1)
+    return {"params": w * (padded // p if weights_sharded else padded),
+            "grads": g * (padded // p if grads_sharded else padded),
+            "optimizer": 2 * m * own + masters}
 
 
 def dp_payload_bytes(mcfg: ModelConfig, plan: ParallelPlan, dtype: str, rank: int,
@@ -138,10 +147,10 @@ def dp_wire_bytes(mcfg: ModelConfig, plan: ParallelPlan, dtype: str, rank: int,
                 continue
             payload = g * sum(pad(b, q.dp) for b in dp_flats(mcfg, q, w, r, part, ep))
             if w != g and dp_kind(q) == "zero":
-                total += sum(k * n * (q.dp - 1) / q.dp for _, n, k in
+                total += sum(k * n * ring_share(q.dp) for _, n, k in
                              dp_calls(mcfg, q, dtype, r, reduce_dtype, part, ep))
             else:
-                total += dp_wire_factor(q) * (q.dp - 1) / q.dp * payload
+                total += dp_wire_factor(q) * ring_share(q.dp) * payload
         return total
     plan = reducer_plan(plan)
     p = plan.dp
@@ -149,7 +158,7 @@ def dp_wire_bytes(mcfg: ModelConfig, plan: ParallelPlan, dtype: str, rank: int,
         return 0.0
     w, g, _ = elements(dtype, reduce_dtype)
     if w != g and dp_kind(plan) in ("zero", "fsdp"):  # gathers and reductions differ
-        return sum(k * n * (p - 1) / p for _, n, k in
+        return sum(k * n * ring_share(p) for _, n, k in
                    dp_calls(mcfg, plan, dtype, rank, reduce_dtype))
-    return dp_wire_factor(plan) * (p - 1) / p * dp_payload_bytes(mcfg, plan, dtype, rank,
+    return dp_wire_factor(plan) * ring_share(p) * dp_payload_bytes(mcfg, plan, dtype, rank,
                                                                  reduce_dtype)

@@ -51,8 +51,10 @@ from paratrain.cost.activations import (  # noqa: F401 - re-exported
     micro_batches_in_flight,
     rank_activation_peaks,
 )
+from paratrain.cost.dp_bytes import sharded_states
 from paratrain.cost.groups import split_batch, stage_layers
 from paratrain.cost.hardware import Hardware
+from paratrain.cost.ranks import ELEMENT_BYTES, virtual_stages
 from paratrain.cost.shapes import ModelShape, as_shape
 from paratrain.plan import ParallelPlan
 
@@ -72,9 +74,10 @@ class Precision:
         return self.weight_bytes + self.grad_bytes + self.optim_bytes
 
 
-RECIPES = {
-    "bf16-adam": Precision("bf16-adam", 2, 2, 12),  # mixed precision, fp32 master + m + v
-    "fp32-adam": Precision("fp32-adam", 4, 4, 8, act_bytes=4),  # fp32 weights, grads, m, v
+_BF16, _FP32 = ELEMENT_BYTES["bfloat16"], ELEMENT_BYTES["float32"]
+RECIPES = {  # mixed precision: fp32 master + m + v; fp32: the weights are the master
+    "bf16-adam": Precision("bf16-adam", _BF16, _BF16, 3 * _FP32),
+    "fp32-adam": Precision("fp32-adam", _FP32, _FP32, 2 * _FP32, act_bytes=_FP32),
 }
 
 
@@ -155,16 +158,11 @@ class ModelStates:
 
 def _sharded(params: float, d: float, zero: int, prec: Precision,
              pipelined: bool = False) -> ModelStates:
-    """ZeRO-2 under a pipeline keeps whole gradient buffers over the step (Megatron-LM's
-    distributed optimizer; :mod:`paratrain.cost.layout`): only ZeRO-3 shards them then."""
+    """Per-parameter bytes of each state, over ``d`` where ZeRO shards it
+    (:func:`paratrain.cost.dp_bytes.sharded_states`)."""
     w, g, o = prec.weight_bytes * params, prec.grad_bytes * params, prec.optim_bytes * params
-    if zero >= 1:
-        o /= d
-    if zero >= 3 or (zero == 2 and not pipelined):
-        g /= d
-    if zero >= 3:
-        w /= d
-    return ModelStates(w, g, o)
+    ws, gs, os_ = sharded_states(zero, pipelined)
+    return ModelStates(w / d if ws else w, g / d if gs else g, o / d if os_ else o)
 
 
 def model_states(model: ModelConfig, plan: ParallelPlan,
@@ -237,7 +235,7 @@ def activation_bytes(model: ModelConfig, plan: ParallelPlan, tokens_per_step: in
         cp_algorithm=plan.cp_algorithm, ep=plan.ep)
     layers = stage_layers(m.n_layers, plan.pp)
     inflight = micro_batches_in_flight(plan.schedule, plan.pp, plan.micro_batches,
-                                       plan.virtual_stages)
+                                       virtual_stages(plan))
     return per_layer * layers * inflight
 
 

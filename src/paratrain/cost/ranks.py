@@ -23,10 +23,21 @@ PER_BLOCK = 9  # parameters of one block: two norms, four attention, three MLP m
 
 
 # ---- coordinates and shards -----------------------------------------------------------
-def mesh_coords(rank: int, plan: ParallelPlan) -> tuple[int, int, int, int]:
-    """(pp, dp, cp, tp) of a global rank: the runtime's pp-dp-cp-tp order, tp innermost."""
-    tp, cp, dp = plan.tp, plan.cp, plan.dp
+def grid_coords(rank: int, dp: int, cp: int, tp: int) -> tuple[int, int, int, int]:
+    """(pp, dp, cp, tp) indices of a global rank on a grid of dp x cp x tp ranks per
+    pipeline stage: the one home of the rank order (pp-dp-cp-tp, tp innermost), which
+    the runtime's mesh (:mod:`paratrain.parallel.mesh`) and every per-rank count use."""
     return (rank // (dp * cp * tp), (rank // (cp * tp)) % dp, (rank // tp) % cp, rank % tp)
+
+
+def grid_rank(pp_i: int, dp_i: int, cp_i: int, tp_i: int, dp: int, cp: int, tp: int) -> int:
+    """Inverse of :func:`grid_coords`."""
+    return ((pp_i * dp + dp_i) * cp + cp_i) * tp + tp_i
+
+
+def mesh_coords(rank: int, plan: ParallelPlan) -> tuple[int, int, int, int]:
+    """(pp, dp, cp, tp) of a global rank of ``plan`` (:func:`grid_coords`)."""
+    return grid_coords(rank, plan.dp, plan.cp, plan.tp)
 
 
 def coords(rank: int, plan: ParallelPlan) -> tuple[int, int, int]:
@@ -37,7 +48,7 @@ def coords(rank: int, plan: ParallelPlan) -> tuple[int, int, int]:
 
 def rank_of(pp: int, dp: int, tp: int, plan: ParallelPlan, cp: int = 0) -> int:
     """Inverse of :func:`mesh_coords` (cp index 0 unless given)."""
-    return ((pp * plan.dp + dp) * plan.cp + cp) * plan.tp + tp
+    return grid_rank(pp, dp, cp, tp, plan.dp, plan.cp, plan.tp)
 
 
 def vocab_range(vocab: int, tp: int, rank: int) -> tuple[int, int]:

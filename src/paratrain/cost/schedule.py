@@ -34,14 +34,14 @@ Note (send/receive ordering). Every ``SEND_*`` is non-blocking (the runtime post
 isend and waits for all of them only at the end of the step), and every ``RECV_*`` sits
 directly before the compute action that consumes it. A rank therefore only ever blocks
 on a receive whose producer is an earlier compute action of another rank.
-:func:`validate` executes the lists under exactly these semantics, with no timing
-assumptions, and fails on a cycle (deadlock), an unmatched send or receive, a backward
-before its forward, or a missing or duplicated action — so a schedule that validates
-cannot deadlock in the runtime, whatever the real durations. Messages are matched by
-identity (the runtime gives each a tag from kind, micro-batch and stage), not by FIFO
-order per pair of ranks; :func:`validate` reports separately whether FIFO order holds too
-(it does for every generated schedule, tested up to p = 64, so the same lists also suit a
-backend that ignores tags).
+:func:`paratrain.cost.pipeline_sim.validate` executes the lists under exactly these
+semantics, with no timing assumptions, and fails on a cycle (deadlock), an unmatched
+send or receive, a backward before its forward, or a missing or duplicated action — so
+a schedule that validates cannot deadlock in the runtime, whatever the real durations.
+Messages are matched by identity (the runtime gives each a tag from kind, micro-batch and
+stage), not by FIFO order per pair of ranks; the simulation reports separately whether
+FIFO order holds too (it does for every generated schedule, tested up to p = 64, so the
+same lists also suit a backend that ignores tags).
 """
 
 from __future__ import annotations
@@ -225,143 +225,7 @@ def build_schedule(name: str, pp: int, micro_batches: int, virtual_stages: int =
     return _with_comms(name, p, m, v, gen())
 
 
-# ---- validation and simulation ------------------------------------------------------
-@dataclass
-class Timeline:
-    """Per rank, (action, start, end) of each compute action; and the summary numbers."""
-
-    spans: list[list[tuple[Action, float, float]]]
-    makespan: float
-    bubble: float  # idle fraction of p x makespan
-    fifo: bool  # whether every pair of ranks also matches sends and receives in order
-    peak_in_flight: list[int]  # per rank, most micro-batch-chunks holding activations
-
-
-def _costs(kind: str, v: int, costs: dict[str, float] | None) -> float:
-    c = costs or {"F": 1.0, "B": 2.0, "BI": 1.0, "BW": 1.0}
-    return c[kind] / v
-
-
-def simulate_pipeline(s: PipelineSchedule, costs: dict[str, float] | None = None) -> Timeline:
-    """Validate ``s`` and time it (F = 1, B = 2, BI = BW = 1 per full stage; a chunk costs
-    1/v of that; communication free). Raises ValueError naming the first problem."""
-    p, m, v, last = s.pp, s.micro_batches, s.virtual_stages, s.stages - 1
-    if len(s.actions) != p:
-        raise ValueError(f"schedule has {len(s.actions)} ranks' lists, expected pp={p}")
-    pos = [0] * p
-    clock = [0.0] * p
-    channel: dict[tuple, float] = {}  # (src, dst, kind, mb, sender stage) -> time sent
-    order: dict[tuple[int, int], list[tuple]] = {}  # FIFO check per (src, dst)
-    fifo = True
-    done: dict[tuple, float] = {}  # (kind, mb, stage) -> finish time
-    received: set[tuple] = set()  # (kind, mb, receiver stage)
-    spans: list[list[tuple[Action, float, float]]] = [[] for _ in range(p)]
-    live = [0] * p
-    peak = [0] * p
-
-    def need(r: int, a: Action) -> str | None:
-        """Why compute action ``a`` cannot run yet (None if it can)."""
-        k = s.stage(r, a.chunk)
-        if a.kind == "F":
-            if k > 0 and ("F", a.mb, k - 1) not in done:
-                return "input"
-            if k > 0 and s.locate(k - 1)[0] != r and ("F", a.mb, k) not in received:
-                return "recv"
-        else:
-            if ("F", a.mb, k) not in done:
-                raise ValueError(f"rank {r}: {a} runs before F{a.mb} of stage {k}")
-            if a.kind == "BW":
-                if ("BI", a.mb, k) not in done:
-                    raise ValueError(f"rank {r}: {a} runs before BI{a.mb} of stage {k}")
-                return None
-            if k < last:
-                g = next((key for key in (("B", a.mb, k + 1), ("BI", a.mb, k + 1))
-                          if key in done), None)
-                if g is None:
-                    return "grad"
-                if s.locate(k + 1)[0] != r and ("B", a.mb, k) not in received:
-                    return "recv"
-        return None
-
-    while any(pos[r] < len(s.actions[r]) for r in range(p)):
-        moved = False
-        for r in range(p):
-            while pos[r] < len(s.actions[r]):
-                a = s.actions[r][pos[r]]
-                k = s.stage(r, a.chunk)
-                if a.kind in ("SEND_F", "SEND_B"):
-                    fwd = a.kind == "SEND_F"
-                    src_key = ("F", a.mb, k) if fwd else next(
-                        (key for key in (("B", a.mb, k), ("BI", a.mb, k)) if key in done), None)
-                    if src_key is None or src_key not in done:
-                        raise ValueError(f"rank {r}: {a} sends before it is computed")
-                    want = s.locate(k + 1 if fwd else k - 1)[0]
-                    if a.peer != want:
-                        raise ValueError(f"rank {r}: {a} goes to {a.peer}, stage {k}'s "
-                                         f"{'next' if fwd else 'previous'} is rank {want}")
-                    key = (r, a.peer, a.kind[-1], a.mb, k)
-                    channel[key] = done[src_key]
-                    order.setdefault((r, a.peer), []).append(key)
-                elif a.kind in ("RECV_F", "RECV_B"):
-                    fwd = a.kind == "RECV_F"
-                    key = (a.peer, r, a.kind[-1], a.mb, k - 1 if fwd else k + 1)
-                    if key not in channel:
-                        break  # blocked on this receive
-                    q = order.get((a.peer, r), [])
-                    fifo = fifo and bool(q) and q[0] == key
-                    if key in q:
-                        q.remove(key)
-                    clock[r] = max(clock[r], channel.pop(key))
-                    received.add((a.kind[-1], a.mb, k))
-                elif a.kind in COMPUTE:
-                    if not 0 <= a.mb < m or not 0 <= a.chunk < v:
-                        raise ValueError(f"rank {r}: {a} is outside m={m}, v={v}")
-                    why = need(r, a)
-                    if why is not None:
-                        if why == "recv":
-                            raise ValueError(f"rank {r}: {a} has no receive for its input")
-                        break
-                    dep = 0.0  # a local producer's finish (remote ones came via RECV)
-                    if a.kind == "F" and k > 0 and s.locate(k - 1)[0] == r:
-                        dep = done[("F", a.mb, k - 1)]
-                    elif a.kind in ("B", "BI") and k < last and s.locate(k + 1)[0] == r:
-                        dep = max(done.get(("B", a.mb, k + 1), 0.0),
-                                  done.get(("BI", a.mb, k + 1), 0.0))
-                    t0 = max(clock[r], dep)
-                    t1 = t0 + _costs(a.kind, v, costs)
-                    if (a.kind, a.mb, k) in done:
-                        raise ValueError(f"rank {r}: {a} appears twice")
-                    done[(a.kind, a.mb, k)] = t1
-                    clock[r] = t1
-                    spans[r].append((a, t0, t1))
-                    live[r] += 1 if a.kind == "F" else (-1 if a.kind in ("B", "BW") else 0)
-                    peak[r] = max(peak[r], live[r])
-                else:
-                    raise ValueError(f"rank {r}: unknown action kind {a.kind!r}")
-                pos[r] += 1
-                moved = True
-        if not moved:
-            stuck = {r: str(s.actions[r][pos[r]]) for r in range(p) if pos[r] < len(s.actions[r])}
-            raise ValueError(f"schedule {s.name} deadlocks: ranks wait at {stuck}")
-    if channel:
-        raise ValueError(f"unmatched sends (never received): {sorted(channel)[:4]}")
-    for k in range(s.stages):
-        for i in range(m):
-            if ("F", i, k) not in done:
-                raise ValueError(f"F{i} of stage {k} is missing")
-            if ("B", i, k) not in done and not (("BI", i, k) in done and ("BW", i, k) in done):
-                raise ValueError(f"backward of micro-batch {i} on stage {k} is missing")
-    makespan = max(clock) if clock else 0.0
-    busy = sum(t1 - t0 for sp in spans for _, t0, t1 in sp)
-    bubble = 1.0 - busy / (p * makespan) if makespan > 0 else 0.0
-    return Timeline(spans, makespan, bubble, fifo, peak)
-
-
-def validate(s: PipelineSchedule) -> Timeline:
-    """Raise ValueError if ``s`` is not executable; see the module docstring."""
-    return simulate_pipeline(s)
-
-
+# ---- the bubble in closed form (the simulation: paratrain.cost.pipeline_sim) -------------
 def _idle_busy(name: str, p: int, m: int, v: int) -> tuple[float, float]:
     """(idle, busy) time of one rank over a step, in a common unit (F:B = 1:2,
     communication free): the one closed form behind :func:`bubble_formula` and
@@ -380,7 +244,8 @@ def _idle_busy(name: str, p: int, m: int, v: int) -> tuple[float, float]:
 def bubble_formula(name: str, p: int, m: int, v: int = 1) -> float:
     """Idle fraction of the step, closed form: (p-1)/(m+p-1) for GPipe and 1F1B,
     (p-1)/(vm+p-1) interleaved, (p-1)/(3m+p-1) for ZB-H1 with m >= p and
-    (2p-m-1)/(2p+2m-1) with m < p. Equals :func:`simulate_pipeline`'s bubble of
+    (2p-m-1)/(2p+2m-1) with m < p. Equals
+    :func:`paratrain.cost.pipeline_sim.simulate_pipeline`'s bubble of
     :func:`build_schedule` (``tests/test_systems_bubble.py``, every case up to 16)."""
     idle, busy = _idle_busy(name, p, m, v)
     return idle / (idle + busy)

@@ -73,6 +73,10 @@ class ModelShape(ModelConfig):
         return i >= self.first_dense_layers and super().is_moe_layer(i)
 
     # ---- exact parameter counts ----------------------------------------------------
+    def dense_mlp_params(self) -> int:
+        """A dense block's MLP (width d_ff)."""
+        return self._mlp_params(self.d_ff)
+
     def _mlp_params(self, width: int) -> int:
         d = self.d_model
         if self.mlp == "swiglu":
@@ -175,7 +179,7 @@ class ModelShape(ModelConfig):
         attention's 6 T H (d_qk + d_v) (PaLM, appendix B). ``norms=False`` leaves out the
         norm weights (element-wise, and replicated over tensor-parallel ranks, so the rest
         is what a tp shard divides). The pipeline split (:mod:`paratrain.cost.stages`)
-        and the run prediction (:mod:`paratrain.predict.model`) weigh blocks by it."""
+        and the run prediction (:mod:`paratrain.predict.step`) weigh blocks by it."""
         t = self.context if seq_len is None else seq_len
         params = self.layer_params(i, active=True) - (0 if norms else self.norm_params())
         return 6.0 * params + self._attention_flops_per_layer(t)

@@ -17,6 +17,8 @@ otherwise; :func:`paratrain.parallel.tensor.tp_wire_bytes_per_layer` counts the 
 
 from __future__ import annotations
 
+from paratrain.cost.collectives import ring_factor
+
 
 def tp_forward_backward(recompute: str = "none") -> tuple[int, int]:
     """All-reduce-sized TP transfers per block per micro-batch: (forward, backward)."""
@@ -35,4 +37,5 @@ def tp_wire_bytes_per_layer(batch: int, seq: int, d_model: int, tp: int, fwd_ele
     all-reduce-sized transfer of batch*seq*d_model elements sends 2(tp-1)/tp of them,
     ``fwd_elem`` bytes each forward (2 under bf16 autocast) and ``bwd_elem`` backward."""
     n_fwd, n_bwd = tp_forward_backward(recompute)
-    return (n_fwd * fwd_elem + n_bwd * bwd_elem) * 2.0 * (tp - 1) / tp * batch * seq * d_model
+    per_elem = ring_factor("all_reduce", tp)
+    return (n_fwd * fwd_elem + n_bwd * bwd_elem) * per_elem * batch * seq * d_model

@@ -23,6 +23,7 @@ import time
 
 import torch
 
+from paratrain.cost.collectives import wire_bytes
 from paratrain.parallel.ddp import DPCommStats
 from paratrain.parallel.ddp_comm import GroupComm
 
@@ -78,8 +79,7 @@ class TopKCompressor:
             off += p.numel()
         payload = self.keep * (vals.element_size() + 4)
         wire = self.comm.bytes_sent - bytes0
-        p_ = self.comm.size
-        dense_wire = 2.0 * (p_ - 1) / p_ * self.n * acc.element_size()
+        dense_wire = wire_bytes("all_reduce", "ring", self.comm.size, self.n * acc.element_size())
         self.history.append({"payload_bytes": payload, "wire_bytes": wire,
                              "dense_ring_wire_bytes": dense_wire})
         log.info("top-%d: payload %d B, wire %.0f B = %.2f x payload (dense ring %.0f B)",

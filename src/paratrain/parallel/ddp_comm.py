@@ -31,6 +31,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from paratrain.cost.collectives import wire_bytes
 from paratrain.parallel.handle import Handle
 
 IMPLS = ("native", "ours")
@@ -73,7 +74,7 @@ class GroupComm:
         p, nbytes = self.size, flat.numel() * flat.element_size()
         if self._ours is not None:
             return self._ours.all_reduce(self, flat, async_op)
-        self._native_bytes += 2.0 * (p - 1) / p * nbytes
+        self._native_bytes += wire_bytes("all_reduce", "ring", p, nbytes)
         return self._finish(dist.all_reduce(flat, group=self.group, async_op=async_op))
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor,
@@ -81,14 +82,16 @@ class GroupComm:
         self._check_chunks(out, inp, "reduce_scatter")
         if self._ours is not None:
             return self._ours.reduce_scatter(self, out, inp, async_op)
-        self._native_bytes += (self.size - 1) / self.size * inp.numel() * inp.element_size()
+        self._native_bytes += wire_bytes("reduce_scatter", "ring", self.size,
+                                         inp.numel() * inp.element_size())
         return self._finish(_native_reduce_scatter(out, inp, self.group, async_op))
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool = True) -> Handle:
         self._check_chunks(inp, out, "all_gather")
         if self._ours is not None:
             return self._ours.all_gather(self, out, inp, async_op)
-        self._native_bytes += (self.size - 1) / self.size * out.numel() * out.element_size()
+        self._native_bytes += wire_bytes("all_gather", "ring", self.size,
+                                         out.numel() * out.element_size())
         return self._finish(_native_all_gather(out, inp, self.group, async_op))
 
     def all_gather_equal(self, inp: torch.Tensor, async_op: bool = False) -> tuple:

@@ -27,12 +27,9 @@ How it measures (not the formula):
   excluded; the peak is
   the total at the end of forward (when the graph is largest).
 
-The prediction is :func:`paratrain.cost.memory.model_states` with the precision of
-the run (:func:`run_precision`: ``fp32-adam`` is 4 + 4 + 8 bytes per parameter, float64
-doubles it; ``--dtype bfloat16`` is the mixed-precision recipe 2 + 2 + 12, or 2 + 4 + 12
-with ``--reduce-dtype float32``), and :func:`paratrain.cost.memory.block_activation_bytes` (exact
-for this model's block, sdpa or eager, at the run's element size) times the layers and
-micro-batches in flight.
+The prediction beside it is the systems model's, for this run's precision
+(:mod:`paratrain.cost.run_figures`: :func:`~paratrain.cost.run_figures.predicted_states`,
+:func:`~paratrain.cost.run_figures.predicted_activations`); this module only measures.
 """
 
 from __future__ import annotations
@@ -44,20 +41,8 @@ import torch.distributed as dist
 from torch import nn
 
 from paratrain.config import ModelConfig, TrainConfig
-from paratrain.cost.layout import ELEMENT_BYTES, elements
+from paratrain.cost.run_figures import predicted_activations, predicted_states
 from paratrain.plan import ParallelPlan
-
-
-def run_precision(tcfg: TrainConfig):
-    """The systems model's bytes-per-parameter recipe of this run
-    (:func:`paratrain.cost.layout.elements`): BF16 mixed precision is 2 (BF16 weights) + 2 or
-    4 (gradients in the reduction dtype) + 12 (FP32 master, m, v); float32 / float64
-    runs keep no second copy: e + e + 2e."""
-    from paratrain.cost.memory import Precision
-
-    w, g, m = elements(tcfg.dtype, tcfg.reduce_dtype)
-    master = m if tcfg.dtype == "bfloat16" else 0
-    return Precision(f"{tcfg.dtype}-adam-reduce-{g}B", w, g, 2 * m + master, act_bytes=w)
 
 
 def storage_bytes(tensors) -> int:
@@ -161,29 +146,6 @@ def measure_states(engine) -> dict[str, int]:
     out["comm_buffers"] = storage_bytes(st.get("comm_buffers", []))
     out["comm_buffers"] += int(getattr(engine, "comm_buffer_peak", 0) or 0)
     return out
-
-
-def predicted_states(mcfg: ModelConfig, plan: ParallelPlan, tcfg: TrainConfig) -> dict:
-    """The systems model's model-state bytes per rank for this run's precision."""
-    from paratrain.cost.memory import model_states
-
-    ms = model_states(mcfg, plan, run_precision(tcfg))
-    return {"params": ms.weights_bytes, "grads": ms.grads_bytes,
-            "optimizer": ms.optimizer_bytes}
-
-
-def predicted_activations(mcfg: ModelConfig, plan: ParallelPlan, tcfg: TrainConfig) -> float:
-    """The systems model's saved-activation bytes on the busiest rank for this run: the
-    model's kernel (sdpa is a fused kernel, priced as ``flash``) at its element size, as
-    the runtime runs it (:func:`paratrain.cost.memory.rank_activation_peaks`: blocks,
-    RoPE tables, embedding ids, final norm, head input and loss, micro-batches in flight
-    from the pipeline schedule)."""
-    from paratrain.cost.memory import activation_bytes
-
-    tokens = tcfg.global_batch * mcfg.context
-    attention = "eager" if mcfg.attention == "eager" else "flash"
-    return activation_bytes(mcfg, plan, tokens, mcfg.context, attention,
-                            ELEMENT_BYTES[tcfg.dtype], runtime=True)
 
 
 def memory_report(engine, mcfg: ModelConfig, plan: ParallelPlan, tcfg: TrainConfig,

@@ -5,10 +5,11 @@ order): ``tp`` is the innermost axis, then ``cp``, then ``dp``, then ``pp``, i.e
 
     global_rank = ((pp_index * dp + dp_index) * cp + cp_index) * tp + tp_index
 
-so tensor-parallel partners are neighbouring ranks (on a GPU server: the same node, on
-NVLink, where TP's per-layer all-reduces belong), context-parallel partners (which pass
-K/V blocks every layer) come next, then data-parallel replicas, and pipeline stages —
-which only exchange one activation per micro-batch — are furthest apart.
+(one home, :func:`paratrain.cost.ranks.grid_rank`, which the systems model's per-rank
+counts use too), so tensor-parallel partners are neighbouring ranks (on a GPU server: the
+same node, on NVLink, where TP's per-layer all-reduces belong), context-parallel partners
+(which pass K/V blocks every layer) come next, then data-parallel replicas, and pipeline
+stages — which only exchange one activation per micro-batch — are furthest apart.
 
 Expert parallelism (``ep``, dividing dp) is a sub-axis of dp, not a fifth factor of the
 world (Megatron-LM / DeepSpeed-MoE): consecutive dp indices form an ``ep`` group (dp
@@ -40,6 +41,7 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
+from paratrain.cost.ranks import grid_coords, grid_rank
 from paratrain.plan import ParallelPlan
 
 AXES = ("pp", "dp", "cp", "tp")  # outermost to innermost
@@ -54,17 +56,15 @@ def coords_of(rank: int, sizes: dict[str, int]) -> dict[str, int]:
     """Axis indices of ``rank`` under the pp-dp-cp-tp layout (tp innermost); the keys of
     ``sizes`` (a cp index only when ``sizes`` has a cp axis)."""
     f = _full(sizes)
-    tp, cp, dp = f["tp"], f["cp"], f["dp"]
-    c = {"pp": rank // (dp * cp * tp), "dp": (rank // (cp * tp)) % dp,
-         "cp": (rank // tp) % cp, "tp": rank % tp}
+    c = dict(zip(AXES, grid_coords(rank, f["dp"], f["cp"], f["tp"]), strict=True))
     return {a: c[a] for a in AXES if a in sizes}
 
 
 def rank_of(coords: dict[str, int], sizes: dict[str, int]) -> int:
     """Inverse of :func:`coords_of`."""
     f = _full(sizes)
-    return (((coords["pp"] * f["dp"] + coords["dp"]) * f["cp"] + coords.get("cp", 0))
-            * f["tp"] + coords["tp"])
+    return grid_rank(coords["pp"], coords["dp"], coords.get("cp", 0), coords["tp"],
+                     f["dp"], f["cp"], f["tp"])
 
 
 def axis_ranks(rank: int, axis: str, sizes: dict[str, int]) -> list[int]:

@@ -52,6 +52,7 @@ import torch.distributed as dist
 from torch import nn
 
 from paratrain.config import TrainConfig
+from paratrain.cost.ranks import virtual_stages
 from paratrain.cost.schedule import build_schedule
 from paratrain.model import set_moe_loss_scale
 from paratrain.parallel.context import apply_context_parallel, cp_comm, local_tokens
@@ -91,7 +92,7 @@ class MeshEngine(Engine):
         self.plan, self.cfg, self.device = plan, cfg, device
         self.mcfg = model.cfg
         self.mesh = mesh = Mesh.from_plan(plan, device_type=device.type)
-        v = plan.virtual_stages if plan.schedule == "interleaved" and plan.pp > 1 else 1
+        v = virtual_stages(plan)
         self.pp_rank, self.tp_rank = mesh.index("pp"), mesh.index("tp")
         # 1. pipeline split; 2. tensor/sequence; 3. context; 4. recompute
         chunks = build_chunks(model, plan.pp, v, self.pp_rank)

@@ -8,9 +8,8 @@ import statistics
 import torch
 import torch.distributed as dist
 
-from paratrain.cost.memory import block_activation_bytes
-from paratrain.cost.schedule import bubble_formula, simulate_pipeline
-from paratrain.cost.tp_bytes import tp_wire_bytes_per_layer
+from paratrain.cost.ranks import ELEMENT_BYTES
+from paratrain.cost.run_figures import block_figures, pipeline_figures
 from paratrain.parallel.mesh import Mesh
 
 
@@ -21,9 +20,9 @@ def model_parallel_report(engine) -> dict:
     replica 0, tp rank 0) / (p x the step's span from first start to last end), the
     median over steps after the first; beside the schedule's simulated and textbook
     bubble. Activations: the peak over a step of bytes saved for backward on each
-    rank (in-flight micro-batches included), beside the per-layer formula
-    (:func:`paratrain.cost.memory.block_activation_bytes`).
-    TP/SP: bytes each rank sent in the blocks' collectives, per layer and micro-batch.
+    rank (in-flight micro-batches included), beside the per-layer formula. TP/SP: bytes
+    each rank sent in the blocks' collectives, per layer and micro-batch. Every formula
+    comes from :mod:`paratrain.cost.run_figures`; this module only measures.
     """
     plan, m = engine.plan, engine.mcfg
     out: dict = {"mesh": dict(engine.mesh.sizes), "groups_built_by": engine.mesh.source}
@@ -43,8 +42,7 @@ def model_parallel_report(engine) -> dict:
             "virtual_stages": v,
             "bubble_measured": statistics.median(bubbles[1:] or bubbles),
             "bubble_measured_per_step": bubbles,
-            "bubble_simulated": simulate_pipeline(engine.schedule).bubble,
-            "bubble_formula": bubble_formula(plan.schedule, plan.pp, plan.micro_batches, v),
+            **pipeline_figures(engine.schedule),
             "runtime_overhead_s_per_action_per_rank": over,
             "timeline": [[[k, mb, c, a - t_first, b - t_first] for k, mb, c, a, b in st[-1]]
                          for st in stages],
@@ -59,18 +57,13 @@ def model_parallel_report(engine) -> dict:
     local_b = engine.cfg.global_batch // engine.dp_size
     b_mb = local_b // plan.micro_batches
     layers_on_rank = sum(len(c.blocks) for c in engine.model)
-    per_seq = block_activation_bytes(
-        m, m.context // plan.cp, tp=plan.tp, sp=plan.sp, recompute=plan.recompute,
-        attention="eager" if m.attention == "eager" else "flash",
-        element_bytes=_elem(engine.dtype), cp=plan.cp, cp_algorithm=plan.cp_algorithm,
-        ep=plan.ep)
-    from paratrain.parallel.memory import predicted_activations
-
+    formula = block_figures(m, plan, engine.cfg, b_mb)
     out["activation"] = {
         "recompute": plan.recompute,
         "measured_peak_bytes_per_rank": [int(t.item()) for t in peaks],
-        "formula_bytes_per_layer_per_microbatch": per_seq * b_mb,
-        "systems_model_busiest_rank_bytes": predicted_activations(m, plan, engine.cfg),
+        "formula_bytes_per_layer_per_microbatch":
+            formula["activation_bytes_per_layer_per_microbatch"],
+        "systems_model_busiest_rank_bytes": formula["busiest_rank_activation_bytes"],
         "layers_on_rank": layers_on_rank, "sequences_per_microbatch": b_mb,
     }
     if plan.tp > 1:
@@ -85,9 +78,8 @@ def model_parallel_report(engine) -> dict:
                 sum(st.blocks.wire_bytes for st in st_blk) / layers / mbs,
             "collectives_per_layer_per_microbatch":
                 sum(st.blocks.calls for st in st_blk) / layers / mbs,
-            "formula_wire_bytes_per_layer_per_microbatch": tp_wire_bytes_per_layer(
-                b_mb, m.context // plan.cp, m.d_model, plan.tp,
-                _elem(engine.dtype), _elem(engine.dtype), plan.recompute),
+            "formula_wire_bytes_per_layer_per_microbatch":
+                formula["tp_wire_bytes_per_layer_per_microbatch"],
         }
     if engine.cp is not None:
         out["cp"] = cp_report(engine)
@@ -115,8 +107,8 @@ def cp_report(engine) -> dict:
         # waiting for K/V (ring) or in the all-to-alls: what overlap did not hide; the
         # mean over steps after the first (which also opens gloo's connections)
         "exposed_comm_s_per_step": statistics.mean(exposed[1:] or exposed or [0.0]),
-        "formula_wire_bytes_per_step": cp_wire_bytes(m, plan, _elem(engine.dtype), batch,
-                                                     layers),
+        "formula_wire_bytes_per_step": cp_wire_bytes(m, plan, ELEMENT_BYTES[engine.cfg.dtype],
+                                                     batch, layers),
         "attention_pairs_per_rank": bal,
         "attention_pairs_per_rank_contiguous": con,
     }
@@ -154,10 +146,6 @@ def format_model_parallel(rep: dict) -> str:
                      f"{c['transfers_per_step']:.0f} transfers (formula "
                      f"{c['formula_wire_bytes_per_step'] / 1e6:.4f} MB)")
     return "\n".join(lines)
-
-
-def _elem(dtype: torch.dtype) -> int:
-    return torch.tensor([], dtype=dtype).element_size()
 
 
 def _rank_for(mesh: Mesh, pp_index: int) -> int:

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from paratrain.cost.collectives import ring_share
+
 
 def _gather0(out: torch.Tensor, inp: torch.Tensor, group) -> None:
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -52,7 +54,7 @@ class TPComm:
     def _count(self, full_bytes: float, wire_factor: float) -> None:
         self.calls += 1
         self.payload_bytes += full_bytes
-        self.wire_bytes += wire_factor * (self.size - 1) / self.size * full_bytes
+        self.wire_bytes += wire_factor * ring_share(self.size) * full_bytes
 
     def all_reduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
         self._count(t.numel() * t.element_size(), 2.0)

@@ -36,9 +36,10 @@ What is special here, and how it is priced:
   one latency chain per unit and a TP run one per block region.
 
 Step time is the larger of two bounds. The critical path on free cores: pipeline stages
-s with per-micro-batch
-time t_s run m micro-batches in ``sum_s t_s + (m - 1) max_s t_s`` (fill + steady state;
-for equal stages this is docs/design.md's bubble (p-1)/(m+p-1)); TP collectives sit inside
+s with per-micro-batch time t_s run m micro-batches in m max_s t_s plus the other stages'
+fill, the schedule's own bubble (:mod:`paratrain.predict.pipeline`: for equal stages
+(p-1)/(m+p-1) of the step under GPipe and 1F1B, /v interleaved, ZB-H1's smaller one, as
+the simulated schedule); TP collectives sit inside
 every block (exposed), so do the CP exchanges (each rank computes T/cp tokens; the ring
 hides its hops under the block attention) and the MoE all-to-alls (exposed); the
 pipeline's point-to-point sends cost alpha + bytes/bw each;
@@ -63,6 +64,7 @@ from paratrain.cost.layout import ELEMENT_BYTES, RankLayout, coords, rank_layout
 from paratrain.cost.layout import dp_payload_bytes as _payload
 from paratrain.cost.layout import state_bytes as _state_bytes
 from paratrain.plan import ParallelPlan
+from paratrain.predict.fit import fit_from_runs
 from paratrain.predict.machine import (
     DEFAULT_PROFILE,
     FIT_NAME,
@@ -73,7 +75,6 @@ from paratrain.predict.machine import (
     save_fit,
     waterfill,
 )
-from paratrain.predict.model import Prediction, _flops_block, fit_from_runs, predict
 from paratrain.predict.report import (
     CALIBRATE_HINT,
     compare,
@@ -81,6 +82,7 @@ from paratrain.predict.report import (
     summary_prediction,
     summary_row,
 )
+from paratrain.predict.step import Prediction, _flops_block, predict
 
 __all__ = ["CALIBRATE_HINT", "DEFAULT_PROFILE", "ELEMENT_BYTES", "FIT_NAME",
            "MachineModel",

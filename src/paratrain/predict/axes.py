@@ -37,7 +37,7 @@ def moe_blocks(mcfg: ModelConfig, lay: L.RankLayout) -> int:
 
 def moe_extra_flops(mcfg: ModelConfig, plan: ParallelPlan, tokens: float) -> float:
     """FLOPs an MoE block adds (forward + backward, recompute included) over the dense
-    block :func:`paratrain.predict.model._flops_block` priced, on ``tokens`` tokens: the
+    block :func:`paratrain.predict.step._flops_block` priced, on ``tokens`` tokens: the
     router, top_k routed experts and the shared ones instead of the tp-sharded SwiGLU
     (the MoE MLP is whole on every tp rank, :func:`paratrain.parallel.tensor.
     shard_block`); with ep > 1 the busiest rank's experts carry the expected extreme
@@ -46,7 +46,7 @@ def moe_extra_flops(mcfg: ModelConfig, plan: ParallelPlan, tokens: float) -> flo
     imb = expert_imbalance(tokens * K, plan.ep) if plan.ep > 1 else 1.0
     m = as_shape(mcfg)
     moe = m.moe_mlp_params(active=True) + (imb - 1) * K * m.expert_params()
-    dense = 3 * mcfg.d_ff * mcfg.d_model / plan.tp
+    dense = m.dense_mlp_params() / plan.tp
     redo = 4 / 3 if plan.recompute == "full" else 1.0
     return redo * 6.0 * tokens * (moe - dense)
 

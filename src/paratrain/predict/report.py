@@ -11,7 +11,7 @@ from paratrain.cost.layout import ELEMENT_BYTES
 from paratrain.plan import ParallelPlan
 from paratrain.predict.axes import ep_rows_from_load, ep_wire_bytes
 from paratrain.predict.machine import load_machine, sample_other_sessions
-from paratrain.predict.model import Prediction, predict
+from paratrain.predict.step import Prediction, predict
 
 CALIBRATE_HINT = ("prediction: no hardware profile of this machine; run `paratrain bench "
                   "calibrate` to measure it (then every run prints predicted vs measured)")

@@ -79,12 +79,13 @@ def rank_bytes(mcfg, tcfg, plan) -> float:
     (:func:`paratrain.cost.activations.rank_activation_peaks`), or the full FP32 model
     every rank builds before sharding it, whichever is larger."""
     from paratrain.cost.activations import rank_activation_peaks
+    from paratrain.cost.ranks import ELEMENT_BYTES
     from paratrain.cost.shapes import as_shape
     from paratrain.predict import rank_state_bytes
 
     world = plan.dp * plan.tp * plan.pp * plan.cp
     states = max(sum(rank_state_bytes(mcfg, plan, tcfg, r).values()) for r in range(world))
-    elem = {"float64": 8.0, "float32": 4.0}.get(tcfg.dtype, 2.0)
+    elem = float(ELEMENT_BYTES[tcfg.dtype])
     try:
         acts = max(rank_activation_peaks(
             mcfg, plan, tcfg.global_batch * mcfg.context, mcfg.context,

@@ -29,6 +29,7 @@ from functools import lru_cache
 from paratrain.cost.groups import split_batch
 from paratrain.cost.hardware import Hardware
 from paratrain.cost.memory import params_per_gpu
+from paratrain.cost.ranks import virtual_stages
 from paratrain.cost.schedule import bubble_over_compute
 from paratrain.cost.shapes import as_shape
 from paratrain.cost.stages import rank_blocks, stage_costs
@@ -260,7 +261,7 @@ def predict_step(model, plan: ParallelPlan, hw: Hardware, tokens_per_step: int,
     head_f, head_b = head_cost(m, M, plan.tp, hw, chip, rates)
 
     # the busiest pipeline rank: the runtime's split of blocks, the head on the last rank
-    blocks, has_head = _busiest(m, seq_len, plan.pp, plan.virtual_stages, blk_f + blk_b,
+    blocks, has_head = _busiest(m, seq_len, plan.pp, virtual_stages(plan), blk_f + blk_b,
                                 head_f + head_b)
 
     # exposed tensor / context / expert communication, per block per micro-batch
@@ -290,10 +291,10 @@ def predict_step(model, plan: ParallelPlan, hw: Hardware, tokens_per_step: int,
         (tp_t * (1 - eng.tp) + cp_x + ep_t * (1 - eng.ep)) * blocks
     compute_like = mb * stage_mb
     bubble = compute_like * bubble_over_compute(plan.schedule, plan.pp, mb,
-                                                plan.virtual_stages)
+                                                virtual_stages(plan))
     send = ct.pp_send_s(plan, act, hw, sp.nvlink_eff, sp.net_eff, sp.kernel_s,
                         eng.p2p_split)
-    comm["pp"] = 2 * mb * plan.virtual_stages * send
+    comm["pp"] = 2 * mb * virtual_stages(plan) * send
     exposed["pp"] = comm["pp"] * (1 - eng.pp)
 
     p = _params_per_gpu(m, plan.tp, plan.pp, plan.ep)

@@ -45,6 +45,7 @@ from paratrain.cost.groups import group_link, span, split_batch, stage_layers
 from paratrain.cost.hardware import Hardware
 from paratrain.cost.layout import zero_wire_factor
 from paratrain.cost.memory import Precision, params_per_gpu, recipe
+from paratrain.cost.ranks import virtual_stages
 from paratrain.cost.schedule import bubble_formula, bubble_over_compute
 from paratrain.cost.shapes import as_shape
 from paratrain.cost.tp_bytes import tp_forward_backward, tp_wire_bytes_per_layer
@@ -182,6 +183,103 @@ def recompute_flops_per_token(model: ModelConfig, recompute: str, seq_len: int) 
     return 0.0
 
 
+def _dp_group_time(plan: ParallelPlan, algo: str, d: int, payload: float, a: float,
+                   bw: float, kw: dict, compute_mb: float, overlap_fraction: float
+                   ) -> tuple[float, float]:
+    """(seconds, exposed seconds) per step of one reducer's sync over ``d`` ranks: it
+    hides under the last micro-batch's backward (ZeRO-2/3: reduce-scatters under each
+    backward, all-gathers under a forward)."""
+    mb = plan.micro_batches
+    fwd, bwd = (1 - overlap_fraction) * compute_mb, overlap_fraction * compute_mb
+    if plan.zero <= 1:
+        t = coll.time_s("all_reduce", algo, d, payload, a, bw, **kw)
+        return t, max(0.0, t - bwd)
+    t_ag = coll.time_s("all_gather", algo, d, payload, a, bw, **kw)
+    t_rs = coll.time_s("reduce_scatter", algo, d, payload, a, bw, **kw)
+    if plan.pp > 1:  # ZeRO-2/3 under a pipeline: one reduce-scatter + all-gather
+        return t_rs + t_ag, max(0.0, t_rs - bwd) + max(0.0, t_ag - fwd)
+    if plan.zero == 2:  # reduce-scatter under each backward, all-gather under a forward
+        return mb * t_rs + t_ag, mb * max(0.0, t_rs - bwd) + max(0.0, t_ag - fwd)
+    # ZeRO-3: gather for forward, gather + reduce-scatter under backward
+    return mb * (2 * t_ag + t_rs), mb * (max(0.0, t_ag - fwd) + max(0.0, t_ag + t_rs - bwd))
+
+
+def _dp_sync(m: ModelConfig, plan: ParallelPlan, hw: Hardware, prec: Precision,
+             compute_mb: float, overlap_fraction: float, dp_algorithm: str
+             ) -> tuple[float, float, float]:
+    """(seconds, exposed seconds, wire bytes) of the data-parallel sync per step: the
+    dense parameters over dp*cp, the routed experts over dp*cp/ep."""
+    p = params_per_gpu(m, plan)
+    dp_comm = dp_exposed = dp_wire = 0.0
+    groups = ((p.dense, plan.dp * plan.cp, plan.tp),
+              (p.expert, plan.dp * plan.cp // plan.ep, plan.tp * plan.ep))
+    for params, d, stride in groups:
+        if d == 1 or params == 0:
+            continue
+        payload = params * prec.grad_bytes
+        a, bw = hw.link(span(d, stride))
+        algo, g = _dp_algorithm(dp_algorithm, d, max(1, min(d, hw.gpus_per_node // stride)),
+                                span(d, stride) > hw.gpus_per_node)
+        kw = {"gpus_per_node": g, "intra_alpha_s": hw.intra_alpha,
+              "intra_bw_bytes_per_s": hw.intra_bw}
+        dp_wire += dp_sync_wire_bytes(payload, d, plan.zero, plan.micro_batches, plan.pp > 1)
+        t, exposed = _dp_group_time(plan, algo, d, payload, a, bw, kw, compute_mb,
+                                    overlap_fraction)
+        dp_comm += t
+        dp_exposed += exposed
+    return dp_comm, dp_exposed, dp_wire
+
+
+def _tp_terms(m: ModelConfig, plan: ParallelPlan, hw: Hardware, batch, prec: Precision,
+              layers: float, act_bytes: float) -> tuple[float, float]:
+    """(seconds, wire bytes per rank) of the tensor-parallel collectives per step."""
+    if plan.tp == 1:
+        return 0.0, 0.0
+    mb = plan.micro_batches
+    a, bw = group_link(plan, "tp", hw)
+    count = mb * layers * sum(tp_forward_backward(plan.recompute))
+    tp_comm = count * coll.time_s("all_reduce", "ring", plan.tp, act_bytes, a, bw)
+    tp_wire = mb * layers * tp_wire_bytes_per_layer(
+        batch.micro_batch, batch.local_seq, m.d_model, plan.tp, prec.act_bytes,
+        prec.act_bytes, plan.recompute)
+    return tp_comm, tp_wire
+
+
+def _pp_time(plan: ParallelPlan, hw: Hardware, act_bytes: float) -> float:
+    """Point-to-point seconds per step, on the slowest hop between neighbouring stages."""
+    if plan.pp == 1:
+        return 0.0
+    a, bw = group_link(plan, "pp", hw)
+    send = a + act_bytes / plan.tp / bw
+    return 2 * plan.micro_batches * virtual_stages(plan) * send
+
+
+def _cp_terms(m: ModelConfig, plan: ParallelPlan, hw: Hardware, batch, prec: Precision,
+              layers: float, attn_s: float) -> tuple[float, float]:
+    """(seconds, exposed seconds) of ring attention's K/V passes per step; they hide
+    under the attention's ``attn_s``."""
+    if plan.cp == 1:
+        return 0.0, 0.0
+    a, bw = group_link(plan, "cp", hw)
+    kv_bytes = 2 * batch.micro_batch * batch.local_seq * m.kv_heads * m.head_dim * \
+        prec.act_bytes / plan.tp
+    per_layer = 3 * coll.time_s("all_gather", "ring", plan.cp, plan.cp * kv_bytes, a, bw)
+    cp_comm = plan.micro_batches * layers * per_layer
+    return cp_comm, max(0.0, cp_comm - attn_s)
+
+
+def _ep_time(m: ModelConfig, plan: ParallelPlan, hw: Hardware, layers: float,
+             act_bytes: float) -> float:
+    """Seconds of the MoE all-to-alls per step: dispatch and combine, forward and back."""
+    if plan.ep == 1 or not m.is_moe:
+        return 0.0
+    a, bw = group_link(plan, "ep", hw)
+    moe_layers = m.moe_layers * layers / m.n_layers
+    payload = act_bytes * m.top_k
+    return plan.micro_batches * moe_layers * 4 * coll.time_s("all_to_all", "naive", plan.ep,
+                                                             payload, a, bw)
+
+
 def step_time(model: ModelConfig, plan: ParallelPlan, hw: Hardware, tokens_per_step: int,
               seq_len: int, *, eta: float | None = None,
               overlap_fraction: float = OVERLAP_FRACTION,
@@ -209,83 +307,19 @@ def step_time(model: ModelConfig, plan: ParallelPlan, hw: Hardware, tokens_per_s
         tokens_per_step
     rate = gpus * hw.peak_flops * eta
     compute_s = hw_flops / rate * (1 + overhead_width / m.d_model)
-    bubble_s = compute_s * bubble_over_compute(plan.schedule, plan.pp, mb, plan.virtual_stages)
+    bubble_s = compute_s * bubble_over_compute(plan.schedule, plan.pp, mb, virtual_stages(plan))
     compute_mb = compute_s / mb  # one micro-batch's forward + backward on a stage
+    dp_comm, dp_exposed, dp_wire = _dp_sync(m, plan, hw, prec, compute_mb, overlap_fraction,
+                                            dp_algorithm)
 
-    # ---- data parallel (dense over dp*cp, experts over dp*cp/ep) ----------------------
-    p = params_per_gpu(m, plan)
-    dp_comm = dp_exposed = dp_wire = 0.0
-    groups = ((p.dense, plan.dp * plan.cp, plan.tp),
-              (p.expert, plan.dp * plan.cp // plan.ep, plan.tp * plan.ep))
-    for params, d, stride in groups:
-        if d == 1 or params == 0:
-            continue
-        payload = params * prec.grad_bytes
-        a, bw = hw.link(span(d, stride))
-        algo, g = _dp_algorithm(dp_algorithm, d, max(1, min(d, hw.gpus_per_node // stride)),
-                                span(d, stride) > hw.gpus_per_node)
-        kw = {"gpus_per_node": g, "intra_alpha_s": hw.intra_alpha,
-              "intra_bw_bytes_per_s": hw.intra_bw}
-        dp_wire += dp_sync_wire_bytes(payload, d, plan.zero, mb, plan.pp > 1)
-        fwd, bwd = (1 - overlap_fraction) * compute_mb, overlap_fraction * compute_mb
-        if plan.zero <= 1:
-            t = coll.time_s("all_reduce", algo, d, payload, a, bw, **kw)
-            dp_comm += t
-            dp_exposed += max(0.0, t - bwd)
-            continue
-        t_ag = coll.time_s("all_gather", algo, d, payload, a, bw, **kw)
-        t_rs = coll.time_s("reduce_scatter", algo, d, payload, a, bw, **kw)
-        if plan.pp > 1:  # ZeRO-2/3 under a pipeline: one reduce-scatter + all-gather
-            dp_comm += t_rs + t_ag
-            dp_exposed += max(0.0, t_rs - bwd) + max(0.0, t_ag - fwd)
-        elif plan.zero == 2:  # reduce-scatter under each backward, all-gather under a forward
-            dp_comm += mb * t_rs + t_ag
-            dp_exposed += mb * max(0.0, t_rs - bwd) + max(0.0, t_ag - fwd)
-        else:  # ZeRO-3: gather for forward, gather + reduce-scatter under backward
-            dp_comm += mb * (2 * t_ag + t_rs)
-            dp_exposed += mb * (max(0.0, t_ag - fwd) + max(0.0, t_ag + t_rs - bwd))
-
-    layers = stage_layers(m.n_layers, plan.pp, model=m, virtual_stages=plan.virtual_stages,
+    layers = stage_layers(m.n_layers, plan.pp, model=m, virtual_stages=virtual_stages(plan),
                           seq_len=seq_len)  # the runtime's busiest pipeline rank
     act_bytes = batch.micro_batch * batch.local_seq * m.d_model * prec.act_bytes
-
-    # ---- tensor parallel -----------------------------------------------------------------
-    tp_comm = tp_wire = 0.0
-    if plan.tp > 1:
-        a, bw = group_link(plan, "tp", hw)
-        count = mb * layers * sum(tp_forward_backward(plan.recompute))
-        tp_comm = count * coll.time_s("all_reduce", "ring", plan.tp, act_bytes, a, bw)
-        tp_wire = mb * layers * tp_wire_bytes_per_layer(
-            batch.micro_batch, batch.local_seq, m.d_model, plan.tp, prec.act_bytes,
-            prec.act_bytes, plan.recompute)
-
-    # ---- pipeline point-to-point -------------------------------------------------------------
-    pp_comm = 0.0
-    if plan.pp > 1:
-        a, bw = group_link(plan, "pp", hw)  # the slowest hop between neighbouring stages
-        send = a + act_bytes / plan.tp / bw
-        pp_comm = 2 * mb * plan.virtual_stages * send
-
-    # ---- context parallel (ring attention) -------------------------------------------------
-    cp_comm = cp_exposed = 0.0
-    if plan.cp > 1:
-        a, bw = group_link(plan, "cp", hw)
-        kv_bytes = 2 * batch.micro_batch * batch.local_seq * m.kv_heads * m.head_dim * \
-            prec.act_bytes / plan.tp
-        per_layer = 3 * coll.time_s("all_gather", "ring", plan.cp, plan.cp * kv_bytes, a, bw)
-        cp_comm = mb * layers * per_layer
-        attn_s = m.attention_flops_per_token(seq_len) * tokens_per_step / rate
-        cp_exposed = max(0.0, cp_comm - attn_s)
-
-    # ---- expert parallel all-to-all -----------------------------------------------------------
-    ep_comm = 0.0
-    if plan.ep > 1 and m.is_moe:
-        a, bw = group_link(plan, "ep", hw)
-        moe_layers = m.moe_layers * layers / m.n_layers
-        payload = act_bytes * m.top_k
-        ep_comm = mb * moe_layers * 4 * coll.time_s("all_to_all", "naive", plan.ep, payload,
-                                                    a, bw)
-
+    tp_comm, tp_wire = _tp_terms(m, plan, hw, batch, prec, layers, act_bytes)
+    pp_comm = _pp_time(plan, hw, act_bytes)
+    attn_s = m.attention_flops_per_token(seq_len) * tokens_per_step / rate
+    cp_comm, cp_exposed = _cp_terms(m, plan, hw, batch, prec, layers, attn_s)
+    ep_comm = _ep_time(m, plan, hw, layers, act_bytes)
     if not plan.overlap:
         dp_exposed, cp_exposed = dp_comm, cp_comm
     return StepTime(compute_s, bubble_s, dp_comm, dp_exposed, tp_comm, pp_comm, cp_comm,

@@ -2,7 +2,7 @@
 
 Drawn from the very :class:`~paratrain.cost.schedule.PipelineSchedule` the runtime
 executes: the predicted panel places each action at the time
-:func:`~paratrain.cost.schedule.simulate_pipeline` gives it (F = 1, B = 2,
+:func:`~paratrain.cost.pipeline_sim.simulate_pipeline` gives it (F = 1, B = 2,
 BI = BW = 1 per full stage, a chunk 1/v of that); white gaps are the bubble. With a
 measured timeline (``RUN_DIR/pipeline_timeline.json``, written by ``paratrain train``
 with ``--pp > 1``) a second panel draws the recorded start and end of every action of
@@ -74,11 +74,8 @@ def draw_pipeline(name: str, pp: int, micro_batches: int, virtual_stages: int, o
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
-    from paratrain.cost.schedule import (
-        bubble_formula,
-        build_schedule,
-        simulate_pipeline,
-    )
+    from paratrain.cost.pipeline_sim import simulate_pipeline
+    from paratrain.cost.schedule import bubble_formula, build_schedule
 
     sched = build_schedule(name, pp, micro_batches, virtual_stages)
     tl = simulate_pipeline(sched)

@@ -123,11 +123,12 @@ def global_boxes(engine, mcfg, plan) -> dict[int, tuple[str, tuple, tuple, tuple
     if not hasattr(engine, "mesh"):  # one process: the plain model itself
         return {id(p): (n, tuple(p.shape), (0,) * p.dim(), tuple(p.shape))
                 for n, p in engine.model.named_parameters()}
+    from paratrain.cost.ranks import virtual_stages
     from paratrain.parallel.pipeline.stage import build_chunks
     from paratrain.parallel.tensor import apply_tensor_parallel
 
     probe, names, shapes = _probe(mcfg)
-    v = plan.virtual_stages if plan.schedule == "interleaved" and plan.pp > 1 else 1
+    v = virtual_stages(plan)
     chunks = build_chunks(probe, plan.pp, v, engine.pp_rank)
     for c in chunks:
         apply_tensor_parallel(c, engine.mesh, plan)

@@ -19,11 +19,11 @@ Each pipeline rank walks its own action list in order:
 Note (why this cannot deadlock on gloo). Sends are never waited on until the whole list
 is done, so a rank only ever blocks in ``wait()`` of a receive, and that receive's
 producer is an earlier compute action of another rank in the validated schedule
-(:func:`~.schedule.validate` executes the lists under exactly these semantics and
-rejects cycles). Posting an ``irecv`` never blocks, so the runtime posts the receives of
-the *next* compute action before running the current one (their transfer overlaps it);
-the wait still happens only right before the consumer, so the order of blocking points
-is exactly the validated one.
+(:func:`paratrain.cost.pipeline_sim.validate` executes the lists under exactly these
+semantics and rejects cycles). Posting an ``irecv`` never blocks, so the runtime posts
+the receives of the *next* compute action before running the current one (their transfer
+overlaps it); the wait still happens only right before the consumer, so the order of
+blocking points is exactly the validated one.
 Messages are matched by tag (kind, micro-batch, receiving virtual stage), so several
 in-flight messages between the same two ranks cannot be confused; on the world group
 different (dp, tp) pipelines use disjoint rank pairs. At the end of the step all sends

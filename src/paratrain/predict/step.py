@@ -1,6 +1,9 @@
-"""One step of one run on this machine, priced (:func:`predict`), and the CPU fit that
-calibrates it from single-process runs (:func:`fit_from_runs`). Every byte count comes
-from :mod:`paratrain.cost.layout` (CP, EP terms: :mod:`paratrain.predict.axes`)."""
+"""One step of one run on this machine, priced (:func:`predict`): this machine's profile
+(:mod:`paratrain.predict.machine`, calibrated by :mod:`paratrain.predict.fit`) over the
+costs of :mod:`paratrain.cost`. Every byte count comes from :mod:`paratrain.cost.layout`
+(CP, EP terms: :mod:`paratrain.predict.axes`), the stage split from
+:func:`paratrain.cost.layout.rank_layout`, the pipeline's fill from the schedule
+(:mod:`paratrain.predict.pipeline`)."""
 
 from __future__ import annotations
 
@@ -11,6 +14,8 @@ from paratrain.cost import collectives as coll
 from paratrain.cost import layout as L
 from paratrain.cost.hardware import Hardware
 from paratrain.cost.layout import ELEMENT_BYTES, RankLayout
+from paratrain.cost.ranks import virtual_stages
+from paratrain.cost.run_figures import predicted_activations, predicted_states
 from paratrain.cost.shapes import as_shape
 from paratrain.cost.tp_bytes import tp_forward_backward
 from paratrain.plan import ParallelPlan
@@ -26,6 +31,7 @@ from paratrain.predict.axes import (
     one_host,
 )
 from paratrain.predict.machine import MachineModel
+from paratrain.predict.pipeline import pipeline_bubble, pipeline_path, slowest_stage
 from paratrain.systems.layer_cost import expert_imbalance
 
 
@@ -110,7 +116,7 @@ def _stage_mb_time(mcfg: ModelConfig, plan: ParallelPlan, lay: RankLayout, token
     f = lay.blocks * _flops_block(mcfg, tokens_mb, plan.tp, plan.recompute)
     f += moe_blocks(mcfg, lay) * moe_extra_flops(mcfg, plan, tokens_mb)
     if lay.last:
-        f += tokens_mb * 6.0 * mcfg.d_model * mcfg.vocab_size / plan.tp  # the head
+        f += tokens_mb * as_shape(mcfg).head_flops_per_token() / plan.tp  # the head
     passes = lay.blocks + (1 if (lay.first or lay.last) else 0)
     return f / rate, passes * pass_s
 
@@ -181,199 +187,184 @@ def _comm_cpu(machine: MachineModel, p: int, calls: list[tuple[str, float, int]]
     return total
 
 
-def predict(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan, world: int,
-            machine: MachineModel) -> Prediction:
-    """Price one step of ``plan`` (any composition of dp, pp, tp/sp, cp, ep) on ``world``
-    one-thread ranks of this machine."""
+@dataclass(frozen=True)
+class _Run:
+    """What every term of one prediction shares: the run, this machine and one
+    micro-batch's sizes on a rank."""
+
+    mcfg: ModelConfig
+    tcfg: TrainConfig
+    plan: ParallelPlan
+    machine: MachineModel
+    hw: Hardware  # this machine as one host of ``world`` ranks
+    world: int
+    rate: float  # FLOP/s of a free core at eta: the critical path is priced on free cores
+    e: int  # bytes per element of the run's dtype
+    seqs_mb: float  # sequences of a micro-batch on a dp rank
+    tokens_mb: float  # the rank's tokens of them: T/cp each (the load-balanced split)
+    batch: int  # sequences per dp rank and step
+    lays: list[RankLayout]  # per pipeline stage, its rank (dp 0, cp 0, tp 0)
+
+    @property
+    def m(self) -> int:
+        return self.plan.micro_batches
+
+    @property
+    def act(self) -> float:
+        """A micro-batch's activations on the rank (bytes)."""
+        return self.tokens_mb * self.mcfg.d_model * self.e
+
+
+def _run(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan, world: int,
+         machine: MachineModel) -> _Run:
     if plan.world_size != world:
         raise ValueError(f"plan needs {plan.world_size} ranks but world={world}; match them")
-    hw = one_host(machine.hw, world)
-    notes: list[str] = []
-    share = machine.share(world)
-    rate = machine.eta * machine.thread_peak  # the critical path is priced on free cores
-    pass_s, fixed_s = machine.pass_s, machine.step_s
-    e = ELEMENT_BYTES[tcfg.dtype]
-    m = plan.micro_batches
-    seqs_mb = tcfg.global_batch / plan.dp / m
-    tokens_mb = seqs_mb * mcfg.context / plan.cp  # the load-balanced split: equal work
-    batch = int(tcfg.global_batch // plan.dp)
+    seqs_mb = tcfg.global_batch / plan.dp / plan.micro_batches
+    lays = [L.rank_layout(mcfg, plan, L.rank_of(s, 0, 0, plan)) for s in range(plan.pp)]
+    return _Run(mcfg, tcfg, plan, machine, one_host(machine.hw, world), world,
+                machine.eta * machine.thread_peak, ELEMENT_BYTES[tcfg.dtype], seqs_mb,
+                seqs_mb * mcfg.context / plan.cp, int(tcfg.global_batch // plan.dp), lays)
+
+
+def _notes(r: _Run, share: float) -> list[str]:
+    """What the reader of the prediction should know about its inputs."""
+    machine, notes = r.machine, []
     if share < 1:
-        notes.append(f"{world} ranks on {machine.cores} cores beside "
+        notes.append(f"{r.world} ranks on {machine.cores} cores beside "
                      f"{machine.other_sessions:.1f} other busy sessions "
                      f"({machine.other_threads:.1f} runnable threads): each rank gets "
                      f"{share:.2f} of a core")
-    if plan.ep > 1:
+    if r.plan.ep > 1:
+        imb = expert_imbalance(r.tokens_mb * r.mcfg.top_k, r.plan.ep)
         notes.append("EP all-to-all bytes expected under uniform routing (the measured "
                      "ones follow the router); the busiest rank's experts carry "
-                     f"x{expert_imbalance(tokens_mb * mcfg.top_k, plan.ep):.3f} the mean load")
+                     f"x{imb:.3f} the mean load")
     if not machine.fitted:
         notes.append("no CPU fit: eta from the profile, fixed costs 0 (run paratrain "
                      "check-model)")
+    return notes
 
-    # ---- per stage and micro-batch: FLOPs, fixed costs, TP, CP and EP exchanges ----------
-    a, bw = hw.intra_alpha, hw.intra_bw
-    act = tokens_mb * mcfg.d_model * e  # a micro-batch's activations on the rank
-    cp_blk, cp_exp_blk = cp_block_s(mcfg, plan, seqs_mb, tokens_mb, rate, hw, e)
-    ep_blk = ep_block_s(mcfg, plan, tokens_mb, hw, e)
-    stages, cp_tot = [], []  # (flop_s, fixed_s, tp_s, cp exposed s, ep_s) per micro-batch
-    lays = [L.rank_layout(mcfg, plan, L.rank_of(s, 0, 0, plan)) for s in range(plan.pp)]
-    for lay in lays:
-        f, fx = _stage_mb_time(mcfg, plan, lay, tokens_mb, rate, pass_s)
+
+def _stage_terms(r: _Run) -> tuple[list[tuple[float, ...]], list[float]]:
+    """Per pipeline stage and micro-batch: (FLOP s, fixed s, TP s, exposed CP s, EP s),
+    and the CP exchange in total."""
+    mcfg, plan = r.mcfg, r.plan
+    a, bw = r.hw.intra_alpha, r.hw.intra_bw
+    cp_blk, cp_exp_blk = cp_block_s(mcfg, plan, r.seqs_mb, r.tokens_mb, r.rate, r.hw, r.e)
+    ep_blk = ep_block_s(mcfg, plan, r.tokens_mb, r.hw, r.e)
+    stages, cp_tot = [], []
+    for lay in r.lays:
+        f, fx = _stage_mb_time(mcfg, plan, lay, r.tokens_mb, r.rate, r.machine.pass_s)
         tp_t = sum(k * coll.time_s(op, "ring", plan.tp, n, a, bw)
-                   for op, n, k in _tp_calls(mcfg, plan, lay, act, seqs_mb)) / m
+                   for op, n, k in _tp_calls(mcfg, plan, lay, r.act, r.seqs_mb)) / r.m
         stages.append((f, fx, tp_t, lay.blocks * cp_exp_blk, moe_blocks(mcfg, lay) * ep_blk))
         cp_tot.append(lay.blocks * cp_blk)
+    return stages, cp_tot
+
+
+def _tp_wire(r: _Run) -> float:
+    """Bytes rank 0 sends per step in its blocks' TP collectives."""
+    if r.plan.tp == 1:
+        return 0.0
+    n, k = _tp_block_calls(r.mcfg, r.plan, r.lays[0], r.act)
+    return r.m * k * coll.wire_bytes("all_reduce", "ring", r.plan.tp, n)
+
+
+def _cp_wire(r: _Run, lay: RankLayout) -> float:
+    return L.cp_wire_bytes(r.mcfg, r.plan, r.e, r.batch, lay.blocks)
+
+
+def _ep_wire(r: _Run, lay: RankLayout) -> float:
+    rows = r.m * moe_blocks(r.mcfg, lay) * ep_rows_uniform(r.mcfg, r.plan, r.tokens_mb)
+    return ep_wire_bytes(r.mcfg, r.plan, r.e, rows, rows, r.m * moe_blocks(r.mcfg, lay))
+
+
+def _pp_terms(r: _Run) -> tuple[float, float]:
+    """(seconds along the critical path, bytes rank 0 sends) of the pipeline's sends."""
+    plan, lay0 = r.plan, r.lays[0]
+    if plan.pp == 1:
+        return 0.0, 0.0
+    v = virtual_stages(plan)
+    hop = r.act / (plan.tp if plan.sp else 1)
+    pp_s = 2 * (r.m + plan.pp - 1) * v * (r.hw.intra_alpha + hop / r.hw.intra_bw)
+    sends = (0 if lay0.last else 1) + (0 if lay0.first else 1)  # rank 0: forward only
+    return pp_s, r.m * v * sends * hop
+
+
+def _dp_terms(r: _Run, first_flop_s: float) -> tuple[float, float]:
+    """(total, exposed) seconds of the data-parallel sync (over dp x cp; with ep, the
+    dense and expert reducers) of rank 0, whose first stage computes ``first_flop_s``
+    per micro-batch."""
+    plan = r.plan
+    groups = _dp_groups(r.mcfg, plan, r.tcfg, 0)
+    if not groups:
+        return 0.0, 0.0
+    a, bw = r.hw.intra_alpha, r.hw.intra_bw
+    calls = [c for _, cs in groups for c in cs]
+    dp_s = sum(k * coll.time_s(op, "ring", p, n, a, bw) for p, cs in groups for op, n, k in cs)
+    # Buckets that fill before backward ends can hide under it; the last cannot. A
+    # pipeline reduces each chunk after its last backward, top-k after backward, and
+    # ZeRO-3 gathers sit in the path.
+    hidden = 0.0
+    last = calls[-1][1]
+    total = sum(n for _, n, _ in calls)
+    if plan.overlap and plan.pp == 1 and L.dp_kind(plan) in ("ddp", "zero") and len(calls) > 1:
+        hidden = min(dp_s * (1 - last / total), (2 / 3) * first_flop_s)
+    return dp_s, dp_s - hidden
+
+
+def _rank_cpu(r: _Run, lay: RankLayout, stage: tuple[float, ...]) -> float:
+    """CPU seconds one rank of ``lay``'s stage spends per step: its compute and fixed
+    costs, and the CPU its collectives and sends cost (per ring step and per byte sent,
+    measured)."""
+    mcfg, plan, machine, m = r.mcfg, r.plan, r.machine, r.m
+    c = m * (stage[0] + stage[1]) + machine.step_s
+    c += _comm_cpu(machine, plan.tp, _tp_calls(mcfg, plan, lay, r.act, r.seqs_mb))
+    c += _comm_cpu(machine, plan.pp, _pp_calls(plan, lay, r.act, virtual_stages(plan)))
+    c += _comm_cpu(machine, plan.cp, cp_calls(plan, _cp_wire(r, lay), lay.blocks))
+    c += _comm_cpu(machine, plan.ep, ep_calls(plan, _ep_wire(r, lay),
+                                              m * moe_blocks(mcfg, lay)))
+    c += sum(_comm_cpu(machine, p, cs) for p, cs in _dp_groups(mcfg, plan, r.tcfg, lay.rank))
+    c += _comm_cpu(machine, r.world, [("all_reduce", 8.0, 2)])  # loss, grad norm
+    return c
+
+
+def predict(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan, world: int,
+            machine: MachineModel) -> Prediction:
+    """Price one step of ``plan`` (any composition of dp, pp, tp/sp, cp, ep) on ``world``
+    one-thread ranks of this machine: max(the critical path, the session's CPU work over
+    the cores it gets); the pipeline's fill is the schedule's own bubble
+    (:mod:`paratrain.predict.pipeline`)."""
+    r = _run(mcfg, tcfg, plan, world, machine)
+    share = machine.share(world)
+    notes = _notes(r, share)
+    stages, cp_tot = _stage_terms(r)
     per_stage = [sum(x) for x in stages]
-    v = plan.virtual_stages if plan.schedule == "interleaved" and plan.pp > 1 else 1
-    slow = max(range(plan.pp), key=lambda i: per_stage[i])
-    others = [i for i in range(plan.pp) if i != slow]
-
-    def path(xs: list[float]) -> float:
-        """Along the critical path: m x the slowest stage's + the others' fill."""
-        return m * xs[slow] + sum(xs[i] for i in others) / v
-
-    flop_s, fixed_path, tp_s, cp_exposed, ep_s = (path([st[j] for st in stages])
-                                                  for j in range(5))
-    cp_s = path(cp_tot)
-    bubble_s = sum(per_stage[i] for i in others) / v
-    overhead_s = fixed_path + fixed_s
-    lay0 = lays[0]
-    tp_wire = 0.0
-    if plan.tp > 1:
-        n, k = _tp_block_calls(mcfg, plan, lay0, act)
-        tp_wire = m * k * coll.wire_bytes("all_reduce", "ring", plan.tp, n)
-
-    def cp_wire(lay: RankLayout) -> float:
-        return L.cp_wire_bytes(mcfg, plan, e, batch, lay.blocks)
-
-    def ep_wire(lay: RankLayout) -> float:
-        rows = m * moe_blocks(mcfg, lay) * ep_rows_uniform(mcfg, plan, tokens_mb)
-        return ep_wire_bytes(mcfg, plan, e, rows, rows, m * moe_blocks(mcfg, lay))
-
-    # ---- pipeline point-to-point ------------------------------------------------------------
-    pp_s = pp_wire = 0.0
-    if plan.pp > 1:
-        hop = act / (plan.tp if plan.sp else 1)
-        pp_s = 2 * (m + plan.pp - 1) * v * (a + hop / bw)
-        sends = (0 if lay0.last else 1) + (0 if lay0.first else 1)  # rank 0: forward only
-        pp_wire = m * v * sends * hop
-
-    # ---- data parallel (over dp x cp; with ep, dense and expert reducers) -------------------
-    dp_s = dp_exposed = 0.0
-    states = [L.state_bytes(mcfg, plan, tcfg.dtype, r, tcfg.reduce_dtype) for r in range(world)]
-    wires = [L.dp_wire_bytes(mcfg, plan, tcfg.dtype, r, tcfg.reduce_dtype) for r in range(world)]
-    groups = _dp_groups(mcfg, plan, tcfg, 0)
-    if groups:
-        calls = [c for _, cs in groups for c in cs]
-        dp_s = sum(k * coll.time_s(op, "ring", p, n, a, bw)
-                   for p, cs in groups for op, n, k in cs)
-        # Buckets that fill before backward ends can hide under it; the last cannot. A
-        # pipeline reduces each chunk after its last backward, top-k after backward, and
-        # ZeRO-3 gathers sit in the path.
-        hidden = 0.0
-        last = calls[-1][1]
-        total = sum(n for _, n, _ in calls)
-        if plan.overlap and plan.pp == 1 and L.dp_kind(plan) in ("ddp", "zero") \
-                and len(calls) > 1:
-            hidden = min(dp_s * (1 - last / total), (2 / 3) * stages[0][0])
-        dp_exposed = dp_s - hidden
-
+    slow = slowest_stage(per_stage)
+    flop_s, fixed_path, tp_s, cp_exposed, ep_s = (
+        pipeline_path([st[j] for st in stages], slow, plan) for j in range(5))
+    overhead_s = fixed_path + machine.step_s
+    pp_s, pp_wire = _pp_terms(r)
+    dp_s, dp_exposed = _dp_terms(r, stages[0][0])
     crit = flop_s + overhead_s + tp_s + cp_exposed + ep_s + pp_s + dp_exposed
-    # CPU work of the whole session per step: every rank's compute and fixed costs, and
-    # the CPU its collectives and sends cost (per ring step and per byte sent, measured).
-    cpu = []
-    for i, lay_s in enumerate(lays):
-        c = m * (stages[i][0] + stages[i][1]) + fixed_s
-        c += _comm_cpu(machine, plan.tp, _tp_calls(mcfg, plan, lay_s, act, seqs_mb))
-        c += _comm_cpu(machine, plan.pp, _pp_calls(plan, lay_s, act, v))
-        c += _comm_cpu(machine, plan.cp, cp_calls(plan, cp_wire(lay_s), lay_s.blocks))
-        c += _comm_cpu(machine, plan.ep, ep_calls(plan, ep_wire(lay_s),
-                                                  m * moe_blocks(mcfg, lay_s)))
-        c += sum(_comm_cpu(machine, p, cs) for p, cs in _dp_groups(mcfg, plan, tcfg,
-                                                                    lay_s.rank))
-        c += _comm_cpu(machine, world, [("all_reduce", 8.0, 2)])  # loss, grad norm
-        cpu.append(c)
+    cpu = [_rank_cpu(r, lay, stages[i]) for i, lay in enumerate(r.lays)]
     work = plan.dp * plan.cp * plan.tp * sum(cpu)
     cores = share * world
-    step = max(crit, work / cores)
     if work / cores > crit:
         notes.append(f"CPU-bound: the session's {work:.3f} CPU s per step on {cores:.2f} "
                      f"cores take longer than the critical path ({crit:.3f} s)")
-    from paratrain.parallel.memory import predicted_activations, predicted_states
-
-    sys_states = sum(predicted_states(mcfg, plan, tcfg).values())
+    states = [L.state_bytes(mcfg, plan, tcfg.dtype, q, tcfg.reduce_dtype) for q in range(world)]
+    wires = [L.dp_wire_bytes(mcfg, plan, tcfg.dtype, q, tcfg.reduce_dtype) for q in range(world)]
     return Prediction(
-        step_s=step, compute_s=flop_s, overhead_s=overhead_s, bubble_s=bubble_s,
-        tp_comm_s=tp_s, pp_comm_s=pp_s, dp_comm_s=dp_s, dp_exposed_s=dp_exposed,
-        share=share, critical_path_s=crit, session_work_s=work, session_cores=cores,
-        cpu_rank0_s=cpu[0], dp_wire_bytes=wires[0], tp_wire_bytes=tp_wire,
-        pp_wire_bytes=pp_wire, cp_comm_s=cp_s, cp_exposed_s=cp_exposed, ep_comm_s=ep_s,
-        cp_wire_bytes=cp_wire(lay0), ep_wire_bytes=ep_wire(lay0),
-        states_bytes_per_rank=states, dp_wire_bytes_per_rank=wires,
-        systems_states_bytes=sys_states,
+        step_s=max(crit, work / cores), compute_s=flop_s, overhead_s=overhead_s,
+        bubble_s=pipeline_bubble(per_stage, plan), tp_comm_s=tp_s, pp_comm_s=pp_s,
+        dp_comm_s=dp_s, dp_exposed_s=dp_exposed, share=share, critical_path_s=crit,
+        session_work_s=work, session_cores=cores, cpu_rank0_s=cpu[0],
+        dp_wire_bytes=wires[0], tp_wire_bytes=_tp_wire(r), pp_wire_bytes=pp_wire,
+        cp_comm_s=pipeline_path(cp_tot, slow, plan), cp_exposed_s=cp_exposed,
+        ep_comm_s=ep_s, cp_wire_bytes=_cp_wire(r, r.lays[0]),
+        ep_wire_bytes=_ep_wire(r, r.lays[0]), states_bytes_per_rank=states,
+        dp_wire_bytes_per_rank=wires,
+        systems_states_bytes=sum(predicted_states(mcfg, plan, tcfg).values()),
         activations_bytes=predicted_activations(mcfg, plan, tcfg), machine=machine.source,
         notes=notes)
-
-
-# ---- fitting eta and the fixed costs from single-process runs -------------------------------
-def fit_from_runs(mcfg: ModelConfig, runs: list[tuple[int, int, float]], hw: Hardware,
-                  thread_peak: float) -> MachineModel:
-    """Least squares t = F / R + units x pass_s + step_s over one-process runs.
-
-    ``runs``: (global_batch, micro_batches, seconds per step on a whole core: CPU time)
-    of the same model. F is the step's FLOPs, units = micro_batches x (blocks + 1). Needs
-    runs that differ in both batch and micro-batches (at least 3). eta = R / thread_peak.
-    """
-    if len(runs) < 3:
-        raise ValueError(f"{len(runs)} runs cannot fit 3 parameters; pass at least 3")
-    rows, ts = [], []
-    for gb, m, t in runs:
-        f = mcfg.n_layers * _flops_block(mcfg, gb * mcfg.context, 1) + \
-            gb * mcfg.context * 6.0 * mcfg.d_model * mcfg.vocab_size
-        rows.append((f, m * (mcfg.n_layers + 1), 1.0))
-        ts.append(t)
-    inv_r, pass_s, step_s = _nnls3(rows, ts)
-    if inv_r <= 0:
-        raise ValueError("the fit found no FLOP-proportional time; use larger batches")
-    return MachineModel(hw, 1.0 / inv_r / thread_peak, thread_peak, pass_s, step_s,
-                        fitted=True, source="fit")
-
-
-def _solve3(a: list[list[float]], b: list[float]) -> list[float] | None:
-    """Gaussian elimination for a small square system; None if singular."""
-    n = len(b)
-    m = [row[:] + [b[i]] for i, row in enumerate(a)]
-    for c in range(n):
-        piv = max(range(c, n), key=lambda r: abs(m[r][c]))
-        if abs(m[piv][c]) < 1e-300:
-            return None
-        m[c], m[piv] = m[piv], m[c]
-        for r in range(n):
-            if r != c:
-                f = m[r][c] / m[c][c]
-                m[r] = [x - f * y for x, y in zip(m[r], m[c], strict=True)]
-    return [m[i][n] / m[i][i] for i in range(n)]
-
-
-def _nnls3(rows: list[tuple[float, ...]], ts: list[float]) -> list[float]:
-    """Non-negative least squares for 3 unknowns: try every subset of free unknowns
-    (8 of them), keep the best feasible one. Columns are scaled first."""
-    k = len(rows[0])
-    scale = [max(abs(r[j]) for r in rows) or 1.0 for j in range(k)]
-    x_rows = [[r[j] / scale[j] for j in range(k)] for r in rows]
-    best, best_err = [0.0] * k, sum(t * t for t in ts)
-    for mask in range(1, 1 << k):
-        free = [j for j in range(k) if mask >> j & 1]
-        ata = [[sum(r[i] * r[j] for r in x_rows) for j in free] for i in free]
-        atb = [sum(r[i] * t for r, t in zip(x_rows, ts, strict=True)) for i in free]
-        sol = _solve3(ata, atb)
-        if sol is None or min(sol) < 0:
-            continue
-        x = [0.0] * k
-        for j, v in zip(free, sol, strict=True):
-            x[j] = v
-        err = sum((sum(r[j] * x[j] for j in range(k)) - t) ** 2
-                  for r, t in zip(x_rows, ts, strict=True))
-        if err < best_err - 1e-18:
-            best, best_err = x, err
-    return [best[j] / scale[j] for j in range(k)]
