@@ -7,7 +7,19 @@ from pathlib import Path
 
 import pytest
 
+from paratrain.config import ModelConfig, flag_for
+
 CORPUS = Path(__file__).parent / "data" / "corpus.txt.gz"
+
+# The tests' tiny decoder (2 blocks, d_model 32, 4 heads, SwiGLU 64, context 16): one
+# definition, varied with TINY.replace(...) where a test needs another shape.
+TINY = ModelConfig(n_layers=2, d_model=32, n_heads=4, d_ff=64, context=16)
+
+
+def tiny_flags(cfg: ModelConfig = TINY) -> list[str]:
+    """``cfg``'s shape as `paratrain train` flags (the flag names come from the schema)."""
+    names = ("n_layers", "d_model", "n_heads", "d_ff", "context")
+    return [a for n in names for a in (flag_for(n), str(getattr(cfg, n)))]
 
 
 @pytest.fixture(scope="session")

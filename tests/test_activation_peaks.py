@@ -37,12 +37,13 @@ from __future__ import annotations
 
 import pytest
 
-from paratrain.config import ModelConfig, TrainConfig
+from conftest import TINY
+from paratrain.config import TrainConfig
 from paratrain.parallel.process_groups import spawn
 from paratrain.plan import ParallelPlan as P
 from paratrain.run.loop import RunOptions, train
 
-M = ModelConfig(n_layers=4, d_model=32, n_heads=4, d_ff=64, context=16)
+M = TINY.replace(n_layers=4)
 KINDS = [("float64", "sdpa"), ("float32", "eager")]
 LAYOUTS = {
     "dp2": P(dp=2),

@@ -21,6 +21,7 @@ import json
 import pytest
 import torch
 
+from conftest import TINY
 from paratrain.config import ModelConfig
 from paratrain.cost.memory import (
     block_activation_bytes,
@@ -32,7 +33,7 @@ from paratrain.parallel.memory import ActivationMeter
 from paratrain.parallel.recompute import apply_recompute
 
 CFGS = [
-    ModelConfig(n_layers=2, d_model=32, n_heads=4, d_ff=64, context=16),
+    TINY,
     ModelConfig(n_layers=2, d_model=48, n_heads=6, n_kv_heads=2, d_ff=96, context=16),  # GQA
     ModelConfig(n_layers=2, d_model=64, n_heads=4, n_kv_heads=1, d_ff=128, context=16),  # MQA
 ]

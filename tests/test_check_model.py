@@ -8,11 +8,11 @@ import json
 
 import pytest
 
+from conftest import tiny_flags
 from paratrain.cli import main
 from paratrain.run.check_model import format_table
 
-TINY = ["--layers", "2", "--d-model", "32", "--d-ff", "64", "--context", "16",
-        "--global-batch", "8", "--steps", "3"]
+TINY_FLAGS = [*tiny_flags(), "--global-batch", "8", "--steps", "3"]
 
 
 @pytest.fixture
@@ -26,7 +26,7 @@ def profile(tmp_path):
 
 def test_mini_grid_json(profile, text_file, capsys):
     code = main(["check-model", "--plans", "mini", "--no-fit", "--profile", profile,
-                 "--data", text_file, "--json", *TINY])
+                 "--data", text_file, "--json", *TINY_FLAGS])
     assert code == 0
     out = json.loads(capsys.readouterr().out)
     recs = out["records"]

@@ -9,10 +9,10 @@ import sys
 
 import pytest
 
+from conftest import TINY, tiny_flags
 from paratrain.cli import main
 
-TINY = ["--layers", "2", "--d-model", "32", "--heads", "4", "--d-ff", "64",
-        "--context", "32", "--global-batch", "8", "--quiet"]
+TINY_FLAGS = [*tiny_flags(TINY.replace(context=32)), "--global-batch", "8", "--quiet"]
 
 
 def test_train_steps_5_with_defaults_through_torchrun(tmp_path, paratrain_exe):
@@ -48,7 +48,7 @@ def test_torchrun_directly_and_toml_config(tmp_path, text_file):
 
 def test_nproc_1_runs_in_process(tmp_path, text_file):
     code = main(["train", "--nproc", "1", "--steps", "2", "--data", text_file,
-                 "--run-dir", str(tmp_path), *TINY])
+                 "--run-dir", str(tmp_path), *TINY_FLAGS])
     assert code == 0
     assert (tmp_path / "summary.json").is_file()
 
@@ -66,8 +66,9 @@ def test_nproc_1_runs_in_process(tmp_path, text_file):
     (["--pp", "2", "--tie-embeddings"], "tied embeddings with pp=2"),
 ])
 def test_bad_input_is_one_line_and_exit_2(capsys, args, fragment):
-    base = [a for a in TINY if a != "--global-batch" and a != "8"] if "--global-batch" in args \
-        else TINY
+    base = TINY_FLAGS
+    if "--global-batch" in args:
+        base = [a for a in TINY_FLAGS if a != "--global-batch" and a != "8"]
     code = main(["train", *base, *args])
     err = capsys.readouterr().err.strip()
     assert code == 2

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import max_rel_diff
+from conftest import TINY, max_rel_diff
 from paratrain.config import ModelConfig, TrainConfig
 from paratrain.parallel.process_groups import spawn
 from paratrain.plan import ParallelPlan
 from paratrain.run.loop import RunOptions, train
 
-M4 = ModelConfig(n_layers=4, d_model=32, n_heads=4, d_ff=64, context=16)
+M4 = TINY.replace(n_layers=4)
 M8 = M4.replace(n_layers=8)
 # a vocabulary of 131 over tp 2 (66 / 65 rows) and sizes nothing divides evenly
 ODD = ModelConfig(n_layers=4, d_model=36, n_heads=2, d_ff=50, context=16, vocab_size=131)

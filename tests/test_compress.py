@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import pytest
 
-from paratrain.config import ModelConfig, TrainConfig
+from conftest import TINY
+from paratrain.config import TrainConfig
 from paratrain.cost.shapes import as_shape
 from paratrain.parallel.process_groups import spawn
 from paratrain.plan import ParallelPlan
 from paratrain.run.loop import RunOptions, train
 
-MODEL = ModelConfig(n_layers=2, d_model=32, n_heads=4, d_ff=64, context=32)
+MODEL = TINY.replace(context=32)
 QUIET = dict(quiet=True, measure_peak=False)
 
 

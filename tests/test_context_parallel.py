@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import pytest
 
-from paratrain.config import ModelConfig, TrainConfig
+from conftest import TINY
+from paratrain.config import TrainConfig
 from paratrain.cost import layout as L
 from paratrain.parallel.process_groups import spawn
 from paratrain.plan import ParallelPlan
 from paratrain.run.loop import RunOptions, train
 
-M = ModelConfig(n_layers=2, d_model=32, n_heads=4, d_ff=64, context=16)
+M = TINY
 M_GQA = M.replace(n_kv_heads=2, context=32)
 QUIET = dict(quiet=True, measure_peak=False)
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import TINY
 from paratrain.config import ModelConfig, TrainConfig
 from paratrain.files.batches import Corpus
 from paratrain.parallel.api import build_engine
@@ -24,7 +25,7 @@ from paratrain.parallel.process_groups import spawn
 from paratrain.plan import ParallelPlan
 from paratrain.run.loop import RunOptions, build_model, train
 
-MODEL = ModelConfig(n_layers=2, d_model=32, n_heads=4, d_ff=64, context=32)
+MODEL = TINY.replace(context=32)
 # 48,678 parameters: not divisible by 4; norms of 42 and MLP matrices of 42 x 51 are not
 # either, so every bucket, unit and shard needs padding.
 ODD = ModelConfig(n_layers=2, d_model=42, n_heads=3, d_ff=51, context=16)

@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import max_rel_diff
+from conftest import TINY, max_rel_diff
 from paratrain.config import ModelConfig, TrainConfig
 from paratrain.cost.layout import dp_wire_bytes, state_bytes
 from paratrain.cost.shapes import as_shape
@@ -201,7 +201,7 @@ def test_z_loss_and_its_gradient_match_the_formula():
 
 
 def test_one_expert_top1_is_the_dense_model():
-    dense_cfg = ModelConfig(n_layers=2, d_model=32, n_heads=4, d_ff=64, context=16)
+    dense_cfg = TINY
     torch.manual_seed(3)
     dense = Decoder(dense_cfg).double()
     moe = Decoder(dense_cfg.replace(experts=1, top_k=1, aux_loss_coef=0.0)).double()
@@ -227,7 +227,7 @@ def test_exact_parameter_counts_total_and_active():
     assert sum(p.numel() for p in m.parameters()) == shape.num_params()
     d, f = cfg.d_model, 48
     assert shape.num_params() - shape.active_params() == (cfg.experts - cfg.top_k) * 3 * d * f
-    dense = as_shape(ModelConfig(n_layers=2, d_model=32, n_heads=4, d_ff=64, context=16))
+    dense = as_shape(TINY)
     assert dense.active_params() == dense.num_params()
     assert dense.flops_per_token() == 6.0 * dense.num_params() + 12.0 * 2 * 4 * 8 * 16
 

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import max_rel_diff
-from paratrain.config import ModelConfig, TrainConfig
+from conftest import TINY, max_rel_diff
+from paratrain.config import TrainConfig
 from paratrain.parallel.process_groups import spawn
 from paratrain.plan import ParallelPlan
 from paratrain.run.loop import RunOptions, train
 
-MODEL4 = ModelConfig(n_layers=4, d_model=32, n_heads=4, d_ff=64, context=16)
+MODEL4 = TINY.replace(n_layers=4)
 MODEL8 = MODEL4.replace(n_layers=8)
 QUIET = dict(quiet=True, measure_peak=False)
 COMBOS = {

@@ -9,12 +9,13 @@ import sys
 
 import pytest
 
+from conftest import TINY
 from paratrain.config import ModelConfig
 from paratrain.cost import layout as L
 from paratrain.cost.shapes import as_shape
 from paratrain.plan import ParallelPlan
 
-M4 = ModelConfig(n_layers=4, d_model=32, n_heads=4, d_ff=64, context=16, vocab_size=131)
+M4 = TINY.replace(n_layers=4, vocab_size=131)
 
 
 def test_layout_and_predict_import_no_torch():
@@ -93,7 +94,7 @@ def test_rank_layout_tp_uneven_vocab_and_pp_split():
 
 
 def test_interleaved_chunks_and_fsdp_units():
-    m8 = ModelConfig(n_layers=8, d_model=32, n_heads=4, d_ff=64, context=16)
+    m8 = TINY.replace(n_layers=8)
     plan = ParallelPlan(pp=2, micro_batches=4, schedule="interleaved", virtual_stages=2)
     lays = [L.rank_layout(m8, plan, r) for r in range(2)]
     assert [x.stages for x in lays] == [(0, 2), (1, 3)]

@@ -15,7 +15,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from paratrain.config import ModelConfig, TrainConfig
+from conftest import TINY
+from paratrain.config import TrainConfig
 from paratrain.cost.memory import model_states
 from paratrain.cost.run_figures import run_precision
 from paratrain.cost.shapes import as_shape
@@ -23,7 +24,7 @@ from paratrain.parallel.process_groups import spawn
 from paratrain.plan import ParallelPlan
 from paratrain.run.loop import RunOptions, build_model, train
 
-MODEL = ModelConfig(n_layers=2, d_model=32, n_heads=4, d_ff=64, context=16)
+MODEL = TINY
 QUIET = dict(quiet=True, measure_peak=False)
 BUCKET_MB = 0.02
 

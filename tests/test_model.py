@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from conftest import TINY
 from paratrain.config import ModelConfig
 from paratrain.cost.shapes import as_shape
 from paratrain.model import Decoder
@@ -22,9 +23,9 @@ def test_llama2_7b_flops_per_token_by_hand():
 
 
 @pytest.mark.parametrize("cfg", [
-    ModelConfig(n_layers=2, d_model=32, n_heads=4, d_ff=64, vocab_size=131, context=16),
+    TINY.replace(vocab_size=131),
     ModelConfig(n_layers=3, d_model=48, n_heads=6, n_kv_heads=2, d_ff=96, context=16),
-    ModelConfig(n_layers=2, d_model=32, n_heads=4, d_ff=64, context=16, tie_embeddings=True),
+    TINY.replace(tie_embeddings=True),
 ])
 def test_count_matches_built_model(cfg):
     model = Decoder(cfg)

@@ -14,12 +14,13 @@ import dataclasses
 
 import pytest
 
-from paratrain.config import ModelConfig, TrainConfig
+from conftest import TINY
+from paratrain.config import TrainConfig
 from paratrain.parallel.process_groups import spawn
 from paratrain.plan import ParallelPlan
 from paratrain.run.loop import RunOptions, train
 
-MODEL4 = ModelConfig(n_layers=4, d_model=32, n_heads=4, d_ff=64, context=16)
+MODEL4 = TINY.replace(n_layers=4)
 MODEL8 = MODEL4.replace(n_layers=8)
 QUIET = dict(quiet=True, measure_peak=False)
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")

@@ -8,6 +8,7 @@ import dataclasses
 
 import pytest
 
+from conftest import TINY
 from paratrain.cost.pipeline_sim import simulate_pipeline, validate
 from paratrain.cost.schedule import (
     SCHEDULES,
@@ -97,10 +98,9 @@ def test_bad_arguments_are_one_line_errors():
 
 
 def test_stage_split_accounts_for_the_head():
-    from paratrain.config import ModelConfig
     from paratrain.parallel.pipeline.stage import split_layers
 
-    small_vocab = ModelConfig(n_layers=8, d_model=32, n_heads=4, d_ff=64, context=16)
+    small_vocab = TINY.replace(n_layers=8)
     assert split_layers(small_vocab, 4) == [(0, 2), (2, 4), (4, 6), (6, 8)]
     big_head = small_vocab.replace(vocab_size=4096)  # head ~ 4 blocks of FLOPs
     split = split_layers(big_head, 2)

@@ -10,6 +10,7 @@ import dataclasses
 
 import pytest
 
+from conftest import TINY
 from paratrain.config import ModelConfig, TrainConfig
 from paratrain.cost.hardware import Hardware
 from paratrain.cost.shapes import as_shape
@@ -24,7 +25,7 @@ from paratrain.predict import (
 )
 from paratrain.run.loop import RunOptions, train
 
-MODEL = ModelConfig(n_layers=2, d_model=32, n_heads=4, d_ff=64, context=16)
+MODEL = TINY
 ODD = ModelConfig(n_layers=2, d_model=42, n_heads=3, d_ff=51, context=16)  # pads on 2 ranks
 
 
@@ -170,8 +171,8 @@ def test_run_without_profile_has_no_prediction(runs):
 
 
 # ---- real gloo, 4 ranks: dp x tp and dp x pp, every rank exact --------------------------
-MODEL4 = ModelConfig(n_layers=4, d_model=32, n_heads=4, d_ff=64, context=16)
-MODEL8 = ModelConfig(n_layers=8, d_model=32, n_heads=4, d_ff=64, context=16)
+MODEL4 = TINY.replace(n_layers=4)
+MODEL8 = TINY.replace(n_layers=8)
 GRID4 = {
     "dp2 x tp2 zero0": (MODEL4, ParallelPlan(dp=2, tp=2, bucket_mb=0.01)),
     "dp2 x tp2 zero1": (MODEL4, ParallelPlan(dp=2, tp=2, zero=1, bucket_mb=0.01)),

@@ -12,7 +12,8 @@ import math
 
 import pytest
 
-from paratrain.config import ModelConfig, TrainConfig
+from conftest import TINY
+from paratrain.config import TrainConfig
 from paratrain.cost.hardware import Hardware
 from paratrain.cost.layout import cp_wire_bytes, state_bytes
 from paratrain.cost.run_figures import predicted_activations
@@ -21,7 +22,7 @@ from paratrain.plan import ParallelPlan
 from paratrain.predict import MachineModel, predict
 from paratrain.predict.axes import ep_rows_from_load, ep_wire_bytes
 
-MODEL = ModelConfig(n_layers=2, d_model=32, n_heads=4, d_ff=64, context=16)
+MODEL = TINY
 MOE = MODEL.replace(experts=4, top_k=2, moe_ffn=64)
 TC = TrainConfig(steps=2, global_batch=1, dtype="float32")
 HW = Hardware("test-box", peak_flops=4e9, hbm_bytes=8e9, hbm_bw=1e10, gpus_per_node=4,

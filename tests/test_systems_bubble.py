@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from conftest import TINY
 from paratrain.cost.pipeline_sim import simulate_pipeline
 from paratrain.cost.schedule import (
     SCHEDULES,
@@ -80,12 +81,12 @@ def test_run_prediction_prices_the_simulated_bubble(p):
 def test_run_prediction_prices_each_schedule_its_own_bubble():
     """Through :func:`paratrain.predict.predict`: the same stages cost the same, and the
     bubble scales by the schedule's closed form, ZB-H1 a third of 1F1B's with m >= p."""
-    from paratrain.config import ModelConfig, TrainConfig
+    from paratrain.config import TrainConfig
     from paratrain.cost.hardware import Hardware
     from paratrain.plan import ParallelPlan
     from paratrain.predict import MachineModel, predict
 
-    model = ModelConfig(n_layers=4, d_model=32, n_heads=4, d_ff=64, context=16)
+    model = TINY.replace(n_layers=4)
     tc = TrainConfig(steps=2, global_batch=8, dtype="float32")
     hw = Hardware("test-box", peak_flops=4e9, hbm_bytes=8e9, hbm_bw=1e10, gpus_per_node=4,
                   intra_bw=1e9, intra_alpha=1e-4, inter_bw=1e9, inter_alpha=1e-4, eta=1.0)

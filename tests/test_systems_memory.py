@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from conftest import TINY
 from paratrain.cost.hardware import load_hardware
 from paratrain.cost.memory import (
     activation_bytes,
@@ -123,12 +124,11 @@ def test_plain_model_config_is_priced_like_its_shape():
 def test_zero2_under_a_pipeline_keeps_whole_gradients():
     """The runtime (paratrain.cost.layout) keeps ZeRO-2's gradient buffers whole under a
     pipeline and syncs ZeRO-2/3 once per step there; the systems model agrees."""
-    from paratrain.config import ModelConfig
     from paratrain.cost import layout as L
     from paratrain.cost.memory import Precision, model_states
     from paratrain.systems.step_time import dp_sync_wire_bytes
 
-    m = ModelConfig(n_layers=4, d_model=32, n_heads=4, d_ff=64, context=16)
+    m = TINY.replace(n_layers=4)
     fp32 = Precision("fp32-adam", 4, 4, 8, act_bytes=4)
     for zero, pp, sharded in ((2, 1, True), (2, 2, False), (3, 2, True), (1, 2, False)):
         plan = ParallelPlan(dp=2, pp=pp, zero=zero, micro_batches=4)

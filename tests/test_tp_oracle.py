@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import max_rel_diff
+from conftest import TINY, max_rel_diff
 from paratrain.config import ModelConfig, TrainConfig
 from paratrain.model import Decoder
 from paratrain.parallel.engine import token_loss_sum
@@ -31,7 +31,7 @@ from paratrain.parallel.tensor import apply_tensor_parallel, vocab_parallel_cros
 from paratrain.plan import ParallelPlan
 from paratrain.run.loop import RunOptions, train
 
-MODEL = ModelConfig(n_layers=2, d_model=32, n_heads=4, d_ff=64, context=16)
+MODEL = TINY
 QUIET = dict(quiet=True, measure_peak=False)
 ROWS = ("wq", "wk", "wv", "w_gate", "w_up", "tok_emb", "head")
 COLS = ("wo", "w_down")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pytest
 
+from conftest import TINY
 from paratrain.config import ModelConfig, TrainConfig
 from paratrain.cost.memory import Precision, model_states
 from paratrain.cost.shapes import as_shape
@@ -21,7 +22,7 @@ from paratrain.plan import ParallelPlan
 from paratrain.run.loop import RunOptions, train
 from paratrain.systems.step_time import dp_sync_wire_bytes
 
-MODEL = ModelConfig(n_layers=2, d_model=32, n_heads=4, d_ff=64, context=16)
+MODEL = TINY
 ODD = ModelConfig(n_layers=2, d_model=42, n_heads=3, d_ff=51, context=16)  # N % 4 == 2
 BUCKET_MB = 0.02
 FP32 = Precision("fp32-adam", 4, 4, 8)
