@@ -6,15 +6,15 @@ whatever parameters this rank holds — one list per pipeline chunk — over the
 group. A pure data-parallel run is the same code with tp = pp = 1 and one chunk, the
 whole model. :func:`data_axis` builds one of five:
 
-=================  ============================================================
-class              what it is
-=================  ============================================================
-:class:`DataAxis`  dp = 1: nothing to reduce (sharding over one rank is none)
-:class:`Buckets`   ``--zero 0``: flat buckets, all-reduce (:class:`.ddp.GradBuckets`)
-:class:`TopK`      ``--zero 0 --compress topk:K``: top-k values + indices all-gathered
-:class:`Zero`      ``--zero 1|2``: bucketed reduce-scatter, sharded AdamW, all-gather
-:class:`Units`     ``--zero 3``: units gathered just in time (:class:`.fsdp.FullyShard`)
-=================  ============================================================
+- :class:`DataAxis` itself: dp = 1, nothing to reduce (sharding over one rank is none);
+- :class:`.dp_replicated.Buckets`: ``--zero 0``, flat buckets all-reduced
+  (:class:`.ddp.GradBuckets`);
+- :class:`.dp_replicated.TopK`: ``--zero 0 --compress topk:K``, top-k values + indices
+  all-gathered;
+- :class:`.dp_sharded.Zero`: ``--zero 1|2``, bucketed reduce-scatter, sharded AdamW,
+  all-gather;
+- :class:`.dp_sharded.Units`: ``--zero 3``, units gathered just in time
+  (:class:`.fsdp.FullyShard`).
 
 Micro-batches. Without a pipeline the loop calls :meth:`before_backward` /
 :meth:`after_backward` around each micro-batch: ZeRO 0/1 communicate only on the last
@@ -47,15 +47,13 @@ from torch import nn
 
 from paratrain.config import TrainConfig
 from paratrain.parallel.ddp import DPCommStats, GradBuckets
-from paratrain.parallel.ddp_comm import GroupComm
 from paratrain.parallel.engine import grad_sq
 from paratrain.parallel.optim import build_adamw, set_lr
-from paratrain.parallel.placement import mark, placement_of, record_flat
+from paratrain.parallel.placement import placement_of
 from paratrain.parallel.precision import (
     grad_of,
     optimizer_owned,
     optimizer_tensors,
-    reduce_dtype,
     to_working,
 )
 from paratrain.plan import ParallelPlan
@@ -69,6 +67,9 @@ def data_axis(chunks: list[nn.Module], group, dp: int, plan: ParallelPlan,
     parameters it takes (default all; expert parallelism builds two, dense over dp and
     experts over edp). ``units_of(chunk)``: ZeRO-3's units (default
     :func:`.fsdp.default_units`)."""
+    from paratrain.parallel.dp_replicated import Buckets, TopK
+    from paratrain.parallel.dp_sharded import Units, Zero
+
     if dp == 1:
         cls = DataAxis
     elif plan.compress is not None:
@@ -228,7 +229,8 @@ class DataAxis:
                 "hidden_s_per_step": [h.hidden_s for h in self.history]}
 
 
-def _bucket_layout(buckets: list[GradBuckets]) -> str:
+def bucket_layout(buckets: list[GradBuckets]) -> str:
+    """The layouts of one GradBuckets per chunk, as one text."""
     parts = [gb.layout() for gb in buckets]
     n = sum(len(gb.buckets) for gb in buckets)
     if len(parts) == 1:
@@ -236,245 +238,3 @@ def _bucket_layout(buckets: list[GradBuckets]) -> str:
     return f"{n} gradient buckets in {len(parts)} chunks:\n" + "\n".join(parts)
 
 
-class Buckets(DataAxis):
-    """``--zero 0``: gradients all-reduced in flat buckets, every replica steps."""
-
-    name = "ddp"
-    communicates = True
-    grads_replicated = True
-
-    def _build(self, group, cfg, select, units_of) -> None:
-        self.comm = GroupComm(group, self.plan.collectives)
-        self.buckets = [GradBuckets(ps, self.comm, self.plan.bucket_mb, self.plan.overlap,
-                                    dtype=reduce_dtype(cfg)) for ps in self.lists]
-        self.opt = build_adamw(self.container, cfg, select)
-        mark(self.params, replicated=self.axes)
-
-    def before_backward(self, last: bool) -> None:
-        for gb in self.buckets:
-            gb.set_sync(last)
-
-    def after_backward(self) -> None:
-        for gb in self.buckets:
-            gb.end_backward()
-
-    def chunk_done(self, c: int) -> None:
-        self.buckets[c].launch_all()
-
-    def _reduce(self) -> DPCommStats:
-        stats = self.buckets[0].finish()
-        for gb in self.buckets[1:]:
-            stats = stats.merge(gb.finish())
-        return stats
-
-    def _release_grads(self) -> None:
-        for gb in self.buckets:
-            gb.zero_grad()  # .grad are views into the flat buckets: keep them
-
-    def layout(self) -> str:
-        return _bucket_layout(self.buckets)
-
-    def report(self) -> dict:
-        out = super().report()
-        if not self.deferred:
-            out["rebuilt"] = all(gb.rebuilt for gb in self.buckets)
-            out["follows_ready_order"] = all(gb.layout_follows_observed_order()
-                                             for gb in self.buckets)
-        return out
-
-
-class TopK(DataAxis):
-    """``--compress topk:K``: each rank's top-k gradient entries all-gathered, error
-    feedback kept per rank (:mod:`.compress`)."""
-
-    name = "topk"
-    communicates = True
-    grads_replicated = True
-
-    def _build(self, group, cfg, select, units_of) -> None:
-        from paratrain.parallel.compress import TopKCompressor, parse_topk
-
-        if select is not None:
-            raise ValueError("the topk reducer takes whole chunks; drop --compress")
-        self.tk = TopKCompressor(self.container.parameters(), group,
-                                 parse_topk(self.plan.compress), self.plan.collectives)
-        self.comm = self.tk.comm
-        self.opt = build_adamw(self.container, cfg, select)
-        mark(self.params, replicated=self.axes)
-
-    def _reduce(self) -> DPCommStats:
-        return self.tk.reduce()
-
-    def residuals(self) -> list[torch.Tensor]:
-        return [self.tk.residual]
-
-    def state_tensors(self) -> dict[str, list[torch.Tensor]]:
-        return {**super().state_tensors(), "comm_buffers": [self.tk.residual]}
-
-    def layout(self) -> str:
-        tk = self.tk
-        return (f"1 top-{tk.k} compressor: {tk.keep:,} of {tk.n:,} gradient entries "
-                f"per rank and step (values + int32 indices), all-gathered over "
-                f"{tk.comm.size} ranks, error feedback on")
-
-    def report(self) -> dict:
-        return {**super().report(), "compression": self.tk.history}
-
-
-class _Sharded(DataAxis):
-    """What ZeRO-1/2 and ZeRO-3 share: a :class:`.zero.ShardedAdamW` (``self.adam``)
-    over owned flat segments, which gives the norm's squares, clips and is checkpointed."""
-
-    communicates = True
-
-    @torch.no_grad()
-    def local_sq(self, every_replica: bool = False) -> torch.Tensor:
-        self._bind()
-        return self.adam.local_sq()
-
-    def _bind(self) -> None:
-        self.adam.bind_grads()
-
-    @torch.no_grad()
-    def scale(self, coef: float) -> None:
-        self.adam.scale(coef)
-
-    def owned_state(self) -> list[tuple[nn.Parameter, torch.Tensor, torch.optim.Optimizer]]:
-        return [(q, seg, self.adam.opt) for q, seg in self.adam.owned()]
-
-    def layout(self) -> str:
-        return _bucket_layout(self.buckets)
-
-
-class Zero(_Sharded):
-    """``--zero 1|2``: bucketed reduce-scatter, sharded AdamW, all-gather
-    (:class:`.zero.ZeroOptimizer`)."""
-
-    name = "zero"
-
-    def _build(self, group, cfg, select, units_of) -> None:
-        from paratrain.parallel.zero import ZeroOptimizer
-
-        plan = self.plan
-        self.zo = ZeroOptimizer(self.lists, group, plan.zero, cfg, plan.bucket_mb,
-                                plan.overlap, plan.collectives, self.counted,
-                                self.deferred, reduce_dtype(cfg))
-        self.comm, self.buckets = self.zo.comm, self.zo.chunks
-        self.adam, self.opt = self.zo.adam, self.zo.adam.opt
-        self._exposed = 0.0  # ZeRO-2's per-micro-batch waits, billed to the step
-        for b in (b for gb in self.buckets for b in gb.buckets):
-            record_flat(b.params, b.offsets, b.padded, self.comm.rank, self.comm.size,
-                        self.axes)
-
-    def before_backward(self, last: bool) -> None:
-        self._last = last
-        self.zo.set_sync(last or self.zo.stage == 2)
-
-    def after_backward(self) -> None:
-        st = self.zo.end_backward(self._last)
-        if st is not None:
-            self._exposed += st.seconds
-
-    def chunk_done(self, c: int) -> None:
-        self.zo.launch_chunk(c)
-
-    def _reduce(self) -> DPCommStats:
-        stats = self.zo.finish()
-        # the previous step's parameter all-gather belongs to this step's bill
-        stats.seconds += self._exposed + self.zo.gather_s
-        self._exposed = 0.0
-        return stats
-
-    @torch.no_grad()
-    def step(self, lr: float) -> None:
-        self.steps_done += 1
-        self.zo.step(lr)
-
-    @torch.no_grad()
-    def sync_working(self) -> None:
-        self.adam.to_working()
-        self.zo.gather_parameters()
-
-    def state_dict(self) -> dict:
-        return {"model": self.container.state_dict(), "optim": self.adam.state_dict()}
-
-    @torch.no_grad()
-    def load_state_dict(self, state: dict) -> None:
-        self.container.load_state_dict(state["model"])
-        self.adam.load_state_dict(state["optim"])
-
-    def state_tensors(self) -> dict[str, list[torch.Tensor]]:
-        return self.zo.state_tensors()
-
-    def describe(self) -> str:
-        return f"ZeRO-{self.plan.zero}: " + self.layout()
-
-
-class Units(_Sharded):
-    """``--zero 3``: FSDP units, parameters sharded at rest (:class:`.fsdp.FullyShard`)."""
-
-    name = "fsdp"
-
-    def _build(self, group, cfg, select, units_of) -> None:
-        from paratrain.parallel.fsdp import FullyShard, default_units
-
-        units, owner = [], []
-        for c, chunk in enumerate(self.container):
-            for u in (units_of or default_units)(chunk):
-                if any(self.select(q) for m in u for q in m.parameters()):
-                    units.append(u)
-                    owner.append(c)
-        plan = self.plan
-        self.fs = FullyShard(units, group, cfg, plan.collectives, reduce_dtype=reduce_dtype(cfg),
-                             overlap=plan.overlap, deferred=self.deferred,
-                             unit_chunks=owner, counted=self.counted, select=select)
-        self.comm, self.adam, self.opt = self.fs.comm, self.fs.adam, self.fs.adam.opt
-        for u in self.fs.units:
-            record_flat(u.params, u.offsets, u.padded, self.comm.rank, self.comm.size,
-                        self.axes)
-
-    def after_backward(self) -> None:
-        self.fs.end_backward()
-
-    def chunk_done(self, c: int) -> None:
-        self.fs.launch_chunk(c)
-
-    def _reduce(self) -> DPCommStats:
-        return self.fs.finish()
-
-    def _bind(self) -> None:
-        self.fs.prepare_step()
-
-    @torch.no_grad()
-    def step(self, lr: float) -> None:
-        self.steps_done += 1
-        self.fs.step(lr)
-
-    @torch.no_grad()
-    def sync_working(self) -> None:
-        self.adam.to_working()
-
-    def state_dict(self) -> dict:
-        return {"shards": [u.shard for u in self.fs.units], "optim": self.adam.state_dict()}
-
-    @torch.no_grad()
-    def load_state_dict(self, state: dict) -> None:
-        for u, s in zip(self.fs.units, state["shards"], strict=True):
-            u.shard.copy_(s)
-        self.adam.load_state_dict(state["optim"])
-
-    def state_tensors(self) -> dict[str, list[torch.Tensor]]:
-        return self.fs.state_tensors()
-
-    @property
-    def comm_buffer_peak(self) -> int:
-        return self.fs.gathered_peak
-
-    def layout(self) -> str:
-        return self.fs.layout()
-
-    def describe(self) -> str:
-        return "ZeRO-3: " + self.layout()
-
-    def full_parameters(self) -> dict[int, torch.Tensor]:
-        return self.fs.full_parameters()
