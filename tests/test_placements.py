@@ -20,16 +20,18 @@ from paratrain.plan import ParallelPlan
 M4 = ModelConfig(n_layers=4, d_model=32, n_heads=4, d_ff=64, context=16)
 ODD = ModelConfig(n_layers=4, d_model=36, n_heads=2, d_ff=50, context=16, vocab_size=131)
 MOE = M4.replace(experts=4, top_k=2)
-LAYOUTS = {
-    "tp2 zero3 odd vocab": (ODD, ParallelPlan(dp=2, tp=2, zero=3)),
-    "tp2 zero0": (M4, ParallelPlan(dp=2, tp=2)),
+LAYOUTS = {  # name: (model, plan, the data-axis classes the plan chooses)
+    "tp2 zero3 odd vocab": (ODD, ParallelPlan(dp=2, tp=2, zero=3), ["Units"]),
+    "tp2 zero0": (M4, ParallelPlan(dp=2, tp=2), ["Buckets"]),
     "pp2 zero1 interleaved": (M4.replace(n_layers=8),
                               ParallelPlan(dp=2, pp=2, zero=1, micro_batches=4,
-                                           schedule="interleaved", virtual_stages=2)),
-    "dp4 zero2": (M4, ParallelPlan(dp=4, zero=2)),
-    "ep2 zero3 moe": (MOE, ParallelPlan(dp=4, ep=2, zero=3)),
-    "ep2 tp2 zero1 moe": (MOE, ParallelPlan(dp=2, ep=2, tp=2, zero=1)),
-    "cp2 zero0": (M4, ParallelPlan(dp=2, cp=2)),
+                                           schedule="interleaved", virtual_stages=2),
+                              ["Zero"]),
+    "dp4 zero2": (M4, ParallelPlan(dp=4, zero=2), ["Zero"]),
+    "dp4 topk": (M4, ParallelPlan(dp=4, compress="topk:8"), ["TopK"]),
+    "ep2 zero3 moe": (MOE, ParallelPlan(dp=4, ep=2, zero=3), ["Units", "Units"]),
+    "ep2 tp2 zero1 moe": (MOE, ParallelPlan(dp=2, ep=2, tp=2, zero=1), ["Zero", "DataAxis"]),
+    "cp2 zero0": (M4, ParallelPlan(dp=2, cp=2), ["Buckets"]),
 }
 
 
@@ -41,7 +43,7 @@ def _worker(rank: int, world: int, layouts: dict) -> dict:
 
     cfg = TrainConfig(steps=1, global_batch=8, dtype="float64")
     out = {}
-    for name, (mcfg, plan) in layouts.items():
+    for name, (mcfg, plan, _) in layouts.items():
         torch.manual_seed(0)
         model = Decoder(mcfg).double()
         plain = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -61,7 +63,9 @@ def _worker(rank: int, world: int, layouts: dict) -> dict:
                 cover[pl.name][idx.reshape(-1)[lo:hi]] += 1
         flat = torch.cat(list(cover.values()))
         dist.all_reduce(flat)
-        out[name] = (wrong, int(flat.min()), int(flat.max()))
+        parts = getattr(engine.data, "parts", (engine.data,))
+        out[name] = (wrong, int(flat.min()), int(flat.max()),
+                     [type(d).__name__ for d in parts])
     return out
 
 
@@ -85,8 +89,10 @@ def test_one_process_records_the_plain_model():
 
 
 def test_every_layout_records_where_each_piece_sits():
-    """4 ranks, seven layouts: boxes and owned ranges hold the plain values; canonical
-    pieces cover each plain element exactly once."""
-    for name, (wrong, lo, hi) in spawn(_worker, 4, LAYOUTS, timeout_s=600)[0].items():
+    """4 ranks, eight layouts: boxes and owned ranges hold the plain values; canonical
+    pieces cover each plain element exactly once; the plan chose its reducer once."""
+    for name, (wrong, lo, hi, classes) in spawn(_worker, 4, LAYOUTS,
+                                                timeout_s=600)[0].items():
         assert not wrong, (name, wrong)
         assert (lo, hi) == (1, 1), (name, lo, hi)
+        assert classes == LAYOUTS[name][2], (name, classes)

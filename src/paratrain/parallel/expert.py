@@ -24,7 +24,8 @@ ours`` paratrain's pairwise exchange (p - 1 rounds of isend / irecv,
 :meth:`ExpertExchange._pairwise`); both send the same bytes.
 
 Gradients: dense parameters are reduced over dp (the usual :class:`.data_axis.DataAxis`),
-expert parameters (tagged ``expert = True``) by a second DataAxis over the ``edp`` group
+expert parameters (tagged ``expert = True``, ``ep`` among their placement's sharded axes:
+:mod:`.placement`) by a second data axis over the ``edp`` group
 of the dp / ep ranks holding the same experts; :class:`SplitDataAxis` drives the two as
 one. Each expert parameter's square enters the global norm once: on edp rank 0 (or its
 ZeRO shard's owner). Under ZeRO-3 both reducers are FSDP: the dense one shards each
