@@ -53,7 +53,7 @@ def normalise_aux(model: nn.Module, n_tokens_global: int) -> None:
 
 def normalised(loss_sum: torch.Tensor, n_tokens_global: int) -> torch.Tensor:
     """What backward starts from: a micro-batch's token-loss sum over the step's global
-    token count (STYLE.md 6); ranks, micro-batches and stages then only sum gradients."""
+    token count (docs/design.md); ranks, micro-batches and stages then only sum gradients."""
     return loss_sum / n_tokens_global
 
 
