@@ -17,6 +17,7 @@ clip, over the squares an engine says it owns (:meth:`Engine.global_sq`).
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
@@ -114,8 +115,9 @@ class Engine:
 
     @torch.no_grad()
     def clip_and_step(self, lr: float) -> float:
-        """Clip by global gradient norm, take the AdamW step, zero grads; return the norm."""
-        norm = float(self.global_sq()) ** 0.5
+        """Clip by global gradient norm, take the AdamW step, zero grads; return the norm
+        (``math.sqrt``, correctly rounded, as the mesh engine always took it)."""
+        norm = math.sqrt(float(self.global_sq()))
         self.scale_grads(clip_coef(norm, self.cfg.grad_clip))
         self.update(lr)
         return float(norm)
