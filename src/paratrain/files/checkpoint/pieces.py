@@ -81,10 +81,9 @@ def flat_range_boxes(shape: tuple, lo: int, hi: int) -> list[tuple[tuple, tuple,
     return out
 
 
-def entries(engine, mcfg=None, plan=None) -> list[Entry]:
+def entries(engine) -> list[Entry]:
     """Every flat range of a local parameter this rank's optimizer holds, with its place
-    in the plain model, read from the parameters' placements (``mcfg`` and ``plan`` are
-    not needed: the record is complete)."""
+    in the plain model, read from the parameters' placements."""
     out = []
     for p, key, opt in engine.owned_state():
         pl = placement_of(p)

@@ -152,7 +152,7 @@ def save_pieces(path: Path, engine, mcfg, plan) -> None:
     (collective over the world)."""
     items = [(_residual_fqn(i), tuple(r.shape), (0,), r.detach().clone().cpu())
              for i, r in enumerate(_residuals(engine))]
-    for e in entries(engine, mcfg, plan):
+    for e in entries(engine):
         if not e.canonical:
             continue
         st = _state_of(e)
@@ -175,7 +175,7 @@ def save_pieces(path: Path, engine, mcfg, plan) -> None:
 @torch.no_grad()
 def load_pieces(path: Path, engine, mcfg, plan) -> None:
     """Fill this rank's optimizer ranges and parameters from ``path`` (collective)."""
-    es = entries(engine, mcfg, plan)
+    es = entries(engine)
     res = [(r, torch.empty(r.shape, dtype=r.dtype)) for r in _residuals(engine)]
     wants = [(_residual_fqn(i), (0,), buf) for i, (_, buf) in enumerate(res)]
     bufs = []
