@@ -68,6 +68,9 @@ def test_model_state_bytes_equal_the_formula(runs, name):
         # that is every parameter once (sharded) or d times (replicated).
         total_opt = sum(r["optimizer"] for r in ranks)
         assert total_opt == (8 * n if z >= 1 else 8 * n * d), f"zero={z}"
+        # the placements say the same: each element owned once (sharded) or d times
+        owned = sum(r["owned_elements"] for r in ranks)
+        assert owned == (n if z >= 1 else n * d), f"zero={z} owned elements {owned}"
         layout = out[(name, z)]["dp"]["bucket_layout"]
         flats = int(layout.split()[0])  # buckets or units, each padded by < d elements
         slack = 4 * flats * (d - 1)

@@ -8,11 +8,16 @@ what it computes.
 Loss normalisation happens once, globally: every micro-batch's loss is the *sum* of its
 token losses divided by the *global* token count of the step (all data ranks, all
 micro-batches). Summing gradients over ranks then gives exactly the mean gradient of the
-global batch, with no per-rank or per-micro-batch rescaling to get wrong.
+global batch, with no per-rank or per-micro-batch rescaling to get wrong. That division,
+and the MoE auxiliary losses' matching scale, live here only (:func:`normalise_aux`,
+:func:`normalised`); the one-process engine, the mesh engine and the pipeline runtime
+call them. So does the clipping: :meth:`Engine.clip_and_step` is the one global-norm
+clip, over the squares an engine says it owns (:meth:`Engine.global_sq`).
 """
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
@@ -23,6 +28,8 @@ from torch import nn
 from paratrain.config import TrainConfig
 from paratrain.model import set_moe_loss_scale
 from paratrain.parallel.optim import build_adamw, set_lr
+from paratrain.parallel.placement import record_plain
+from paratrain.parallel.precision import optimizer_owned, to_working
 
 
 @dataclass
@@ -38,6 +45,22 @@ def grad_sq(g: torch.Tensor) -> torch.Tensor:
     """||g||^2 as a float64 CPU scalar: the norm in the gradient's own dtype (as
     ``clip_grad_norm_`` computes it, no float64 copy of the tensor), squared in float64."""
     return torch.linalg.vector_norm(g).double().cpu() ** 2
+
+
+def normalise_aux(model: nn.Module, n_tokens_global: int) -> None:
+    """Before a forward: MoE auxiliary losses join backward with the loss's normalisation."""
+    set_moe_loss_scale(model, 1.0 / n_tokens_global)
+
+
+def normalised(loss_sum: torch.Tensor, n_tokens_global: int) -> torch.Tensor:
+    """What backward starts from: a micro-batch's token-loss sum over the step's global
+    token count (docs/design.md); ranks, micro-batches and stages then only sum gradients."""
+    return loss_sum / n_tokens_global
+
+
+def clip_coef(norm: float, clip: float) -> float:
+    """The factor global-norm clipping multiplies every gradient by (1.0: no clipping)."""
+    return min(1.0, clip / (norm + 1e-6)) if clip > 0 else 1.0
 
 
 def token_loss_sum(logits_BTV: torch.Tensor, y_BT: torch.Tensor) -> torch.Tensor:
@@ -58,6 +81,7 @@ class Engine:
         self.model = model
         self.cfg = cfg
         self.device = device
+        record_plain(model)  # one process: every parameter is its own whole tensor
         self.opt = build_adamw(model, cfg)  # FP32 masters under --dtype bfloat16
 
     # ---- forward / backward -------------------------------------------------------
@@ -68,9 +92,9 @@ class Engine:
     def forward_backward(self, x_BT, y_BT, n_tokens_global: int) -> float:
         """Accumulate d(loss_sum / n_tokens_global) into .grad; return the local loss sum.
         MoE layers add their auxiliary loss with the same normalisation (in backward)."""
-        set_moe_loss_scale(self.model, 1.0 / n_tokens_global)
+        normalise_aux(self.model, n_tokens_global)
         loss = self.loss_sum(x_BT, y_BT)
-        (loss / n_tokens_global).backward()
+        normalised(loss, n_tokens_global).backward()
         return float(loss.detach())
 
     @torch.no_grad()
@@ -89,19 +113,31 @@ class Engine:
         """Sum scalars over the data-parallel ranks (identity for one process)."""
         return values
 
+    @torch.no_grad()
     def clip_and_step(self, lr: float) -> float:
-        """Clip by global gradient norm, take the AdamW step, zero grads; return the norm."""
+        """Clip by global gradient norm, take the AdamW step, zero grads; return the norm
+        (``math.sqrt``, correctly rounded, as the mesh engine always took it)."""
+        norm = math.sqrt(float(self.global_sq()))
+        self.scale_grads(clip_coef(norm, self.cfg.grad_clip))
+        self.update(lr)
+        return float(norm)
+
+    def global_sq(self) -> torch.Tensor:
+        """Sum of squares of the whole model's gradient, each unique gradient once."""
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        sq = sum(grad_sq(g) for g in grads) if grads else torch.zeros(())
-        norm = float(sq) ** 0.5
-        if self.cfg.grad_clip > 0:
-            coef = min(1.0, self.cfg.grad_clip / (norm + 1e-6))
-            for g in grads:
-                g.mul_(coef)
+        return sum(grad_sq(g) for g in grads) if grads else torch.zeros(())
+
+    def scale_grads(self, coef: float) -> None:
+        if coef != 1.0:
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(coef)
+
+    def update(self, lr: float) -> None:
+        """The optimizer step on the (clipped) gradients, then release them."""
         set_lr(self.opt, lr)
         self.opt.step()
         self.zero_grad()
-        return float(norm)
 
     def zero_grad(self) -> None:
         """Drop this step's gradients (engines that own gradient storage override it)."""
@@ -114,6 +150,25 @@ class Engine:
     def load_state_dict(self, state: dict) -> None:
         self.model.load_state_dict(state["model"])
         self.opt.load_state_dict(state["optim"])
+
+    # ---- what the checkpoint reads (placements: :mod:`.placement`) ----------------
+    def axis_index(self, axis: str) -> int:
+        """This rank's coordinate on a mesh axis (one process: 0 on all)."""
+        return 0
+
+    def owned_state(self) -> list[tuple[nn.Parameter, torch.Tensor, object]]:
+        """(parameter, tensor its optimizer state is keyed by, torch optimizer) for every
+        piece this rank's optimizer holds (:meth:`.data_axis.DataAxis.owned_state`)."""
+        return optimizer_owned(self.opt, list(self.model.parameters()))
+
+    def residuals(self) -> list[torch.Tensor]:
+        """Per-rank optimizer state that is no piece of a model tensor."""
+        return []
+
+    @torch.no_grad()
+    def sync_working(self) -> None:
+        """Working parameters from the optimizer's (loaded) masters."""
+        to_working(self.opt)
 
 
 class SimulatedWorkers(Engine):

@@ -24,7 +24,8 @@ ours`` paratrain's pairwise exchange (p - 1 rounds of isend / irecv,
 :meth:`ExpertExchange._pairwise`); both send the same bytes.
 
 Gradients: dense parameters are reduced over dp (the usual :class:`.data_axis.DataAxis`),
-expert parameters (tagged ``expert = True``) by a second DataAxis over the ``edp`` group
+expert parameters (tagged ``expert = True``, ``ep`` among their placement's sharded axes:
+:mod:`.placement`) by a second data axis over the ``edp`` group
 of the dp / ep ranks holding the same experts; :class:`SplitDataAxis` drives the two as
 one. Each expert parameter's square enters the global norm once: on edp rank 0 (or its
 ZeRO shard's owner). Under ZeRO-3 both reducers are FSDP: the dense one shards each
@@ -43,6 +44,7 @@ from torch import nn
 
 from paratrain.model import moe_modules
 from paratrain.parallel.ddp import DPCommStats
+from paratrain.parallel.placement import mark
 
 
 class _AllToAll(torch.autograd.Function):
@@ -152,6 +154,8 @@ def apply_expert_parallel(chunks: list[nn.Module], mesh, collectives: str = "nat
         m.experts = nn.ModuleList(list(m.experts)[lo:hi])
         for p in m.experts.parameters():
             p.expert = True
+        if all(hasattr(p, "placement") for p in m.experts.parameters()):
+            mark(m.experts.parameters(), sharded=("ep",))  # the plain name says which
         m.exchange = ex
     return ex
 
@@ -159,10 +163,12 @@ def apply_expert_parallel(chunks: list[nn.Module], mesh, collectives: str = "nat
 class SplitDataAxis:
     """Two reducers driven as one: dense parameters over dp, experts over edp."""
 
+    grads_replicated = False  # the expert gradients are not on every dp rank
+
     def __init__(self, dense, expert) -> None:
         self.dense, self.expert = dense, expert
         self.parts = (dense, expert)
-        self.kind, self.opt = dense.kind, dense.opt
+        self.opt, self.communicates = dense.opt, dense.communicates or expert.communicates
 
     @property
     def steps_done(self) -> int:
@@ -195,6 +201,16 @@ class SplitDataAxis:
     def step(self, lr: float) -> None:
         for d in self.parts:
             d.step(lr)
+
+    def owned_state(self) -> list:
+        return self.dense.owned_state() + self.expert.owned_state()
+
+    def residuals(self) -> list[torch.Tensor]:
+        return self.dense.residuals() + self.expert.residuals()
+
+    def sync_working(self) -> None:
+        for d in self.parts:
+            d.sync_working()
 
     def state_dict(self) -> dict:
         return {"dense": self.dense.state_dict(), "expert": self.expert.state_dict()}

@@ -19,6 +19,9 @@ How it measures (not the formula):
   state. Bytes are summed over *distinct storages* (a view into a flat bucket counts
   once, with the bucket's full size, padding included). Optimizer ``step`` counters
   (0-dim) are not model state and are skipped.
+- Owned elements: how many elements of the plain model this rank's optimizer holds,
+  read from the parameters' placements (:mod:`.placement`: the ZeRO range of each box,
+  or the whole box), each parameter once; the systems model's per-rank parameter count.
 - Communication buffers: the peak bytes of transient flat buffers an engine reports
   (``comm_buffer_peak``: ZeRO-2 gradient buckets, ZeRO-3 gathered units) plus any
   persistent ones it lists.
@@ -145,6 +148,10 @@ def measure_states(engine) -> dict[str, int]:
     out = {k: storage_bytes(st.get(k, [])) for k in ("params", "grads", "optimizer")}
     out["comm_buffers"] = storage_bytes(st.get("comm_buffers", []))
     out["comm_buffers"] += int(getattr(engine, "comm_buffer_peak", 0) or 0)
+    if hasattr(engine, "owned_state"):  # elements of the plain model, from placements
+        from paratrain.parallel.placement import held_elements
+
+        out["owned_elements"] = held_elements(p for p, _, _ in engine.owned_state())
     return out
 
 

@@ -13,27 +13,33 @@ Transforms are applied to the plain, identically seeded model in one documented 
    cut to the rank's tokens before the first stage;
 4. **recompute** (:mod:`.recompute`): none / selective / full per block (after 3, so
    selective recompute reruns the CP attention);
-5. **data / ZeRO** (:mod:`.data_axis`): DDP buckets, ZeRO-1/2, FSDP units or top-k
+5. **data / ZeRO** (:mod:`.data_axis`, one reducer chosen by :func:`.data_axis.data_axis`):
+   DDP buckets, ZeRO-1/2, FSDP units or top-k
    compression over the dp x cp group (cp ranks hold the same parameters), on whatever
    parameters steps 1-4 left on this rank. With ep > 1 (:mod:`.expert`) each MoE layer
    first keeps this ep rank's experts and routes through an all-to-all exchange; then two
    reducers: dense parameters over dp, expert parameters over edp (dp / ep ranks).
+
+Each step records on every parameter where it now sits (:mod:`.placement`: plain name,
+global box, sharded and replicated mesh axes); the checkpoint, the global norm and the
+memory report read that record.
 
 Invariants:
 
 - The loss is normalised once: every micro-batch's loss *sum* is divided by the global
   token count before backward; the pipeline, TP and DP only ever *sum* gradients.
 - TP-sharded parameters are disjoint across tp ranks; TP-replicated ones (norm gains,
-  tagged ``tp_replicated``) hold identical gradients without SP. With SP each rank's
-  gradient is a partial sum over its sequence slice: a hook on the parameter
+  ``tp`` among their placement's replicated axes) hold identical gradients without SP.
+  With SP each rank's gradient is a partial sum over its sequence slice: a hook on the parameter
   all-reduces it over tp *before* it is accumulated (:func:`sum_partial_grads_over_tp`),
   so every data-parallel reducer — including ZeRO-2/3, which take gradients away during
   backward — sees the full gradient (Megatron-LM all-reduces them after backward; this
   is the same sum, d_model elements per norm and micro-batch).
 - The global gradient norm is the sum of squares of each rank's *owned unique*
-  gradient: replicated norm gains on tp rank 0 only, data replicas on dp rank 0 only
-  (or each dp rank's ZeRO shard), pipeline stages are disjoint; one all-reduce over
-  the world.
+  gradient: a piece counts where its placement is canonical (index 0 on each replicated
+  axis: norm gains on tp rank 0, data replicas on dp rank 0, or each dp rank's ZeRO
+  shard; pipeline stages are disjoint); one all-reduce over the world
+  (:meth:`.engine.Engine.clip_and_step` clips with it).
 - ``all_sum`` counts each data replica's loss once: tp rank 0 of the last stage holds it
   (every cp rank holds the partial sum over its own tokens, so all of them count).
 
@@ -44,7 +50,6 @@ with pp == 1 the tie is kept, also under TP (both are sharded by the same vocab 
 
 from __future__ import annotations
 
-import math
 import time
 
 import torch
@@ -54,14 +59,20 @@ from torch import nn
 from paratrain.config import TrainConfig
 from paratrain.cost.ranks import virtual_stages
 from paratrain.cost.schedule import build_schedule
-from paratrain.model import set_moe_loss_scale
 from paratrain.parallel.context import apply_context_parallel, cp_comm, local_tokens
-from paratrain.parallel.data_axis import DataAxis
-from paratrain.parallel.engine import CommStats, Engine, token_loss_sum
+from paratrain.parallel.data_axis import data_axis
+from paratrain.parallel.engine import (
+    CommStats,
+    Engine,
+    normalise_aux,
+    normalised,
+    token_loss_sum,
+)
 from paratrain.parallel.memory import ActivationMeter
 from paratrain.parallel.mesh import Mesh
 from paratrain.parallel.pipeline.runtime import PipelineRuntime
 from paratrain.parallel.pipeline.stage import build_chunks
+from paratrain.parallel.placement import mark, placement_of, record_plain
 from paratrain.parallel.recompute import apply_recompute
 from paratrain.parallel.tensor import apply_tensor_parallel, vocab_parallel_cross_entropy
 from paratrain.plan import ParallelPlan
@@ -76,7 +87,7 @@ def sum_partial_grads_over_tp(chunks: list[nn.Module], group) -> None:
 
     for c in chunks:
         for p in c.parameters():
-            if getattr(p, "tp_replicated", False):
+            if "tp" in placement_of(p).replicated:
                 p.register_hook(hook)
 
 
@@ -95,7 +106,10 @@ class MeshEngine(Engine):
         v = virtual_stages(plan)
         self.pp_rank, self.tp_rank = mesh.index("pp"), mesh.index("tp")
         # 1. pipeline split; 2. tensor/sequence; 3. context; 4. recompute
+        record_plain(model)
         chunks = build_chunks(model, plan.pp, v, self.pp_rank)
+        if plan.pp > 1:
+            mark(nn.ModuleList(chunks).parameters(), sharded=("pp",))
         self.tp_states = [apply_tensor_parallel(c, mesh, plan) for c in chunks]
         if plan.sp:
             sum_partial_grads_over_tp(chunks, mesh.group("tp"))
@@ -115,14 +129,11 @@ class MeshEngine(Engine):
 
             self.ep = expert.apply_expert_parallel(chunks, mesh, plan.collectives)
             self.data = expert.SplitDataAxis(
-                DataAxis(chunks, mesh.group("dpcp"), mesh.size("dpcp"), plan, cfg,
-                         self._counted, select=lambda p: not expert.is_expert(p)),
-                DataAxis(chunks, mesh.group("edp"), mesh.size("edp"), plan, cfg,
-                         self._counted, select=expert.is_expert,
-                         units_of=expert.expert_units))
+                self._data_axis(chunks, "dpcp", select=lambda p: not expert.is_expert(p)),
+                self._data_axis(chunks, "edp", select=expert.is_expert,
+                                units_of=expert.expert_units))
         else:
-            self.data = DataAxis(chunks, mesh.group("dpcp"), mesh.size("dpcp"), plan, cfg,
-                                 self._counted)
+            self.data = self._data_axis(chunks, "dpcp")
         self.opt = self.data.opt
         self.dp_rank, self.dp_size = mesh.index("dp"), mesh.size("dp")
         self._micro = 0
@@ -140,9 +151,16 @@ class MeshEngine(Engine):
         self.overheads: list[float] = []  # runtime seconds per compute action, per step
         self.act_peaks: list[int] = []
 
-    def _counted(self, p: nn.Parameter) -> bool:
-        """Whether this rank counts ``p`` in the global norm (replicas: tp rank 0)."""
-        return self.tp_rank == 0 or not getattr(p, "tp_replicated", False)
+    def _data_axis(self, chunks, group: str, **kw):
+        """The plan's reducer over the mesh group ``dpcp`` or ``edp``."""
+        m = self.mesh
+        names = ("dp", "cp") if group == "dpcp" else ("edp",)
+        axes = tuple(a for a in names if m.size(a) > 1)
+        return data_axis(chunks, m.group(group), m.size(group), self.plan, self.cfg,
+                         m.index, axes, **kw)
+
+    def axis_index(self, axis: str) -> int:
+        return self.mesh.index(axis)
 
     def describe_layout(self) -> str:
         """The mesh, the stage split, the pipeline actions and the dp reducer (printed
@@ -201,7 +219,7 @@ class MeshEngine(Engine):
     # ---- forward / backward ----------------------------------------------------------
     def forward_backward(self, x_BT, y_BT, n_tokens_global: int) -> float:
         x_BT, y_BT, T = self._local(x_BT, y_BT)
-        set_moe_loss_scale(self.model, 1.0 / n_tokens_global)
+        normalise_aux(self.model, n_tokens_global)
         self.meter.reset()
         # the saved-tensor hooks cost a Python call per tensor: meter the first calls only
         # (every step of a run has the same shapes, so the same peak)
@@ -212,7 +230,7 @@ class MeshEngine(Engine):
             with self.meter.recording(0):
                 logits = self.model[0](x_BT, T)
                 loss = self._loss_sum(logits, y_BT)
-            (loss / n_tokens_global).backward()
+            normalised(loss, n_tokens_global).backward()
             self.meter.release(0)
             self.data.after_backward()
             self.act_peaks.append(self.meter.peak)
@@ -259,7 +277,7 @@ class MeshEngine(Engine):
         if self.cp is not None:
             self.cp.step_marks.append(self.cp.exposed_s)
         stats = self.data.finish()
-        if self.data.kind == "none":
+        if not self.data.communicates:
             stats.seconds = time.perf_counter() - t0
         return stats
 
@@ -271,22 +289,23 @@ class MeshEngine(Engine):
             dist.all_reduce(t)
         return t.tolist()
 
-    @torch.no_grad()
-    def clip_and_step(self, lr: float) -> float:
-        """Global-norm clipping over the whole mesh, then each reducer's update."""
+    def global_sq(self) -> torch.Tensor:
+        """The squares every rank owns, summed over the world (clipped by the base's
+        :meth:`~.engine.Engine.clip_and_step`)."""
         # Pure data parallelism with replicated gradients: every rank already holds the
         # whole gradient, so its own sum is the global one (no collective on the step).
-        alone = isinstance(self.data, DataAxis) and self.data.kind in ("ddp", "topk") \
-            and self.mesh.world == self.dp_size
+        alone = self.data.grads_replicated and self.mesh.world == self.dp_size
         sq = (self.data.local_sq(every_replica=True) if alone else self.data.local_sq())
         sq = sq.to(self.device)
         if dist.is_initialized() and not alone:
             dist.all_reduce(sq)
-        norm = math.sqrt(float(sq))
-        clip = self.cfg.grad_clip
-        self.data.scale(min(1.0, clip / (norm + 1e-6)) if clip > 0 else 1.0)
+        return sq
+
+    def scale_grads(self, coef: float) -> None:
+        self.data.scale(coef)
+
+    def update(self, lr: float) -> None:
         self.data.step(lr)
-        return norm
 
     def zero_grad(self) -> None:
         """Gradients are released by the reducer's step (kept as bucket views)."""
@@ -300,6 +319,15 @@ class MeshEngine(Engine):
 
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:
         return self.data.state_tensors()
+
+    def owned_state(self) -> list:
+        return self.data.owned_state()
+
+    def residuals(self) -> list[torch.Tensor]:
+        return self.data.residuals()
+
+    def sync_working(self) -> None:
+        self.data.sync_working()
 
     @property
     def comm_buffer_peak(self) -> int:

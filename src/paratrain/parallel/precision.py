@@ -92,6 +92,12 @@ class MasterAdamW:
     def masters(self) -> list[torch.Tensor]:
         return [m for _, m in self.pairs]
 
+    @torch.no_grad()
+    def to_working(self) -> None:
+        """Round the masters into the working parameters (after loading them)."""
+        for p, m in self.pairs:
+            p.copy_(m)
+
     def state_dict(self) -> dict:
         return {"adamw": self.opt.state_dict(), "masters": [m.detach() for m in self.masters()]}
 
@@ -101,6 +107,23 @@ class MasterAdamW:
         for (p, m), saved in zip(self.pairs, state["masters"], strict=True):
             m.copy_(saved)
             p.copy_(m)
+
+
+def optimizer_owned(opt, params) -> list[tuple[nn.Parameter, torch.Tensor, object]]:
+    """(parameter, the tensor its optimizer state is keyed by, the torch optimizer holding
+    that state) for each trainable parameter of ``params`` an optimizer from
+    :func:`paratrain.parallel.optim.build_adamw` updates whole."""
+    if isinstance(opt, MasterAdamW):
+        masters = {id(p): m for p, m in opt.pairs}
+        return [(p, masters[id(p)], opt.opt) for p in params if p.requires_grad]
+    return [(p, p, opt) for p in params if p.requires_grad]
+
+
+@torch.no_grad()
+def to_working(opt) -> None:
+    """Working parameters from the masters (a no-op without mixed precision)."""
+    if isinstance(opt, MasterAdamW):
+        opt.to_working()
 
 
 def optimizer_tensors(opt) -> list[torch.Tensor]:

@@ -43,9 +43,11 @@ Every rank slices its shard from the full, identically seeded model, so the shar
 computes exactly what the unsharded one does (up to the order of additions in the
 reductions), which is what the oracle tests check.
 
-Parameters that stay replicated across the tp group (the norms' gains) get the attribute
-``tp_replicated = True`` (as Megatron tags its parameters), so the engine can count them
-once in the global gradient norm and, under SP, all-reduce their partial gradients.
+Placements (:mod:`.placement`): a split weight's box narrows to its rows or columns and
+gains the axis ``tp`` in ``sharded``; parameters that stay replicated across the tp group
+(the norms' gains, MoE layers) gain ``tp`` in ``replicated``, so the engine counts them
+once in the global gradient norm and, under SP, all-reduces their partial gradients. They
+also keep Megatron's tag ``tp_replicated = True``.
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ from torch import nn
 from paratrain.cost.layout import vocab_range
 from paratrain.cost.tp_bytes import tp_wire_bytes_per_layer  # noqa: F401 - re-export
 from paratrain.parallel import sequence
+from paratrain.parallel.placement import mark, narrowed
 from paratrain.parallel.sequence import TPComm
 
 __all__ = ["TPComm", "TPState", "apply_tensor_parallel", "vocab_parallel_cross_entropy",
@@ -75,7 +78,7 @@ class RegionEntryNorm(nn.Module):
         super().__init__()
         self.norm = norm
         self.comm = comm
-        norm.weight.tp_replicated = True
+        _replicated(norm.weight)
 
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
         return sequence.enter_region(self.norm(x_BTD), self.comm)
@@ -182,6 +185,12 @@ def vocab_parallel_cross_entropy(logits_BTv: torch.Tensor, y_BT: torch.Tensor, s
 
 
 # ---- the transform ----------------------------------------------------------------
+def _replicated(p: nn.Parameter) -> None:
+    p.tp_replicated = True
+    if hasattr(p, "placement"):  # applied outside an engine (the oracle tests): no record
+        mark([p], replicated=("tp",))
+
+
 def _rows(w: torch.Tensor, t: int, r: int) -> torch.Tensor:
     return w.detach().chunk(t, dim=0)[r]
 
@@ -190,10 +199,20 @@ def _cols(w: torch.Tensor, t: int, r: int) -> torch.Tensor:
     return w.detach().chunk(t, dim=1)[r]
 
 
+def _split(cls, w: nn.Parameter, dim: int, comm: TPComm, **kw) -> nn.Module:
+    """The ``cls`` linear holding rank ``comm.rank``'s rows (dim 0) or columns (dim 1)
+    of ``w`` (``torch.chunk``'s pieces), its placement narrowed to them."""
+    t, r = comm.size, comm.rank
+    mod = cls((_rows if dim == 0 else _cols)(w, t, r), comm, **kw)
+    if hasattr(w, "placement"):
+        narrowed(w, mod.weight, dim, r * -(-w.shape[dim] // t), "tp")
+    return mod
+
+
 @torch.no_grad()
 def shard_block(block: nn.Module, comm: TPComm) -> None:
     """Shard one :class:`~paratrain.model.Block` in place (heads, then SwiGLU units)."""
-    t, r = comm.size, comm.rank
+    t = comm.size
     attn, mlp = block.attn, block.mlp
     e = attn.head_dim
     # Query heads and kv heads both split t ways: rank r keeps query heads
@@ -204,8 +223,8 @@ def shard_block(block: nn.Module, comm: TPComm) -> None:
         if (w.shape[0] // e) % t:
             raise ValueError(f"{name} has {w.shape[0] // e} heads, not divisible by tp={t}; "
                              "choose a tp that divides n_heads and n_kv_heads")
-        setattr(attn, name, ColumnParallelLinear(_rows(w, t, r), comm))
-    attn.wo = RowParallelLinear(_cols(attn.wo.weight, t, r), comm)
+        setattr(attn, name, _split(ColumnParallelLinear, w, 0, comm))
+    attn.wo = _split(RowParallelLinear, attn.wo.weight, 1, comm)
     block.attn_norm = RegionEntryNorm(block.attn_norm, comm)
     if not hasattr(mlp, "w_gate"):
         # an MoE MLP stays whole on every tp rank: it reads the replicated residual and
@@ -213,14 +232,14 @@ def shard_block(block: nn.Module, comm: TPComm) -> None:
         # (the router runs on identical tokens; under ep each tp rank exchanges with its
         # own ep group). Its parameters, and the norm before it, are tp-replicated.
         for p in (*mlp.parameters(), block.mlp_norm.weight):
-            p.tp_replicated = True
+            _replicated(p)
         return
     if mlp.w_gate.weight.shape[0] % t:
         raise ValueError(f"d_ff={mlp.w_gate.weight.shape[0]} is not divisible by tp={t}; "
                          "choose d_ff as a multiple of tp")
-    mlp.w_gate = ColumnParallelLinear(_rows(mlp.w_gate.weight, t, r), comm)
-    mlp.w_up = ColumnParallelLinear(_rows(mlp.w_up.weight, t, r), comm)
-    mlp.w_down = RowParallelLinear(_cols(mlp.w_down.weight, t, r), comm)
+    mlp.w_gate = _split(ColumnParallelLinear, mlp.w_gate.weight, 0, comm)
+    mlp.w_up = _split(ColumnParallelLinear, mlp.w_up.weight, 0, comm)
+    mlp.w_down = _split(RowParallelLinear, mlp.w_down.weight, 1, comm)
     block.mlp_norm = RegionEntryNorm(block.mlp_norm, comm)
 
 
@@ -260,9 +279,13 @@ def apply_tensor_parallel(model: nn.Module, mesh, plan) -> TPState:
         shard_block(blk, state.blocks)
     if emb is not None:
         model.tok_emb = VocabParallelEmbedding(emb.weight[start:end], start, end, state.edges)
+        if hasattr(emb.weight, "placement"):
+            narrowed(emb.weight, model.tok_emb.weight, 0, start, "tp")
     if head is not None:
         model.head = ColumnParallelLinear(head.weight[start:end], state.edges, enter=True)
-        model.norm.weight.tp_replicated = True
+        if hasattr(head.weight, "placement"):
+            narrowed(head.weight, model.head.weight, 0, start, "tp")
+        _replicated(model.norm.weight)
         if tied:
             model.head.weight = model.tok_emb.weight
     return state

@@ -55,13 +55,13 @@ class FlatShard:
     """One owned chunk: ``working_S`` (the parameters' own elements, what is gathered),
     ``master_S`` (the optimizer's copy: ``working`` itself, or its FP32 copy under
     mixed precision), ``grad_S`` (reduced gradient), ``segments``: (start, end, decays,
-    counted) per parameter piece inside the chunk; ``counted`` is False for a piece
+    counted, parameter) per parameter piece inside the chunk; ``counted`` is False for a piece
     another rank also holds (a tensor-parallel replicated norm gain on tp rank > 0),
     which the global norm must count once."""
 
     working: torch.Tensor
     grad: torch.Tensor | None
-    segments: list[tuple[int, int, bool, bool]]
+    segments: list[tuple[int, int, bool, bool, nn.Parameter]]
     master: torch.Tensor | None = None
     grad32: torch.Tensor | None = None  # this step's gradient in the master dtype
 
@@ -71,16 +71,17 @@ class FlatShard:
 
 
 def owned_segments(params, offsets, lo: int, hi: int, shapes=None,
-                   counted=lambda p: True) -> list[tuple[int, int, bool, bool]]:
+                   counted=lambda p: True) -> list[tuple[int, int, bool, bool, nn.Parameter]]:
     """Pieces of ``params`` (at ``offsets`` in a flat buffer) inside [lo, hi), relative to
-    ``lo``; matrices decay, vectors do not (as :func:`paratrain.parallel.optim.param_groups`).
-    ``shapes`` overrides the parameters' own (FSDP frees them at rest)."""
+    ``lo``, with the parameter each is of; matrices decay, vectors do not (as
+    :func:`paratrain.parallel.optim.param_groups`). ``shapes`` overrides the parameters'
+    own (FSDP frees them at rest)."""
     out = []
     shapes = shapes or [p.shape for p in params]
     for p, off, shape in zip(params, offsets, shapes, strict=True):
         a, b = max(off, lo), min(off + shape.numel(), hi)
         if a < b and p.requires_grad:
-            out.append((a - lo, b - lo, len(shape) >= 2, counted(p)))
+            out.append((a - lo, b - lo, len(shape) >= 2, counted(p), p))
     return out
 
 
@@ -103,10 +104,12 @@ class ShardedAdamW:
                 s.master = s.working.to(master_dtype(cfg)).clone()
         decay, no_decay = [], []
         self._segs: list[tuple[nn.Parameter, FlatShard, int, int, bool]] = []
+        self._owners: list[nn.Parameter] = []
         for s in shards:
-            for a, b, dec, counted in s.segments:
+            for a, b, dec, counted, q in s.segments:
                 p = nn.Parameter(s.master[a:b])
                 self._segs.append((p, s, a, b, counted))
+                self._owners.append(q)
                 (decay if dec else no_decay).append(p)
         self.bind_grads()
         self.opt = torch.optim.AdamW(
@@ -149,6 +152,18 @@ class ShardedAdamW:
             s.grad32 = None
             if s.master is not s.working:
                 s.working.copy_(s.master)  # round the update into the working copy
+
+    def owned(self) -> list[tuple[nn.Parameter, nn.Parameter]]:
+        """(model parameter, the master segment of it this rank owns, which keys its AdamW
+        state), in shard order; the segment is the parameter's ``placement.owned`` range."""
+        return [(q, seg) for q, (seg, *_) in zip(self._owners, self._segs, strict=True)]
+
+    @torch.no_grad()
+    def to_working(self) -> None:
+        """Round loaded masters into the working chunks."""
+        for s in self.shards:
+            if s.master is not s.working:
+                s.working.copy_(s.master)
 
     def state_tensors(self) -> list[torch.Tensor]:
         """Adam moments and (under mixed precision) the FP32 masters."""
@@ -245,6 +260,14 @@ class ZeroOptimizer:
         """Update the owned chunks (already clipped), all-gather the parameters."""
         self.adam.step(lr)
         t0 = time.perf_counter()
+        self.gather_parameters()
+        self.gather_s = time.perf_counter() - t0
+        for gb in self.chunks:
+            gb.zero_grad()
+
+    @torch.no_grad()
+    def gather_parameters(self) -> None:
+        """All-gather every bucket's parameters from their owners' chunks."""
         p, r = self.comm.size, self.comm.rank
         handles = []
         for flat in self.flats:
@@ -252,9 +275,6 @@ class ZeroOptimizer:
             handles.append(self.comm.all_gather(flat, flat[r * s:(r + 1) * s].clone()))
         for h in handles:
             h.wait()
-        self.gather_s = time.perf_counter() - t0
-        for gb in self.chunks:
-            gb.zero_grad()
 
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:
         buckets = [b for gb in self.chunks for b in gb.buckets]

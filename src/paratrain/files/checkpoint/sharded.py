@@ -137,10 +137,7 @@ def _state_of(e: Entry) -> dict:
 def _residuals(engine) -> list[torch.Tensor]:
     """This rank's top-k error-feedback residuals (one per top-k data axis; none
     without ``--compress`` or on a dp axis of 1)."""
-    if not hasattr(engine, "mesh"):
-        return []
-    parts = getattr(engine.data, "parts", (engine.data,))
-    return [da.tk.residual for da in parts if da.kind == "topk"]
+    return engine.residuals()
 
 
 def _residual_fqn(i: int) -> str:
@@ -155,7 +152,7 @@ def save_pieces(path: Path, engine, mcfg, plan) -> None:
     (collective over the world)."""
     items = [(_residual_fqn(i), tuple(r.shape), (0,), r.detach().clone().cpu())
              for i, r in enumerate(_residuals(engine))]
-    for e in entries(engine, mcfg, plan):
+    for e in entries(engine):
         if not e.canonical:
             continue
         st = _state_of(e)
@@ -178,7 +175,7 @@ def save_pieces(path: Path, engine, mcfg, plan) -> None:
 @torch.no_grad()
 def load_pieces(path: Path, engine, mcfg, plan) -> None:
     """Fill this rank's optimizer ranges and parameters from ``path`` (collective)."""
-    es = entries(engine, mcfg, plan)
+    es = entries(engine)
     res = [(r, torch.empty(r.shape, dtype=r.dtype)) for r in _residuals(engine)]
     wants = [(_residual_fqn(i), (0,), buf) for i, (_, buf) in enumerate(res)]
     bufs = []
@@ -208,33 +205,7 @@ def load_pieces(path: Path, engine, mcfg, plan) -> None:
                 "exp_avg_sq": kb["exp_avg_sq"].to(dev).view_as(e.key).clone()}
     for r, buf in res:
         r.copy_(buf.to(r.device))
-    _masters_to_working(engine)
-
-
-@torch.no_grad()
-def _masters_to_working(engine) -> None:
-    """Working parameters as an optimizer step leaves them, from the loaded masters."""
-    if not hasattr(engine, "mesh"):
-        for p, m in getattr(engine.opt, "pairs", []):
-            p.copy_(m)
-        return
-    for da in getattr(engine.data, "parts", (engine.data,)):
-        if da.kind in ("none", "ddp", "topk"):
-            for p, m in getattr(da.opt, "pairs", []):
-                p.copy_(m)
-        elif da.kind == "zero":
-            zo = da.zo
-            for s in zo.adam.shards:
-                if s.master is not s.working:
-                    s.working.copy_(s.master)
-            r, n = zo.comm.rank, zo.comm.size
-            for flat in zo.flats:
-                s = flat.numel() // n
-                zo.comm.all_gather(flat, flat[r * s:(r + 1) * s].clone()).wait()
-        else:
-            for s in da.fs.adam.shards:
-                if s.master is not s.working:
-                    s.working.copy_(s.master)
+    engine.sync_working()  # working parameters as an optimizer step leaves them
 
 
 def load_full(path: Path) -> dict[str, torch.Tensor]:

@@ -48,6 +48,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from paratrain.cost.schedule import COMPUTE, Action, PipelineSchedule
+from paratrain.parallel.engine import normalised
 from paratrain.parallel.memory import ActivationMeter
 
 
@@ -231,7 +232,7 @@ class PipelineRuntime:
                 if k == last:
                     loss = self.loss_fn(out, y_mbs[a.mb])
                     loss_sum += float(loss.detach())
-                    out = loss / n_tokens_global
+                    out = normalised(loss, n_tokens_global)
             state[key] = (inp, out)
             self.timeline.append(("F", a.mb, a.chunk, t0, time.perf_counter()))
         elif a.kind in ("B", "BI"):
