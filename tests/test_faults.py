@@ -24,11 +24,12 @@ from pathlib import Path
 
 import pytest
 
+from conftest import tiny_flags
 from paratrain.cli import main
 
-TINY = ["--layers", "2", "--d-model", "32", "--heads", "4", "--d-ff", "64", "--context", "16",
-        "--global-batch", "4", "--eval-every", "0", "--quiet", "--dtype", "float64"]
-REF = ["--nproc", "2", "--zero", "3", *TINY]  # the reference layout (warm-up 20 steps, so
+TINY_FLAGS = [*tiny_flags(), "--global-batch", "4", "--eval-every", "0", "--quiet",
+              "--dtype", "float64"]
+REF = ["--nproc", "2", "--zero", "3", *TINY_FLAGS]  # the reference layout (warm-up 20 steps, so
 # the learning rate of steps < 20 does not depend on --steps)
 REF_STEPS, REF_KEEP = 40, 3
 CMD = [sys.executable, "-m", "paratrain.cli", "train"]
@@ -129,7 +130,7 @@ def test_subprocesses_import_this_worktree(tmp_path):
 def test_signal_to_launcher_leaves_no_process_and_checkpoints(tmp_path, text_file, reaper,
                                                               reference, nproc, sig):
     run, ck = tmp_path / "run", tmp_path / "ck"
-    layout = REF if nproc == 2 else ["--nproc", "1", *TINY]
+    layout = REF if nproc == 2 else ["--nproc", "1", *TINY_FLAGS]
     with open(tmp_path / "out", "w") as out, open(tmp_path / "err", "w") as err:
         p = subprocess.Popen([*CMD, *layout, "--steps", "100000",
                               "--data", text_file, "--run-dir", str(run),
@@ -191,7 +192,7 @@ def _workers(run: Path) -> dict[int, int]:
 
 
 # ---- a worker killed: torchrun restarts the workers, they resume (elastic) ----------------
-TOPK = ["--nproc", "2", "--compress", "topk:4", *TINY]
+TOPK = ["--nproc", "2", "--compress", "topk:4", *TINY_FLAGS]
 
 
 def test_killed_worker_without_restarts_is_one_error_line(tmp_path, text_file, reaper):
@@ -199,7 +200,7 @@ def test_killed_worker_without_restarts_is_one_error_line(tmp_path, text_file, r
     torchrun's own report went, no traceback, and nothing left running."""
     run = tmp_path / "run"
     with open(tmp_path / "err", "w") as err:
-        p = subprocess.Popen([*CMD, "--nproc", "2", *TINY, "--steps", "100000", "--data",
+        p = subprocess.Popen([*CMD, "--nproc", "2", *TINY_FLAGS, "--steps", "100000", "--data",
                               text_file, "--run-dir", str(run)], stderr=err, cwd=tmp_path)
         _wait_for_steps(p, run, 2, tmp_path)
         victim = _workers(run)[1]
@@ -262,7 +263,7 @@ def test_resume_with_other_settings_is_one_error(tmp_path, text_file, capsys, re
         other = tmp_path / "other.txt"
         other.write_text(Path(text_file).read_text()[::-1])
         change = ["--data", str(other)]
-    code = main(["train", "--nproc", str(nproc), *TINY, "--steps", str(REF_STEPS + 2),
+    code = main(["train", "--nproc", str(nproc), *TINY_FLAGS, "--steps", str(REF_STEPS + 2),
                  "--data", text_file, *change, "--run-dir", str(tmp_path / "r2"),
                  "--checkpoint-dir", str(ck), "--resume"])
     err = capsys.readouterr().err.strip()
@@ -272,7 +273,7 @@ def test_resume_with_other_settings_is_one_error(tmp_path, text_file, capsys, re
 
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_diverged_loss_is_one_error(tmp_path, text_file, reaper, nproc):
-    r = _run(["--nproc", str(nproc), *TINY, "--steps", "5", "--warmup-steps", "0", "--lr",
+    r = _run(["--nproc", str(nproc), *TINY_FLAGS, "--steps", "5", "--warmup-steps", "0", "--lr",
               "1e30", "--dtype", "float32", "--data", text_file, "--run-dir",
               str(tmp_path / "r")], tmp_path)
     _one_clean_error(r, "lower --lr")
@@ -329,7 +330,7 @@ def test_resume_on_another_world_size_and_layout(tmp_path, text_file, reaper, re
     start = REF_STEPS - 2 * REF_KEEP + 2
     ck = _copy_ck(reference, tmp_path, newest=start)
     run = tmp_path / "run"
-    r = _run([*layout, *TINY, "--steps", str(REF_STEPS), "--data", text_file, "--run-dir",
+    r = _run([*layout, *TINY_FLAGS, "--steps", str(REF_STEPS), "--data", text_file, "--run-dir",
               str(run), "--checkpoint-dir", str(ck), "--resume"], tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     assert _steps(run) == list(range(start, REF_STEPS))
@@ -373,7 +374,7 @@ def test_two_launchers_as_two_nodes(tmp_path, text_file, reaper, reference):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    ps = [subprocess.Popen([*CMD, "--nproc", "1", "--zero", "3", *TINY, "--steps", "4",
+    ps = [subprocess.Popen([*CMD, "--nproc", "1", "--zero", "3", *TINY_FLAGS, "--steps", "4",
                             "--data", text_file, "--nnodes", "2", "--node-rank", str(n),
                             "--rdzv-endpoint", f"127.0.0.1:{port}", "--run-dir",
                             str(tmp_path / f"node{n}")], cwd=tmp_path,
@@ -394,7 +395,7 @@ def test_stopped_worker_is_a_named_timeout(tmp_path, text_file, reaper):
     run = tmp_path / "run"
     timeout = 5
     with open(tmp_path / "out", "w") as out, open(tmp_path / "err", "w") as err:
-        p = subprocess.Popen([*CMD, "--nproc", "2", *TINY, "--steps", "100000", "--data",
+        p = subprocess.Popen([*CMD, "--nproc", "2", *TINY_FLAGS, "--steps", "100000", "--data",
                               text_file, "--run-dir", str(run), "--timeout", str(timeout)],
                              stdout=out, stderr=err, cwd=tmp_path)
         _wait_for_steps(p, run, 2, tmp_path)
@@ -414,7 +415,7 @@ def test_stopped_worker_is_a_named_timeout(tmp_path, text_file, reaper):
 
 # ---- run directories ---------------------------------------------------------------------
 def test_two_runs_started_together_get_their_own_run_dirs(tmp_path, text_file, reaper):
-    args = [*CMD, "--nproc", "1", *TINY, "--steps", "2", "--data", text_file]
+    args = [*CMD, "--nproc", "1", *TINY_FLAGS, "--steps", "2", "--data", text_file]
     ps = [subprocess.Popen([*args, "--seed", str(s)], cwd=tmp_path, stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True) for s in (1, 2)]
     for p in ps:
@@ -431,7 +432,7 @@ def test_two_runs_started_together_get_their_own_run_dirs(tmp_path, text_file, r
 
 def test_existing_run_dir_is_refused_and_resume_truncates(tmp_path, text_file):
     run, ck = tmp_path / "run", tmp_path / "ck"
-    base = ["train", "--nproc", "1", *TINY, "--data", text_file, "--run-dir", str(run),
+    base = ["train", "--nproc", "1", *TINY_FLAGS, "--data", text_file, "--run-dir", str(run),
             "--checkpoint-dir", str(ck)]
     assert main([*base, "--steps", "4", "--checkpoint-every", "2"]) == 0
     assert _steps(run) == [0, 1, 2, 3]
@@ -553,7 +554,7 @@ def test_bad_input_is_one_error_line_before_launch(tmp_path, text_file, capsys, 
     if "--data" not in args:
         args = [*args, "--data", text_file]
     t0 = time.monotonic()
-    code = main(["train", "--nproc", str(nproc), *TINY, "--steps", "2", *args])
+    code = main(["train", "--nproc", str(nproc), *TINY_FLAGS, "--steps", "2", *args])
     err = capsys.readouterr().err.strip()
     assert code == 2, err
     assert len(err.splitlines()) == 1 and err.startswith("error: ") and fragment in err, err
@@ -589,6 +590,6 @@ def test_default_run_dir_in_a_read_only_place_is_one_error(tmp_path, text_file, 
                                                            monkeypatch):
     (tmp_path / "runs").write_text("a file where runs/ would go")
     monkeypatch.chdir(tmp_path)
-    code = main(["train", "--nproc", "1", *TINY, "--steps", "2", "--data", text_file])
+    code = main(["train", "--nproc", "1", *TINY_FLAGS, "--steps", "2", "--data", text_file])
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1 and "cannot create the run dir" in err, err

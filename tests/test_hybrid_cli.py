@@ -7,10 +7,9 @@ import json
 import subprocess
 import sys
 
-from conftest import max_rel_diff
+from conftest import max_rel_diff, tiny_flags
 
-TINY = ["--layers", "2", "--d-model", "32", "--heads", "4", "--d-ff", "64", "--context", "16",
-        "--global-batch", "4", "--steps", "2", "--eval-every", "0"]
+TINY_FLAGS = [*tiny_flags(), "--global-batch", "4", "--steps", "2", "--eval-every", "0"]
 
 
 def paratrain(*args: str) -> subprocess.CompletedProcess:
@@ -21,7 +20,7 @@ def paratrain(*args: str) -> subprocess.CompletedProcess:
 def test_tp_pp_run_prints_mesh_and_report(text_file, tmp_path):
     run = tmp_path / "run"
     r = paratrain("--nproc", "4", "--tp", "2", "--pp", "2", "--sp", "--micro-batches", "2",
-                  "--schedule", "1f1b", "--data", text_file, "--run-dir", str(run), *TINY)
+                  "--schedule", "1f1b", "--data", text_file, "--run-dir", str(run), *TINY_FLAGS)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "mesh pp=2 x dp=1 x tp=2" in r.stdout
     assert "stage 1 (pp rank 1, chunk 0): blocks [1, 2) + norm, head" in r.stdout
@@ -33,7 +32,7 @@ def test_tp_pp_run_prints_mesh_and_report(text_file, tmp_path):
 
 def test_impossible_plans_exit_2_with_one_line(text_file):
     for nproc, bad in (("6", ["--tp", "3"]), ("2", ["--tp", "2", "--sp", "--context", "15"])):
-        r = paratrain("--nproc", nproc, "--data", text_file, *TINY, *bad)
+        r = paratrain("--nproc", nproc, "--data", text_file, *TINY_FLAGS, *bad)
         assert r.returncode == 2, (bad, r.stderr[-500:])
         lines = [x for x in r.stderr.splitlines() if x.startswith("error:")]
         assert len(lines) == 1, r.stderr
@@ -47,7 +46,7 @@ def test_fsdp_with_tp_from_the_cli_matches_one_process(text_file, tmp_path):
                         ("tp2 zero3", ["--nproc", "4", "--tp", "2", "--zero", "3"])):
         run = tmp_path / name.replace(" ", "_")
         r = paratrain(*flags, "--dtype", "float64", "--data", text_file, "--run-dir", str(run),
-                      *TINY)
+                      *TINY_FLAGS)
         assert r.returncode == 0, r.stderr[-2000:]
         runs[name] = (r.stdout, [json.loads(x)["loss"] for x in
                                  (run / "metrics.jsonl").read_text().splitlines()])

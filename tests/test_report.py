@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import TINY, tiny_flags
 from paratrain.cli import main
 
-TINY = ["--layers", "2", "--d-model", "32", "--heads", "4", "--d-ff", "64",
-        "--context", "32", "--global-batch", "8"]
+TINY_FLAGS = [*tiny_flags(TINY.replace(context=32)), "--global-batch", "8"]
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +27,7 @@ def run(tmp_path_factory, paratrain_exe, text_file):
     r = subprocess.run([paratrain_exe, "train", "--nproc", "2", "--pp", "2",
                         "--micro-batches", "2", "--steps", "4", "--eval-every", "2",
                         "--data", text_file, "--run-dir", str(d / "run"),
-                        "--tensorboard", str(d / "tb"), "--quiet", *TINY],
+                        "--tensorboard", str(d / "tb"), "--quiet", *TINY_FLAGS],
                        capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     return d, r

@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import TINY, tiny_flags
 from paratrain.cli import main
 from paratrain.files.batches import Corpus, bits_per_byte
 from paratrain.files.corpus import prepare, read_corpus, records_text
 from paratrain.files.tokenizer import Tokenizer, bytes_tokenizer_json, chunks, load
 
-TINY = ["--layers", "2", "--d-model", "32", "--heads", "2", "--d-ff", "64", "--context", "16",
-        "--global-batch", "4", "--steps", "2"]
+TINY_FLAGS = [*tiny_flags(TINY.replace(n_heads=2)), "--global-batch", "4", "--steps", "2"]
 
 
 @pytest.fixture()
@@ -109,7 +109,7 @@ def test_bad_tokenizer_or_text_field_is_one_error_line_before_launch(
     (tmp_path / "GARBAGE").write_text('{"not": "a tokenizer"}')
     (tmp_path / "notes.jsonl").write_text("".join(json.dumps({"text": d}) + "\n"
                                                   for d in docs[:20]))
-    code = main(["train", "--nproc", "2", *TINY, "--data", "notes.jsonl",
+    code = main(["train", "--nproc", "2", *TINY_FLAGS, "--data", "notes.jsonl",
                  "--run-dir", "run", *flags])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and err[0].startswith("error: ") and says in err[0]
