@@ -26,7 +26,7 @@ from pathlib import Path
 from paratrain.cost.groups import split_batch
 from paratrain.cost.hardware import Hardware, load_hardware
 from paratrain.cost.shapes import FLOP_COUNTS, ModelShape, load_model
-from paratrain.plan import ParallelPlan
+from paratrain.plan import ParallelPlan, infer_dp
 
 DATA_DIR = Path(__file__).parent / "data"  # the published runs and the fitted values
 DEFAULT_RUNS = DATA_DIR / "calibration.csv"
@@ -261,7 +261,11 @@ def row_to_case(row: dict) -> Case:
         hw = dataclasses.replace(hw, gpus_per_node=domain)
     tp, pp = _num(row, "TP", int) or 1, _num(row, "PP", int) or 1
     cp, ep = _num(row, "CP", int) or 1, _num(row, "EP", int) or 1
-    dp = _num(row, "DP", int) or gpus // (tp * pp * cp)
+    try:
+        dp = _num(row, "DP", int) or infer_dp({"tp": tp, "pp": pp, "cp": cp}, gpus,
+                                                "num_accel")["dp"]
+    except ValueError as e:
+        raise Skip(str(e)) from None
     if tp * pp * dp * cp != gpus:
         raise Skip(f"TP*PP*DP*CP = {tp * pp * dp * cp} != num_accel {gpus}")
     tokens = _num(row, "tokens_per_step", int)

@@ -32,7 +32,7 @@ from paratrain.config import ModelConfig
 from paratrain.cost.hardware import Hardware
 from paratrain.cost.memory import Memory, memory
 from paratrain.cost.shapes import as_shape
-from paratrain.plan import ParallelPlan
+from paratrain.plan import ParallelPlan, infer_dp
 from paratrain.systems.overlap import SEARCH_ENGINE
 from paratrain.systems.step_model import Breakdown, predict_step
 from paratrain.systems.step_params import StepParams
@@ -105,7 +105,7 @@ def enumerate_plans(model: ModelConfig, hw: Hardware, gpus: int, sequences: int,
             for pp in _divisors(gpus // (tp * cp)):
                 if pp > m.n_layers:
                     break
-                dp = gpus // (tp * cp * pp)
+                dp = infer_dp({"tp": tp, "pp": pp, "cp": cp}, gpus, "gpus")["dp"]
                 if sequences % dp:
                     continue
                 per_replica = sequences // dp
