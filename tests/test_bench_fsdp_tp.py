@@ -15,11 +15,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 BENCH = Path(__file__).parents[1] / "benchmarks" / "fsdp_tp.py"
 TINY = ["--n-layers", "1", "--d-model", "64", "--n-heads", "4", "--d-ff", "128",
         "--context", "32", "--batch", "4"]
 
 
+@pytest.mark.slow
 def test_fsdp_tp_benchmark_runs_both_and_agrees(tmp_path):
     out = tmp_path / "fsdp_tp.json"
     run = subprocess.run([sys.executable, str(BENCH), "--rounds", "1", "--steps", "2", *TINY,

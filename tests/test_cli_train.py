@@ -15,6 +15,7 @@ from paratrain.cli import main
 TINY_FLAGS = [*tiny_flags(TINY.replace(context=32)), "--global-batch", "8", "--quiet"]
 
 
+@pytest.mark.slow
 def test_train_steps_5_with_defaults_through_torchrun(tmp_path, paratrain_exe):
     """README's main job, shortened: 2 workers, default model and corpus."""
     run = tmp_path / "run"

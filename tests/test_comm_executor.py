@@ -222,6 +222,7 @@ def _subgroup_worker(rank: int, world: int) -> dict:
 
 
 @pytest.mark.parametrize("p", [2, 3, 4, 8])
+@pytest.mark.slow
 def test_every_collective_matches_native_and_counts_match_schedule(p):
     results = spawn(_parity_worker, p, timeout_s=120)
     fails = [f"rank {r}: {f}" for r, res in enumerate(results) for f in res["fails"]]

@@ -77,6 +77,7 @@ def refs(text_file):
 
 
 @pytest.mark.parametrize("world,combos", [(4, FOUR), (8, EIGHT)], ids=["world4", "world8"])
+@pytest.mark.slow
 def test_layouts_reproduce_one_process(text_file, refs, world, combos):
     results = spawn(_worker, world, text_file, combos, timeout_s=600)
     worst = {}

@@ -98,6 +98,7 @@ def _rel(a: float, b: float) -> float:
 
 
 @pytest.mark.parametrize("world,combos", [(2, TWO), (4, FOUR)], ids=["world2", "world4"])
+@pytest.mark.slow
 def test_context_parallel_reproduces_one_process(spawned, refs, world, combos):
     results = spawned(world)
     for name, (model, plan) in combos.items():
@@ -178,6 +179,7 @@ def _ring_worker(rank: int, world: int, T: int, kv_heads: int, collectives: str)
 
 @pytest.mark.parametrize("world,kv_heads,collectives",
                          [(2, 2, "native"), (4, 1, "ours"), (3, 4, "native")])
+@pytest.mark.slow
 def test_ring_attention_matches_causal_attention(world, kv_heads, collectives):
     """Native isend/irecv and paratrain's executor (a ring-shift schedule) alike."""
     for d in spawn(_ring_worker, world, 24, kv_heads, collectives, timeout_s=120):

@@ -230,6 +230,7 @@ def two(text_file, tmp_path_factory):
     return spawn(_matrix_worker, 2, text_file, str(tmp_path_factory.mktemp("ckpt")))[0]
 
 
+@pytest.mark.slow
 def test_every_stage_resumes_bitwise_from_its_sharded_checkpoint(two):
     for z in (0, 1, 2, 3):
         full, resumed = two[("resume", z)]
@@ -316,6 +317,7 @@ def test_odd_cases_on_two_ranks(two, reference, name):
         assert torch.equal(two[(name, 3)][1][key], torch.ones_like(two[(name, 3)][1][key]))
 
 
+@pytest.mark.slow
 def test_odd_cases_on_four_ranks(text_file, reference):
     four = spawn(_odd_worker, 4, text_file)[0]
     for name, _, _ in ODD_CASES:

@@ -81,6 +81,7 @@ def refs(text_file):
 
 
 @pytest.mark.parametrize("world,combos", [(2, TWO), (4, FOUR)], ids=["world2", "world4"])
+@pytest.mark.slow
 def test_expert_parallel_reproduces_one_process(text_file, refs, world, combos):
     results = spawn(_worker, world, text_file, combos, timeout_s=600)
     worst = {}

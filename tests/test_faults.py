@@ -127,6 +127,7 @@ def test_subprocesses_import_this_worktree(tmp_path):
 # ---- signals to the launcher alone ------------------------------------------------------
 @pytest.mark.parametrize("nproc, sig", [(2, signal.SIGTERM), (2, signal.SIGINT),
                                         (1, signal.SIGTERM), (2, signal.SIGKILL)])
+@pytest.mark.slow
 def test_signal_to_launcher_leaves_no_process_and_checkpoints(tmp_path, text_file, reaper,
                                                               reference, nproc, sig):
     run, ck = tmp_path / "run", tmp_path / "ck"
@@ -215,6 +216,7 @@ def test_killed_worker_without_restarts_is_one_error_line(tmp_path, text_file, r
     assert _wait_gone(str(run), 10) == []
 
 
+@pytest.mark.slow
 def test_killed_worker_restarts_and_resumes_bitwise(tmp_path, text_file, reaper, capsys):
     """Run under top-k compression, whose per-rank error-feedback residuals must come back
     with the checkpoint for the trajectory to continue bit for bit (a zero residual leaves
@@ -272,6 +274,7 @@ def test_resume_with_other_settings_is_one_error(tmp_path, text_file, capsys, re
 
 
 @pytest.mark.parametrize("nproc", [1, 2])
+@pytest.mark.slow
 def test_diverged_loss_is_one_error(tmp_path, text_file, reaper, nproc):
     r = _run(["--nproc", str(nproc), *TINY_FLAGS, "--steps", "5", "--warmup-steps", "0", "--lr",
               "1e30", "--dtype", "float32", "--data", text_file, "--run-dir",
@@ -281,6 +284,7 @@ def test_diverged_loss_is_one_error(tmp_path, text_file, reaper, nproc):
 
 # ---- a flipped byte, a truncated or a missing file: every rank falls back together --------
 @pytest.mark.parametrize("damage", ["flip", "truncate", "missing"])
+@pytest.mark.slow
 def test_damaged_newest_checkpoint_falls_back_with_a_warning(tmp_path, text_file, reaper,
                                                              reference, damage):
     ck = _copy_ck(reference, tmp_path)
@@ -323,6 +327,7 @@ def test_every_checkpoint_damaged_is_one_error(tmp_path, text_file, reaper, refe
 
 # ---- resharding: another world size, another layout -------------------------------------
 @pytest.mark.parametrize("layout", [["--nproc", "1"], ["--nproc", "2", "--tp", "2"]])
+@pytest.mark.slow
 def test_resume_on_another_world_size_and_layout(tmp_path, text_file, reaper, reference,
                                                  layout):
     """The reference's ZeRO-3 (dp 2) checkpoint of step 36, resumed in one process and as
@@ -368,6 +373,7 @@ def test_load_full_model_gives_the_plain_model(reference, text_file):
 
 
 # ---- two launchers on loopback as two nodes -----------------------------------------------
+@pytest.mark.slow
 def test_two_launchers_as_two_nodes(tmp_path, text_file, reaper, reference):
     import socket
 
@@ -391,6 +397,7 @@ def test_two_launchers_as_two_nodes(tmp_path, text_file, reaper, reference):
 
 
 # ---- a stopped worker: the collective times out, naming who did not arrive ----------------
+@pytest.mark.slow
 def test_stopped_worker_is_a_named_timeout(tmp_path, text_file, reaper):
     run = tmp_path / "run"
     timeout = 5

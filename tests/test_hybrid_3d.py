@@ -36,6 +36,7 @@ def _worker(rank: int, world: int, data: str) -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_three_d_layouts_match_one_process(text_file):
     refs = {n: train(m, tcfg(text_file), None, RunOptions(**QUIET))
             for n, m in ((4, MODEL4), (8, MODEL8))}

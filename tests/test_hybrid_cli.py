@@ -7,6 +7,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from conftest import max_rel_diff, tiny_flags
 
 TINY_FLAGS = [*tiny_flags(), "--global-batch", "4", "--steps", "2", "--eval-every", "0"]
@@ -17,6 +19,7 @@ def paratrain(*args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=240)
 
 
+@pytest.mark.slow
 def test_tp_pp_run_prints_mesh_and_report(text_file, tmp_path):
     run = tmp_path / "run"
     r = paratrain("--nproc", "4", "--tp", "2", "--pp", "2", "--sp", "--micro-batches", "2",
@@ -38,6 +41,7 @@ def test_impossible_plans_exit_2_with_one_line(text_file):
         assert len(lines) == 1, r.stderr
 
 
+@pytest.mark.slow
 def test_fsdp_with_tp_from_the_cli_matches_one_process(text_file, tmp_path):
     """`--nproc 4 --tp 2 --zero 3` runs from the command line and reproduces one process
     (float64), printing the mesh and the FSDP units it built."""

@@ -85,6 +85,7 @@ def rel(a, b) -> float:
 
 
 @pytest.mark.parametrize("pp", [2, 4])
+@pytest.mark.slow
 def test_every_schedule_matches_one_process(text_file, reference, pp, tmp_path):
     results = spawn(_pp_worker, pp, text_file, str(tmp_path / "ckpt"), timeout_s=400)
     runs = results[0]["runs"]

@@ -225,6 +225,7 @@ def runs4(text_file, tmp_path_factory):
     return spawn(_worker4, 4, text_file, _profile(tmp_path_factory.mktemp("prof4")))
 
 
+@pytest.mark.slow
 def test_mesh_layouts_predicted_equal_measured_on_every_rank(runs4):
     """States bytes of every rank (rank 0 computes the comparison, which holds all four)
     and each rank's own dp wire bytes per step, exactly: per-chunk buckets and units, the

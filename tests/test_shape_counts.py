@@ -175,6 +175,7 @@ def _worker(rank: int, world: int, combos: dict) -> dict:
     pytest.param(4, {**FOUR, **MOE_FOUR}, id="world4"),
     pytest.param(8, {**EIGHT, **MOE_EIGHT}, id="world8", marks=pytest.mark.slow),  # ~50 s
 ])
+@pytest.mark.slow
 def test_each_rank_holds_what_the_systems_model_counts(world, combos):
     results = spawn(_worker, world, combos, timeout_s=600)
     for name, (mcfg, plan) in combos.items():

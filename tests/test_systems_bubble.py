@@ -30,6 +30,7 @@ def _accepted(p: int):
 
 
 @pytest.mark.parametrize("p", range(1, 17))
+@pytest.mark.slow
 def test_closed_form_equals_the_simulated_schedule(p):
     for name, m, v, sched in _accepted(p):
         sim = simulate_pipeline(sched).bubble
@@ -60,6 +61,7 @@ def test_unknown_schedule_is_one_line_error():
 
 
 @pytest.mark.parametrize("p", range(1, 17))
+@pytest.mark.slow
 def test_run_prediction_prices_the_simulated_bubble(p):
     """The run prediction's bubble (:func:`paratrain.predict.pipeline.pipeline_bubble`, with
     injected equal stage times) is the simulated schedule's idle time per rank, and its

@@ -124,6 +124,7 @@ TOL = {"float64": 1e-9, "float32": 1e-5, "bfloat16": 5e-3}
 
 
 @pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.slow
 def test_tensor_parallel_matches_one_process(text_file, reference, world):
     results = spawn(_tp_worker, world, text_file, timeout_s=300)
     for rank, res in enumerate(results):

@@ -66,6 +66,7 @@ def test_simulated_workers_match_one_process(text_file, reference):
 
 
 @pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.slow
 def test_gloo_processes_match_one_process(text_file, reference, tmp_path, world):
     results = spawn(_dp_worker, world, text_file, str(tmp_path / "ckpt"), timeout_s=240)
     for r in results[1:]:  # every rank reports the same global loss

@@ -54,6 +54,7 @@ def runs(request, text_file):
 
 
 @pytest.mark.parametrize("name", ["model", "odd"])
+@pytest.mark.slow
 def test_model_state_bytes_equal_the_formula(runs, name):
     d, out = runs
     mcfg = {"model": MODEL, "odd": ODD}[name]
