@@ -95,6 +95,7 @@ def test_one_process_activation_peak_is_predicted(text_file, dtype, attention):
         _check(f"one process {recompute}", dtype, attention, meas, pred)
 
 
+@pytest.mark.slow
 def test_two_rank_activation_peaks_are_predicted(text_file):
     results = spawn(_worker, 2, text_file, timeout_s=600)
     for key, (meas, pred, mp_meas, mp_pred) in results[0].items():

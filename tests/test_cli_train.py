@@ -32,6 +32,7 @@ def test_train_steps_5_with_defaults_through_torchrun(tmp_path, paratrain_exe):
     assert summary["world_size"] == 2 and summary["payload_bytes_per_step"] > 0
 
 
+@pytest.mark.slow
 def test_torchrun_directly_and_toml_config(tmp_path, text_file):
     cfg = tmp_path / "run.toml"
     cfg.write_text('[model]\nn_layers = 2\nd_model = 32\nn_heads = 4\nd_ff = 64\n'

@@ -49,6 +49,7 @@ def test_topk_converges_within_the_stated_margin(two):
 
 
 @pytest.mark.parametrize("p", [2, 4])
+@pytest.mark.slow
 def test_wire_bytes_grow_as_p_minus_1_times_payload(two, text_file, p):
     out = two if p == 2 else spawn(_worker, 4, text_file, 2)[0]
     n = as_shape(MODEL).num_params()

@@ -127,6 +127,7 @@ def test_context_parallel_reproduces_one_process(spawned, refs, world, combos):
         assert worst <= 1e-9, name
 
 
+@pytest.mark.slow
 def test_context_parallel_divides_activation_memory(spawned):
     """Rank 0's measured activation peak at a 1024-token context (float64): cp 2 at most
     0.6x and cp 4 at most 0.35x of cp 1, and the systems model's prediction within 5%

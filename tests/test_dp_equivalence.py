@@ -237,6 +237,7 @@ def test_every_stage_resumes_bitwise_from_its_sharded_checkpoint(two):
         assert resumed == full, f"zero={z}"
 
 
+@pytest.mark.slow
 def test_every_stage_overlap_accumulation_and_collective_matches_one_process(two, reference):
     worst = 0.0
     for z, o, m, c in MATRIX:

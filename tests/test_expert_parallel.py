@@ -296,6 +296,7 @@ def test_bad_moe_flags_are_one_line_and_exit_2(capsys, args, fragment):
     assert fragment in err and len(err.splitlines()) == 1, err
 
 
+@pytest.mark.slow
 def test_cli_ep_run_logs_expert_load(text_file, tmp_path):
     """The same command from the CLI (torchrun): the mesh line and per-step MoE records."""
     import json

@@ -256,6 +256,7 @@ def test_killed_worker_restarts_and_resumes_bitwise(tmp_path, text_file, reaper,
 @pytest.mark.parametrize("change, fragment", [(["--seed", "7"], "has train.seed=0 but"),
                                               ("data", "trained on data"),
                                               (["--d-ff", "96"], "has model.d_ff=64 but")])
+@pytest.mark.slow
 def test_resume_with_other_settings_is_one_error(tmp_path, text_file, capsys, reference,
                                                  nproc, change, fragment):
     """Refused before launch, naming the field (the workers check again when torchrun is

@@ -244,6 +244,7 @@ def test_mesh_layouts_predicted_equal_measured_on_every_rank(runs4):
             assert (wire > 0) == (plan.dp * plan.cp > 1), name  # the reducer spans dp x cp
 
 
+@pytest.mark.slow
 def test_cp_and_ep_bytes_predicted_equal_measured_in_composed_layouts(runs4):
     """CP: rank 0's bytes per step for attention (ring; under tp with sp, under pp for
     its stage's blocks) == paratrain.cost.layout.cp_wire_bytes in the prediction. EP under tp:

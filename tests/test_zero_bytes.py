@@ -86,6 +86,7 @@ def test_model_state_bytes_equal_the_formula(runs, name):
             assert ranks[0]["grads"] == pred.grads_bytes
 
 
+@pytest.mark.slow
 def test_wire_bytes_per_step_equal_the_ring_formulas(runs):
     d, out = runs
     for name in ("model", "odd"):
