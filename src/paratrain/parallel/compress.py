@@ -5,7 +5,8 @@ Public API (composable: any parameter list, any group)::
     tk = TopKCompressor(params, group, k=16, impl="native")
     stats = tk.reduce()        # after backward: p.grad <- sum over ranks of the sparse picks
 
-The dp-axis transform (:mod:`.data_axis`) uses it for ``--zero 0 --compress topk:K``.
+The dp axis's top-k strategy (:class:`.dp_replicated.TopK`, chosen by
+:func:`.data_axis.data_axis`) uses it for ``--zero 0 --compress topk:K``.
 
 Each rank adds its carried residual to its gradient, keeps the ``n // k`` entries of
 largest magnitude (values and int32 indices) and carries the rest into the next step

@@ -166,7 +166,7 @@ def save(root: str | Path, step: int, engine, mcfg, plan, meta: dict, keep: int 
         remove_stale(root)
         tmp_dir.mkdir()
     _barrier()
-    save_pieces(tmp_dir, engine, mcfg, plan)
+    save_pieces(tmp_dir, engine)
     _barrier()
     if rank == 0:
         files = {p.name: _sha256(p) for p in sorted(tmp_dir.iterdir()) if p.is_file()}
@@ -286,7 +286,7 @@ def load(root: str | Path, engine, mcfg, plan, expect: dict | None = None,
         bad = _failed_ranks(not why, world, device)
         if not bad:
             try:
-                load_pieces(d, engine, mcfg, plan)
+                load_pieces(d, engine)
                 return step
             except CheckpointException as e:  # raised on every rank together
                 said = f"reading it failed: {str(e).splitlines()[0][:200]}"

@@ -147,7 +147,7 @@ def _residual_fqn(i: int) -> str:
     return f"topk_residual/rank{rank}/{i}"
 
 
-def save_pieces(path: Path, engine, mcfg, plan) -> None:
+def save_pieces(path: Path, engine) -> None:
     """Write this rank's canonical pieces, and its top-k residuals, into ``path``
     (collective over the world)."""
     items = [(_residual_fqn(i), tuple(r.shape), (0,), r.detach().clone().cpu())
@@ -173,7 +173,7 @@ def save_pieces(path: Path, engine, mcfg, plan) -> None:
 
 
 @torch.no_grad()
-def load_pieces(path: Path, engine, mcfg, plan) -> None:
+def load_pieces(path: Path, engine) -> None:
     """Fill this rank's optimizer ranges and parameters from ``path`` (collective)."""
     es = entries(engine)
     res = [(r, torch.empty(r.shape, dtype=r.dtype)) for r in _residuals(engine)]
