@@ -79,14 +79,21 @@ def reducer_plan(plan: ParallelPlan) -> ParallelPlan:
     return plan if plan.cp == 1 else plan.replace(dp=plan.dp * plan.cp, cp=1)
 
 
-def dp_kind(plan: ParallelPlan) -> str:
-    """The reducer on the plan's dp axis (:func:`paratrain.parallel.data_axis.kind_of`)."""
-    plan = reducer_plan(plan)
-    if plan.dp == 1:
+def strategy(dp: int, plan: ParallelPlan) -> str:
+    """The reducer a data axis of ``dp`` ranks runs under ``plan``: none (dp = 1), topk
+    (--compress), else ddp, zero (ZeRO-1/2) or fsdp (ZeRO-3). The one rule: the
+    runtime's factory (:func:`paratrain.parallel.data_axis.data_axis`) builds the class
+    it names, the byte counts here price it."""
+    if dp == 1:
         return "none"
     if plan.compress is not None:
         return "topk"
     return ("ddp", "zero", "zero", "fsdp")[plan.zero]
+
+
+def dp_kind(plan: ParallelPlan) -> str:
+    """The reducer on the plan's dp axis (dp x cp ranks, :func:`reducer_plan`)."""
+    return strategy(reducer_plan(plan).dp, plan)
 
 
 def dp_flats(mcfg: ModelConfig, plan: ParallelPlan, elem: int, rank: int,

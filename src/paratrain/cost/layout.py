@@ -20,13 +20,13 @@ and the tests count it from the configs here, and the runtime calls the pieces i
   reducers, dense over dp and experts over dp / ep ranks (:func:`reducers`).
 - **Tensor shards**: heads and d_ff split t ways; vocabulary rows ceil(V/t) per rank,
   the last rank fewer (:func:`vocab_range`); norm gains replicated.
-- **The dp reducer** (:mod:`.buffers`: :func:`dp_kind`, as
-  :func:`paratrain.parallel.data_axis.kind_of`): flat buffers per chunk (gradient
+- **The dp reducer** (:mod:`.buffers`: :func:`strategy` names the one
+  :func:`paratrain.parallel.data_axis.data_axis` builds): flat buffers per chunk (gradient
   buckets of at most ``bucket_mb`` MiB packed greedily in reverse registration order,
   :func:`bucket_sizes`; or FSDP units, :func:`fsdp_unit_sizes`), each padded to a
   multiple of dp; rank r owns chunk r. Their bytes at rest and on the wire:
   :mod:`.dp_bytes`.
-- **Context parallelism** (:mod:`.context`: :func:`cp_chunks`, :func:`ring_blocks`,
+- **Context parallelism** (:mod:`.cp_bytes`: :func:`cp_chunks`, :func:`ring_blocks`,
   :func:`cp_wire_bytes`): which sequence pieces a cp rank holds, which attention blocks
   it computes at each ring step, and the bytes it sends (:mod:`paratrain.parallel.context`).
 """
@@ -42,6 +42,7 @@ from paratrain.cost.buffers import (  # noqa: F401 - the package's API
     pack_groups,
     pad,
     reducer_plan,
+    strategy,
     topk_keep,
 )
 from paratrain.cost.cp_bytes import (  # noqa: F401 - the package's API

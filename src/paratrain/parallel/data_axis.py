@@ -46,6 +46,7 @@ import torch
 from torch import nn
 
 from paratrain.config import TrainConfig
+from paratrain.cost.buffers import strategy
 from paratrain.parallel.ddp import DPCommStats, GradBuckets
 from paratrain.parallel.engine import grad_sq
 from paratrain.parallel.optim import build_adamw, set_lr
@@ -70,12 +71,8 @@ def data_axis(chunks: list[nn.Module], group, dp: int, plan: ParallelPlan,
     from paratrain.parallel.dp_replicated import Buckets, TopK
     from paratrain.parallel.dp_sharded import Units, Zero
 
-    if dp == 1:
-        cls = DataAxis
-    elif plan.compress is not None:
-        cls = TopK
-    else:
-        cls = (Buckets, Zero, Zero, Units)[plan.zero]
+    cls = {"none": DataAxis, "topk": TopK, "ddp": Buckets, "zero": Zero,
+           "fsdp": Units}[strategy(dp, plan)]
     return cls(chunks, group, plan, cfg, index, axes, select, units_of)
 
 
