@@ -45,8 +45,6 @@ CATALOGUE_CONTEXT = 4096  # a catalogue model's sequence length unless --context
 # Old spellings of `paratrain plan`, kept for a release: each prints one warning line.
 DEPRECATED_FLAGS = {"--seq-len": "--context"}
 DEPRECATED_VALUES = {("attention", "flash"): "sdpa"}
-# The cost model's name of the fused kernel (cost/activations.py's ATTENTION)
-COST_ATTENTION = {"sdpa": "flash", "eager": "eager"}
 
 
 def _warn(old: str, new: str) -> None:
@@ -110,12 +108,13 @@ def plan(
     ``--config run.toml``: the run `paratrain train --config run.toml` trains, with the
     same flags (its per-rank bytes under "run" in ``--json``).
     """
+    from paratrain.cost.activations import kernel
     from paratrain.cost.hardware import load_hardware
 
     flags = _undeprecate(flags or {"model": {}, "train": {}, "plan": {}}, seq_len)
     m, p, gpus, tokens, seq, precision, run = _what(model, config, flags, gpus, tokens,
                                                     search, precision)
-    attention = COST_ATTENTION[m.attention]
+    attention = kernel(m.attention)
     hw = load_hardware(hardware)
     eng, step_params = _step_model(engine, search, reference, params)
     if search:

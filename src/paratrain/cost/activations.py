@@ -15,6 +15,13 @@ from paratrain.plan import ParallelPlan
 ATTENTION = ("flash", "eager")
 
 
+def kernel(attention: str) -> str:
+    """A run's ``attention`` setting (ModelConfig: ``sdpa`` | ``eager``) in the cost
+    model's words: ``flash`` is any fused kernel that keeps no scores for backward
+    (PyTorch's sdpa, FlashAttention), ``eager`` the written-out softmax."""
+    return "eager" if attention == "eager" else "flash"
+
+
 def _check_kinds(recompute: str, attention: str) -> None:
     if recompute not in ("none", "selective", "full"):
         raise ValueError(f"recompute={recompute!r} is unknown; choose none, selective or full")

@@ -16,6 +16,7 @@ flight (docs/train-prediction.md).
 from __future__ import annotations
 
 from paratrain.config import ModelConfig, TrainConfig
+from paratrain.cost.activations import kernel
 from paratrain.cost.memory import Precision, activation_bytes, block_activation_bytes, model_states
 from paratrain.cost.pipeline_sim import simulate_pipeline
 from paratrain.cost.ranks import ELEMENT_BYTES, elements
@@ -42,8 +43,8 @@ def predicted_states(mcfg: ModelConfig, plan: ParallelPlan, tcfg: TrainConfig) -
 
 
 def _attention(mcfg: ModelConfig) -> str:
-    """The kernel the activation count prices: sdpa is a fused kernel, priced as flash."""
-    return "eager" if mcfg.attention == "eager" else "flash"
+    """The kernel the activation count prices (:func:`paratrain.cost.activations.kernel`)."""
+    return kernel(mcfg.attention)
 
 
 def predicted_activations(mcfg: ModelConfig, plan: ParallelPlan, tcfg: TrainConfig) -> float:

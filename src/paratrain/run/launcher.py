@@ -78,7 +78,7 @@ def rank_bytes(mcfg, tcfg, plan) -> float:
     (:func:`paratrain.predict.rank_state_bytes`) and saved activations
     (:func:`paratrain.cost.activations.rank_activation_peaks`), or the full FP32 model
     every rank builds before sharding it, whichever is larger."""
-    from paratrain.cost.activations import rank_activation_peaks
+    from paratrain.cost.activations import kernel, rank_activation_peaks
     from paratrain.cost.ranks import ELEMENT_BYTES
     from paratrain.cost.shapes import as_shape
     from paratrain.predict import rank_state_bytes
@@ -89,7 +89,7 @@ def rank_bytes(mcfg, tcfg, plan) -> float:
     try:
         acts = max(rank_activation_peaks(
             mcfg, plan, tcfg.global_batch * mcfg.context, mcfg.context,
-            "eager" if mcfg.attention == "eager" else "flash", elem))
+            kernel(mcfg.attention), elem))
     except ValueError:
         acts = 0.0
     return max(states + acts, as_shape(mcfg).num_params() * 4.0)
