@@ -24,6 +24,7 @@ def profile(tmp_path):
     return str(path)
 
 
+@pytest.mark.slow
 def test_mini_grid_json(profile, text_file, capsys):
     code = main(["check-model", "--plans", "mini", "--no-fit", "--profile", profile,
                  "--data", text_file, "--json", *TINY_FLAGS])

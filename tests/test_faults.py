@@ -196,6 +196,7 @@ def _workers(run: Path) -> dict[int, int]:
 TOPK = ["--nproc", "2", "--compress", "topk:4", *TINY_FLAGS]
 
 
+@pytest.mark.slow
 def test_killed_worker_without_restarts_is_one_error_line(tmp_path, text_file, reaper):
     """No --max-restarts: the run ends with one line naming how the worker died and where
     torchrun's own report went, no traceback, and nothing left running."""
