@@ -1,5 +1,5 @@
 """The systems model counts what paratrain's MoE block keeps for backward exactly
-(:func:`paratrain.cost.activations.moe_mlp_activation_bytes`, docs/moe-activations.md).
+(:func:`paratrain.cost.moe_activations.moe_mlp_activation_bytes`, docs/moe-activations.md).
 
 - Per block, one process, float64 (and float32 for top-2): the bytes a 4-layer minus a 2-layer model
   saves in one forward (:class:`paratrain.parallel.memory.ActivationMeter`), halved,
@@ -22,7 +22,8 @@ import pytest
 import torch
 
 from paratrain.config import ModelConfig, TrainConfig
-from paratrain.cost.activations import block_activation_bytes, moe_rows
+from paratrain.cost.activations import block_activation_bytes
+from paratrain.cost.moe_activations import moe_rows
 from paratrain.model import Decoder
 from paratrain.parallel.memory import ActivationMeter
 from paratrain.parallel.process_groups import spawn

@@ -14,5 +14,5 @@ values, :mod:`paratrain.config` and :mod:`paratrain.plan`). One home per formula
   (:mod:`.cp_bytes`), where groups sit on a cluster (:mod:`.groups`); :mod:`.layout`
   gathers the per-rank API;
 - memory: precision recipes and ZeRO states (:mod:`.memory`), activations
-  (:mod:`.activations`).
+  (:mod:`.activations`; paratrain's MoE block: :mod:`.moe_activations`).
 """

@@ -134,7 +134,9 @@ class DataAxis:
         return stats
 
     def _reduce(self) -> DPCommStats:
-        raise NotImplementedError
+        """Each strategy that communicates reduces its gradients here; the base (dp = 1)
+        has no group, so :meth:`finish` never calls it."""
+        raise NotImplementedError(f"{type(self).__name__} has a group but no reduction")
 
     # ---- the update (whole parameters; the ZeRO classes override) ---------------------
     @torch.no_grad()
