@@ -31,3 +31,23 @@ def test_no_citation_of_files_outside_the_repository():
            for i, line in enumerate(text.splitlines(), 1)
            if re.search(r"(?<![\w/])(DESIGN|STYLE)\.md", line)]
     assert not bad, f"cite docs/design.md or docs/style.md instead: {bad}"
+
+
+def _quick_start() -> list[str]:
+    readme = (ROOT / "README.md").read_text()
+    block = readme.split("## Quick start", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+    return [line.split("#", 1)[0].strip() for line in block.splitlines() if line.strip()]
+
+
+def test_ci_runs_exactly_the_readmes_install_and_test_commands():
+    install, main_job, test = _quick_start()
+    ci = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()
+          if line.strip() and not line.lstrip().startswith(("#", "set ", "cd "))]
+    assert ci == [install, test], (ci, install, test)
+    assert main_job == "paratrain train"
+
+
+def test_the_install_script_installs_the_browser_the_report_test_needs():
+    script = (ROOT / "install.sh").read_text()
+    assert "apt-get install" in script and "chromium" in script
+    assert 'pip install -e ".[dev]"' in script
