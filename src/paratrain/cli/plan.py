@@ -77,6 +77,14 @@ HELP = {
     "reference": "Price with docs/design.md's reference model only (one eta, flat ring); "
                  "--search too.",
     "params": "Step-model parameters (default: the shipped data/fitted.toml).",
+    "nproc": "With --search: rank the layouts of the run `paratrain train --nproc N` "
+             "trains (same model, batch, --config) on THIS machine's calibrated profile.",
+    "verify": "With --search --nproc N: train the top K layouts and K random ones for a "
+              "few steps; print measured vs predicted and Kendall's tau.",
+    "verify_steps": "Steps per verified layout (the first is warm-up).",
+    "emit_config": "With --search: write the winner as a TOML for `paratrain train "
+                   "--config FILE`.",
+    "max_memory_gb": "With --search --nproc N: leave out layouts over this memory per rank.",
 }
 Opt = typer.Option
 
@@ -99,8 +107,13 @@ def plan(
     explain: Annotated[bool, Opt("--explain", help=HELP["explain"])] = False,
     reference: Annotated[bool, Opt("--reference", help=HELP["reference"])] = False,
     params: Annotated[str | None, Opt(help=HELP["params"])] = None,
+    nproc: Annotated[int | None, Opt(help=HELP["nproc"])] = None,
+    verify: Annotated[int, Opt(help=HELP["verify"])] = 0,
+    verify_steps: Annotated[int, Opt(help=HELP["verify_steps"])] = 6,
+    emit_config: Annotated[str | None, Opt(help=HELP["emit_config"])] = None,
+    max_memory_gb: Annotated[float | None, Opt(help=HELP["max_memory_gb"])] = None,
     flags: dict | None = None,
-) -> PlanOutput:
+) -> PlanOutput | None:
     """Price a parallel plan: memory per GPU, wire bytes, step time, MFU (no GPU needed).
 
     With no flags: docs/design.md's reference example, LLaMA 2 7B on 64 H100, with its
@@ -112,20 +125,59 @@ def plan(
     from paratrain.cost.hardware import load_hardware
 
     flags = _undeprecate(flags or {"model": {}, "train": {}, "plan": {}}, seq_len)
+    if nproc is not None or verify:
+        return _search_this_machine(search, model, config, flags, nproc, top, verify,
+                                    verify_steps, emit_config, max_memory_gb, json_out)
+    if (emit_config or max_memory_gb is not None) and not search:
+        raise ValueError("--emit-config and --max-memory-gb go with --search; add --search")
+    if emit_config:
+        from paratrain.files.run_toml import check_writable
+
+        check_writable(emit_config)
     m, p, gpus, tokens, seq, precision, run = _what(model, config, flags, gpus, tokens,
                                                     search, precision)
     attention = kernel(m.attention)
     hw = load_hardware(hardware)
     eng, step_params = _step_model(engine, search, reference, params)
+    if search and emit_config:
+        from paratrain.cli.plan_machine import runtime_model
+
+        runtime_model(m)  # refused before the search
     if search:
-        return _search(m, hw, gpus, tokens, seq, top, eta, json_out, plot, attention,
-                       step_params, eng.name)
+        out = _search(m, hw, gpus, tokens, seq, top, eta, json_out, plot, attention,
+                      step_params, eng.name)
+        if emit_config:
+            from paratrain.cli.plan_machine import emit_cluster_winner
+
+            emit_cluster_winner(emit_config, m, out.data.top[0].plan, tokens, seq, gpus,
+                                hw.name)
+        return out
     rep = _report(m, hw, p, gpus, tokens, seq, eta, precision, attention, step_params, eng,
                   explain)
     if run is not None:
         rep["run"] = run_bytes(*run)
     _print_report(rep, json_out)
     return PlanOutput("report", rep, f"{m.name} on {gpus} x {hw.name}")
+
+
+def _search_this_machine(search: bool, model: str | None, config: str | None, flags: dict,
+                         nproc: int | None, top: int, verify: int, verify_steps: int,
+                         emit_config: str | None, max_memory_gb: float | None,
+                         json_out: bool) -> None:
+    """`plan --search --nproc N [--verify K]`: paratrain/cli/plan_machine.py."""
+    from paratrain.cli.plan_machine import search_machine
+
+    if not search:
+        raise ValueError("--nproc and --verify go with --search (they rank this machine's "
+                         "layouts); add --search")
+    if model is not None:
+        raise ValueError(f"--model {model} names a catalogue model to price on GPUs; with "
+                         "--nproc the model is the run's (its flags or --config); drop --model")
+    if verify < 0:
+        raise ValueError(f"--verify {verify}: give how many top layouts to run, e.g. 4")
+    search_machine(config, flags, DEFAULT_NPROC if nproc is None else nproc, top, verify,
+                   verify_steps, emit_config, max_memory_gb, json_out)
+    return None
 
 
 def _what(model: str | None, config: str | None, flags: dict, gpus: int | None,
@@ -317,8 +369,10 @@ def with_plots(command: Callable[..., PlanOutput], plotter: Plotter) -> Callable
     when ``--plot DIR`` is given, printing each file written unless ``--json``."""
     @functools.wraps(command)
     def run(*args, **kwargs) -> None:
-        out = command(*args, **kwargs)
         plot = kwargs.get("plot")
+        if plot and kwargs.get("nproc") is not None:
+            raise ValueError("--plot draws cluster plans; drop it with --nproc")
+        out = command(*args, **kwargs)
         if plot:
             for path in plotter(out, plot):
                 if not kwargs.get("json_out"):

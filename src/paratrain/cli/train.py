@@ -221,6 +221,24 @@ def _start(spec: dict, in_torchrun: bool, world: int, nproc: int, launch: dict) 
         raise typer.Exit(rc)
 
 
+def _auto_plan(mode: str | None, max_memory_gb: float | None, mcfg, tcfg, world: int,
+               config: str | None, flags: dict, in_torchrun: bool, nnodes: int,
+               simulate_workers: int):
+    """`--plan auto`: the search's winner on this machine (paratrain/run/auto_plan.py)."""
+    if mode != "auto":
+        raise ValueError(f"--plan {mode}: the one planner is 'auto' (--plan auto); "
+                         "or give the layout with --dp/--tp/--pp/... instead"
+                         if mode else "--max-memory-gb goes with --plan auto; add it")
+    if in_torchrun or nnodes > 1 or simulate_workers > 1:
+        raise ValueError("--plan auto plans the processes of one `paratrain train --nproc "
+                         "N` launch; run it without torchrun, --nnodes or --simulate-workers")
+    from paratrain.cli.plan_machine import fixed_plan_fields
+    from paratrain.run.auto_plan import choose
+
+    return choose(mcfg, tcfg, world, fixed_plan_fields(config, flags.get("plan", {})),
+                  max_memory_gb)
+
+
 def train(
     nproc: Annotated[int, Opt(help="Worker processes (torchrun).")] = DEFAULT_NPROC,
     simulate_workers: Annotated[int, Opt(help="W simulated workers in one process.")] = 1,
@@ -248,6 +266,13 @@ def train(
     quiet: Annotated[bool, Opt(help="No progress bar or summary table.")] = False,
     tensorboard: Annotated[str | None, Opt(help="Also write TensorBoard event files "
                                                "here (rank 0).")] = None,
+    plan_mode: Annotated[str | None, Opt("--plan", help="'auto': search every layout for "
+                                          "this model, batch and --nproc on this machine's "
+                                          "calibrated profile (calibrating first if there "
+                                          "is none), print the top 5 and train the winner; "
+                                          "plan flags given fix their axes.")] = None,
+    max_memory_gb: Annotated[float | None, Opt(help="With --plan auto: leave out layouts "
+                                                    "over this memory per rank (GB).")] = None,
     flags: dict | None = None,
 ) -> None:
     """Train the decoder LM (default: 2 workers, data parallel, stdlib corpus)."""
@@ -257,6 +282,9 @@ def train(
     flags = flags or {}
     mcfg, tcfg, plan = resolve(config, flags.get("model", {}), flags.get("train", {}),
                                flags.get("plan", {}), world)
+    if plan_mode is not None or max_memory_gb is not None:
+        plan = _auto_plan(plan_mode, max_memory_gb, mcfg, tcfg, world, config, flags,
+                          in_torchrun, nnodes, simulate_workers)
     plan.check(mcfg, world, tcfg.global_batch)
     plan.check_runtime(mcfg)
     if simulate_workers > 1 and world > 1:

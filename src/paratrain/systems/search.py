@@ -6,7 +6,8 @@ least 1024 tokens per rank; ring or all-to-all when the heads divide over cp x t
 (divisors of what is left, at most the layers), dp (the rest, dividing the batch), ep (MoE:
 powers of two dividing dp and the experts), micro-batch size (divisors of the per-replica
 batch, so accumulation or pipeline micro-batches follow), schedule (GPipe, 1F1B, interleaved
-with v in VIRTUAL_STAGES, ZB-H1), ZeRO stage 0-3, recomputation none/selective/full. Sequence
+with v in VIRTUAL_STAGES, ZB-H1), ZeRO stage 0-3, recomputation none/selective/full. Only
+layouts `paratrain train` accepts are ranked (:func:`runs`: the launcher's checks). Sequence
 parallelism is always on when tp > 1: it moves the same bytes as tensor parallelism alone
 (all-gather + reduce-scatter = all-reduce) and divides the remaining activations by tp, so
 it dominates.
@@ -128,11 +129,25 @@ def enumerate_plans(model: ModelConfig, hw: Hardware, gpus: int, sequences: int,
                             for algo in algos:
                                 for zero in (zero_stages if dp * cp > 1 else (0,)):
                                     for rc in recomputes:
-                                        yield ParallelPlan(
+                                        plan = ParallelPlan(
                                             dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=zero,
                                             sp=tp > 1, micro_batches=mb, schedule=sched,
                                             virtual_stages=v, recompute=rc,
-                                            cp_algorithm=algo), b
+                                            cp_algorithm=algo)
+                                        if runs(plan, m, gpus, sequences):
+                                            yield plan, b
+
+
+def runs(plan: ParallelPlan, model: ModelConfig, gpus: int, sequences: int) -> bool:
+    """Whether `paratrain train` accepts ``plan`` (the launcher's own checks): the search
+    ranks nothing the runtime refuses (a composition the systems model could price but
+    the runtime does not run, such as MoE with context parallelism, is left out)."""
+    try:
+        plan.check(model, gpus, sequences)
+        plan.check_runtime(model)
+    except ValueError:
+        return False
+    return True
 
 
 def search(model: ModelConfig, hw: Hardware, gpus: int, tokens_per_step: int, seq_len: int,
