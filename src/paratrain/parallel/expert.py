@@ -78,24 +78,30 @@ class ExpertExchange:
 
     def _pairwise(self, out: torch.Tensor, x: torch.Tensor, out_splits: list[int],
                   in_splits: list[int]) -> None:
-        """paratrain's all-to-all (``--collectives ours``): p - 1 rounds; in round s
-        rank r sends its piece for r + s and receives the piece of r - s (mod p), with
-        isend / irecv; empty pieces are not sent (both ends know the sizes)."""
+        """paratrain's all-to-all (``--collectives ours``): the pairwise exchange, in
+        round s rank r sends its piece for r + s and receives the piece of r - s (mod p).
+        No round reads what another writes, so every receive is posted first, then every
+        send, then all are waited: the p - 1 rounds overlap on the wire instead of each
+        waiting for the last (waiting round by round ran at 0.3-0.5x gloo's own). Posting
+        in round order keeps each pair's messages in the order both ends expect; empty
+        pieces are not sent (both ends know the sizes)."""
         p, r = self.size, self.rank
         o_in = [sum(in_splits[:i]) for i in range(p)]
         o_out = [sum(out_splits[:i]) for i in range(p)]
-        out[o_out[r]:o_out[r] + out_splits[r]] = x[o_in[r]:o_in[r] + in_splits[r]]
+        works = []
         for step in range(1, p):
-            dst, src = (r + step) % p, (r - step) % p
-            works = []
-            if in_splits[dst]:
-                works.append(dist.isend(x[o_in[dst]:o_in[dst] + in_splits[dst]].contiguous(),
-                                        dst=self.peers[dst], group=self.group))
+            src = (r - step) % p
             if out_splits[src]:
                 buf = out[o_out[src]:o_out[src] + out_splits[src]]
                 works.append(dist.irecv(buf, src=self.peers[src], group=self.group))
-            for w in works:
-                w.wait()
+        for step in range(1, p):
+            dst = (r + step) % p
+            if in_splits[dst]:
+                works.append(dist.isend(x[o_in[dst]:o_in[dst] + in_splits[dst]],
+                                        dst=self.peers[dst], group=self.group))
+        out[o_out[r]:o_out[r] + out_splits[r]] = x[o_in[r]:o_in[r] + in_splits[r]]
+        for w in works:
+            w.wait()
 
     def all_to_all(self, x: torch.Tensor, out_splits: list[int], in_splits: list[int]
                    ) -> torch.Tensor:
