@@ -10,15 +10,19 @@ Each rank writes the pieces of the plain model's tensors it owns (:mod:`.pieces`
 :mod:`.sharded`) into ``step_XXXXXX.tmp``; rank 0 then hashes every file into
 ``meta.json`` and renames the directory into place; ``latest`` is replaced atomically
 last. A crash at any point leaves the previous checkpoint intact; the next save or load
-removes the stale ``.tmp``. ``keep``: only the newest K steps are kept.
+removes the stale ``.tmp``. ``keep``: the step written and the K - 1 newest intact steps
+below it are kept, steps above it are not touched (:mod:`.prune`). Files follow the
+user's umask (:mod:`.atomic`).
 
 Importing this package does not import torch (the launcher reads meta.json with it).
 
 Loading does not trust ``latest``: it tries the step directories newest first. The
-ranks split the files of a step between them, each checks its share (present, sha256),
-and they agree with one all-reduce before anyone reads; a step that fails anywhere, or
-whose read fails, is skipped by every rank together, with one ``warning:`` line (rank
-0). The settings that decide the loss trajectory (model, seed, batch, optimizer, dtype,
+ranks split the files of a step between them, each checks meta.json's schema and its
+share of the files (present, sha256: :mod:`.verify`) and reads DCP's ``.metadata`` with a
+restricted unpickler (:mod:`.safe_metadata`: a crafted pickle runs no code), and they
+agree with one all-reduce before anyone reads; a step that fails anywhere, or whose read
+fails, is skipped by every rank together, with one ``warning:`` line (rank 0).
+The settings that decide the loss trajectory (model, seed, batch, optimizer, dtype,
 data identity) must match the checkpoint's; the refusal names the field. The layout
 (world size, dp/tp/pp/ep/cp, ZeRO stage, micro-batches) may differ: every rank reads
 the pieces its new layout owns, except a top-k run (``--compress``), whose per-rank
@@ -182,7 +186,7 @@ def peek(root: str | Path) -> dict | None:
     the restricted unpickler where the workers read it: :mod:`.safe_metadata`.)"""
     for step in steps(root):
         meta, _ = check_step(step_dir(root, step))
-        if meta is not None:
+        if meta is not None and meta.get("format", 1) == FORMAT:  # format 1: full.py only
             return meta
     return None
 
@@ -232,6 +236,8 @@ def _step_problem(d: Path, rank: int, world: int) -> tuple[str, object]:
     meta, why = read_meta_why(d)
     if meta is None:
         return why, None
+    if meta.get("format", 1) != FORMAT:
+        return f"meta.json has format {meta.get('format', 1)}, this version resumes {FORMAT}", None
     bad = verify_files(d, meta, range(rank, len(meta["files"]), world))
     if bad:
         return "; ".join(bad), None
