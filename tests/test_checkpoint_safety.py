@@ -318,6 +318,20 @@ def test_a_step_dcp_cannot_read_is_one_warning_line(trained, tmp_path, text_file
 
 
 @pytest.mark.slow
+def test_malformed_newest_meta_json_resumes_from_the_step_before(trained, tmp_path,
+                                                                 text_file):
+    """``[]`` as the newest meta.json: the launcher's checks and the workers pass over it
+    (it was a launcher traceback)."""
+    shutil.copytree(trained / "ck", tmp_path / "ck")
+    (tmp_path / "ck" / "step_000008" / "meta.json").write_text("[]")
+    r, _, first = _resume(trained, tmp_path, text_file)
+    assert r.returncode == 0, r.stderr[-3000:]
+    _one_fallback_warning(r.stderr, "step_000008", "rank 0, 1: meta.json holds a JSON list",
+                          "step_000006")
+    assert first == 6
+
+
+@pytest.mark.slow
 def test_pruning_after_a_fallback_keeps_the_new_and_the_intact_steps(trained, tmp_path,
                                                                      text_file, capsys):
     """Steps 6 and 8 damaged: the resume falls back to 4 and writes 5 under

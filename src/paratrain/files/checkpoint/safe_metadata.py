@@ -36,6 +36,7 @@ _ADMITTED = {
     "torch.serialization": {"_get_layout"},
     "torch": {"Size"},
     "pathlib": {"PosixPath", "PurePosixPath"},
+    "pathlib._local": {"PosixPath", "PurePosixPath"},  # Python 3.13's home of the classes
 }
 
 
