@@ -469,7 +469,7 @@ def _fake_checkpoint(tmp_path, step, world):
 
     files = {".metadata": hashlib.sha256(b"m").hexdigest()}
     (d / "meta.json").write_text(json.dumps({"format": 2, "step": step, "world_size": world,
-                                             "files": files}))
+                                             "model": {}, "files": files}))
     return ["--checkpoint-dir", str(tmp_path / "ck"), "--resume"]
 
 

@@ -36,8 +36,12 @@ def register(app: typer.Typer) -> None:
                                 )],
     ) -> None:
         """Write a checkpoint as a Hugging Face LlamaForCausalLM folder."""
+        from paratrain.files.export import check_out
         from paratrain.files.export import export as write
         from paratrain.files.inference import load
 
-        files = write(load(checkpoint), out)
-        print("wrote " + ", ".join(str(f) for f in files), flush=True)
+        check_out(out)  # before anything is read
+        run = load(checkpoint)
+        files = write(run, out)
+        print(f"wrote step {run.meta['step']} of {checkpoint}: "
+              + ", ".join(str(f) for f in files), flush=True)

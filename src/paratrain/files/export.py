@@ -18,6 +18,8 @@ bytes tokenizer an equivalent byte-level one whose ids are the byte values),
 from __future__ import annotations
 
 import json
+import os
+import tempfile
 from pathlib import Path
 
 import torch
@@ -77,24 +79,55 @@ def hf_state_dict(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str,
     return {k: v.detach().float().contiguous().clone() for k, v in out.items()}
 
 
+def check_out(out_dir: str | Path) -> Path:
+    """``--out`` as a folder export can write, checked before the checkpoint is read:
+    not a file, not under a file, and its nearest existing folder writable (a real
+    probe: a read-only filesystem, or permissions, refuse it). One-line ValueError."""
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {str(out_dir)!r} is a file; pass a directory")
+    base = out
+    while not base.exists() and base != base.parent:
+        base = base.parent
+    if not base.is_dir():
+        raise ValueError(f"--out {str(out_dir)!r} lies under {str(base)!r}, which is a file, "
+                         "not a directory; pass a folder path outside it")
+    try:
+        with tempfile.TemporaryFile(dir=base):
+            pass
+    except OSError as e:
+        raise ValueError(f"--out {str(out_dir)!r}: cannot write in {str(base)!r} "
+                         f"({e.strerror}); pass a folder you can write") from None
+    return out
+
+
 def export(run: Loaded, out_dir: str | Path) -> list[Path]:
     """Write the Hugging Face folder; returns the files written."""
-    from safetensors.torch import save_file
-
     cfg = run.model.cfg
     if cfg.experts:
         raise ValueError(f"this checkpoint is a Mixture-of-Experts model (experts="
                          f"{cfg.experts}); export writes LlamaForCausalLM, which is dense: "
                          "export a model trained without --experts")
-    out = Path(out_dir)
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"--out {str(out_dir)!r} is a file; pass a directory")
+    out = check_out(out_dir)
+    try:
+        return _write(run, cfg, out)
+    except OSError as e:
+        raise ValueError(f"--out {str(out_dir)!r}: writing {e.filename or out} failed "
+                         f"({e.strerror}); pass a folder you can write") from None
+
+
+def _write(run: Loaded, cfg: ModelConfig, out: Path) -> list[Path]:
+    from safetensors.torch import save_file
+
+    from paratrain.files.checkpoint.atomic import default_mode
+
     out.mkdir(parents=True, exist_ok=True)
     files = [out / n for n in ("config.json", "model.safetensors", "tokenizer.json",
                                "tokenizer_config.json")]
     files[0].write_text(json.dumps(hf_config(cfg), indent=1) + "\n")
     save_file(hf_state_dict(run.model.state_dict(), cfg), str(files[1]),
               metadata={"format": "pt"})
+    os.chmod(files[1], default_mode())  # safetensors writes 0600; the rest follow the umask
     files[2].write_text(run.tokenizer.json)
     files[3].write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": cfg.context,

@@ -45,13 +45,20 @@ def load_tokenizer(root: str | Path, meta: dict) -> Tokenizer:
 
 
 def load(root: str | Path) -> Loaded:
-    """The newest intact checkpoint under ``root`` as a float32 model and its tokenizer."""
+    """The newest intact checkpoint under ``root`` as a float32 model and its tokenizer
+    (``meta["step"]`` says which step; a damaged newer one was passed over with one
+    ``warning:`` line)."""
     if not Path(root).is_dir():
         raise ValueError(f"--checkpoint {str(root)!r} is not a directory; pass the "
                          "--checkpoint-dir of a training run")
-    meta, state = load_full_model(root)
+    meta, state = load_full_model(root)  # warns about each damaged step it passes over
     model = Decoder(ModelConfig(**meta["model"]))
-    model.load_state_dict({k: v.float() for k, v in state.items()})
+    try:
+        model.load_state_dict({k: v.float() for k, v in state.items()})
+    except RuntimeError as e:
+        raise ValueError(f"checkpoint step {meta['step']} in {str(root)!r} does not hold the "
+                         f"model its meta.json describes ({str(e).splitlines()[0][:160]}); "
+                         "restore the step or remove it") from None
     return Loaded(model.float().eval(), load_tokenizer(root, meta), meta)
 
 

@@ -22,7 +22,6 @@ from paratrain.config import ModelConfig, TrainConfig
 from paratrain.cost.shapes import as_shape
 from paratrain.files import checkpoint
 from paratrain.files.batches import Corpus, bits_per_byte
-from paratrain.files.corpus import write_atomic
 from paratrain.model import Decoder, take_moe_stats
 from paratrain.parallel.api import build_engine
 from paratrain.parallel.memory import ActivationMeter
@@ -244,7 +243,8 @@ def _resume(engine, corpus: Corpus, mcfg: ModelConfig, tcfg: TrainConfig,
                              f"but --steps is {tcfg.steps}; pass --steps above {start} to "
                              "train further")
     if opts.checkpoint_dir and _rank_world()[0] == 0:  # what generate and export decode with
-        write_atomic(Path(opts.checkpoint_dir) / "tokenizer.json", corpus.tokenizer.json.encode())
+        checkpoint._atomic_write_bytes(Path(opts.checkpoint_dir) / "tokenizer.json",
+                                       corpus.tokenizer.json.encode())  # umask, not 0600
     return start, meta
 
 

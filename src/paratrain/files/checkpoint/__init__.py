@@ -10,15 +10,19 @@ Each rank writes the pieces of the plain model's tensors it owns (:mod:`.pieces`
 :mod:`.sharded`) into ``step_XXXXXX.tmp``; rank 0 then hashes every file into
 ``meta.json`` and renames the directory into place; ``latest`` is replaced atomically
 last. A crash at any point leaves the previous checkpoint intact; the next save or load
-removes the stale ``.tmp``. ``keep``: only the newest K steps are kept.
+removes the stale ``.tmp``. ``keep``: the step written and the K - 1 newest intact steps
+below it are kept, steps above it are not touched (:mod:`.prune`). Files follow the
+user's umask (:mod:`.atomic`).
 
 Importing this package does not import torch (the launcher reads meta.json with it).
 
 Loading does not trust ``latest``: it tries the step directories newest first. The
-ranks split the files of a step between them, each checks its share (present, sha256),
-and they agree with one all-reduce before anyone reads; a step that fails anywhere, or
-whose read fails, is skipped by every rank together, with one ``warning:`` line (rank
-0). The settings that decide the loss trajectory (model, seed, batch, optimizer, dtype,
+ranks split the files of a step between them, each checks meta.json's schema and its
+share of the files (present, sha256: :mod:`.verify`) and reads DCP's ``.metadata`` with a
+restricted unpickler (:mod:`.safe_metadata`: a crafted pickle runs no code), and they
+agree with one all-reduce before anyone reads; a step that fails anywhere, or whose read
+fails, is skipped by every rank together, with one ``warning:`` line (rank 0).
+The settings that decide the loss trajectory (model, seed, batch, optimizer, dtype,
 data identity) must match the checkpoint's; the refusal names the field. The layout
 (world size, dp/tp/pp/ep/cp, ZeRO stage, micro-batches) may differ: every rank reads
 the pieces its new layout owns, except a top-k run (``--compress``), whose per-rank
@@ -33,27 +37,12 @@ import os
 import re
 import shutil
 import sys
-import tempfile
 from pathlib import Path
 
-FORMAT = 2  # 1: one torch.save pickle per rank (world size locked)
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def _atomic_write_bytes(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".")
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+from paratrain.files.checkpoint.atomic import write_atomic as _atomic_write_bytes
+from paratrain.files.checkpoint.verify import FORMAT, check_step, fallback_line, read_meta_why
+from paratrain.files.checkpoint.verify import sha256_file as _sha256
+from paratrain.files.checkpoint.verify import verify_files as verify_files
 
 
 def _rank_world() -> tuple[int, int]:
@@ -97,10 +86,8 @@ def remove_stale(root: str | Path) -> list[str]:
 
 
 def read_meta(d: Path) -> dict | None:
-    try:
-        return json.loads((d / "meta.json").read_text())
-    except (OSError, ValueError):
-        return None
+    """Step ``d``'s meta.json when it parses and has the schema (:mod:`.verify`)."""
+    return read_meta_why(d)[0]
 
 
 def _meta(root: Path, step: int) -> dict | None:
@@ -154,7 +141,8 @@ def data_sha256(data: bytes) -> str:
 
 def save(root: str | Path, step: int, engine, mcfg, plan, meta: dict, keep: int = 0) -> Path:
     """Write ``engine``'s state at ``step``; collective over all ranks. ``keep`` > 0:
-    delete all but the newest ``keep`` steps afterwards."""
+    afterwards delete what :mod:`.prune` says (never this step, nothing above it)."""
+    from paratrain.files.checkpoint.prune import prune, remember_intact
     from paratrain.files.checkpoint.sharded import save_pieces
 
     rank, world = _rank_world()
@@ -177,10 +165,9 @@ def save(root: str | Path, step: int, engine, mcfg, plan, meta: dict, keep: int 
         _atomic_write_bytes(tmp_dir / "meta.json", json.dumps(full, indent=1).encode())
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp_dir, final)
+        remember_intact(final)
         _atomic_write_bytes(root / "latest", name.encode())
-        if keep > 0:
-            for old in steps(root)[keep:]:
-                shutil.rmtree(step_dir(root, old), ignore_errors=True)
+        prune(root, steps(root), step, keep, step_dir)
     _barrier()
     return final
 
@@ -192,29 +179,16 @@ def latest(root: str | Path) -> Path | None:
 
 
 def peek(root: str | Path) -> dict | None:
-    """meta.json of the newest intact step (meta parses, every file present with its
-    sha256; no tensor is read): what the launcher checks before starting workers, so
-    a damaged newest step does not decide the checks. None when there is none."""
+    """meta.json of the newest intact step (meta has the schema, every file present with
+    its sha256; no tensor or pickle is read): what the launcher checks before starting
+    workers, so a damaged newest step does not decide the checks. None when there is
+    none. (A crafted ``.metadata`` with matching sha256s passes here and is refused by
+    the restricted unpickler where the workers read it: :mod:`.safe_metadata`.)"""
     for step in steps(root):
-        d = step_dir(root, step)
-        meta = read_meta(d)
-        if meta is not None and not verify_files(d, meta, range(len(meta.get("files", {})))):
+        meta, _ = check_step(step_dir(root, step))
+        if meta is not None and meta.get("format", 1) == FORMAT:  # format 1: full.py only
             return meta
     return None
-
-
-def verify_files(d: Path, meta: dict, share) -> list[str]:
-    """Problems with the files of step ``d`` numbered in ``share`` (sorted by name), and
-    any file meta.json lists that is missing."""
-    if meta.get("format") != FORMAT:
-        return [f"meta.json has format {meta.get('format', 1)}, this version reads {FORMAT}"]
-    names = sorted(meta["files"])
-    bad = [f"{n} is missing" for n in names if not (d / n).is_file()]
-    for i in share:
-        n = names[i]
-        if (d / n).is_file() and _sha256(d / n) != meta["files"][n]:
-            bad.append(f"{n} fails its sha256 check")
-    return bad
 
 
 def _failed_ranks(ok: bool, world: int, device) -> list[int]:
@@ -254,14 +228,60 @@ def check_settings(meta: dict, expect: dict, where: Path) -> None:
                              "--checkpoint-dir")
 
 
+def _step_problem(d: Path, rank: int, world: int) -> tuple[str, object]:
+    """(why step ``d`` is not intact as this rank sees it, or "";  its DCP metadata,
+    read by the restricted unpickler). The rank checks its share of the files."""
+    from paratrain.files.checkpoint.safe_metadata import UnsafeMetadata, read_metadata
+
+    meta, why = read_meta_why(d)
+    if meta is None:
+        return why, None
+    if meta.get("format", 1) != FORMAT:
+        return f"meta.json has format {meta.get('format', 1)}, this version resumes {FORMAT}", None
+    bad = verify_files(d, meta, range(rank, len(meta["files"]), world))
+    if bad:
+        return "; ".join(bad), None
+    try:
+        return "", read_metadata(d, meta["files"])
+    except UnsafeMetadata as e:
+        return str(e), None
+
+
+def _agreed_problem(why: str, world: int, device) -> str:
+    """"" when every rank found its share intact, else the reasons, each naming its
+    ranks ("rank 0, 1: __1_0.distcp is missing")."""
+    import torch.distributed as dist
+
+    bad = _failed_ranks(not why, world, device)
+    if not bad:
+        return ""
+    reasons = [why]
+    if world > 1 and dist.is_initialized():
+        reasons = [None] * world
+        dist.all_gather_object(reasons, why)
+    by_reason: dict[str, list[int]] = {}
+    for r in bad:
+        by_reason.setdefault(reasons[r], []).append(r)
+    return "; ".join(f"rank {', '.join(map(str, rs))}: {why}" for why, rs in by_reason.items())
+
+
+def _point_latest(root: Path, step: int) -> None:
+    """After a fallback, ``latest`` names the step loaded (it named a damaged one)."""
+    try:
+        if latest(root) != step_dir(root, step):
+            _atomic_write_bytes(root / "latest", f"step_{step:06d}".encode())
+    except OSError:
+        pass  # a hint only; the next save rewrites it
+
+
 def load(root: str | Path, engine, mcfg, plan, expect: dict | None = None,
          device=None) -> int:
     """Load the newest intact checkpoint under ``root`` into ``engine`` (any layout);
     return its step. Collective when a process group exists; ``device``: where the
     agreement all-reduce runs (the group's device, e.g. CUDA under NCCL)."""
-    import torch.distributed as dist
     from torch.distributed.checkpoint.api import CheckpointException
 
+    from paratrain.files.checkpoint.safe_metadata import read_failure
     from paratrain.files.checkpoint.sharded import load_pieces
 
     rank, world = _rank_world()
@@ -277,29 +297,19 @@ def load(root: str | Path, engine, mcfg, plan, expect: dict | None = None,
     check_residual_layout(metas[0][1], plan, step_dir(root, metas[0][0]))
     for i, step in enumerate(candidates):
         d = step_dir(root, step)
-        meta = read_meta(d)
-        if meta is None:
-            why = "meta.json is missing or unreadable"
-        else:
-            n = len(meta.get("files", {}))
-            why = "; ".join(verify_files(d, meta, range(rank, n, world)))
-        bad = _failed_ranks(not why, world, device)
-        if not bad:
+        why, md = _step_problem(d, rank, world)
+        said = _agreed_problem(why, world, device)
+        if not said:
             try:
-                load_pieces(d, engine)
+                load_pieces(d, md, engine)
+                if rank == 0:
+                    _point_latest(root, step)
                 return step
             except CheckpointException as e:  # raised on every rank together
-                said = f"reading it failed: {str(e).splitlines()[0][:200]}"
-        else:
-            reasons = [why]
-            if world > 1 and dist.is_initialized():
-                reasons = [None] * world
-                dist.all_gather_object(reasons, why)
-            said = "; ".join(f"rank {r}: {reasons[r]}" for r in bad)
+                said = read_failure(e)
         if rank == 0:
             nxt = f"step_{candidates[i + 1]:06d}" if i + 1 < len(candidates) else "nothing"
-            print(f"warning: checkpoint {d} is not intact ({said}); falling back to {nxt}",
-                  file=sys.stderr, flush=True)
+            print(fallback_line(d, said, nxt), file=sys.stderr, flush=True)
     raise ValueError(f"no intact checkpoint in {str(root)!r} (every step failed "
                      "verification); start again without --resume")
 

@@ -10,8 +10,11 @@ dp, ZeRO 1-3).
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from paratrain.files.checkpoint.verify import check_step, fallback_line
 
 if TYPE_CHECKING:
     import torch
@@ -22,9 +25,8 @@ def load_full_model(root: str | Path, step: int | None = None
                     ) -> tuple[dict, dict[str, torch.Tensor]]:
     """(meta, state_dict) of the checkpoint at ``step`` (default: the newest intact one)
     under ``root``. ``meta`` is the step's meta.json (``model`` holds the ModelConfig
-    fields, ``step`` the step). Raises ValueError (one line) when there is none."""
-    from torch.distributed.checkpoint.api import CheckpointException
-
+    fields, ``step`` the step). A step that is not intact is passed over with the one
+    warning line ``train --resume`` prints; raises ValueError (one line) when none is."""
     from paratrain.files import checkpoint
 
     root = Path(root)
@@ -33,32 +35,50 @@ def load_full_model(root: str | Path, step: int | None = None
         raise ValueError(f"no checkpoint found in {str(root)!r}; train with "
                          "--checkpoint-dir first")
     why = "no step directory"
-    for s in candidates:
+    for i, s in enumerate(candidates):
         d = checkpoint.step_dir(root, s)
-        try:
-            meta = checkpoint._meta(root, s)
-            if meta is None:
-                raise ValueError("meta.json is missing or unreadable")
-            if meta.get("format", 1) == 1:
-                return meta, _assemble(d, meta)
-            bad = checkpoint.verify_files(d, meta, range(len(meta["files"])))
-            if bad:
-                raise ValueError(bad[0])
-            from paratrain.files.checkpoint.sharded import load_full
+        loaded, why = _try_step(d)
+        if loaded is not None:
+            return loaded
+        if step is None:
+            nxt = f"step_{candidates[i + 1]:06d}" if i + 1 < len(candidates) else "nothing"
+            print(fallback_line(d, why, nxt), file=sys.stderr, flush=True)
+    raise ValueError(f"no intact checkpoint in {str(root)!r} ({d}: {why})")
 
-            sd = load_full(d)
-            if meta["model"].get("tie_embeddings"):
-                sd["head.weight"] = sd["tok_emb.weight"]
-            return meta, sd
-        except (OSError, ValueError, RuntimeError, KeyError, CheckpointException) as e:
-            why = f"{d}: {e}".splitlines()[0]
-    raise ValueError(f"no intact checkpoint in {str(root)!r} ({why})")
+
+def _try_step(d: Path) -> tuple[tuple[dict, dict] | None, str]:
+    """((meta, state_dict), "") of step ``d``, or (None, why it is not intact)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from paratrain.files.checkpoint.safe_metadata import (
+        UnsafeMetadata,
+        read_failure,
+        read_metadata,
+    )
+    from paratrain.files.checkpoint.sharded import load_full
+
+    meta, why = check_step(d)
+    if meta is None:
+        return None, why
+    try:
+        if meta.get("format", 1) == 1:
+            return (meta, _assemble(d, meta)), ""
+        sd = load_full(d, read_metadata(d, meta["files"]))
+    except CheckpointException as e:
+        return None, read_failure(e)
+    except UnsafeMetadata as e:
+        return None, str(e)
+    except (OSError, ValueError, RuntimeError, KeyError) as e:
+        return None, f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+    if meta["model"].get("tie_embeddings"):
+        sd["head.weight"] = sd["tok_emb.weight"]
+    return (meta, sd), ""
 
 
 def _rank_states(d: Path, meta: dict) -> list[dict]:
     import torch
 
-    from paratrain.files.checkpoint import _sha256
+    from paratrain.files.checkpoint.verify import sha256_file as _sha256
 
     out = []
     for name, digest in sorted(meta["files"].items(), key=lambda kv: int(kv[0][4:-3])):

@@ -38,6 +38,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from paratrain.files.checkpoint.pieces import KINDS, Entry, entries, pieces
+from paratrain.files.checkpoint.safe_metadata import VerifiedReader
 
 
 class _PieceSaver(DefaultSavePlanner):
@@ -173,8 +174,9 @@ def save_pieces(path: Path, engine) -> None:
 
 
 @torch.no_grad()
-def load_pieces(path: Path, engine) -> None:
-    """Fill this rank's optimizer ranges and parameters from ``path`` (collective)."""
+def load_pieces(path: Path, metadata, engine) -> None:
+    """Fill this rank's optimizer ranges and parameters from ``path`` (collective), whose
+    ``metadata`` :func:`.safe_metadata.read_metadata` read."""
     es = entries(engine)
     res = [(r, torch.empty(r.shape, dtype=r.dtype)) for r in _residuals(engine)]
     wants = [(_residual_fqn(i), (0,), buf) for i, (_, buf) in enumerate(res)]
@@ -191,7 +193,7 @@ def load_pieces(path: Path, engine) -> None:
             wants.append((f"step/{e.name}", (0,), steps[e.name]))
         bufs.append(kb)
     with _quiet():
-        dcp.load({}, storage_reader=dcp.FileSystemReader(str(path)),
+        dcp.load({}, storage_reader=VerifiedReader(path, metadata),
                  planner=_PieceLoader(wants), no_dist=not dist.is_initialized())
     for e, kb in zip(es, bufs, strict=True):
         dev = e.key.device
@@ -208,10 +210,11 @@ def load_pieces(path: Path, engine) -> None:
     engine.sync_working()  # working parameters as an optimizer step leaves them
 
 
-def load_full(path: Path) -> dict[str, torch.Tensor]:
-    """Every ``param/*`` tensor whole, in one process (no process group)."""
-    reader = dcp.FileSystemReader(str(path))
-    md = reader.read_metadata().state_dict_metadata
+def load_full(path: Path, metadata) -> dict[str, torch.Tensor]:
+    """Every ``param/*`` tensor whole, in one process (no process group), from ``path``
+    whose ``metadata`` :func:`.safe_metadata.read_metadata` read."""
+    reader = VerifiedReader(path, metadata)
+    md = metadata.state_dict_metadata
     out, wants = {}, []
     for fqn, tmd in md.items():
         if fqn.startswith("param/"):
