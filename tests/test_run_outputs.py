@@ -138,20 +138,22 @@ def test_resume_says_where_it_resumed_from(run, paratrain_exe, text_file):
 
 def test_resume_auto_without_a_checkpoint_says_so(tmp_path):
     from paratrain.config import TrainConfig
-    from paratrain.run.loop import RunOptions, _output_lines
+    from paratrain.run.loop import RunOptions
+    from paratrain.run.outputs import output_lines
 
     opts = RunOptions(checkpoint_dir=str(tmp_path / "ck"), resume="auto")
-    assert _output_lines(opts, TrainConfig(steps=10), 0) == [
+    assert output_lines(opts, TrainConfig(steps=10), 0) == [
         f"checkpoints: {tmp_path / 'ck'} (at the end, keep all)",
         f"no checkpoint in {tmp_path / 'ck'} yet (--resume auto): starting at step 0"]
 
 
 def test_a_step_above_the_peak_warns_once(capsys):
     from paratrain.bench.peak import Peak
-    from paratrain.run.loop import _mfu, _Tally
+    from paratrain.run.loop import _Tally
+    from paratrain.run.outputs import mfu_of_step
 
     tally, peak = _Tally(), Peak(10e9)
-    assert [_mfu(peak, a, i, 0, tally) for i, a in enumerate((5e9, 20e9, 30e9))] == \
+    assert [mfu_of_step(peak, a, i, 0, tally) for i, a in enumerate((5e9, 20e9, 30e9))] == \
         [0.5, 2.0, 3.0]
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 1 and err[0].startswith("warning: step 2 ran at 20.0 GFLOP/s"), err

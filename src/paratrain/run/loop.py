@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -18,7 +17,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from paratrain.bench.peak import Peak, measure_peak, memory_bytes
+from paratrain.bench.peak import measure_peak, memory_bytes
 from paratrain.config import ModelConfig, TrainConfig
 from paratrain.cost.shapes import as_shape
 from paratrain.files import checkpoint
@@ -32,6 +31,7 @@ from paratrain.parallel.precision import working_dtype
 from paratrain.parallel.process_groups import at
 from paratrain.plan import ParallelPlan
 from paratrain.run import shutdown
+from paratrain.run.outputs import mfu_of_step, output_lines
 from paratrain.run.summary import build_summary, comm_counters, report_summary, step_comm
 
 
@@ -249,45 +249,6 @@ def _resume(engine, corpus: Corpus, mcfg: ModelConfig, tcfg: TrainConfig,
     return start, meta
 
 
-def _output_lines(opts: RunOptions, tcfg: TrainConfig, start: int) -> list[str]:
-    """Where this run writes and where it resumed from: one line each (rank 0 prints
-    them once, before the first step)."""
-    lines = []
-    if opts.run_dir:
-        lines.append(f"run dir: {opts.run_dir} (metrics.jsonl, summary.json; plots: "
-                     f"paratrain report {opts.run_dir})")
-    if opts.checkpoint_dir:
-        every = tcfg.checkpoint_every
-        when = f"every {every} steps and at the end" if every else "at the end"
-        keep = f"keep the newest {opts.keep_checkpoints}" if opts.keep_checkpoints \
-            else "keep all"
-        lines.append(f"checkpoints: {opts.checkpoint_dir} ({when}, {keep})")
-    if opts.tensorboard:
-        lines.append(f"tensorboard: {opts.tensorboard} (tensorboard --logdir "
-                     f"{opts.tensorboard})")
-    if start:
-        lines.append(f"resumed from {checkpoint.step_dir(opts.checkpoint_dir, start)} "
-                     f"(step {start} of {tcfg.steps})")
-    elif opts.resume:
-        lines.append(f"no checkpoint in {opts.checkpoint_dir} yet (--resume auto): "
-                     "starting at step 0")
-    return lines
-
-
-def _mfu(peak: Peak, achieved: float, step: int, rank: int, tally) -> float:
-    """The step's MFU against the run's one peak; the first time a step beats the peak
-    (measured under load), rank 0 says so once: the peak stays, MFU goes above 1."""
-    mfu = peak.mfu(achieved)
-    if mfu > 1 and not tally.above_peak:
-        tally.above_peak = True
-        if rank == 0:
-            print(f"warning: step {step + 1} ran at {achieved / 1e9:.1f} GFLOP/s per rank, "
-                  f"above the peak measured before training ({peak.flops / 1e9:.1f}); the "
-                  "machine was busier then: MFU above 100% from here on", file=sys.stderr,
-                  flush=True)
-    return mfu
-
-
 @dataclass
 class _Tally:
     """What the steps leave for the summary."""
@@ -371,7 +332,7 @@ def train(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan | None = None
     at("peak measurement before training", "world")
     peak = measure_peak(working_dtype(tcfg), device, opts.measure_peak)  # collective
     if rank == 0 and not opts.quiet:
-        print("\n".join(_output_lines(opts, tcfg, start) + [peak.describe()]), flush=True)
+        print("\n".join(output_lines(opts, tcfg, start) + [peak.describe()]), flush=True)
     log = _Log(run_dir, rank == 0, opts.quiet, tcfg.steps, start, opts.tensorboard)
     tokens = tcfg.global_batch * mcfg.context
     model_flops = as_shape(mcfg).flops_per_token(mcfg.context) * tokens
@@ -384,7 +345,7 @@ def train(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan | None = None
         last = step == end - 1
         rec = _train_step(engine, corpus, mcfg, tcfg, plan, step, (step == start, last),
                           meter, tally)
-        rec.update(mfu=_mfu(peak, model_flops / rec["step_s"] / world, step, rank, tally),
+        rec.update(mfu=mfu_of_step(peak, model_flops / rec["step_s"] / world, step, rank, tally),
                    peak_flops=peak.flops, mem_bytes=memory_bytes(device))
         if (tcfg.eval_every and (step + 1) % tcfg.eval_every == 0) or last:
             at("evaluation", "mesh")
