@@ -2,7 +2,9 @@
 each, printed once, not once per rank), the one peak its MFU divides by, which figures
 are the last step's and which are means, and every parallelism axis' bytes and seconds
 as the runtime counted them. One real tp2 x pp2 run through `paratrain train` (torchrun,
-4 gloo workers), resumed once; the peak's agreement across two real gloo processes."""
+4 gloo workers), resumed once; the peak's agreement across two real gloo processes.
+Those runs are marked slow (a minute on a loaded 2-core machine, beyond the inner loop's
+margin); the arithmetic of each item is checked without them."""
 
 from __future__ import annotations
 
@@ -47,6 +49,7 @@ def _once(stdout: str, line: str) -> None:
     assert stdout.splitlines().count(line) == 1, (line, stdout[-4000:])
 
 
+@pytest.mark.slow
 def test_each_output_is_named_once(run):
     d, out, _, _ = run
     _once(out, f"run dir: {d / 'run'} (metrics.jsonl, summary.json; plots: paratrain "
@@ -60,6 +63,7 @@ def test_each_output_is_named_once(run):
     assert "resumed from" not in out
 
 
+@pytest.mark.slow
 def test_every_step_divides_by_the_one_peak(run):
     _, out, s, recs = run
     peak = s["peak_flops_per_rank"]
@@ -71,6 +75,7 @@ def test_every_step_divides_by_the_one_peak(run):
         assert r["mfu"] == pytest.approx(flops / r["step_s"] / 4 / peak, rel=1e-9)
 
 
+@pytest.mark.slow
 def test_last_step_and_means_are_labelled(run):
     _, out, s, recs = run
     assert s["mean_over_steps"] == [2, STEPS]
@@ -81,6 +86,7 @@ def test_last_step_and_means_are_labelled(run):
     assert f"{100 * s['mfu']:.1f}%  (mean over steps 2-{STEPS}) of" in out
 
 
+@pytest.mark.slow
 def test_summary_counts_tp_and_pp_bytes_as_the_runtime_did(run):
     _, out, s, recs = run
     c, mp = s["comm"], s["model_parallel"]
@@ -114,6 +120,7 @@ def _rows(out: str) -> list[tuple[str, str]]:
     return rows
 
 
+@pytest.mark.slow
 def test_tensorboard_has_every_axis(run):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -166,6 +173,7 @@ def _peak_worker(rank: int, world: int) -> dict:
     return {"flops": torch.tensor(p.flops), "ranks": torch.tensor(p.ranks)}
 
 
+@pytest.mark.slow
 def test_ranks_agree_on_the_largest_peak():
     got = spawn(_peak_worker, 2)
     assert [(float(r["flops"]), int(r["ranks"])) for r in got] == [(7e9, 2), (7e9, 2)]
@@ -192,3 +200,46 @@ def test_pp_bytes_predicted_as_the_runtime_sends_them(v, sends):
     p = predict(model, TrainConfig(steps=2, global_batch=4, dtype="float32"), plan, 2,
                 machine)
     assert p.pp_wire_bytes == 4 * sends * 16 * 32 * 4
+
+
+def test_comm_rows_list_every_axis_beside_the_prediction():
+    """The summary's per-axis means over the steps it is given, and its table rows: every
+    axis wider than one rank (dp always), measured MB and seconds, the prediction's
+    beside them (the real runtime's counts: the slow tp2 x pp2 run above)."""
+    from paratrain.plan import ParallelPlan
+    from paratrain.run.summary import comm_summary, format_comm
+
+    steps = [{"dp": [0.0, 0.0], "tp": [3e6, 0.25], "tp_blocks": [2e6, 0.0],
+              "pp": [1e6, 0.5], "ep": [7e6, 0.125]},
+             {"dp": [0.0, 0.0], "tp": [3e6, 0.75], "tp_blocks": [2e6, 0.0],
+              "pp": [1e6, 1.5], "ep": [9e6, 0.375]}]
+    c = comm_summary(ParallelPlan(tp=2, pp=2, ep=2, dp=2), steps)
+    assert list(c) == ["dp", "tp", "pp", "ep"]  # cp = 1: no row
+    assert (c["tp"]["wire_bytes_per_step"], c["tp"]["seconds_per_step"],
+            c["tp"]["blocks_wire_bytes_per_step"]) == (3e6, 0.5, 2e6)
+    assert (c["ep"]["wire_bytes_per_step"], c["ep"]["seconds_per_step"]) == (8e6, 0.25)
+    pred = {f"{a}_wire_bytes": 1e6 for a in ("dp", "tp", "pp", "cp", "ep")}
+    pred |= {"dp_exposed_s": 0.1, "tp_comm_s": 0.2, "pp_comm_s": 0.3, "ep_comm_s": 0.4}
+    rows = dict(format_comm({"comm": c, "prediction": {"predicted": pred}}))
+    assert rows["comm tp x2 per rank/step"] == ("3.0000 MB sent, 0.5000 s in collectives; "
+                                                "predicted 1.0000 MB (blocks; measured "
+                                                "2.0000), 0.2000 s")
+    assert rows["comm pp x2 per rank/step"] == ("1.0000 MB sent, 1.0000 s waited, bubble "
+                                                "included; predicted 1.0000 MB, 0.3000 s")
+    assert rows["comm ep x2 per rank/step"].startswith("8.0000 MB sent, 0.2500 s in all-to-alls")
+    assert dict(format_comm({"comm": c}))["comm dp x2 per rank/step"] == \
+        "0.0000 MB sent, 0.0000 s waited"  # no profile: no prediction beside it
+
+
+def test_output_lines_name_each_output():
+    from paratrain.config import TrainConfig
+    from paratrain.run.loop import RunOptions
+    from paratrain.run.outputs import output_lines
+
+    opts = RunOptions(run_dir="runs/a", checkpoint_dir="ck", keep_checkpoints=3,
+                      tensorboard="tb", resume=True)
+    assert output_lines(opts, TrainConfig(steps=100, checkpoint_every=50), 40) == [
+        "run dir: runs/a (metrics.jsonl, summary.json; plots: paratrain report runs/a)",
+        "checkpoints: ck (every 50 steps and at the end, keep the newest 3)",
+        "tensorboard: tb (tensorboard --logdir tb)",
+        "resumed from ck/step_000040 (step 40 of 100)"]
