@@ -1,7 +1,7 @@
 """One real 2-process pipeline run (torchrun, --quiet, --tensorboard) read back three
 ways: TensorBoard's own event reader, `paratrain report` rendered in headless Chromium
 (screenshot not blank, every plot loaded), and the step records' honest MFU. Plus the
-peak tracker and the CLI's help texts."""
+peak's arithmetic and the CLI's help texts."""
 
 from __future__ import annotations
 
@@ -106,14 +106,31 @@ def test_report_renders_in_headless_chromium(run, tmp_path, capsys):
     assert len(loaded) == 4 and all(int(w) >= 600 for w in loaded), loaded
 
 
-def test_peak_tracker_remeasures_when_the_run_beats_it():
-    from paratrain.bench.peak import PeakTracker
+def test_matmul_peak_is_the_best_timed_trial_after_the_warm_up():
+    """The arithmetic with injected timings (speed itself belongs in benchmarks): the
+    warm-up trials are not counted, the fastest timed trial is the peak."""
+    from paratrain.bench.peak import matmul_peak_flops
 
-    t = PeakTracker(torch.float32)
-    first = t.peak
-    mfu = t.observe(first * 3)  # as if the peak had been measured on a busy machine
-    assert t.remeasured == 1 and t.peak >= first * 3 and mfu == pytest.approx(1.0)
-    assert t.observe(t.peak / 2) == pytest.approx(0.5) and t.remeasured == 1
+    durations = [1e-9, 1e-9,  # warm-up: would be the best by far if it counted
+                 4e-3, 1e-3, 2e-3]
+    ticks = iter([t for d in durations for t in (0.0, d)])
+    n, reps = 8, 2
+    got = matmul_peak_flops(torch.float32, n, trials=3, warmup=2, reps=reps, pause_s=0.0,
+                            clock=lambda: next(ticks))
+    assert got == reps * 2 * n**3 / 1e-3
+    assert next(ticks, None) is None  # every trial read the clock twice, no more
+
+
+def test_one_peak_for_the_whole_run():
+    """MFU divides by the peak measured before training, whatever the steps achieve: no
+    re-measure moves the denominator mid-run (a step above it reads above 100%)."""
+    from paratrain.bench.peak import Peak
+
+    p = Peak(100e9, n=512, trials=16, ranks=4, dtype="float32")
+    assert [p.mfu(a) for a in (25e9, 50e9, 300e9, 50e9)] == [0.25, 0.5, 3.0, 0.5]
+    assert p.describe() == ("peak: 100.0 GFLOP/s per rank (matmul 512^3 float32, best of "
+                            "16 on each of 4 ranks, max over ranks, measured before training)")
+    assert Peak(float("nan")).describe() == "peak: not measured (MFU is not reported)"
 
 
 def test_every_help_text_renders(monkeypatch, capsys):

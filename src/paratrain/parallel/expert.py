@@ -37,6 +37,7 @@ around the experts' own forward and backward, inside the block's.
 from __future__ import annotations
 
 import math
+import time
 
 import torch
 import torch.distributed as dist
@@ -75,6 +76,7 @@ class ExpertExchange:
             else []
         self.wire_bytes = 0  # rows (and split sizes) sent to other ranks, fwd + bwd
         self.calls = 0
+        self.seconds = 0.0  # in the exchanges (synchronous: all of it is exposed)
 
     def _pairwise(self, out: torch.Tensor, x: torch.Tensor, out_splits: list[int],
                   in_splits: list[int]) -> None:
@@ -106,11 +108,13 @@ class ExpertExchange:
     def all_to_all(self, x: torch.Tensor, out_splits: list[int], in_splits: list[int]
                    ) -> torch.Tensor:
         out = x.new_empty((sum(out_splits), *x.shape[1:]))
+        t0 = time.perf_counter()
         if self.ours:
             self._pairwise(out, x.contiguous(), out_splits, in_splits)
         else:
             dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits,
                                    group=self.group)
+        self.seconds += time.perf_counter() - t0
         row = math.prod(x.shape[1:]) * x.element_size()
         self.wire_bytes += (sum(in_splits) - in_splits[self.rank]) * row
         self.calls += 1
@@ -121,10 +125,12 @@ class ExpertExchange:
         ep, El = self.size, self.local
         send = counts_E.view(ep, El).contiguous()  # row r: my rows for rank r's experts
         recv = torch.empty_like(send)  # row r: rank r's rows for my experts
+        t0 = time.perf_counter()
         if self.ours:
             self._pairwise(recv, send, [1] * ep, [1] * ep)
         else:
             dist.all_to_all_single(recv, send, group=self.group)
+        self.seconds += time.perf_counter() - t0
         self.wire_bytes += (ep - 1) * El * send.element_size()
         in_splits, out_splits = send.sum(1).tolist(), recv.sum(1).tolist()
         x_RD = _AllToAll.apply(x_SD, out_splits, in_splits, self)

@@ -21,6 +21,7 @@ are the one adapter that picks whichever exists.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -50,6 +51,7 @@ class TPComm:
     wire_bytes: float = 0.0  # bytes this rank sent (ring algorithms' counts)
     payload_bytes: float = 0.0  # bytes of the full tensors reduced or gathered
     calls: int = 0
+    seconds: float = 0.0  # in the collectives (synchronous: all of it is exposed)
 
     def _count(self, full_bytes: float, wire_factor: float) -> None:
         self.calls += 1
@@ -58,7 +60,9 @@ class TPComm:
 
     def all_reduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
         self._count(t.numel() * t.element_size(), 2.0)
+        t0 = time.perf_counter()
         dist.all_reduce(t, op=op, group=self.group)
+        self.seconds += time.perf_counter() - t0
         return t
 
     def gather_T(self, x_BTD: torch.Tensor) -> torch.Tensor:
@@ -66,7 +70,9 @@ class TPComm:
         x_TBD = x_BTD.transpose(0, 1).contiguous()
         out = x_TBD.new_empty((x_TBD.shape[0] * self.size,) + tuple(x_TBD.shape[1:]))
         self._count(out.numel() * out.element_size(), 1.0)
+        t0 = time.perf_counter()
         _gather0(out, x_TBD, self.group)
+        self.seconds += time.perf_counter() - t0
         # contiguous once here: a (B, T, D) view of the (T, B, D) buffer would make each
         # column-parallel linear (wq, wk, wv; w_gate, w_up) copy it and keep its own copy
         # for backward, 3 + 2 full-T tensors per layer where one each is enough
@@ -81,7 +87,9 @@ class TPComm:
         x_TBD = x_BTD.transpose(0, 1).contiguous()
         out = x_TBD.new_empty((T // self.size,) + tuple(x_TBD.shape[1:]))
         self._count(x_TBD.numel() * x_TBD.element_size(), 1.0)
+        t0 = time.perf_counter()
         _scatter0(out, x_TBD, self.group)
+        self.seconds += time.perf_counter() - t0
         return out.transpose(0, 1)
 
     def split_T(self, x_BTD: torch.Tensor) -> torch.Tensor:

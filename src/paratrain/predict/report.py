@@ -32,6 +32,7 @@ def compare(pred: Prediction, summary: dict, plan: ParallelPlan, rank: int = 0,
         layers = mp["activation"]["layers_on_rank"]
         tp_meas = mp["tp"]["wire_bytes_per_layer_per_microbatch"] * layers * plan.micro_batches
     cp_meas = (mp.get("cp") or {}).get("wire_bytes_per_step")
+    pp_meas = ((summary.get("comm") or {}).get("pp") or {}).get("wire_bytes_per_step")
     act_meas = max((m.get("activations_peak", 0) for m in meas_ranks), default=0)
     step_m = summary["step_s"]
     wires = pred.dp_wire_bytes_per_rank
@@ -52,6 +53,9 @@ def compare(pred: Prediction, summary: dict, plan: ParallelPlan, rank: int = 0,
         "cp_wire_bytes": {"predicted": pred.cp_wire_bytes, "measured": cp_meas,
                           "exact": None if cp_meas is None else
                           math.isclose(pred.cp_wire_bytes, cp_meas, rel_tol=1e-12)},
+        "pp_wire_bytes": {"predicted": pred.pp_wire_bytes, "measured": pp_meas,
+                          "exact": None if pp_meas is None else
+                          math.isclose(pred.pp_wire_bytes, pp_meas, rel_tol=1e-12)},
         "ep_wire_bytes": _ep_bytes(pred, summary, plan, mcfg, tcfg),
         "states_bytes": {"predicted_per_rank": pred.states_bytes_per_rank,
                          "measured_per_rank": [{k: m[k] for k in ("params", "grads",
@@ -163,9 +167,10 @@ def format_prediction(rep: dict | None) -> str:
             f"{'exact' if ep['exact'] else 'DIFFERENT'}")
         lines.append(f"  wire MB/rank EP predicted {p['ep_wire_bytes'] / mb:.4f} (uniform "
                      f"routing)  measured {ep['measured'] / mb:.4f} (step 1{given})")
-    if p["pp_wire_bytes"]:
-        lines.append(f"  wire MB/rank PP predicted {p['pp_wire_bytes'] / mb:.4f} (sends are "
-                     "not counted by the runtime)")
+    pp = c.get("pp_wire_bytes") or {}
+    if pp.get("measured") is not None:
+        lines.append(f"  wire MB/rank PP predicted {p['pp_wire_bytes'] / mb:.4f}  measured "
+                     f"{pp['measured'] / mb:.4f}  {'exact' if pp['exact'] else 'DIFFERENT'}")
     if m0 is not None:
         pt, mt = sum(p0.values()), sum(m0.values())
         lines.append(f"  model states MB rank 0 predicted {pt / mb:.4f}  measured {mt / mb:.4f}"

@@ -287,8 +287,12 @@ def _pp_terms(r: _Run) -> tuple[float, float]:
     v = virtual_stages(plan)
     hop = r.act / (plan.tp if plan.sp else 1)
     pp_s = 2 * (r.m + plan.pp - 1) * v * (r.hw.intra_alpha + hop / r.hw.intra_bw)
-    sends = (0 if lay0.last else 1) + (0 if lay0.first else 1)  # rank 0: forward only
-    return pp_s, r.m * v * sends * hop
+    # rank 0's sends per micro-batch: each chunk's output forward unless it is the last
+    # stage, its input gradient back unless it is the first (interleaved: chunks 1..v-1
+    # send both)
+    S = plan.pp * v
+    sends = sum((k < S - 1) + (k > 0) for k in lay0.stages)
+    return pp_s, r.m * sends * hop
 
 
 def _dp_terms(r: _Run, first_flop_s: float) -> tuple[float, float]:

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from paratrain.bench.peak import PeakTracker, memory_bytes
+from paratrain.bench.peak import measure_peak, memory_bytes
 from paratrain.config import ModelConfig, TrainConfig
 from paratrain.cost.shapes import as_shape
 from paratrain.files import checkpoint
@@ -30,7 +30,8 @@ from paratrain.parallel.precision import working_dtype
 from paratrain.parallel.process_groups import at
 from paratrain.plan import ParallelPlan
 from paratrain.run import shutdown
-from paratrain.run.summary import build_summary, report_summary
+from paratrain.run.outputs import mfu_of_step, output_lines
+from paratrain.run.summary import build_summary, comm_counters, report_summary, step_comm
 
 
 @dataclass(frozen=True)
@@ -260,6 +261,9 @@ class _Tally:
     wire: float = 0.0
     ep_mark: int = 0
     val_loss: float = float("nan")
+    first_step: int = 0  # this session's first step (0-based; > 0 when resumed)
+    comm_steps: list = field(default_factory=list)  # per step: axis -> [bytes, seconds]
+    above_peak: bool = False  # warned that a step beat the measured peak
 
 
 def _train_step(engine, corpus: Corpus, mcfg: ModelConfig, tcfg: TrainConfig,
@@ -269,6 +273,7 @@ def _train_step(engine, corpus: Corpus, mcfg: ModelConfig, tcfg: TrainConfig,
     clip and update; returns the step's metrics record. Activations are watched on the
     first step's first micro-batch; model states are measured after the last step."""
     t0, c0 = time.perf_counter(), time.process_time()  # wall; this process's CPU
+    counted = comm_counters(engine)
     tokens = tcfg.global_batch * mcfg.context
     micro = plan.micro_batches if plan.pp == 1 else 1  # the pipeline splits its own
     x, y = corpus.batch(tcfg.seed, step, tcfg.global_batch, mcfg.context,
@@ -296,9 +301,12 @@ def _train_step(engine, corpus: Corpus, mcfg: ModelConfig, tcfg: TrainConfig,
     tally.times.append(dt)
     tally.comms.append(comm.seconds)
     tally.payload, tally.wire = comm.payload_bytes, comm.wire_bytes
+    tally.comm_steps.append(step_comm(engine, counted, comm))
     rec = {"step": step, "loss": loss, "lr": lr, "grad_norm": gnorm,
            "tokens_per_s": tokens / dt, "step_s": dt, "compute_s": dt - comm.seconds,
-           "comm_s": comm.seconds, "cpu_s": time.process_time() - c0}
+           "comm_s": comm.seconds, "cpu_s": time.process_time() - c0,
+           "comm_by_axis": {k: {"wire_bytes": b, "s": t}
+                            for k, (b, t) in tally.comm_steps[-1].items()}}
     if moe is not None:
         tally.moe_steps.append(moe_record(moe, mcfg, tcfg.global_batch))
         ex = getattr(engine, "ep", None)
@@ -321,12 +329,15 @@ def train(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan | None = None
     val_bytes = corpus.val_bytes(tcfg.eval_batches, tcfg.global_batch, mcfg.context)
     val_tokens = tcfg.eval_batches * tcfg.global_batch * mcfg.context
     run_dir = Path(opts.run_dir) if opts.run_dir else None
+    at("peak measurement before training", "world")
+    peak = measure_peak(working_dtype(tcfg), device, opts.measure_peak)  # collective
+    if rank == 0 and not opts.quiet:
+        print("\n".join(output_lines(opts, tcfg, start) + [peak.describe()]), flush=True)
     log = _Log(run_dir, rank == 0, opts.quiet, tcfg.steps, start, opts.tensorboard)
-    peak = PeakTracker(working_dtype(tcfg), device, opts.measure_peak and rank == 0)
     tokens = tcfg.global_batch * mcfg.context
     model_flops = as_shape(mcfg).flops_per_token(mcfg.context) * tokens
     meter = ActivationMeter()  # bytes saved for backward, watched on the first micro-batch
-    tally = _Tally()
+    tally = _Tally(first_step=start)
     if log.progress is not None:
         log.progress.update(log.task, completed=start)
     end = tcfg.steps if opts.stop_after is None else min(tcfg.steps, opts.stop_after)
@@ -334,14 +345,14 @@ def train(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan | None = None
         last = step == end - 1
         rec = _train_step(engine, corpus, mcfg, tcfg, plan, step, (step == start, last),
                           meter, tally)
-        rec.update(mfu=peak.observe(model_flops / rec["step_s"] / world),
-                   peak_flops=peak.peak, mem_bytes=memory_bytes(device))
+        rec.update(mfu=mfu_of_step(peak, model_flops / rec["step_s"] / world, step, rank, tally),
+                   peak_flops=peak.flops, mem_bytes=memory_bytes(device))
         if (tcfg.eval_every and (step + 1) % tcfg.eval_every == 0) or last:
             at("evaluation", "mesh")
             tally.val_loss = rec["val_loss"] = evaluate(engine, corpus, tcfg, mcfg.context)
             rec["val_bpb"] = bits_per_byte(tally.val_loss, val_tokens, val_bytes)
-        log.step(rec, step + 1, f"loss {rec['loss']:.4f} | {rec['tokens_per_s']:,.0f} "
-                 f"tok/s | MFU {100 * rec['mfu']:.1f}%")
+        log.step(rec, step + 1, f"last step: loss {rec['loss']:.4f} | "
+                 f"{rec['tokens_per_s']:,.0f} tok/s | MFU {100 * rec['mfu']:.1f}%")
         _checkpoint_or_stop(engine, mcfg, tcfg, plan, opts, meta, step, last, world, device,
                             log)
     tb, log.tb = log.tb, None  # kept open for the summary's scalars

@@ -9,9 +9,13 @@ Tags (x axis = optimizer step):
 
 - ``loss/train``, ``loss/val`` (nats per token), ``loss/unigram_baseline`` (end of run)
 - ``optim/lr``, ``optim/grad_norm``
-- ``speed/tokens_per_s``, ``speed/mfu`` (fraction of the measured matmul peak),
-  ``speed/step_s``, ``speed/compute_s``, ``speed/exposed_comm_s`` (the wait on gradient
-  communication after backward)
+- ``speed/tokens_per_s``, ``speed/mfu`` (fraction of the matmul peak measured once,
+  before training: the same denominator for every step), ``speed/step_s``,
+  ``speed/compute_s``, ``speed/exposed_comm_s`` (the wait on gradient communication
+  after backward)
+- ``comm/<axis>_wire_bytes``, ``comm/<axis>_s`` for each axis of the mesh the runtime
+  counts (dp, tp, pp, cp, ep; rank 0's, per step; :mod:`paratrain.run.summary` says what
+  each axis' seconds are)
 - ``memory/process_bytes`` (resident set on CPU, allocator peak on CUDA), and at the end
   ``memory/measured/<kind>`` (max over ranks) beside ``memory/predicted/<kind>``
 - the prediction block as text (``prediction``)
@@ -20,6 +24,8 @@ Tags (x axis = optimizer step):
 from __future__ import annotations
 
 import math
+
+from paratrain.run.summary import AXES
 
 _STEP_TAGS = {
     "loss": "loss/train", "val_loss": "loss/val", "lr": "optim/lr",
@@ -48,6 +54,10 @@ class EventLog:
         for key, tag in _STEP_TAGS.items():
             if key in rec:
                 self._scalar(tag, rec[key], rec["step"])
+        for axis, c in (rec.get("comm_by_axis") or {}).items():
+            if axis in AXES:
+                self._scalar(f"comm/{axis}_wire_bytes", c["wire_bytes"], rec["step"])
+                self._scalar(f"comm/{axis}_s", c["s"], rec["step"])
 
     def summary(self, s: dict, step: int) -> None:
         """End of run: baseline, memory measured (max over ranks) vs predicted, and the

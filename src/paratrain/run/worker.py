@@ -29,7 +29,10 @@ def print_summary(s: dict, run_dir: str | None) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    from paratrain.run.summary import format_comm, mean_label
+
     t = Table(title="paratrain run", show_header=False)
+    mean = mean_label(s)
     plan = s["plan"]
     layout = ", ".join(f"{k}={plan[k]}" for k in ("dp", "tp", "pp", "zero") if k in plan)
     if plan.get("cp", 1) > 1:
@@ -44,13 +47,15 @@ def print_summary(s: dict, run_dir: str | None) -> None:
         ("validation loss", f"{s['val_loss']:.6f}  ({s.get('val_bpb', float('nan')):.4f} "
                             f"bits/byte, tokenizer {s.get('tokenizer', 'bytes')})"),
         ("unigram baseline", f"{s['unigram_entropy']:.6f}  (context-free model, nats/token)"),
-        ("tokens/s", f"{s['tokens_per_s']:,.0f}"),
-        ("MFU", f"{100 * s['mfu']:.1f}%  of {s['peak_flops_per_rank'] / 1e9:.1f} GFLOP/s "
-                "measured matmul peak per rank"),
-        ("s/step (compute + comm)",
-         f"{s['step_s']:.4f}  ({s['compute_s_per_step']:.4f} + {s['comm_s_per_step']:.4f})"),
-        ("all-reduced per rank/step", f"{s['payload_bytes_per_step'] / 1e6:.3f} MB payload, "
-                                      f"{s['wire_bytes_per_step'] / 1e6:.3f} MB on the wire"),
+        ("tokens/s", f"{s['tokens_per_s']:,.0f}  ({mean})"),
+        ("MFU", f"{100 * s['mfu']:.1f}%  ({mean}) of {s['peak_flops_per_rank'] / 1e9:.1f} "
+                "GFLOP/s per rank, the matmul peak measured before training"),
+        ("s/step (compute + dp wait)",
+         f"{s['step_s']:.4f}  ({s['compute_s_per_step']:.4f} + {s['comm_s_per_step']:.4f}; "
+         f"{mean})"),
+        ("dp payload per rank/step", f"{s['payload_bytes_per_step'] / 1e6:.4f} MB of "
+                                     "gradients reduced (last step)"),
+        *format_comm(s),  # every axis: bytes and time, beside the prediction
     ]
     from paratrain.predict import summary_row
 
@@ -59,7 +64,8 @@ def print_summary(s: dict, run_dir: str | None) -> None:
         t.add_row(k, v)
     Console().print(t)
     if run_dir:
-        print(f"metrics: {run_dir}/metrics.jsonl  summary: {run_dir}/summary.json")
+        print(f"metrics: {run_dir}/metrics.jsonl  summary: {run_dir}/summary.json  "
+              f"plots: paratrain report {run_dir}")
 
 
 def run_local(spec: dict) -> dict:

@@ -56,6 +56,8 @@ def _img(png: bytes, alt: str) -> str:
 
 
 def _facts(recs: list[dict], s: dict) -> list[tuple[str, str]]:
+    from paratrain.run.summary import mean_label
+
     plan = s.get("plan", {})
     layout = ", ".join(f"{k}={plan[k]}" for k in ("dp", "tp", "pp", "cp", "ep", "zero")
                        if k in plan)
@@ -67,10 +69,10 @@ def _facts(recs: list[dict], s: dict) -> list[tuple[str, str]]:
         ("final train loss", f"{s['final_loss']:.4f}"),
         ("validation loss", f"{s['val_loss']:.4f}"),
         ("unigram baseline", f"{s['unigram_entropy']:.4f} (context-free model)"),
-        ("tokens/s", f"{s['tokens_per_s']:,.0f}"),
-        ("MFU", f"{100 * s['mfu']:.2f}% of {s['peak_flops_per_rank'] / 1e9:.1f} GFLOP/s "
-                f"measured matmul peak per rank (re-measured "
-                f"{s.get('peak_remeasured', 0)} times when the run beat it)"),
+        ("tokens/s", f"{s['tokens_per_s']:,.0f} ({mean_label(s)})"),
+        ("MFU", f"{100 * s['mfu']:.2f}% ({mean_label(s)}) of "
+                f"{s['peak_flops_per_rank'] / 1e9:.1f} GFLOP/s per rank, the matmul peak "
+                "measured once before training (every step's MFU divides by it)"),
         ("s/step", f"{s['step_s']:.4f} = compute {s['compute_s_per_step']:.4f} + exposed "
                    f"communication {s['comm_s_per_step']:.4f}"),
     ]

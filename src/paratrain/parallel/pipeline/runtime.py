@@ -134,6 +134,7 @@ class PipelineRuntime:
         self.autocast = autocast  # bf16 compute from fp32 weights (as Engine does)
         self.store = WeightGradStore()
         self.timeline: list[tuple[str, int, int, float, float]] = []
+        self.sent_bytes = 0  # activations and input gradients isent by training steps
         # after the last gradient-producing action of each chunk, ``on_chunk_done(c)``
         # (the data-parallel reduction of that chunk may start: its gradients are final)
         self.on_chunk_done = on_chunk_done
@@ -206,10 +207,12 @@ class PipelineRuntime:
             recvs[(kind, a.mb, a.chunk)] = (work, buf)
         elif a.kind == "SEND_F":
             out = state[key][1].detach().contiguous()
+            self.sent_bytes += out.numel() * out.element_size()
             sends.append((dist.isend(out, dst=self.peer(a.peer),
                                      tag=self._tag("F", a.mb, k + 1)), out))
         elif a.kind == "SEND_B":
             g = grads_in.pop(key)
+            self.sent_bytes += g.numel() * g.element_size()
             sends.append((dist.isend(g, dst=self.peer(a.peer),
                                      tag=self._tag("B", a.mb, k - 1)), g))
         elif a.kind == "F":
