@@ -166,24 +166,37 @@ def test_every_viz_command_is_checked():
     assert {args[0] for args in VIZ.values()} == names
 
 
-@pytest.mark.parametrize("name", VIZ)
-def test_every_text_of_every_picture_reads(name, tmp_path, monkeypatch, capsys):
-    """Each figure a command saves is checked as drawn (the colour behind each text read
-    from its pixels) before it is written; the files are still written."""
-    checked, bad = [], {}
+def _run_checked(argv: list[str], monkeypatch) -> tuple[list[str], dict]:
+    """Run ``paratrain ARGV``, checking each figure it saves as drawn (the colour behind
+    each text read from its pixels) before it is written: ({file saved: its texts},
+    {file: texts below 4.5:1})."""
+    checked, bad = {}, {}
     save = Figure.savefig
 
     def checked_save(fig, fname, *args, **kwargs):
-        checked.append(str(fname))
+        checked[str(fname)] = [t.get_text() for t in fig.findobj(Text)]
         if low := low_contrast(fig):
             bad[str(fname)] = low
         return save(fig, fname, *args, **kwargs)
 
     monkeypatch.setattr(Figure, "savefig", checked_save)
+    assert main(argv) == 0
+    return checked, bad
+
+
+@pytest.mark.parametrize("name", VIZ)
+def test_every_text_of_every_picture_reads(name, tmp_path, monkeypatch, capsys):
     args = [_moe_run(tmp_path / "run") if a == "RUN" else a for a in VIZ[name]]
-    assert main(["viz", *args, "--out", str(tmp_path / "out")]) == 0
+    checked, bad = _run_checked(["viz", *args, "--out", str(tmp_path / "out")], monkeypatch)
     assert checked and all((tmp_path / "out" / p.split("/")[-1]).exists() for p in checked)
     assert bad == {}
+
+
+def test_plan_plots_read_and_mark_the_prediction(tmp_path, monkeypatch, capsys):
+    checked, bad = _run_checked(["plan", "--plot", str(tmp_path)], monkeypatch)
+    assert len(checked) == 2 and bad == {}
+    step = checked[str(tmp_path / "step_time.png")]
+    assert any(t.startswith("prediction (step model): 1.62 s") for t in step)
 
 
 def test_changed_cells_keep_a_visible_border_on_dark_cells():
