@@ -235,9 +235,8 @@ RESUME_HELP = ("Continue from the newest checkpoint in --checkpoint-dir, which m
 
 def train(
     config: Annotated[str | None, Opt(help="TOML with \\[model] \\[train] \\[plan] "
-                                           "tables (a panel's title names its table); "
-                                           "flags override it.", show_default=True
-                                      )] = None,
+                                           "tables. A panel's title below names its "
+                                           "table; a flag overrides the file.")] = None,
     nproc: Annotated[int, _opt("launch", "Worker processes (torchrun).")] = DEFAULT_NPROC,
     simulate_workers: Annotated[int, _opt("launch", "W simulated workers in one "
                                                     "process.")] = 1,
