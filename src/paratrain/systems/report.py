@@ -166,7 +166,8 @@ def render(rep: dict, console=None) -> None:
     con.print(t)
 
     me = rep["memory"]
-    t = Table(title=f"Memory per GPU (ZeRO-{pl['zero']}, busiest rank)")
+    title = f"Memory per GPU (ZeRO-{pl['zero']}, busiest rank)"
+    t = Table(title=title, min_width=len(title))  # the title on one line
     t.add_column("component")
     t.add_column("GB", justify="right")
     for k in ("weights", "grads", "optimizer", "activations", "logits", "buffers"):
