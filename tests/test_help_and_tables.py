@@ -3,7 +3,8 @@ keeps its key columns; `train --help` groups its flags by subject and shows ever
 default; the default `plan` says what it is and which figure is the prediction.
 
 Each command runs in this process through the CLI's entry point with ``COLUMNS=80``
-(rich, which typer prints with, sizes its console from it)."""
+(rich, which typer prints with, sizes its console from it; typer's own TERMINAL_WIDTH,
+read at import, would override it for help pages, so it is cleared)."""
 
 from __future__ import annotations
 
@@ -21,8 +22,11 @@ ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
 def _run(argv: list[str], monkeypatch, capsys) -> list[str]:
+    from typer import rich_utils
+
     monkeypatch.setenv("COLUMNS", str(WIDTH))
-    monkeypatch.delenv("TERMINAL_WIDTH", raising=False)
+    # typer reads TERMINAL_WIDTH once, at import, and it overrides COLUMNS for help pages
+    monkeypatch.setattr(rich_utils, "MAX_WIDTH", None)
     assert main(argv) == 0
     return ANSI.sub("", capsys.readouterr().out).splitlines()
 
