@@ -1,15 +1,19 @@
 """Pictures people can read, checked on the drawn figures: no label overlaps another or a
-bar, text contrast against its cell, frames wide enough, cells that say whose piece a rank
-holds, the interleaved legend naming its shades, sparse all-gather drawable."""
+bar, every text of every picture the `paratrain viz` commands write at WCAG's 4.5:1
+against what it is drawn on (and a changed cell's border at 3:1), frames wide enough,
+cells that say whose piece a rank holds, the interleaved legend naming its shades, sparse
+all-gather drawable."""
 
 from __future__ import annotations
 
 import json
 
 import matplotlib
+import pytest
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.patches import Patch, Rectangle  # noqa: E402
 from matplotlib.text import Text  # noqa: E402
 
@@ -17,6 +21,7 @@ from paratrain.cli import main  # noqa: E402
 from paratrain.comm import build  # noqa: E402
 from paratrain.cost.schedule import build_schedule  # noqa: E402
 from paratrain.viz.collective_anim import frame_figure  # noqa: E402
+from paratrain.viz.ink import NON_TEXT, contrast, ink, low_contrast  # noqa: E402
 from paratrain.viz.pipeline_gantt import _legend  # noqa: E402
 from paratrain.viz.plan_plots import memory_figure, pareto_figure  # noqa: E402
 
@@ -72,18 +77,6 @@ def test_pareto_log_axis_labels_do_not_overlap():
     plt.close(fig)
 
 
-def _contrast(c1, c2) -> float:
-    """WCAG contrast ratio of two colours."""
-    from matplotlib.colors import to_rgb
-
-    def lum(c):
-        ch = [x / 12.92 if x <= 0.03928 else ((x + 0.055) / 1.055) ** 2.4 for x in to_rgb(c)]
-        return 0.2126 * ch[0] + 0.7152 * ch[1] + 0.0722 * ch[2]
-
-    a, b = sorted((lum(c1), lum(c2)), reverse=True)
-    return (a + 0.05) / (b + 0.05)
-
-
 def _cells(fig):
     """{(rank, seg): (fill, [(text, colour)])} of the grid panel."""
     grid = fig.axes[1]
@@ -109,7 +102,7 @@ def test_collective_frames_are_wide_readable_and_say_whose_piece():
         for fill, texts in _cells(fig).values():
             for text, colour in texts:
                 if text:
-                    assert _contrast(fill, colour) >= 4.5, (text, fill, colour)
+                    assert contrast(fill, colour) >= 4.5, (text, fill, colour)
         plt.close(fig)
     plt.close(start)
     plt.close(end)
@@ -131,3 +124,89 @@ def test_interleaved_legend_names_each_chunk_shade():
     labels = [h.get_label() for h in _legend(build_schedule("interleaved", 4, 8, 2), Patch)]
     assert labels == ["forward, chunk 0", "forward, chunk 1", "backward, chunk 0",
                       "backward, chunk 1"]
+
+
+def test_contrast_is_wcag_and_ink_always_reads():
+    assert contrast("black", "white") == pytest.approx(21.0)
+    assert contrast("#777777", "white") == pytest.approx(4.48, abs=0.01)  # WCAG's example
+    for fill in ("#08306B", "#4292C6", "#C6DBEF", "#D55E00", "#009E73", "#FFFF00"):
+        assert contrast(ink(fill), fill) >= 4.5
+
+
+def _moe_run(root) -> str:
+    """A run directory as `paratrain train` writes one for an MoE model (dp 2, ep 2, 4
+    experts): rank 0 routes many tokens, rank 1 few, so the send matrix spans light to
+    dark cells."""
+    root.mkdir()
+    recs = [{"step": s, "moe_load": [90, 75, 50, 50], "moe_dropped": 0,
+             "moe_load_by_rank": [[50, 50, 35, 35], [40, 25, 15, 15]]} for s in range(1, 7)]
+    (root / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    (root / "summary.json").write_text(json.dumps({"plan": {"dp": 2, "ep": 2}}))
+    return str(root)
+
+
+# every `paratrain viz` command (test_every_viz_command_is_checked keeps this complete)
+VIZ = {
+    "pipeline": ["pipeline"],
+    "pipeline-interleaved": ["pipeline", "--schedule", "interleaved", "--virtual-stages", "2"],
+    "pipeline-zb-h1": ["pipeline", "--schedule", "zb-h1"],
+    "ring": ["ring"],
+    "ring-sparse": ["ring", "--op", "sparse_all_gather", "--p", "3"],  # and its growth chart
+    "tree": ["tree"],
+    "tree-pipelined": ["tree", "--algorithm", "pipelined_tree"],
+    "ring-attention": ["ring-attention"],
+    "moe": ["moe", "RUN"],
+}
+
+
+def test_every_viz_command_is_checked():
+    from paratrain.cli.viz import app
+
+    names = {c.name or c.callback.__name__.replace("_", "-") for c in app.registered_commands}
+    assert {args[0] for args in VIZ.values()} == names
+
+
+def _run_checked(argv: list[str], monkeypatch) -> tuple[list[str], dict]:
+    """Run ``paratrain ARGV``, checking each figure it saves as drawn (the colour behind
+    each text read from its pixels) before it is written: ({file saved: its texts},
+    {file: texts below 4.5:1})."""
+    checked, bad = {}, {}
+    save = Figure.savefig
+
+    def checked_save(fig, fname, *args, **kwargs):
+        checked[str(fname)] = [t.get_text() for t in fig.findobj(Text)]
+        if low := low_contrast(fig):
+            bad[str(fname)] = low
+        return save(fig, fname, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", checked_save)
+    assert main(argv) == 0
+    return checked, bad
+
+
+@pytest.mark.parametrize("name", VIZ)
+def test_every_text_of_every_picture_reads(name, tmp_path, monkeypatch, capsys):
+    args = [_moe_run(tmp_path / "run") if a == "RUN" else a for a in VIZ[name]]
+    checked, bad = _run_checked(["viz", *args, "--out", str(tmp_path / "out")], monkeypatch)
+    assert checked and all((tmp_path / "out" / p.split("/")[-1]).exists() for p in checked)
+    assert bad == {}
+
+
+def test_plan_plots_read_and_mark_the_prediction(tmp_path, monkeypatch, capsys):
+    checked, bad = _run_checked(["plan", "--plot", str(tmp_path)], monkeypatch)
+    assert len(checked) == 2 and bad == {}
+    step = checked[str(tmp_path / "step_time.png")]
+    assert any(t.startswith("prediction (step model): 1.62 s") for t in step)
+
+
+def test_changed_cells_keep_a_visible_border_on_dark_cells():
+    """The tree's complete sums are navy; a green or red border there still shows."""
+    for s in (build("all_reduce", "tree", 4, 4),
+              build("all_reduce", "pipelined_tree", 4, 4, segments=4)):
+        for k in range(1, s.steps + 1):
+            fig = frame_figure(s, k)
+            changed = [p for p in fig.axes[1].patches if p.get_linewidth() > 1]
+            assert changed
+            for p in changed:
+                assert contrast(p.get_edgecolor(), p.get_facecolor()) >= NON_TEXT, (s.algorithm, k)
+            plt.close(fig)

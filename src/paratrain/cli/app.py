@@ -7,6 +7,7 @@ Every ``ValueError`` raised by a command becomes one line on stderr and exit cod
 
 from __future__ import annotations
 
+import inspect
 import sys
 
 import typer
@@ -33,8 +34,24 @@ register_validate(app)
 register_check(app)
 register_model(app)  # generate, export
 register_report(app)
-app.add_typer(bench_app, name="bench", help="Benchmarks: collectives, calibration.")
-app.add_typer(viz_app, name="viz", help="Draw schedules: ring, tree, pipeline.")
+app.add_typer(bench_app, name="bench", help="Benchmarks: " + ", ".join(
+    c.name or c.callback.__name__ for c in bench_app.registered_commands) + ".")
+app.add_typer(viz_app, name="viz", help="Draw pictures to files: " + ", ".join(
+    c.name or c.callback.__name__ for c in viz_app.registered_commands) + ".")
+
+
+def reflow_help(group: typer.Typer) -> None:
+    """Every command's help with its paragraphs' single line breaks joined: typer's rich
+    mode keeps a docstring's line breaks, which then split a sentence mid-line at any
+    terminal width (`paratrain --help` at 80 columns; tests/test_help_and_tables.py)."""
+    for info in group.registered_commands:
+        doc = info.help or inspect.getdoc(info.callback) or ""
+        info.help = "\n\n".join(" ".join(par.split()) for par in doc.split("\n\n"))
+    for sub in group.registered_groups:
+        reflow_help(sub.typer_instance)
+
+
+reflow_help(app)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,8 +21,9 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from typer.core import TyperCommand
 
-from paratrain.cli.settings import DEFAULT_NPROC, resolve, with_settings
+from paratrain.cli.settings import DEFAULT_NPROC, PANELS, resolve, with_settings
 from paratrain.config import ModelConfig, TrainConfig
 from paratrain.files.prepare import settle_vocab
 from paratrain.plan import ParallelPlan
@@ -239,40 +240,59 @@ def _auto_plan(mode: str | None, max_memory_gb: float | None, mcfg, tcfg, world:
                   max_memory_gb)
 
 
+def _opt(panel: str, help: str, *decls: str):
+    """An option of ``panel`` (cli/settings.py PANELS; its help then ends in its default,
+    the one its sentence names or the parameter's)."""
+    return Opt(*decls, help=help, rich_help_panel=PANELS[panel])
+
+
+RESUME_HELP = ("Continue from the newest checkpoint in --checkpoint-dir, which must hold "
+               "one. Written '--resume auto': continue if it holds one, else start fresh "
+               "(what a restart loop wants).")
+
+
 def train(
-    nproc: Annotated[int, Opt(help="Worker processes (torchrun).")] = DEFAULT_NPROC,
-    simulate_workers: Annotated[int, Opt(help="W simulated workers in one process.")] = 1,
     config: Annotated[str | None, Opt(help="TOML with \\[model] \\[train] \\[plan] "
-                                           "tables.")] = None,
-    run_dir: Annotated[str | None, Opt(help="Metrics dir, new or empty unless --resume "
-                                           "(default runs/<time>-<pid>).")] = None,
-    checkpoint_dir: Annotated[str | None, Opt(help="Checkpoint directory.")] = None,
-    resume: Annotated[bool, Opt(help="Resume from --checkpoint-dir; '--resume auto': "
-                                     "if it holds a checkpoint, else start.")] = False,
+                                           "tables. A panel's title below names its "
+                                           "table; a flag overrides the file.")] = None,
+    nproc: Annotated[int, _opt("launch", "Worker processes (torchrun).")] = DEFAULT_NPROC,
+    simulate_workers: Annotated[int, _opt("launch", "W simulated workers in one "
+                                                    "process.")] = 1,
+    nnodes: Annotated[int, _opt("launch", "Nodes (one launcher per node).")] = 1,
+    node_rank: Annotated[int, _opt("launch", "This node's index, 0..nnodes-1.")] = 0,
+    rdzv_endpoint: Annotated[str | None, _opt("launch", "HOST:PORT of the c10d rendezvous "
+                                                        "(multi-node).")] = None,
+    checkpoint_dir: Annotated[str | None, _opt("checkpoints", "Checkpoint directory "
+                                                              "(default: none, no "
+                                                              "checkpoints).")
+                              ] = None,
+    resume: Annotated[bool, _opt("checkpoints", RESUME_HELP, "--resume")] = False,
     resume_mode: Annotated[str | None, typer.Argument(
         hidden=True, help="'auto' after --resume.")] = None,
-    keep_checkpoints: Annotated[int, Opt(help="Keep the newest K checkpoints (0 = all)."
-                                         )] = 0,
-    max_restarts: Annotated[int, Opt(help="Elastic restarts of failed workers (torchrun)."
-                                     )] = 0,
-    nnodes: Annotated[int, Opt(help="Nodes (one launcher per node).")] = 1,
-    node_rank: Annotated[int, Opt(help="This node's index, 0..nnodes-1.")] = 0,
-    rdzv_endpoint: Annotated[str | None, Opt(help="HOST:PORT of the c10d rendezvous "
-                                                  "(multi-node).")] = None,
-    timeout: Annotated[float, Opt(help="Seconds a collective may wait for its peers."
-                                  )] = 120.0,
-    grace: Annotated[float, Opt(help="Seconds a signalled run has to checkpoint before "
-                                     "SIGKILL.")] = 7.0,
-    quiet: Annotated[bool, Opt(help="No progress bar or summary table.")] = False,
-    tensorboard: Annotated[str | None, Opt(help="Also write TensorBoard event files "
-                                               "here (rank 0).")] = None,
-    plan_mode: Annotated[str | None, Opt("--plan", help="'auto': search every layout for "
-                                          "this model, batch and --nproc on this machine's "
+    keep_checkpoints: Annotated[int, _opt("checkpoints", "Keep the newest K checkpoints "
+                                                         "(0 = all).")] = 0,
+    max_restarts: Annotated[int, _opt("checkpoints", "Elastic restarts of failed workers "
+                                                     "(torchrun).")] = 0,
+    timeout: Annotated[float, _opt("checkpoints", "Seconds a collective may wait for its "
+                                                  "peers.")] = 120.0,
+    grace: Annotated[float, _opt("checkpoints", "Seconds a signalled run has to "
+                                                "checkpoint before SIGKILL.")] = 7.0,
+    run_dir: Annotated[str | None, _opt("output", "Metrics directory, new or empty unless "
+                                                  "--resume (default: a fresh "
+                                                  "runs/<time>-<pid>).")] = None,
+    quiet: Annotated[bool, _opt("output", "No progress bar or summary table.",
+                                "--quiet")] = False,
+    tensorboard: Annotated[str | None, _opt("output", "Also write TensorBoard event files "
+                                                      "here (rank 0).")] = None,
+    plan_mode: Annotated[str | None, _opt("layout", "'auto': search every layout for this "
+                                          "model, batch and --nproc on this machine's "
                                           "calibrated profile (calibrating first if there "
                                           "is none), print the top 5 and train the winner; "
-                                          "plan flags given fix their axes.")] = None,
-    max_memory_gb: Annotated[float | None, Opt(help="With --plan auto: leave out layouts "
-                                                    "over this memory per rank (GB).")] = None,
+                                          "plan flags given fix their axes.",
+                                          "--plan")] = None,
+    max_memory_gb: Annotated[float | None, _opt("layout", "With --plan auto: leave out "
+                                                "layouts over this memory per rank "
+                                                "(GB).")] = None,
     flags: dict | None = None,
 ) -> None:
     """Train the decoder LM (default: 2 workers, data parallel, stdlib corpus)."""
@@ -315,7 +335,18 @@ def train(
                 max_restarts=max_restarts, grace=grace))
 
 
+class TrainCommand(TyperCommand):
+    """`train`'s usage line without its hidden argument (the ``auto`` of ``--resume
+    auto``, which --resume's help explains)."""
+
+    def collect_usage_pieces(self, ctx) -> list[str]:
+        return [self.options_metavar] + [x for p in self.get_params(ctx)
+                                         if not getattr(p, "hidden", False)
+                                         for x in p.get_usage_pieces(ctx)]
+
+
 def register(app: typer.Typer) -> None:
     """`paratrain train`: its launch options above, and one generated flag per setting of
     [model], [train] and [plan] (paratrain/cli/settings.py)."""
-    app.command("train")(with_settings(train, {"model": None, "train": None, "plan": None}))
+    app.command("train", cls=TrainCommand)(
+        with_settings(train, {"model": None, "train": None, "plan": None}))

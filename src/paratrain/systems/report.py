@@ -166,7 +166,8 @@ def render(rep: dict, console=None) -> None:
     con.print(t)
 
     me = rep["memory"]
-    t = Table(title=f"Memory per GPU (ZeRO-{pl['zero']}, busiest rank)")
+    title = f"Memory per GPU (ZeRO-{pl['zero']}, busiest rank)"
+    t = Table(title=title, min_width=len(title))  # the title on one line
     t.add_column("component")
     t.add_column("GB", justify="right")
     for k in ("weights", "grads", "optimizer", "activations", "logits", "buffers"):
@@ -181,13 +182,14 @@ def render(rep: dict, console=None) -> None:
                   "try --recompute full, more --micro-batches, a higher --zero, --tp or --pp")
 
     s = rep["step"]
-    t = Table(title="Step time and utilisation")
+    # the step model's prediction, when the command adds it, follows this table
+    t = Table(title="Step time, reference model (docs/design.md: one eta, flat ring)")
     t.add_column("quantity")
     t.add_column("figure", justify="right")
     t.add_row("compute", f"{fmt_sig(s['compute_s'], 3)} s")
     if pl["pp"] > 1:
         t.add_row("pipeline bubble", f"{fmt_sig(s['bubble_s'], 3)} s")
-    t.add_row("data-parallel sync (exposed when overlapped)",
+    t.add_row("data-parallel sync on the wire (exposed)",
               f"{fmt_sig(s['dp_comm_s'], 3)} s ({fmt_sig(s['dp_exposed_s'], 2)} s)")
     for key, label in (("tp_comm_s", "tensor-parallel collectives"),
                        ("pp_comm_s", "pipeline sends"), ("cp_comm_s", "context-parallel KV"),

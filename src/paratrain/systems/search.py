@@ -279,28 +279,45 @@ def candidate_record(c: Candidate) -> dict:
 
 
 def render_search(result: SearchResult, lines: list[str], title: str, console=None) -> None:
+    """The top layouts as a table that fits 80 columns (an axis of size 1 in every row
+    shown, and a schedule column of no pipeline, are dropped and named below the table),
+    then why the winner wins, each reason wrapped under its bullet."""
     from rich import box
     from rich.console import Console
     from rich.table import Table
 
     con = console or Console()
-    t = Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
-    cols = ("#", "dp", "tp", "pp", "cp", "ep", "zero", "mb x seqs", "schedule", "recomp",
-            "step s", "MFU%", "GB")
-    for col in cols:
-        t.add_column(col, justify="right", no_wrap=True)
+    rows = []
     for i, c in enumerate(result.top, 1):
         p = c.plan
         sched = p.schedule if p.pp > 1 else "-"
         if p.virtual_stages > 1:
-            sched = f"interl v{p.virtual_stages}"
-        t.add_row(str(i), str(p.dp), str(p.tp), str(p.pp), str(p.cp), str(p.ep), str(p.zero),
-                  f"{p.micro_batches}x{c.micro_batch}", sched, p.recompute[:4],
-                  f"{c.step_s:.3f}", f"{100 * c.time.mfu:.1f}",
-                  f"{c.memory.total_bytes / 1e9:.1f}")
+            sched = f"int v{p.virtual_stages}"
+        rows.append((str(i), str(p.dp), str(p.tp), str(p.pp), str(p.cp), str(p.ep),
+                     str(p.zero), f"{p.micro_batches}x{c.micro_batch}", sched,
+                     p.recompute[:4], f"{c.step_s:.3f}", f"{100 * c.time.mfu:.1f}",
+                     f"{c.memory.total_bytes / 1e9:.1f}"))
+    cols = ("#", "dp", "tp", "pp", "cp", "ep", "zero", "mb x seqs", "schedule", "recomp",
+            "step s", "MFU%", "GB")
+    idle = {"cp": "1", "ep": "1", "schedule": "-"}
+    dropped = [c for c, v in idle.items() if rows and all(r[cols.index(c)] == v for r in rows)]
+    keep = [i for i, c in enumerate(cols) if c not in dropped]
+    t = Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
+    for i in keep:
+        t.add_column(cols[i], justify="right", no_wrap=True)
+    for r in rows:
+        t.add_row(*(r[i] for i in keep))
     con.print(t)
+    if dropped:
+        said = {"cp": "cp 1", "ep": "ep 1", "schedule": "no pipeline schedule"}
+        con.print("every layout shown has " + ", ".join(said[c] for c in dropped) +
+                  " (columns left out)", highlight=False)
     con.print("[bold]why the winner wins[/]")
+    why = Table.grid(padding=(0, 1))
+    why.add_column(no_wrap=True)
+    why.add_column()
     for line in lines:
-        con.print(f"  - {line}")
+        why.add_row("  -", line)
+    con.print(why)
     con.print(f"scored {result.scored:,} layouts ({result.fitting:,} fit) in "
               f"{result.elapsed_s:.2f} s: {result.layouts_per_s:,.0f} layouts/s")

@@ -122,7 +122,35 @@ def run_validate(runs: str | None, params_path: str | None, unfitted: bool, do_f
     return result
 
 
+def _runs_name(runs: str) -> str:
+    """The runs table as a title names it: the shipped one by its file name."""
+    return f"shipped {Path(runs).name}" if Path(runs) == Path(DEFAULT_RUNS) else runs
+
+
+def _skipped_lines(records: list[dict]) -> list[str]:
+    """One line per reason a row was not priced, naming its rows (a reason is too long
+    for a table cell at 80 columns, and many rows share one)."""
+    by_reason: dict[str, list[str]] = {}
+    for r in records:
+        if r["skipped_reason"]:
+            by_reason.setdefault(r["skipped_reason"], []).append(r["id"])
+    return [f"skipped {len(ids)} row(s), {reason}: {', '.join(ids)}"
+            for reason, ids in by_reason.items()]
+
+
+def _summary_line(name: str, s: dict) -> str:
+    if not s["n"]:
+        return f"{name}: no priced rows"
+    mae = [f"{s['mae_pp']:.2f} pp" if s["mae_pp"] is not None else "",
+           f"{s['mae_tflops']:.1f} TFLOP/s" if s["mae_tflops"] is not None else ""]
+    mae = " and ".join(x for x in mae if x)
+    return f"{name}: n={s['n']}, MAPE {s['mape']:.2f}%" + (f", MAE {mae}" if mae else "")
+
+
 def render_validate(res: dict, console=None) -> None:
+    """The priced rows as a table that keeps every column at 80 columns (the id whole:
+    `paratrain validate --explain ID` takes it), then the skipped rows by reason, the
+    error summary and the parameters."""
     from rich import box
     from rich.console import Console
     from rich.table import Table
@@ -134,25 +162,19 @@ def render_validate(res: dict, console=None) -> None:
             return "-"
         return f"{x:.1f}" if metric == "tflops" else f"{100 * x:.1f}%"
 
-    t = Table(title=f"Published runs: predicted vs reported ({res['runs']}, "
+    t = Table(title=f"Published runs: predicted vs reported ({_runs_name(res['runs'])}, "
                     f"{res['model']} model)", box=box.SIMPLE_HEAD, pad_edge=False,
               collapse_padding=True)
     for c in ("id", "metric", "reported", "predicted", "error %"):
-        t.add_column(c, justify="left" if c == "id" else "right", no_wrap=c != "id")
+        t.add_column(c, justify="left" if c == "id" else "right", no_wrap=True)
     for r in res["records"]:
-        if r["skipped_reason"]:
-            t.add_row(r["id"], "-", "-", "-", f"skipped: {r['skipped_reason']}")
-            continue
-        t.add_row(r["id"], r["metric"], fmt(r["metric"], r["reported"]),
-                  fmt(r["metric"], r["predicted"]), f"{r['abs_pct_error']:.1f}")
+        if not r["skipped_reason"]:
+            t.add_row(r["id"], r["metric"], fmt(r["metric"], r["reported"]),
+                      fmt(r["metric"], r["predicted"]), f"{r['abs_pct_error']:.1f}")
     con.print(t)
-
-    def line(name, s):
-        mae = f"MAE {s['mae_pp']:.2f} pp" if s["mae_pp"] is not None else ""
-        if s["mae_tflops"] is not None:
-            mae += f" {s['mae_tflops']:.1f} TFLOP/s"
-        return f"{name}: n={s['n']}, MAPE {s['mape']:.2f}%, {mae}" if s["n"] else \
-            f"{name}: no priced rows"
+    for text in _skipped_lines(res["records"]):
+        con.print(text, highlight=False)
+    line = _summary_line
 
     con.print(line("overall", res["summary"]["overall"]))
     if "summary_heldout" in res:

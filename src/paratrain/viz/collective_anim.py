@@ -24,6 +24,7 @@ import math
 from pathlib import Path
 
 from paratrain.comm.schedule import COPY, REDUCE, CollectiveSchedule
+from paratrain.viz.ink import edge, ink
 
 GATHERS = ("all_gather", "sparse_all_gather", "broadcast")
 _ADD, _COPY = "#C0392B", "#1E8449"
@@ -58,14 +59,6 @@ def _ranks_text(c: frozenset, p: int) -> str:
     if len(c) <= 4:
         return "+".join(map(str, sorted(c)))
     return f"{len(c)} of {p}"
-
-
-def ink(rgb) -> str:
-    """Black or white, whichever contrasts more with ``rgb`` (WCAG relative luminance;
-    the better of the two is always at least 4.5:1)."""
-    lin = [c / 12.92 if c <= 0.03928 else ((c + 0.055) / 1.055) ** 2.4 for c in rgb[:3]]
-    lum = 0.2126 * lin[0] + 0.7152 * lin[1] + 0.0722 * lin[2]
-    return "black" if (lum + 0.05) / 0.05 >= 1.05 / (lum + 0.05) else "white"
 
 
 def _cell(s: CollectiveSchedule, c: frozenset, cmap, owners):
@@ -123,8 +116,9 @@ def _grid_panel(ax, s: CollectiveSchedule, state, rnd, plt) -> None:
         for g in range(nseg):
             fill, text = _cell(s, state[r][g], cmap, _pastel(owners))
             t = got.get((r, g))
-            edge = (_ADD if t.op == REDUCE else _COPY) if t else "#BBBBBB"
-            ax.add_patch(Rectangle((g - 0.5, r - 0.5), 1, 1, fc=fill, ec=edge,
+            # a changed cell's border in its round's colour, kept visible on a dark cell
+            edge_c = edge(_ADD if t.op == REDUCE else _COPY, fill) if t else "#BBBBBB"
+            ax.add_patch(Rectangle((g - 0.5, r - 0.5), 1, 1, fc=fill, ec=edge_c,
                                    lw=3 if t else 0.6, zorder=2 if t else 1))
             txt = ink(fill)
             if t:

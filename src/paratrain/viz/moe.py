@@ -31,6 +31,7 @@ import json
 from pathlib import Path
 
 from paratrain.viz import save_figure
+from paratrain.viz.ink import ink
 
 
 def read_run(run_dir: str) -> dict:
@@ -140,12 +141,11 @@ def _dispatch_panel(fig, ax, mean: list[list[float]], dp: int, ep: int) -> None:
     """What the all-to-all carries between data ranks, per step (run mean)."""
     mat = send_matrix(mean, ep)
     im = ax.imshow(mat, cmap="Blues", interpolation="nearest")
-    top = max(max(r) for r in mat) or 1.0
     for s in range(dp):
         for d in range(dp):
             v = mat[s][d]
             ax.text(d, s, f"{v:.0f}", ha="center", va="center", fontsize=10,
-                    color="white" if v > 0.6 * top else "black")
+                    color=ink(im.cmap(im.norm(v))))  # by the cell's own colour
     ax.set_xticks(range(dp), [f"to {d}" for d in range(dp)])
     ax.set_yticks(range(dp), [f"from {s}" for s in range(dp)])
     off = sum(mat[s][d] for s in range(dp) for d in range(dp) if s != d)

@@ -48,7 +48,7 @@ def _legend(sched, Patch) -> list:
 
 def _draw(ax, rows: list[list[tuple[str, int, int, float, float]]], title: str,
           unit: str) -> None:
-    from paratrain.viz.collective_anim import ink
+    from paratrain.viz.ink import ink
 
     for r, spans in enumerate(rows):
         size = 8 if len(spans) <= 40 else 6

@@ -19,8 +19,9 @@ import math
 from pathlib import Path
 
 from paratrain.cost.layout import attention_pairs_per_rank, cp_chunks, ring_blocks
+from paratrain.viz.ink import ink
 
-# colour-blind safe (Okabe-Ito), dark enough for white labels
+# colour-blind safe (Okabe-Ito); a label on a block takes ink() of its colour
 PALETTE = ["#0072B2", "#D55E00", "#009E73", "#CC79A7", "#E69F00", "#56B4E9", "#8C564B",
            "#7F7F7F"]
 
@@ -80,7 +81,8 @@ def _matrix(ax, cp: int, fr: list[dict], s: int) -> None:
                        "black" if now else None)
                 if now:
                     x, y = (k + 0.5, q + 0.5) if kind == "full" else (k + 0.3, q + 0.72)
-                    ax.text(x, y, f"r{i}", ha="center", va="center", color="white",
+                    ax.text(x, y, f"r{i}", ha="center", va="center",
+                            color=ink(PALETTE[i % len(PALETTE)]),
                             fontsize=10, fontweight="bold")
     for i, r in enumerate(fr[s]["ranks"]):
         for q, k in r["skipped"]:
