@@ -284,11 +284,10 @@ def train(
                                 "--quiet")] = False,
     tensorboard: Annotated[str | None, _opt("output", "Also write TensorBoard event files "
                                                       "here (rank 0).")] = None,
-    plan_mode: Annotated[str | None, _opt("layout", "'auto': search every layout for this "
-                                          "model, batch and --nproc on this machine's "
-                                          "calibrated profile (calibrating first if there "
-                                          "is none), print the top 5 and train the winner; "
-                                          "plan flags given fix their axes.",
+    plan_mode: Annotated[str | None, _opt("layout", "'auto': rank every layout on this "
+                                          "machine's profile (calibrated first if "
+                                          "missing), print the top 5, train the winner; "
+                                          "layout flags given fix their axes.",
                                           "--plan")] = None,
     max_memory_gb: Annotated[float | None, _opt("layout", "With --plan auto: leave out "
                                                 "layouts over this memory per rank "
