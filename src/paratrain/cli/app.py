@@ -45,7 +45,8 @@ def _quiet_rank() -> bool:
     """Under torchrun (``python -m torch.distributed.run ... -m paratrain.cli train``)
     every rank parses the same flags and validates the same settings before it joins the
     group, so only rank 0 prints the error line; the others exit 2 silently. torchrun's
-    own failure report after it cannot be silenced from inside a worker (docs/cli.md)."""
+    own failure report after it cannot be silenced from inside a worker (docs/design.md,
+    "Settings: one schema")."""
     return "WORLD_SIZE" in os.environ and os.environ.get("RANK", "0") != "0"
 
 
