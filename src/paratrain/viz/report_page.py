@@ -39,7 +39,7 @@ def read_run(run_dir: str | Path) -> tuple[list[dict], dict | None]:
         raise ValueError(f"{str(path)!r} does not exist; pass the --run-dir of a "
                          "`paratrain train` run")
     recs = []
-    for line in path.read_text().splitlines():
+    for line in path.read_text(errors="replace").splitlines():  # bad bytes: a bad line
         try:
             recs.append(json.loads(line))
         except ValueError:  # a torn last line from a killed run
