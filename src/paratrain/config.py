@@ -38,7 +38,6 @@ MAX_CONTEXT = 2**24
 MAX_STEPS = 10**9
 MAX_BATCH = 2**24
 MAX_SEED = 2**40  # the batch generator seeds torch with seed * 1_000_003 + step (int64)
-_hints = functools.cache(typing.get_type_hints)  # once per class: plans are built by the 1000
 
 
 def _require(ok: bool, msg: str) -> None:
@@ -103,21 +102,23 @@ def _in_range(v: float, b: dict) -> bool:
             <= b.get("hi", v) and v > b.get("gt", -math.inf) and v < b.get("lt", math.inf))
 
 
+@functools.cache  # the systems model builds plans by the thousand
+def _bounded(cls) -> list[tuple[dataclasses.Field, dict, bool, bool]]:
+    """(field, bounds, integer?, may be None?) of each bounded field: once per class."""
+    args = {n: typing.get_args(h) or (h,) for n, h in typing.get_type_hints(cls).items()}
+    return [(f, f.metadata["bounds"], int in args[f.name], type(None) in args[f.name])
+            for f in dataclasses.fields(cls) if f.metadata.get("bounds")]
+
+
 def check_ranges(obj) -> None:
     """Every bounded field of the settings dataclass ``obj`` is a number of its type
     inside its documented range (``setting(lo=, hi=, gt=, lt=)``); else one ValueError
     naming the key, the value, the flag, the range and an example: 'zero = 5 (--zero):
     must be 0, 1, 2 or 3; pass e.g. --zero 0'."""
-    hints = _hints(type(obj))
-    for f in dataclasses.fields(obj):
-        b = f.metadata.get("bounds")
-        if not b:
-            continue
+    for f, b, integer, optional in _bounded(type(obj)):
         v = getattr(obj, f.name)
-        args = typing.get_args(hints[f.name]) or (hints[f.name],)
-        if v is None and type(None) in args:
+        if v is None and optional:
             continue
-        integer = int in args
         ok = isinstance(v, int if integer else (int, float)) and not isinstance(v, bool)
         if not (ok and _in_range(v, b)):  # nan and inf too
             flag = flag_for(f.name)

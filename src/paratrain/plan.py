@@ -9,14 +9,14 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from paratrain.config import MAX_LAYERS, ModelConfig, check_ranges, setting
+from paratrain.config import MAX_BATCH, MAX_LAYERS, ModelConfig, check_ranges, setting
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 RECOMPUTE = ("none", "selective", "full")
 COLLECTIVES = ("native", "ours")
 CP_ALGORITHMS = ("ring", "all-to-all")
 MAX_RANKS = 2**20  # any one axis; the largest published run (calibration.csv) has 16,384
-MAX_MICRO_BATCHES = 2**16  # the pipeline schedule lists p * m actions per stage
+MAX_MICRO_BATCHES = MAX_BATCH  # micro-batches split the global batch (config.MAX_BATCH)
 
 
 def _require(ok: bool, msg: str) -> None:
