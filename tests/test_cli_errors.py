@@ -66,8 +66,8 @@ def test_report_out_under_a_file_is_one_line(capsys, tmp_path):
     assert "afile" in line and "is a file, not a folder" in line
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into a read-only (0555) folder, "
-                    "so there is nothing to refuse; the probe itself is tested above")
+@pytest.mark.skipif(os.geteuid() == 0, reason="root may write into a 0555 folder, so there "
+                    "is nothing to refuse (a read-only mount is refused by the same probe)")
 def test_report_in_a_read_only_run_dir_is_one_line(capsys, tmp_path):
     d = run_dir(tmp_path)
     d.chmod(0o555)
