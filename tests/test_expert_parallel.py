@@ -234,7 +234,7 @@ def test_exact_parameter_counts_total_and_active():
 
 
 @pytest.mark.parametrize("bad,match", [
-    (dict(experts=-1), "experts=-1"), (dict(experts=4, top_k=5), "top_k=5"),
+    (dict(experts=-1), "experts = -1"), (dict(experts=4, top_k=5), "top_k=5"),
     (dict(experts=4, moe_every=3), "moe_every=3"),
     (dict(experts=4, capacity_factor=-1.0), "capacity_factor"),
 ])
@@ -279,12 +279,12 @@ def test_plans_refused_with_ep():
     (["--ep", "2", "--nproc", "2"], "needs a Mixture-of-Experts model"),
     (["--experts", "4", "--ep", "2", "--nproc", "2", "--compress", "topk:4"],
      "works without --compress"),
-    (["--experts", "4", "--z-loss-coef", "-1"], "z_loss_coef=-1.0"),
+    (["--experts", "4", "--z-loss-coef", "-1"], "z_loss_coef = -1.0 (--z-loss-coef)"),
     (["--experts", "3", "--ep", "2", "--nproc", "2"], "does not divide experts=3"),
     (["--experts", "4", "--ep", "3", "--nproc", "2"], "ep=3 must divide dp=2"),
     (["--experts", "4", "--top-k", "5"], "top_k=5"),
     (["--experts", "4", "--cp", "2", "--nproc", "2"], "MoE with --cp or --sp"),
-    (["--experts", "4", "--capacity-factor", "-1"], "capacity_factor=-1.0"),
+    (["--experts", "4", "--capacity-factor", "-1"], "capacity_factor = -1.0 (--capacity-factor)"),
 ])
 def test_bad_moe_flags_are_one_line_and_exit_2(capsys, args, fragment):
     from paratrain.cli import main

@@ -513,12 +513,12 @@ BAD = {  # name: (args from tmp_path and nproc, fragment of the one error line)
                             "[train] dtype (--dtype) must be a string"),
     "toml inf": (lambda t, n: _toml(t, "[train]\nlr = inf\n"), "must be a finite number"),
     "toml key without a flag": (lambda t, n: _toml(t, "[model]\nvocab_size = 0\n"),
-                                "set e.g. vocab_size = 4 in the TOML"),
+                                "set e.g. vocab_size = 256 in the TOML"),
     "--lr inf": (lambda t, n: ["--lr", "inf"], "[train] lr (--lr) = inf must be a finite"),
     "--lr nan": (lambda t, n: ["--lr", "nan"], "[train] lr (--lr) = nan must be a finite"),
     "--bucket-mb inf": (lambda t, n: ["--bucket-mb", "inf"], "must be a finite number"),
     "--layers 0 names --layers": (lambda t, n: ["--layers", "0"], "pass e.g. --layers 4"),
-    "--heads 0 names --heads": (lambda t, n: ["--heads", "0"], "pass e.g. --heads 4"),
+    "--heads 0 names --heads": (lambda t, n: ["--heads", "0"], "pass e.g. --heads "),
     "--data /proc/self/mem": (lambda t, n: ["--data", "/proc/self/mem"], "cannot be read"),
     "--data a FIFO": (lambda t, n: _fifo(t), "is not a regular file or folder"),
     "--data empty file": (lambda t, n: _empty_file(t), "holds no text"),
@@ -580,7 +580,8 @@ def test_messages_name_only_flags_that_exist():
     from paratrain.cli.app import app
 
     flags = {"--nproc-per-node", "--standalone", "--field-name", "--rdzv-backend",
-             "--rdzv-id"}  # torchrun's; a comment
+             "--rdzv-id",  # torchrun's; a comment
+             "--help"}  # every command's (click adds it, outside cmd.params)
 
     def walk(cmd):
         for p in getattr(cmd, "params", []):

@@ -56,7 +56,7 @@ def test_forward_shape_causality_and_tied_weights():
 
 
 @pytest.mark.parametrize("kwargs, fragment", [
-    (dict(n_layers=0), "n_layers=0"),
+    (dict(n_layers=0), "n_layers = 0"),
     (dict(d_model=30, n_heads=4), "not divisible by n_heads"),
     (dict(n_heads=4, n_kv_heads=3, d_model=32), "n_kv_heads=3"),
 ])

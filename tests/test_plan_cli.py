@@ -77,7 +77,7 @@ def test_plot_writes_valid_pngs(tmp_path, capsys):
     (["--pp", "64"], "exceeds n_layers=32"),
     (["--schedule", "zigzag"], "schedule='zigzag' is unknown"),
     (["--recompute", "some"], "recompute='some' is unknown"),
-    (["--zero", "4"], "zero=4"),
+    (["--zero", "4"], "zero = 4 (--zero)"),
     (["--tokens", "1000"], "not a multiple of seq_len"),
     (["--eta", "1.5"], "eta"),
     (["--sp"], "sequence parallelism"),

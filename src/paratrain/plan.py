@@ -9,12 +9,14 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from paratrain.config import ModelConfig, pass_hint, setting
+from paratrain.config import MAX_BATCH, MAX_LAYERS, ModelConfig, check_ranges, setting
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 RECOMPUTE = ("none", "selective", "full")
 COLLECTIVES = ("native", "ours")
 CP_ALGORITHMS = ("ring", "all-to-all")
+MAX_RANKS = 2**20  # any one axis; the largest published run (calibration.csv) has 16,384
+MAX_MICRO_BATCHES = MAX_BATCH  # micro-batches split the global batch (config.MAX_BATCH)
 
 
 def _require(ok: bool, msg: str) -> None:
@@ -31,18 +33,21 @@ class ParallelPlan:
     when pp == 1.
     """
 
-    dp: int = setting(1, "Data-parallel size (default: world / (tp*pp*cp)).")
-    tp: int = setting(1, "Tensor-parallel size.")
-    pp: int = setting(1, "Pipeline stages.")
-    cp: int = setting(1, "Context-parallel size (sequence split).")
-    ep: int = setting(1, "Expert-parallel size (divides dp).")
-    zero: int = setting(0, "ZeRO stage 0-3 (3 = FSDP).")
+    dp: int = setting(1, "Data-parallel size (default: world / (tp*pp*cp)).", lo=1,
+                      hi=MAX_RANKS)
+    tp: int = setting(1, "Tensor-parallel size.", lo=1, hi=MAX_RANKS)
+    pp: int = setting(1, "Pipeline stages.", lo=1, hi=MAX_LAYERS)
+    cp: int = setting(1, "Context-parallel size (sequence split).", lo=1, hi=MAX_RANKS)
+    ep: int = setting(1, "Expert-parallel size (divides dp).", lo=1, hi=MAX_RANKS)
+    zero: int = setting(0, "ZeRO stage 0-3 (3 = FSDP).", lo=0, hi=3)
     sp: bool = setting(False, "Sequence parallelism (needs tp > 1).")
-    micro_batches: int = setting(1, "Micro-batches (gradient accumulation at pp 1).")
+    micro_batches: int = setting(1, "Micro-batches (gradient accumulation at pp 1).", lo=1,
+                                 hi=MAX_MICRO_BATCHES)
     schedule: str = setting("1f1b", "Pipeline schedule.", choices=SCHEDULES)
-    virtual_stages: int = setting(1, "Chunks per stage (interleaved schedule).")
+    virtual_stages: int = setting(1, "Chunks per stage (interleaved schedule).", lo=1,
+                                  hi=MAX_LAYERS)
     recompute: str = setting("none", "Activation recomputation.", choices=RECOMPUTE)
-    bucket_mb: float = setting(25.0, "Gradient bucket size, MB.")
+    bucket_mb: float = setting(25.0, "Gradient bucket size, MB.", gt=0, hi=2**20)
     overlap: bool = setting(True, "Overlap gradient sync with backward.")
     compress: str | None = setting(None, "Gradient compression, e.g. topk:16.")
     collectives: str = setting("native", "Collective implementation.", choices=COLLECTIVES)
@@ -50,12 +55,7 @@ class ParallelPlan:
                                 "ring) or all-to-all (Ulysses).", choices=CP_ALGORITHMS)
 
     def __post_init__(self) -> None:
-        for name in ("dp", "tp", "pp", "cp", "ep", "micro_batches", "virtual_stages"):
-            v = getattr(self, name)
-            if not (isinstance(v, int) and v >= 1):  # the message only when it is wrong
-                raise ValueError(f"{name}={v!r} must be an integer >= 1; "
-                                 f"{pass_hint(name, 1)}")
-        _require(self.zero in (0, 1, 2, 3), f"zero={self.zero!r} must be 0, 1, 2 or 3")
+        check_ranges(self)  # each field's documented range (setting(lo=, hi=))
         _require(
             self.schedule in SCHEDULES,
             f"schedule={self.schedule!r} is unknown; choose one of {', '.join(SCHEDULES)}",
@@ -73,7 +73,6 @@ class ParallelPlan:
             f"cp_algorithm={self.cp_algorithm!r} is unknown; choose one of "
             f"{', '.join(CP_ALGORITHMS)}",
         )
-        _require(self.bucket_mb > 0, f"bucket_mb={self.bucket_mb} must be positive, e.g. 25")
         _require(
             self.dp % self.ep == 0,
             f"ep={self.ep} must divide dp={self.dp}; expert ranks are a subset of data ranks",

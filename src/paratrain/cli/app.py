@@ -7,7 +7,9 @@ Every ``ValueError`` raised by a command becomes one line on stderr and exit cod
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
+import os
 import sys
 
 import typer
@@ -19,6 +21,8 @@ from paratrain.cli.plan import register as register_systems
 from paratrain.cli.train import register as register_train
 from paratrain.cli.validate import register as register_validate
 from paratrain.cli.viz import app as viz_app
+from paratrain.config import ModelConfig, TrainConfig, flag_of
+from paratrain.plan import ParallelPlan
 from paratrain.viz.plan_plots import write_plan_output
 from paratrain.viz.report_page import register as register_report
 
@@ -54,19 +58,78 @@ def reflow_help(group: typer.Typer) -> None:
 reflow_help(app)
 
 
+def _quiet_rank() -> bool:
+    """Under torchrun (``python -m torch.distributed.run ... -m paratrain.cli train``)
+    every rank parses the same flags and validates the same settings before it joins the
+    group, so only rank 0 prints the error line; the others exit 2 silently. torchrun's
+    own failure report after it cannot be silenced from inside a worker (docs/design.md,
+    "Settings: one schema")."""
+    return "WORLD_SIZE" in os.environ and os.environ.get("RANK", "0") != "0"
+
+
+def _command(ctx) -> str:
+    """'paratrain train' for click's context of `train` (whatever the program name)."""
+    names = []
+    while ctx is not None and ctx.parent is not None:
+        names.append(ctx.info_name)
+        ctx = ctx.parent
+    return " ".join(["paratrain", *reversed(names)])
+
+
+def _given(flag: str, argv: list[str]) -> str | None:
+    """The value that followed ``flag`` on the command line (``--lr x`` or ``--lr=x``)."""
+    for i, a in enumerate(argv):
+        if a == flag and i + 1 < len(argv):
+            return argv[i + 1]
+        if a.startswith(flag + "="):
+            return a[len(flag) + 1:]
+    return None
+
+
+def _example(flag: str, param) -> object:
+    """A valid value for ``flag``: its setting's default, else the option's own."""
+    for cls in (ModelConfig, TrainConfig, ParallelPlan):
+        for f in dataclasses.fields(cls):
+            if flag_of(f) == flag:
+                return f.default
+    return param.default
+
+
+def usage_line(e, argv: list[str]) -> str:
+    """One line for a click usage error (typer vendors click, so by attribute): the
+    flag, the value, what it should be, the closest flag, where the help is."""
+    ctx = getattr(e, "ctx", None)
+    cmd = _command(ctx) if ctx else " ".join(["paratrain", *argv[:1]])
+    see = f"see `{cmd} --help`"
+    param = getattr(e, "param", None)
+    if getattr(param, "param_type_name", "") == "option":
+        flag = max(param.opts, key=len)
+        value, msg, ex = _given(flag, argv), e.message, _example(flag, param)
+        for word, want in (("integer", "an integer"), ("number", "a number")):
+            if f"valid {word}" in msg:
+                msg = f"is not {want}"
+        return (f"{flag}: {value!r} {msg}" if value is not None else f"{flag}: {msg}") + \
+            (f"; pass e.g. {flag} {ex}" if ex is not None else "") + f" ({see})"
+    if hasattr(e, "possibilities"):  # NoSuchOption
+        close = ", ".join(sorted(e.possibilities))
+        return (f"{e.option_name} is not a flag of `{cmd}`"
+                + (f"; did you mean {close}?" if close else "") + f" ({see})")
+    return f"{e.format_message().rstrip('.')} ({see})"
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Console entry point. Returns (and exits with) the command's exit code."""
+    """Console entry point. Returns (and exits with) the command's exit code. A bad
+    value or flag is one ``error:`` line on stderr and exit code 2."""
+    args = sys.argv[1:] if argv is None else list(argv)
+    line = None
     try:
-        rv = app(args=argv, standalone_mode=False)
+        rv = app(args=args, standalone_mode=False)
     except (ValueError, FileNotFoundError, FloatingPointError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        code = 2
+        line, code = " ".join(str(e).split("\n")), 2
     except (typer.Exit, typer.Abort, Exception) as e:
-        # typer's click exceptions (usage errors: exit 2) show themselves; typer may vendor
-        # click, so match by behaviour rather than by class.
-        if hasattr(e, "show") and hasattr(e, "exit_code"):
-            e.show()
-            code = e.exit_code
+        # typer vendors click, so its exceptions are matched by behaviour, not class
+        if hasattr(e, "show") and hasattr(e, "exit_code"):  # a usage error: exit 2
+            line, code = usage_line(e, args), e.exit_code
         elif isinstance(e, typer.Exit) or hasattr(e, "exit_code"):
             code = e.exit_code
         elif isinstance(e, typer.Abort):
@@ -76,6 +139,8 @@ def main(argv: list[str] | None = None) -> int:
             raise
     else:
         code = rv if isinstance(rv, int) else 0
+    if line is not None and not _quiet_rank():
+        print(f"error: {line}", file=sys.stderr)
     if argv is None:
         sys.exit(code)
     return code

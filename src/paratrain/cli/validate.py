@@ -41,6 +41,16 @@ def validate(
     if explain:
         _explain_row(runs, params, unfitted, explain, json_out)
         return
+    if out is not None:
+        if not fit:
+            raise ValueError("--out writes fitted parameters; add --fit (or drop --out)")
+        from paratrain.files.outputs import check_writable_file
+
+        check_writable_file("--out", out)  # before the fit, which takes minutes
+    if params is not None:
+        from paratrain.systems.fitting import load_params
+
+        load_params(params)  # a bad --params file is refused before any work
     ids = tuple(x.strip() for x in holdout.split(",") if x.strip()) or None
     res = run_validate(runs, params, unfitted, fit, ids, out, reference=reference)
     if json_out:

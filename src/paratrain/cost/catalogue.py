@@ -29,8 +29,16 @@ def _norm(s: str) -> str:
 def read_file(path: Path) -> dict:
     """One entry from a user's ``.toml`` or ``.json`` file (a flat table of keys)."""
     if path.suffix.lower() == ".json":
-        data = json.loads(path.read_text())
-    else:
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{str(path)!r} is not UTF-8 text (byte "
+                             f"{e.object[e.start]:#04x} at offset {e.start}); save it as "
+                             "UTF-8") from None
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{str(path)!r} is not valid JSON ({e.msg} at line {e.lineno}, "
+                             f"column {e.colno}); fix that line") from None
+    else:  # read_toml names the file when it is not UTF-8 or not TOML
         data = read_toml(path)
     if not isinstance(data, dict):
         raise ValueError(f"{path} does not hold a table of keys; write key = value pairs")

@@ -81,30 +81,46 @@ def records_text(files: list[Path], field: str, first_only: bool = False) -> byt
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # before datasets is imported
     import datasets
 
-    datasets.logging.set_verbosity_error()
+    # datasets logs a failed load at ERROR level before raising; the raise is reported
+    # as our one error line, so nothing of datasets' own is printed during these loads
+    level = datasets.logging.get_verbosity()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL + 1)
     datasets.disable_progress_bars()
+    try:
+        texts = (_field_text(datasets, f, field, first_only) for f in files)
+        return b"\n".join(t for t in texts if t)  # a file without records adds nothing
+    finally:
+        datasets.logging.set_verbosity(level)
+
+
+class _BadRecord(ValueError):
+    """A record without text in the field (our message, passed on as it is)."""
+
+
+def _field_text(datasets, f: Path, field: str, first_only: bool) -> bytes:
     parts: list[bytes] = []
-    for f in files:
-        try:
-            ds = datasets.load_dataset(RECORD_KINDS[f.suffix], data_files=[str(f)],
-                                       split="train", streaming=True)
-            for i, rec in enumerate(ds):
-                value = rec.get(field)
-                if not isinstance(value, str):
-                    have = ", ".join(sorted(rec)) or "none"
-                    what = "has no field" if value is None else "has a non-text field"
-                    raise ValueError(f"record {i} of data file {str(f)!r} {what} {field!r} "
-                                     f"(fields: {have}); pass --text-field NAME")
-                parts.append(value.encode())
-                if first_only:
-                    break
-        except ValueError:
-            raise
-        except Exception as e:  # a broken JSON line, a file that is not parquet, ...
-            msg = f"{type(e).__name__}: {e}".splitlines()[0]
-            raise ValueError(f"data file {str(f)!r} cannot be read as "
-                             f"{RECORD_KINDS[f.suffix]} records ({msg}); fix or remove it"
-                             ) from None
+    try:
+        ds = datasets.load_dataset(RECORD_KINDS[f.suffix], data_files=[str(f)],
+                                   split="train", streaming=True)
+        for i, rec in enumerate(ds):
+            value = rec.get(field)
+            if not isinstance(value, str):
+                have = ", ".join(sorted(rec)) or "none"
+                what = (f"has no field {field!r}" if field not in rec else
+                        f"has no text in field {field!r} (null or absent)" if value is None
+                        else f"has a non-text field {field!r}")
+                raise _BadRecord(f"record {i} of data file {str(f)!r} {what} (fields: "
+                                 f"{have}); pass --text-field NAME or fix the record")
+            parts.append(value.encode())
+            if first_only:
+                break
+    except _BadRecord:
+        raise
+    except Exception as e:  # a broken JSON line, a file that is not parquet, ...
+        msg = f"{type(e).__name__}: {e}".splitlines()[0]
+        raise ValueError(f"data file {str(f)!r} cannot be read as "
+                         f"{RECORD_KINDS[f.suffix]} records ({msg}); fix or remove it"
+                         ) from None
     return b"\n".join(parts)
 
 

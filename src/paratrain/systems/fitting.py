@@ -39,17 +39,38 @@ def generation(hw_key: str) -> str:
 
 
 def load_params(path: str | Path | None = None) -> StepParams:
-    """Fitted parameters (default: the shipped ``data/fitted.toml``)."""
+    """Fitted parameters (default: the shipped ``data/fitted.toml``), each checked against
+    its physical range (:data:`paratrain.systems.step_params.BOUNDS`, the table in that
+    module's docstring): a value outside it, a key that is no parameter (a hardware file
+    passed by mistake) or a value that is no number is one ValueError naming the file."""
     p = Path(path) if path else FITTED
     if not p.is_file():
         raise ValueError(f"fitted parameters {str(p)!r} do not exist; run validate --fit")
     d = read_toml(p)
+    unknown = sorted(set(d) - set(SCALARS) - {"gemm_eff", "attn_eff"})
+    if unknown:
+        raise ValueError(f"{str(p)!r} has key(s) {', '.join(unknown)} that are no step-model "
+                         f"parameter (is it a parameters file?); its keys are "
+                         f"{', '.join(SCALARS)}, [gemm_eff], [attn_eff]")
     base = StepParams()
-    kw = {k: float(d[k]) for k in SCALARS if k in d}
-    known = {t: {k: v for k, v in d.get(t, {}).items() if k in getattr(base, t)}
-             for t in ("gemm_eff", "attn_eff")}  # a stale family key is no parameter
+    kw = {k: _param(p, k, d[k], BOUNDS[k]) for k in SCALARS if k in d}
+    known = {}
+    for t in ("gemm_eff", "attn_eff"):
+        table = d.get(t, {})
+        if not isinstance(table, dict):
+            raise ValueError(f"{t} in {str(p)!r} must be a table [{t}] of family = value")
+        known[t] = {k: _param(p, f"{t}.{k}", v, BOUNDS[t]) for k, v in table.items()
+                    if k in getattr(base, t)}  # a stale family key is no parameter
     return base.replace(gemm_eff={**base.gemm_eff, **known["gemm_eff"]},
                         attn_eff={**base.attn_eff, **known["attn_eff"]}, **kw)
+
+
+def _param(path: Path, key: str, v: object, bounds: tuple[float, float]) -> float:
+    lo, hi = bounds
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi:
+        raise ValueError(f"{str(path)!r}: {key} = {v!r} is outside its physical range "
+                         f"[{lo:g}, {hi:g}] (systems/step_params.py); use a value in it")
+    return float(v)
 
 
 def case_engine(case: Case) -> Engine:

@@ -96,10 +96,19 @@ def read_runs(path: str | Path | None = None) -> list[dict]:
     p = Path(path) if path else DEFAULT_RUNS
     if not p.is_file():
         raise ValueError(f"runs table {str(p)!r} does not exist; pass an existing CSV")
-    with p.open(newline="") as f:
-        rows = list(csv.DictReader(f))
-    if not rows or "id" not in rows[0]:
-        raise ValueError(f"{p} has no 'id' column; use the columns of calibration.csv")
+    try:
+        with p.open(newline="", encoding="utf-8") as f:
+            reader = csv.DictReader(f)
+            rows, header = list(reader), reader.fieldnames or []
+    except UnicodeDecodeError as e:
+        raise ValueError(f"runs table {str(p)!r} is not UTF-8 text (byte "
+                         f"{e.object[e.start]:#04x} at offset {e.start}); save it as UTF-8"
+                         ) from None
+    if "id" not in header:
+        raise ValueError(f"runs table {str(p)!r} has no 'id' column; use the columns of "
+                         "calibration.csv")
+    if not rows:
+        raise ValueError(f"runs table {str(p)!r} has a header but no rows; add a row per run")
     return rows
 
 

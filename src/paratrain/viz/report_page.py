@@ -39,7 +39,7 @@ def read_run(run_dir: str | Path) -> tuple[list[dict], dict | None]:
         raise ValueError(f"{str(path)!r} does not exist; pass the --run-dir of a "
                          "`paratrain train` run")
     recs = []
-    for line in path.read_text().splitlines():
+    for line in path.read_text(errors="replace").splitlines():  # bad bytes: a bad line
         try:
             recs.append(json.loads(line))
         except ValueError:  # a torn last line from a killed run
@@ -47,7 +47,17 @@ def read_run(run_dir: str | Path) -> tuple[list[dict], dict | None]:
     if not recs:
         raise ValueError(f"{str(path)!r} holds no steps; train for at least one step")
     s = d / "summary.json"
-    return recs, json.loads(s.read_text()) if s.is_file() else None
+    if not s.is_file():
+        return recs, None
+    try:
+        summary = json.loads(s.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
+        raise ValueError(f"{str(s)!r} is not a run summary ({str(e).splitlines()[0]}); "
+                         "rerun the training, or remove it to get the curves only") from None
+    if not isinstance(summary, dict):
+        raise ValueError(f"{str(s)!r} is not a run summary (a JSON object); rerun the "
+                         "training, or remove it to get the curves only")
+    return recs, summary
 
 
 def _img(png: bytes, alt: str) -> str:
@@ -109,8 +119,12 @@ def build_html(recs: list[dict], s: dict | None, title: str) -> str:
 
 def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
     """Write ``RUN_DIR/report.html`` (or ``out``); return its path."""
+    from paratrain.files.outputs import check_writable_file
+
     recs, s = read_run(run_dir)
     path = Path(out) if out else Path(run_dir) / "report.html"
+    check_writable_file("--out" if out else "the report", path, make_parents=True,
+                        fix="pass a writable path" if out else "pass --out FILE elsewhere")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(build_html(recs, s, f"paratrain run {Path(run_dir).resolve().name}"))
     return path
