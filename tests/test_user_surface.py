@@ -18,7 +18,7 @@ RUN_FLAGS = {
     "--checkpoint-dir", "--config", "--nproc", "--quiet", "--resume", "--run-dir",
     "--simulate-workers", "--tensorboard",
     "--keep-checkpoints", "--max-restarts", "--nnodes", "--node-rank", "--rdzv-endpoint",
-    "--timeout", "--grace",
+    "--timeout", "--grace", "--plan", "--max-memory-gb",
     "resume_mode",  # hidden argument: the 'auto' of '--resume auto'
 }
 # The settings' flags, written out once more on purpose: the commands generate theirs from
@@ -47,7 +47,7 @@ def _commands(group, prefix=()):
 def test_quick_start_is_exactly_install_run_test():
     block = README.split("## Quick start", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
     cmds = [line.split("#")[0].strip() for line in block.strip().splitlines()]
-    assert cmds == ['pip install -e ".[dev]"', "paratrain train", "pytest"]
+    assert cmds == ["./install.sh", "paratrain train", "python -m pytest"]
 
 
 def _readme_commands() -> list[list[str]]:
