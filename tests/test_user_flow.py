@@ -73,8 +73,9 @@ def test_generate_from_the_checkpoint(trained, capsys):
     ck = str(root / "ck")
     args = ["generate", "--checkpoint", ck, "--prompt", "def ", "--max-new-tokens", "12"]
     outs = []
-    for extra in (["--temperature", "0"], ["--temperature", "0"], ["--seed", "1"],
-                  ["--seed", "1"], ["--seed", "2", "--top-k", "1"]):
+    hot = ["--temperature", "0.8"]
+    for extra in (["--temperature", "0"], ["--temperature", "0"], [*hot, "--seed", "1"],
+                  [*hot, "--seed", "1"], [*hot, "--seed", "2", "--top-k", "1"]):
         assert main([*args, *extra]) == 0
         outs.append(capsys.readouterr().out.rstrip("\n"))
     assert all(o.startswith("def ") for o in outs) and len(outs[0]) > len("def ")

@@ -16,9 +16,11 @@ def register(app: typer.Typer) -> None:
         checkpoint: Annotated[str, Opt(help="A training run's --checkpoint-dir.")],
         prompt: Annotated[str, Opt(help="Text to continue.")],
         max_new_tokens: Annotated[int, Opt(help="Tokens to add.")] = 200,
-        temperature: Annotated[float, Opt(help="Softmax temperature (0 = greedy).")] = 0.8,
-        top_k: Annotated[int | None, Opt(help="Sample among the k likeliest tokens.")] = None,
-        seed: Annotated[int, Opt(help="Seed of the sampler.")] = 0,
+        temperature: Annotated[float, Opt(
+            help="0 = greedy (argmax); T > 0 samples from softmax(logits / T).")] = 0.0,
+        top_k: Annotated[int | None, Opt(
+            help="Sample among the k likeliest tokens (with --temperature > 0).")] = None,
+        seed: Annotated[int, Opt(help="Seed of the sampler (with --temperature > 0).")] = 0,
     ) -> None:
         """Continue --prompt with text sampled from a checkpoint (any layout)."""
         from paratrain.files.inference import load
