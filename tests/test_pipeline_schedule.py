@@ -12,6 +12,7 @@ from conftest import TINY
 from paratrain.cost.pipeline_sim import simulate_pipeline, validate
 from paratrain.cost.schedule import (
     SCHEDULES,
+    V_SHAPED,
     Action,
     bubble_formula,
     build_schedule,
@@ -21,8 +22,9 @@ from paratrain.cost.schedule import (
 def cases(p: int):
     for name in SCHEDULES:
         for m in sorted({1, 2, p, 2 * p}):
-            for v in ((1, 2, 3) if name == "interleaved" else (1,)):
-                if name == "interleaved" and m % p:
+            for v in ((1, 2, 3) if name == "interleaved" else (2,) if name in V_SHAPED
+                      else (1,)):
+                if name == "interleaved" and m % p or name == "dualpipev" and m < 2 * p:
                     continue
                 yield name, m, v
 
@@ -32,7 +34,10 @@ def test_every_schedule_validates(p):
     for name, m, v in cases(p):
         tl = validate(build_schedule(name, p, m, v))
         assert 0.0 <= tl.bubble < 1.0
-        assert tl.fifo  # sends and receives also pair up in order between every two ranks
+        if name not in V_SHAPED:  # the V schedules rely on the runtime's message tags
+            assert tl.fifo  # sends and receives also pair up in order between two ranks
+        else:
+            assert tl.bubble == pytest.approx(bubble_formula(name, p, m, v), abs=1e-12)
         if name in ("gpipe", "1f1b"):
             assert tl.bubble == pytest.approx(bubble_formula(name, p, m), abs=1e-12)
         if name == "interleaved":
@@ -49,14 +54,39 @@ def test_memory_of_1f1b_vs_gpipe():
     assert simulate_pipeline(build_schedule("1f1b", p, m)).peak_in_flight == want
 
 
+def test_v_placement_and_its_schedules():
+    """Chunk 0 of rank r is stage r, chunk 1 stage 2p-1-r; rank p-1's hand-off from stage
+    p-1 to p is no message; both V schedules hold p stages' activations (2p chunks, ZB-V;
+    one more, DualPipeV) and beat ZB-H1's bubble at the same (p, m)."""
+    p, m = 4, 8
+    for name in V_SHAPED:
+        s = build_schedule(name, p, m, 2)
+        assert [s.stage(r, c) for r in range(p) for c in (0, 1)] == [0, 7, 1, 6, 2, 5, 3, 4]
+        assert all(s.locate(s.stage(r, c)) == (r, c) for r in range(p) for c in (0, 1))
+        comms = [a for a in s.actions[p - 1] if a.kind in ("SEND_F", "RECV_F")]
+        assert len(comms) == 2 * m  # stage p-2 -> p-1 and p -> p+1 only
+        tl = simulate_pipeline(s)
+        assert tl.peak_in_flight == [2 * p + (name == "dualpipev")] * p
+        assert tl.bubble < bubble_formula("zb-h1", p, m) < bubble_formula("1f1b", p, m)
+        # the compute lists: every (stage, micro-batch) has F and a backward exactly once
+        for r in range(p):
+            got = sorted((a.chunk, a.mb, a.kind) for a in s.compute(r))
+            assert len(got) == len(set(got))
+    with pytest.raises(ValueError, match="exactly 2 chunks"):
+        build_schedule("zb-v", 4, 8, 1)
+    with pytest.raises(ValueError, match="micro_batches >= 2"):
+        build_schedule("dualpipev", 4, 7, 2)
+
+
 def test_predicted_bubbles_at_pp4_m8():
-    got = {n: simulate_pipeline(build_schedule(n, 4, 8, 2 if n == "interleaved" else 1)).bubble
-           for n in SCHEDULES}
+    got = {n: simulate_pipeline(build_schedule(
+        n, 4, 8, 2 if n == "interleaved" or n in V_SHAPED else 1)).bubble for n in SCHEDULES}
     print({k: round(v, 4) for k, v in got.items()})
     assert got["gpipe"] == pytest.approx(3 / 11)
     assert got["1f1b"] == pytest.approx(3 / 11)
     assert got["interleaved"] == pytest.approx(3 / 19)
     assert got["zb-h1"] == pytest.approx(3 / 27)
+    assert got["zb-v"] == got["dualpipev"] == pytest.approx(3 / 51)  # (p-1)/(6m+p-1)
 
 
 def _replace(s, rank, acts):

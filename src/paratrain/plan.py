@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 from paratrain.config import ModelConfig, pass_hint, setting
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipev")
+V_SHAPED = ("zb-v", "dualpipev")  # 2 chunks per rank in a V (paratrain.cost.schedule)
 RECOMPUTE = ("none", "selective", "full")
 COLLECTIVES = ("native", "ours")
 CP_ALGORITHMS = ("ring", "all-to-all")
@@ -40,7 +41,7 @@ class ParallelPlan:
     sp: bool = setting(False, "Sequence parallelism (needs tp > 1).")
     micro_batches: int = setting(1, "Micro-batches (gradient accumulation at pp 1).")
     schedule: str = setting("1f1b", "Pipeline schedule.", choices=SCHEDULES)
-    virtual_stages: int = setting(1, "Chunks per stage (interleaved schedule).")
+    virtual_stages: int = setting(1, "Chunks per stage (interleaved; 2 for zb-v, dualpipev).")
     recompute: str = setting("none", "Activation recomputation.", choices=RECOMPUTE)
     bucket_mb: float = setting(25.0, "Gradient bucket size, MB.")
     overlap: bool = setting(True, "Overlap gradient sync with backward.")
@@ -83,8 +84,18 @@ class ParallelPlan:
             "sequence parallelism (sp) needs tp > 1; pass --tp 2 or drop --sp",
         )
         _require(
-            self.virtual_stages == 1 or self.schedule == "interleaved",
+            self.virtual_stages == 1 or self.schedule in ("interleaved", *V_SHAPED),
             f"virtual_stages={self.virtual_stages} needs --schedule interleaved",
+        )
+        _require(
+            self.schedule not in V_SHAPED or self.virtual_stages == 2,
+            f"schedule={self.schedule} places 2 chunks per rank in a V; pass "
+            "--virtual-stages 2",
+        )
+        _require(
+            self.schedule != "dualpipev" or self.pp == 1 or self.micro_batches >= 2 * self.pp,
+            f"schedule=dualpipev needs micro_batches >= 2*pp = {2 * self.pp} (got "
+            f"{self.micro_batches}); pass --micro-batches {2 * self.pp}",
         )
         if self.compress is not None:
             kind, _, k = self.compress.partition(":")
@@ -167,8 +178,9 @@ class ParallelPlan:
             "on different stages); drop --tie-embeddings or use --pp 1",
         )
         _require(
-            not (self.schedule == "zb-h1" and self.pp > 1 and self.recompute != "none"),
-            f"zb-h1 with recompute={self.recompute} is not supported (the recomputed forward "
+            not (self.schedule in ("zb-h1", *V_SHAPED) and self.pp > 1
+                 and self.recompute != "none"),
+            f"{self.schedule} with recompute={self.recompute} is not supported (the recomputed forward "
             "would not defer weight gradients); use --recompute none or another schedule",
         )
         _require(

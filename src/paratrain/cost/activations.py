@@ -8,6 +8,7 @@ from paratrain.config import ModelConfig
 from paratrain.cost.groups import split_batch
 from paratrain.cost.moe_activations import moe_mlp_activation_bytes
 from paratrain.cost.ranks import virtual_stages
+from paratrain.cost.schedule import stage_of
 from paratrain.cost.shapes import ModelShape, as_shape
 from paratrain.plan import ParallelPlan
 
@@ -293,7 +294,7 @@ def rank_activation_peaks(model: ModelConfig, plan: ParallelPlan, tokens_per_ste
     window = b * plan.micro_batches if plan.cp == 1 or plan.pp > 1 else b
 
     def chunk_bytes(rank: int, chunk: int) -> float:
-        k = chunk * plan.pp + rank
+        k = stage_of(plan.schedule, plan.pp, rank, chunk)
         lo, hi = ranges[k]
         return sum(per_block[lo:hi]) + (rope if hi > lo else 0.0) + edge_activation_bytes(
             m, s, b, window_sequences=window, tp=plan.tp, sp=plan.sp,

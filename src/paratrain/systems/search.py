@@ -120,6 +120,8 @@ def enumerate_plans(model: ModelConfig, hw: Hardware, gpus: int, sequences: int,
                     if pp > 1 and mb % pp == 0:
                         scheds += [("interleaved", v) for v in VIRTUAL_STAGES
                                    if pp * v <= m.n_layers]
+                    if pp > 1 and 2 * pp <= m.n_layers:  # V: 2 chunks per rank
+                        scheds += [("zb-v", 2)] + ([("dualpipev", 2)] if mb >= 2 * pp else [])
                     algos = ("ring",) if cp == 1 else ("ring", "all-to-all") if (
                         m.n_heads % (cp * tp) == 0 and m.kv_heads % (cp * tp) == 0
                         and not m.is_moe) else ("ring",)
@@ -204,7 +206,7 @@ def explain(result: SearchResult, model: ModelConfig, hw: Hardware) -> list[str]
         how = []
         if p.pp > 1:
             how.append(f"pipeline {p.pp} across nodes ({p.schedule}"
-                       f"{f', v={p.virtual_stages}' if p.virtual_stages > 1 else ''}, "
+                       f"{f', v={p.virtual_stages}' if p.schedule == 'interleaved' else ''}, "
                        f"bubble {100 * bubble_fraction(p.schedule, p.pp, p.micro_batches, p.virtual_stages):.1f}%)")  # noqa: E501
         if p.zero:
             how.append(f"ZeRO-{p.zero} over {p.dp * p.cp} data ranks")
@@ -277,7 +279,7 @@ def render_search(result: SearchResult, lines: list[str], title: str, console=No
     for i, c in enumerate(result.top, 1):
         p = c.plan
         sched = p.schedule if p.pp > 1 else "-"
-        if p.virtual_stages > 1:
+        if p.virtual_stages > 1 and p.schedule == "interleaved":
             sched = f"interl v{p.virtual_stages}"
         t.add_row(str(i), str(p.dp), str(p.tp), str(p.pp), str(p.cp), str(p.ep), str(p.zero),
                   f"{p.micro_batches}x{c.micro_batch}", sched, p.recompute[:4],
