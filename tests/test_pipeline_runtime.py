@@ -126,11 +126,14 @@ def _v_worker(rank: int, world: int, data: str) -> dict:
     runs = []
     for model, plan in v_plans(world):
         s = train(model, tcfg(data), plan, RunOptions(**QUIET))
+        mem = s["memory"]
         runs.append((model.n_layers, plan.schedule, plan.micro_batches, s["losses"],
-                     s["model_parallel"]["pipeline"]["bubble_simulated"]))
+                     s["model_parallel"]["pipeline"]["bubble_simulated"],
+                     ([r["activations_peak"] for r in mem["measured_per_rank"]],
+                      mem["predicted_per_rank"]["activations_peak"])))
     err = None
     try:
-        train(MODEL4, tcfg(data, 1), ParallelPlan(pp=world, schedule="zb-v", virtual_stages=2,
+        train(MODEL8, tcfg(data, 1), ParallelPlan(pp=world, schedule="zb-v", virtual_stages=2,
                                                   recompute="full"), RunOptions(**QUIET))
     except ValueError as e:
         err = str(e)
@@ -141,11 +144,14 @@ def _v_worker(rank: int, world: int, data: str) -> dict:
 def test_v_schedules_match_one_process(text_file, reference, pp):
     results = spawn(_v_worker, pp, text_file, timeout_s=400)
     runs = results[0]["runs"]
-    assert [(s, m) for _, s, m, _, _ in runs] == [
+    assert [(s, m) for _, s, m, _, _, _ in runs] == [
         (p.schedule, p.micro_batches) for _, p in v_plans(pp)]
-    for layers, sched, m, losses, bubble in runs:
+    for layers, sched, m, losses, bubble, (measured, predicted) in runs:
         d = rel(losses, reference[layers])
         print(f"pp={pp} {sched:9s} m={m} layers={layers}: max rel loss diff {d:.2e}, "
-              f"simulated bubble {bubble:.3f}")
+              f"simulated bubble {bubble:.3f}, saved activations measured {measured} "
+              f"predicted (busiest) {predicted:,.0f}")
         assert d <= 1e-9
+        # the memory model reads the peak off the same V lists and placement (float64)
+        assert predicted == max(measured)
     assert "zb-v with recompute=full is not supported" in results[0]["error"]
