@@ -9,6 +9,7 @@ import dataclasses
 import pytest
 
 from conftest import TINY
+from paratrain.cost.activations import micro_batches_in_flight
 from paratrain.cost.pipeline_sim import simulate_pipeline, validate
 from paratrain.cost.schedule import (
     SCHEDULES,
@@ -67,6 +68,8 @@ def test_v_placement_and_its_schedules():
         assert len(comms) == 2 * m  # stage p-2 -> p-1 and p -> p+1 only
         tl = simulate_pipeline(s)
         assert tl.peak_in_flight == [2 * p + (name == "dualpipev")] * p
+        # the analytical memory model's count, in full stages (a chunk is half of one)
+        assert micro_batches_in_flight(name, p, m, 2) == max(tl.peak_in_flight) / 2
         assert tl.bubble < bubble_formula("zb-h1", p, m) < bubble_formula("1f1b", p, m)
         # the compute lists: every (stage, micro-batch) has F and a backward exactly once
         for r in range(p):

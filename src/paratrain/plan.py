@@ -180,8 +180,9 @@ class ParallelPlan:
         _require(
             not (self.schedule in ("zb-h1", *V_SHAPED) and self.pp > 1
                  and self.recompute != "none"),
-            f"{self.schedule} with recompute={self.recompute} is not supported (the recomputed forward "
-            "would not defer weight gradients); use --recompute none or another schedule",
+            f"{self.schedule} with recompute={self.recompute} is not supported (the "
+            "recomputed forward would not defer weight gradients); use --recompute none or "
+            "another schedule",
         )
         _require(
             self.compress is None or self.zero == 0,

@@ -1,4 +1,5 @@
 """Pipeline schedules as plain data (no torch): generated, validated, simulated, drawn.
+All six side by side, with their constraints and bubbles: docs/pipeline-schedules.md.
 
 A :class:`PipelineSchedule` lists, for each pipeline rank, the ordered :class:`Action` s it runs
 in one optimizer step: compute actions ``F`` (forward), ``B`` (full backward) or, for

@@ -6,10 +6,11 @@ least 1024 tokens per rank; ring or all-to-all when the heads divide over cp x t
 (divisors of what is left, at most the layers), dp (the rest, dividing the batch), ep (MoE:
 powers of two dividing dp and the experts), micro-batch size (divisors of the per-replica
 batch, so accumulation or pipeline micro-batches follow), schedule (GPipe, 1F1B, interleaved
-with v in VIRTUAL_STAGES, ZB-H1), ZeRO stage 0-3, recomputation none/selective/full. Sequence
-parallelism is always on when tp > 1: it moves the same bytes as tensor parallelism alone
-(all-gather + reduce-scatter = all-reduce) and divides the remaining activations by tp, so
-it dominates.
+with v in VIRTUAL_STAGES, ZB-H1, and with 2 chunks per rank ZB-V and DualPipeV when 2 pp
+stages fit the layers, DualPipeV only with m >= 2 pp), ZeRO stage 0-3, recomputation
+none/selective/full. Sequence parallelism is always on when tp > 1: it moves the same
+bytes as tensor parallelism alone (all-gather + reduce-scatter = all-reduce) and divides
+the remaining activations by tp, so it dominates.
 
 Layouts are priced by the step model (:func:`paratrain.systems.step_model.predict_step`:
 per-GEMM efficiency, so thin micro-batches and narrow shards cost what they cost; kernel
