@@ -141,3 +141,27 @@ def test_stage_split_accounts_for_the_head():
     assert all(b > a for a, b in split_layers(big_head, 8))  # every stage keeps a block
     with pytest.raises(ValueError, match="n_layers"):
         split_layers(small_vocab, 9)
+
+
+@pytest.mark.parametrize("args,msg", [
+    (["--schedule", "zb-v"], "schedule=zb-v places 2 chunks per rank in a V; pass "
+                             "--virtual-stages 2"),
+    (["--schedule", "dualpipev", "--virtual-stages", "2", "--micro-batches", "4"],
+     "schedule=dualpipev needs micro_batches >= 2*pp = 8 (got 4); pass --micro-batches 8"),
+    (["--schedule", "1f1b", "--virtual-stages", "2"], "needs --schedule interleaved"),
+])
+def test_v_constraints_are_one_line_errors(args, msg, capsys):
+    from paratrain.cli import main
+
+    assert main(["plan", "--pp", "4", *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and msg in err[0], err
+
+
+def test_v_schedules_are_planned(capsys):
+    from paratrain.cli import main
+
+    for name in V_SHAPED:
+        assert main(["plan", "--pp", "4", "--schedule", name, "--virtual-stages", "2",
+                     "--micro-batches", "8"]) == 0
+        assert "pipeline bubble" in capsys.readouterr().out
