@@ -216,7 +216,7 @@ class _Emitter:
     """One rank's list under construction: ``emit(kind, chunk)`` appends that chunk's next
     micro-batch of ``kind`` (a full ``B`` counts as that chunk's next input gradient, so
     B and BI share a counter); ``BI`` queues its ``BW``, which ``weight()`` emits oldest
-    first."""
+    first (``weight(chunk)``: the oldest of that chunk)."""
 
     def __init__(self) -> None:
         self.acts: list[Action] = []
@@ -232,10 +232,14 @@ class _Emitter:
             if kind == "BI":
                 self.deferred.append((chunk, mb))
 
-    def weight(self) -> None:
-        if self.deferred:
-            chunk, mb = self.deferred.pop(0)
-            self.acts.append(Action("BW", mb, chunk))
+    def weight(self, chunk: int | None = None) -> bool:
+        """Emit the oldest owed BW (of ``chunk`` if given); False if none is owed."""
+        i = next((j for j, (c, _) in enumerate(self.deferred) if chunk in (None, c)), None)
+        if i is None:
+            return False
+        c, mb = self.deferred.pop(i)
+        self.acts.append(Action("BW", mb, c))
+        return True
 
     def count(self, kind: str, chunk: int) -> int:
         return self.next.get((kind, chunk), 0)
@@ -262,28 +266,24 @@ def _zb_v(p: int, m: int) -> list[list[Action]]:
         while e.count("F", 1) < e.count("F", 0) or e.count("F", 0) < n:
             if e.count("F", 0) < n:
                 e.emit("F", 0)
-            for c in (0, 1):
-                if c == 1:
-                    e.emit("F", 1)
-                e.emit("BI", c)
-                e.weight()
+            e.emit("BI", 0)
+            e.weight()
+            e.emit("F", 1)
+            e.emit("BI", 1)
+            e.weight()
         for _ in range(r):
             e.emit("BI", 0)
             e.emit("BI", 1)
         # drain: chunk 0's backwards, each followed by the oldest chunk-0 BW, then the rest
         for _ in range(p - r):
             e.emit("BI", 0)
-            e.acts.append(_pop_weight(e, 0))
-        for c in (1, 0):
-            while any(ch == c for ch, _ in e.deferred):
-                e.acts.append(_pop_weight(e, c))
+            e.weight(0)
+        while e.weight(1):
+            pass
+        while e.weight(0):
+            pass
         out.append([a for a in e.acts if a.mb < m])
     return out
-
-
-def _pop_weight(e: _Emitter, chunk: int) -> Action:
-    i = next(j for j, (c, _) in enumerate(e.deferred) if c == chunk)
-    return Action("BW", e.deferred.pop(i)[1], chunk)
 
 
 def _dualpipev(p: int, m: int) -> list[list[Action]]:
@@ -323,8 +323,8 @@ def _dualpipev(p: int, m: int) -> list[list[Action]]:
         for _ in range(p - r - 1):
             e.weight()
             e.emit("BI" if zb else "B", 0)
-        while e.deferred:
-            e.weight()
+        while e.weight():
+            pass
         out.append(e.acts)
     return out
 
