@@ -165,3 +165,37 @@ def test_v_schedules_are_planned(capsys):
         assert main(["plan", "--pp", "4", "--schedule", name, "--virtual-stages", "2",
                      "--micro-batches", "8"]) == 0
         assert "pipeline bubble" in capsys.readouterr().out
+
+
+def _torch_order(cls, p: int, m: int) -> list[list[tuple[str, int, int]]]:
+    """Per rank, (kind, micro-batch, stage) of PyTorch's own generator for ``cls``, its
+    combined forward+backward actions unpacked in order (private API: see the caller)."""
+    import torch.distributed.pipelining.schedules as ts
+
+    kinds = {ts.F: "F", ts.FULL_BACKWARD: "B", ts.I: "BI", ts.W: "BW"}
+    gen = object.__new__(cls)  # the generator needs only these, not real stages
+    gen.pp_group_size, gen._n_microbatches = p, m
+    gen.num_stages = gen._num_stages = 2 * p
+    out = []
+    for r in range(p):
+        acts = [a for a in gen._calculate_single_rank_operations(r) if a is not None]
+        out.append([(kinds[x.computation_type], x.microbatch_index, x.stage_index)
+                    for a in acts for x in (a.sub_actions or (a,))])
+    return out
+
+
+def test_v_schedules_are_pytorchs_compute_orders():
+    """Our generators are our code, but their compute order is PyTorch's
+    ``ScheduleZBVZeroBubble`` / ``ScheduleDualPipeV`` (torch/distributed/pipelining/
+    schedules.py), action for action, for every p <= 6 and m <= 12 each accepts."""
+    ts = pytest.importorskip("torch.distributed.pipelining.schedules")
+    if not all(hasattr(ts, n) for n in ("ScheduleZBVZeroBubble", "ScheduleDualPipeV")) or \
+            not hasattr(ts.ScheduleDualPipeV, "_calculate_single_rank_operations"):
+        pytest.skip("this torch has no ZBV/DualPipeV generators to compare with (private API)")
+    for name, cls in (("zb-v", ts.ScheduleZBVZeroBubble), ("dualpipev", ts.ScheduleDualPipeV)):
+        for p in range(1, 7):
+            for m in range(2 * p if name == "dualpipev" else 1, 13):
+                s = build_schedule(name, p, m, 2)
+                ours = [[(a.kind, a.mb, s.stage(r, a.chunk)) for a in s.compute(r)]
+                        for r in range(p)]
+                assert ours == _torch_order(cls, p, m), (name, p, m)

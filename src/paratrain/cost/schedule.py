@@ -35,7 +35,8 @@ Generators:
   the paper's (p-1)(T_F + T_B - T_W) per stage, i.e. (p-1)/(3m+p-1) of the step, for
   m >= p (checked for p up to 64); 1F1B's is (p-1)/(m+p-1).
 - ``zb-v`` (Qi et al. 2023, sec. 6): zero bubble on the V placement, as PyTorch's
-  ``ScheduleZBVZeroBubble`` builds it (:func:`_zb_v`); activation memory of 2p chunks
+  ``ScheduleZBVZeroBubble`` builds it (:func:`_zb_v`; the same compute order, tested
+  against the installed torch); activation memory of 2p chunks
   (p stages' worth, as 1F1B's rank 0).
 - ``dualpipev`` (DeepSeek-AI 2024, "DeepSeek-V3 Technical Report", sec. 3.2.1: DualPipe;
   its V-shaped one-copy variant as PyTorch's ``ScheduleDualPipeV``, :func:`_dualpipev`):
