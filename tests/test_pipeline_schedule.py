@@ -212,3 +212,10 @@ def test_run_prediction_counts_the_v_messages_off_the_lists():
         plan = ParallelPlan(pp=p, micro_batches=m, schedule=name, virtual_stages=2)
         assert [_v_p2p(plan, r) for r in range(p)] == [(2 * m, 2 * m)] + [
             (4 * m, 4 * m)] * (p - 2) + [(2 * m, 2 * m)]
+
+
+def test_the_plan_offers_exactly_the_generated_schedules():
+    """plan.py sits below cost/ (no import of it), so it spells the names again."""
+    import paratrain.plan as plan_mod
+
+    assert plan_mod.SCHEDULES == SCHEDULES and plan_mod.V_SHAPED == V_SHAPED
