@@ -39,3 +39,16 @@ def test_gantt_predicted_and_measured(tmp_path):
                  "--measured", str(run), "--out", str(tmp_path)]) == 2
     assert main(["viz", "pipeline", "--schedule", "interleaved", "--pp", "4",
                  "--micro-batches", "6", "--virtual-stages", "2", "--out", str(tmp_path)]) == 2
+
+
+def test_gantt_draws_the_v_schedules(tmp_path, capsys):
+    for name in ("zb-v", "dualpipev"):
+        assert main(["viz", "pipeline", "--schedule", name, "--pp", "4", "--micro-batches",
+                     "8", "--virtual-stages", "2", "--out", str(tmp_path)]) == 0
+        assert (tmp_path / f"pipeline_{name}_p4_m8_v2.png").stat().st_size > 10_000
+    capsys.readouterr()
+    # one chunk per rank cannot make a V: one line naming the fix, exit 2
+    assert main(["viz", "pipeline", "--schedule", "zb-v", "--pp", "4", "--micro-batches",
+                 "8", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:") and "virtual_stages=1 must be 2" in err[0]

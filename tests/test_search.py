@@ -10,6 +10,7 @@ import pytest
 from paratrain.cli import main
 from paratrain.cost.hardware import load_hardware
 from paratrain.cost.memory import memory
+from paratrain.cost.schedule import V_SHAPED
 from paratrain.cost.shapes import ModelShape, load_model
 from paratrain.systems.search import enumerate_plans, search
 from paratrain.systems.step_model import predict_step
@@ -68,13 +69,17 @@ def test_llama3_405b_on_16k_gpus_scores_every_layout():
 
     # priced as `paratrain plan --search` prices it: the shipped fitted parameters
     res = search(load_model("llama3-405b"), load_hardware("h100"), 16384, 16 * 2**20, 8192,
-                 keep_points=False, params=load_params())
+                 keep_points=False, params=load_params(), top=12)
     assert res.scored > 10_000 and res.elapsed_s > 0
     assert res.top[0].memory.fits
     # a layout a practitioner would recognise (Llama 3's own: tp 8, pp 16, dp 128), not
     # 64 two-layer stages with tp 4 and cp 8 (what blocking TP collectives led to)
+    classic = next(c.plan for c in res.top if c.plan.schedule not in V_SHAPED)
+    assert (classic.tp, classic.pp) == (8, 16) and classic.cp <= 4, classic
+    # with the V-shaped zero-bubble schedules (unit-cost bubble (p-1)/(6m) with only two
+    # chunks per rank) the pipeline may go one step deeper: still tp 8 inside a node
     best = res.top[0].plan
-    assert (best.tp, best.pp) == (8, 16) and best.cp <= 4, best
+    assert best.schedule in V_SHAPED and best.tp == 8 and best.cp <= 4 and best.pp <= 32, best
 
 
 def test_cli_search_json_and_plot(tmp_path, capsys):
@@ -93,3 +98,25 @@ def test_cli_search_text(capsys):
     assert main(["plan", "--search", "--gpus", "8", "--global-batch", "64", "--top", "2"]) == 0
     out = capsys.readouterr().out
     assert "why the winner wins" in out and "layouts/s" in out
+
+
+def test_search_lists_the_v_schedules_with_their_constraints():
+    """zb-v and dualpipev are enumerated with exactly 2 chunks per rank when 2 pp stages
+    fit the layers, dualpipev only with m >= 2 pp, and priced with their own bubble."""
+    from paratrain.cost.schedule import bubble_over_compute
+
+    hw = load_hardware("h100")
+    plans = [p for p, _ in enumerate_plans(SMALL, hw, 16, 64, 2048, zero_stages=(0,),
+                                           recomputes=("none",))]
+    v = [p for p in plans if p.schedule in V_SHAPED]
+    assert {p.schedule for p in v} == set(V_SHAPED)
+    assert all(p.virtual_stages == 2 and p.pp > 1 and 2 * p.pp <= SMALL.n_layers for p in v)
+    assert all(p.micro_batches >= 2 * p.pp for p in v if p.schedule == "dualpipev")
+    assert any(p.schedule == "zb-v" and p.micro_batches < 2 * p.pp for p in v)
+    assert not any(p.pp == 8 for p in v)  # 16 stages > 8 layers
+    p = next(p for p in v if p.schedule == "dualpipev")
+    bd, base = (predict_step(SMALL, q, hw, 64 * 2048, 2048)
+                for q in (p, p.replace(schedule="1f1b", virtual_stages=1)))
+    assert bubble_over_compute(p.schedule, p.pp, p.micro_batches, 2) < bubble_over_compute(
+        "1f1b", p.pp, p.micro_batches)
+    assert bd.step_s < base.step_s

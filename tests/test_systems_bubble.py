@@ -1,6 +1,7 @@
 """One bubble formula: the closed form in ``cost/schedule.py`` equals the
 simulation of the very schedule the runtime executes, for every (schedule, p, m, v) up to
-16 that the builder accepts, and the systems model's step time uses that closed form."""
+16 that the builder accepts (the V-shaped zb-v and dualpipev at their only v, 2), and the
+systems model's step time uses that closed form."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from conftest import TINY
 from paratrain.cost.pipeline_sim import simulate_pipeline
 from paratrain.cost.schedule import (
     SCHEDULES,
+    V_SHAPED,
     bubble_formula,
     bubble_over_compute,
     build_schedule,
@@ -22,11 +24,13 @@ TOL = 1e-12  # the simulator adds unit (or 1/v) durations: only rounding separat
 def _accepted(p: int):
     for name in SCHEDULES:
         for m in range(1, 17):
-            for v in (range(1, 17) if name == "interleaved" else (1,)):
+            for v in (range(1, 17) if name == "interleaved" else (2,) if name in V_SHAPED
+                      else (1,)):
                 try:
                     yield name, m, v, build_schedule(name, p, m, v)
-                except ValueError:  # interleaved with m % p != 0
-                    continue
+                except ValueError:  # interleaved with m % p != 0, dualpipev with m < 2p
+                    assert (name == "interleaved" and m % p
+                            or name == "dualpipev" and m < 2 * p), (name, p, m, v)
 
 
 @pytest.mark.parametrize("p", range(1, 17))
@@ -48,9 +52,33 @@ def test_closed_form_equals_the_simulated_schedule(p):
             assert sim == pytest.approx((2 * p - m - 1) / (2 * p + 2 * m - 1), abs=TOL)
 
 
+def test_v_schedules_are_accepted_and_proved_everywhere_up_to_16():
+    """The V schedules' closed form against the simulator for every accepted (p, m) up to
+    16 (the slow test above covers the others at every v): zb-v takes every m, dualpipev
+    every m >= 2p; with enough micro-batches both idle (p-1)/2 forward-times per rank."""
+    n = 0
+    for p in range(1, 17):
+        for name in V_SHAPED:
+            for m in range(1, 17):
+                if name == "dualpipev" and m < 2 * p:
+                    with pytest.raises(ValueError, match="2\\*pp"):
+                        build_schedule(name, p, m, 2)
+                    continue
+                sim = simulate_pipeline(build_schedule(name, p, m, 2)).bubble
+                assert sim == pytest.approx(bubble_formula(name, p, m, 2), abs=TOL), (
+                    name, p, m)
+                b = bubble_over_compute(name, p, m, 2)
+                assert b / (1 + b) == pytest.approx(sim, abs=TOL)
+                if 2 * p - 1 - m <= (p - 1) / 2:
+                    assert sim == pytest.approx((p - 1) / (6 * m + p - 1), abs=TOL)
+                n += 1
+    assert n == 16 * 16 + sum(max(0, 17 - 2 * p) for p in range(1, 17))
+
+
 def test_step_time_prices_the_same_bubble():
     for name, p, m, v in (("1f1b", 4, 8, 1), ("interleaved", 4, 8, 2), ("zb-h1", 8, 4, 1),
-                          ("zb-h1", 4, 8, 1), ("gpipe", 1, 3, 1)):
+                          ("zb-h1", 4, 8, 1), ("gpipe", 1, 3, 1), ("zb-v", 4, 8, 2),
+                          ("dualpipev", 4, 8, 2)):
         assert st.bubble_fraction(name, p, m, v) == bubble_formula(name, p, m, v)
         assert st.bubble_over_compute(name, p, m, v) == bubble_over_compute(name, p, m, v)
 

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 from paratrain.config import MAX_BATCH, MAX_LAYERS, ModelConfig, check_ranges, setting
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipev")
+V_SHAPED = ("zb-v", "dualpipev")  # 2 chunks per rank in a V (paratrain.cost.schedule)
 RECOMPUTE = ("none", "selective", "full")
 COLLECTIVES = ("native", "ours")
 CP_ALGORITHMS = ("ring", "all-to-all")
@@ -44,8 +45,8 @@ class ParallelPlan:
     micro_batches: int = setting(1, "Micro-batches (gradient accumulation at pp 1).", lo=1,
                                  hi=MAX_MICRO_BATCHES)
     schedule: str = setting("1f1b", "Pipeline schedule.", choices=SCHEDULES)
-    virtual_stages: int = setting(1, "Chunks per stage (interleaved schedule).", lo=1,
-                                  hi=MAX_LAYERS)
+    virtual_stages: int = setting(1, "Chunks per stage (interleaved; 2 for zb-v, dualpipev).",
+                                  lo=1, hi=MAX_LAYERS)
     recompute: str = setting("none", "Activation recomputation.", choices=RECOMPUTE)
     bucket_mb: float = setting(25.0, "Gradient bucket size, MB.", gt=0, hi=2**20)
     overlap: bool = setting(True, "Overlap gradient sync with backward.")
@@ -82,8 +83,18 @@ class ParallelPlan:
             "sequence parallelism (sp) needs tp > 1; pass --tp 2 or drop --sp",
         )
         _require(
-            self.virtual_stages == 1 or self.schedule == "interleaved",
+            self.virtual_stages == 1 or self.schedule in ("interleaved", *V_SHAPED),
             f"virtual_stages={self.virtual_stages} needs --schedule interleaved",
+        )
+        _require(
+            self.schedule not in V_SHAPED or self.virtual_stages == 2,
+            f"schedule={self.schedule} places 2 chunks per rank in a V; pass "
+            "--virtual-stages 2",
+        )
+        _require(
+            self.schedule != "dualpipev" or self.pp == 1 or self.micro_batches >= 2 * self.pp,
+            f"schedule=dualpipev needs micro_batches >= 2*pp = {2 * self.pp} (got "
+            f"{self.micro_batches}); pass --micro-batches {2 * self.pp}",
         )
         if self.compress is not None:
             kind, _, k = self.compress.partition(":")
@@ -166,9 +177,11 @@ class ParallelPlan:
             "on different stages); drop --tie-embeddings or use --pp 1",
         )
         _require(
-            not (self.schedule == "zb-h1" and self.pp > 1 and self.recompute != "none"),
-            f"zb-h1 with recompute={self.recompute} is not supported (the recomputed forward "
-            "would not defer weight gradients); use --recompute none or another schedule",
+            not (self.schedule in ("zb-h1", *V_SHAPED) and self.pp > 1
+                 and self.recompute != "none"),
+            f"{self.schedule} with recompute={self.recompute} is not supported (the "
+            "recomputed forward would not defer weight gradients); use --recompute none or "
+            "another schedule",
         )
         _require(
             self.compress is None or self.zero == 0,

@@ -7,10 +7,12 @@ app = typer.Typer(no_args_is_help=True)
 
 @app.command()
 def pipeline(
-    schedule: str = typer.Option("1f1b", help="gpipe | 1f1b | interleaved | zb-h1."),
+    schedule: str = typer.Option("1f1b", help="gpipe | 1f1b | interleaved | zb-h1 | zb-v | "
+                                 "dualpipev."),
     pp: int = typer.Option(4, help="Pipeline ranks."),
     micro_batches: int = typer.Option(8, help="Micro-batches per step."),
-    virtual_stages: int = typer.Option(1, help="Chunks per rank (interleaved)."),
+    virtual_stages: int = typer.Option(1, help="Chunks per rank (interleaved; 2 for zb-v, "
+                                       "dualpipev)."),
     measured: str = typer.Option(None, help="RUN_DIR of a --pp run: overlay its timings."),
     out: str = typer.Option("plots", help="Output directory."),
 ) -> None:

@@ -8,6 +8,7 @@ from paratrain.config import ModelConfig
 from paratrain.cost.groups import split_batch
 from paratrain.cost.moe_activations import moe_mlp_activation_bytes
 from paratrain.cost.ranks import virtual_stages
+from paratrain.cost.schedule import stage_of
 from paratrain.cost.shapes import ModelShape, as_shape
 from paratrain.plan import ParallelPlan
 
@@ -293,7 +294,7 @@ def rank_activation_peaks(model: ModelConfig, plan: ParallelPlan, tokens_per_ste
     window = b * plan.micro_batches if plan.cp == 1 or plan.pp > 1 else b
 
     def chunk_bytes(rank: int, chunk: int) -> float:
-        k = chunk * plan.pp + rank
+        k = stage_of(plan.schedule, plan.pp, rank, chunk)
         lo, hi = ranges[k]
         return sum(per_block[lo:hi]) + (rope if hi > lo else 0.0) + edge_activation_bytes(
             m, s, b, window_sequences=window, tp=plan.tp, sp=plan.sp,
@@ -322,12 +323,16 @@ def micro_batches_in_flight(schedule: str, pp: int, m: int, v: int = 1) -> float
 
     GPipe: all m. 1F1B and ZB-H1: min(pp, m) (Narayanan et al. 2021; Qi et al. 2023).
     Interleaved 1F1B with v chunks: pp (1 + (pp - 1)/(pp v)) in units of a full stage
-    (Korthikanti et al. 2022, Sec. 4.2.3).
+    (Korthikanti et al. 2022, Sec. 4.2.3). ZB-V: min(2 pp, 2 m) half-stage chunks, i.e.
+    min(pp, m) (Qi et al. 2023, sec. 6); DualPipeV one chunk more, pp + 1/2 (both read
+    off the simulated schedules, ``tests/test_pipeline_schedule.py``).
     """
     if pp == 1:
         return 1
     if schedule == "gpipe":
         return m
+    if schedule == "dualpipev":
+        return pp + 0.5
     if schedule == "interleaved":
         return min(m, pp) * (1 + (pp - 1) / (pp * v))
     return min(pp, m)

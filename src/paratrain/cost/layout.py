@@ -10,7 +10,8 @@ and the tests count it from the configs here, and the runtime calls the pieces i
   ((pp_i x dp + dp_i) x cp + cp_i) x tp + tp_i, tp innermost, then cp, dp, pp
   (:mod:`paratrain.parallel.mesh`).
 - **Chunks** (:func:`chunk_param_sizes`): pipeline rank i keeps virtual stages
-  k = c x pp + i, c < v (v = ``virtual_stages`` when interleaved, else 1), blocks from
+  k = c x pp + i, c < v (v = ``virtual_stages`` when interleaved, else 1; V-shaped
+  schedules: k = i and 2 pp - 1 - i, :func:`paratrain.cost.schedule.stage_of`), blocks from
   :func:`paratrain.cost.stages.split_layers`; without a pipeline one chunk, the whole
   model. Parameters in registration order: tok_emb (first stage), per block
   [attn_norm, wq, wk, wv, wo, mlp_norm, w_gate, w_up, w_down], norm and head (last);

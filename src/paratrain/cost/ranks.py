@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from paratrain.config import ModelConfig
+from paratrain.cost.schedule import V_SHAPED, stage_of
 from paratrain.cost.stages import split_layers
 from paratrain.plan import ParallelPlan
 
@@ -62,8 +63,10 @@ def vocab_range(vocab: int, tp: int, rank: int) -> tuple[int, int]:
 
 
 def virtual_stages(plan: ParallelPlan) -> int:
-    """Chunks per pipeline rank: ``virtual_stages`` when interleaved, else 1."""
-    return plan.virtual_stages if plan.schedule == "interleaved" and plan.pp > 1 else 1
+    """Chunks per pipeline rank: ``virtual_stages`` when interleaved or V-shaped (where it
+    is 2), else 1."""
+    multi = plan.schedule == "interleaved" or plan.schedule in V_SHAPED
+    return plan.virtual_stages if multi and plan.pp > 1 else 1
 
 
 def block_param_sizes(mcfg: ModelConfig, tp: int = 1, i: int | None = None, ep: int = 1,
@@ -135,7 +138,7 @@ def rank_layout(mcfg: ModelConfig, plan: ParallelPlan, rank: int, part: str = "a
     edges = part != "expert"
     stages, chunks, counts = [], [], []
     for c in range(v):
-        k = c * plan.pp + pp_i
+        k = stage_of(plan.schedule, plan.pp, pp_i, c)
         a, b = ranges[k]
         sizes = [rows] if k == 0 and edges else []
         blocks = [block_param_sizes(mcfg, plan.tp, i, ep, part) for i in range(a, b)]

@@ -1,4 +1,5 @@
 """Pipeline schedules as plain data (no torch): generated, validated, simulated, drawn.
+All six side by side, with their constraints and bubbles: docs/pipeline-schedules.md.
 
 A :class:`PipelineSchedule` lists, for each pipeline rank, the ordered :class:`Action` s it runs
 in one optimizer step: compute actions ``F`` (forward), ``B`` (full backward) or, for
@@ -10,7 +11,11 @@ The runtime executes exactly this list; the Gantt chart draws exactly this list.
 Virtual stages (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on
 GPU Clusters Using Megatron-LM", section 2.2): with ``v`` chunks per rank the model is cut
 into ``S = p * v`` virtual stages and rank r holds stages ``r, r + p, ..., r + (v-1) p``
-(chunk c of rank r is virtual stage ``c * p + r``). v = 1 for all but interleaved.
+(chunk c of rank r is virtual stage ``c * p + r``). v = 1 for gpipe, 1f1b and zb-h1.
+The V-shaped schedules (zb-v, dualpipev) hold exactly v = 2 chunks per rank placed in a
+V instead: chunk 0 of rank r is stage r, chunk 1 is stage ``2p - 1 - r``
+(:func:`stage_of`), so rank p-1 hands stage p-1's output to its own stage p without a
+message, and rank 0 holds the embedding and the head.
 
 Generators:
 
@@ -29,6 +34,16 @@ Generators:
   weight gradients are deferred; else the oldest deferred BW. The simulated bubble equals
   the paper's (p-1)(T_F + T_B - T_W) per stage, i.e. (p-1)/(3m+p-1) of the step, for
   m >= p (checked for p up to 64); 1F1B's is (p-1)/(m+p-1).
+- ``zb-v`` (Qi et al. 2023, sec. 6): zero bubble on the V placement, as PyTorch's
+  ``ScheduleZBVZeroBubble`` builds it (:func:`_zb_v`; the same compute order, tested
+  against the installed torch); activation memory of 2p chunks
+  (p stages' worth, as 1F1B's rank 0).
+- ``dualpipev`` (DeepSeek-AI 2024, "DeepSeek-V3 Technical Report", sec. 3.2.1: DualPipe;
+  its V-shaped one-copy variant as PyTorch's ``ScheduleDualPipeV``, :func:`_dualpipev`):
+  forward of one chunk paired with a full backward of the other in the steady phase,
+  zero-bubble BI/BW at the ramps; needs m >= 2p; 2p + 1 chunks' activations.
+  Under unit costs both V schedules leave (p-1)/2 forward-times idle per rank
+  (:func:`bubble_formula`).
 
 Note (send/receive ordering). Every ``SEND_*`` is non-blocking (the runtime posts an
 isend and waits for all of them only at the end of the step), and every ``RECV_*`` sits
@@ -40,15 +55,17 @@ send or receive, a backward before its forward, or a missing or duplicated actio
 a schedule that validates cannot deadlock in the runtime, whatever the real durations.
 Messages are matched by identity (the runtime gives each a tag from kind, micro-batch and
 stage), not by FIFO order per pair of ranks; the simulation reports separately whether
-FIFO order holds too (it does for every generated schedule, tested up to p = 64, so the
-same lists also suit a backend that ignores tags).
+FIFO order holds too (it does for gpipe, 1f1b, interleaved and zb-h1, tested up to
+p = 64, so those lists also suit a backend that ignores tags; the V-shaped ones reorder
+messages between a pair of ranks and rely on the tags).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipev")
+V_SHAPED = ("zb-v", "dualpipev")  # two chunks per rank, placed in a V (see stage_of)
 COMPUTE = ("F", "B", "BI", "BW")
 COMMS = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
 
@@ -81,11 +98,11 @@ class PipelineSchedule:
 
     def stage(self, rank: int, chunk: int) -> int:
         """Virtual stage index of ``chunk`` on ``rank``."""
-        return chunk * self.pp + rank
+        return stage_of(self.name, self.pp, rank, chunk)
 
     def locate(self, stage: int) -> tuple[int, int]:
         """(rank, chunk) holding virtual ``stage``."""
-        return stage % self.pp, stage // self.pp
+        return owner_of(self.name, self.pp, stage)
 
     def compute(self, rank: int) -> list[Action]:
         return [a for a in self.actions[rank] if a.kind in COMPUTE]
@@ -96,6 +113,24 @@ class PipelineSchedule:
         for r, acts in enumerate(self.actions):
             lines.append(f"  rank {r}: " + " ".join(str(a) for a in acts if a.kind in COMPUTE))
         return "\n".join(lines)
+
+
+def stage_of(name: str, pp: int, rank: int, chunk: int) -> int:
+    """Virtual stage of local ``chunk`` on pipeline ``rank`` under schedule ``name``: the one
+    placement rule (the runtime's chunks, the parameter layout and the pricing all ask
+    here). Looped (Megatron-LM): ``chunk * pp + rank``. V-shaped (:data:`V_SHAPED`):
+    chunk 0 is stage ``rank``, chunk 1 stage ``2 pp - 1 - rank``, so the model goes down
+    the ranks and back up, and rank 0 holds both the first and the last stage."""
+    if name in V_SHAPED:
+        return rank if chunk == 0 else 2 * pp - 1 - rank
+    return chunk * pp + rank
+
+
+def owner_of(name: str, pp: int, stage: int) -> tuple[int, int]:
+    """(rank, chunk) holding virtual ``stage``: the inverse of :func:`stage_of`."""
+    if name in V_SHAPED:
+        return (stage, 0) if stage < pp else (2 * pp - 1 - stage, 1)
+    return stage % pp, stage // pp
 
 
 # ---- generators (compute order only; communication is added by _with_comms) ----------
@@ -178,6 +213,123 @@ def _zb_h1(p: int, m: int) -> list[list[Action]]:
     return acts
 
 
+class _Emitter:
+    """One rank's list under construction: ``emit(kind, chunk)`` appends that chunk's next
+    micro-batch of ``kind`` (a full ``B`` counts as that chunk's next input gradient, so
+    B and BI share a counter); ``BI`` queues its ``BW``, which ``weight()`` emits oldest
+    first (``weight(chunk)``: the oldest of that chunk)."""
+
+    def __init__(self) -> None:
+        self.acts: list[Action] = []
+        self.next: dict[tuple[str, int], int] = {}
+        self.deferred: list[tuple[int, int]] = []  # (chunk, mb) whose BW is still owed
+
+    def emit(self, kind: str, chunk: int, times: int = 1) -> None:
+        for _ in range(times):
+            key = ("BI" if kind == "B" else kind, chunk)
+            mb = self.next.get(key, 0)
+            self.next[key] = mb + 1
+            self.acts.append(Action(kind, mb, chunk))
+            if kind == "BI":
+                self.deferred.append((chunk, mb))
+
+    def weight(self, chunk: int | None = None) -> bool:
+        """Emit the oldest owed BW (of ``chunk`` if given); False if none is owed."""
+        i = next((j for j, (c, _) in enumerate(self.deferred) if chunk in (None, c)), None)
+        if i is None:
+            return False
+        c, mb = self.deferred.pop(i)
+        self.acts.append(Action("BW", mb, c))
+        return True
+
+    def count(self, kind: str, chunk: int) -> int:
+        return self.next.get((kind, chunk), 0)
+
+
+def _zb_v(p: int, m: int) -> list[list[Action]]:
+    """ZB-V (Qi et al. 2023, sec. 6), V placement. Built for ``n = max(m, 2p - 1)``
+    micro-batches (the fewest that fill the V) and cut back to m: per rank r, forwards of
+    chunk 0 until the V's bottom is reached, then chunk 1's first backwards right behind
+    their forwards, a steady phase of F BI BW on each chunk in turn, and a drain whose
+    deferred BW fill the ramp-down."""
+    n = max(m, 2 * p - 1)
+    out = []
+    for r in range(p):
+        e = _Emitter()
+        e.emit("F", 0, 2 * (p - r) - 1)
+        for _ in range(r):
+            e.emit("F", 1)
+            e.emit("F", 0)
+        for _ in range(p - r):
+            e.emit("F", 1)
+            e.emit("BI", 1)
+            e.weight()
+        while e.count("F", 1) < e.count("F", 0) or e.count("F", 0) < n:
+            if e.count("F", 0) < n:
+                e.emit("F", 0)
+            e.emit("BI", 0)
+            e.weight()
+            e.emit("F", 1)
+            e.emit("BI", 1)
+            e.weight()
+        for _ in range(r):
+            e.emit("BI", 0)
+            e.emit("BI", 1)
+        # drain: chunk 0's backwards, each followed by the oldest chunk-0 BW, then the rest
+        for _ in range(p - r):
+            e.emit("BI", 0)
+            e.weight(0)
+        while e.weight(1):
+            pass
+        while e.weight(0):
+            pass
+        out.append([a for a in e.acts if a.mb < m])
+    return out
+
+
+def _dualpipev(p: int, m: int) -> list[list[Action]]:
+    """DualPipeV (DeepSeek-AI 2024, DeepSeek-V3 report sec. 3.2.1, in its V-shaped
+    one-copy form): per rank r, forwards of chunk 0 then of both chunks; a zero-bubble
+    lead-in on chunk 1 (BI, a deferred BW, F); the main phase pairs a forward of one chunk
+    with a full backward of the other (F0 B1, F1 B0: DeepSeek overlaps each pair's
+    communication with the other's compute; here they run back to back); then backwards
+    only, the second half as BI whose BW fill the ramp-down. Needs m >= 2p."""
+    if m < 2 * p:
+        raise ValueError(f"dualpipev needs micro_batches >= 2*pp = {2 * p} (got {m}); "
+                         f"use --micro-batches {2 * p}")
+    out = []
+    for r in range(p):
+        e = _Emitter()
+        e.emit("F", 0, 2 * (p - r - 1))
+        for _ in range(r + 1):
+            e.emit("F", 0)
+            e.emit("F", 1)
+        for _ in range(p - r - 1):
+            e.emit("BI", 1)
+            e.weight()
+            e.emit("F", 1)
+        for _ in range(m - 2 * p + r + 1):
+            for f, b in ((0, 1), (1, 0)):
+                e.emit("F", f)
+                e.emit("B", b)
+        for _ in range(p - r - 1):
+            e.emit("B", 1)
+            e.emit("F", 1)
+            e.emit("B", 0)
+        zb = False
+        for i in range(r + 1):  # the switch to BI falls mid-phase, on chunk 1 (r odd) or 0
+            for c in (1, 0):
+                zb = zb or (i == (r + 1) // 2 and (r % 2 == 1) == (c == 1))
+                e.emit("BI" if zb else "B", c)
+        for _ in range(p - r - 1):
+            e.weight()
+            e.emit("BI" if zb else "B", 0)
+        while e.weight():
+            pass
+        out.append(e.acts)
+    return out
+
+
 def _with_comms(name: str, p: int, m: int, v: int, compute: list[list[Action]]) -> PipelineSchedule:
     """Insert each receive just before its consumer and each send just after its producer."""
     sched = PipelineSchedule(name, p, m, v, ())
@@ -217,11 +369,15 @@ def build_schedule(name: str, pp: int, micro_batches: int, virtual_stages: int =
     if pp < 1 or micro_batches < 1 or virtual_stages < 1:
         raise ValueError(f"pp={pp}, micro_batches={micro_batches}, virtual_stages="
                          f"{virtual_stages} must all be >= 1")
-    if virtual_stages > 1 and name != "interleaved":
+    if name in V_SHAPED and virtual_stages != 2:
+        raise ValueError(f"schedule {name} places exactly 2 chunks per rank (a V); "
+                         f"virtual_stages={virtual_stages} must be 2")
+    if virtual_stages > 1 and name not in ("interleaved", *V_SHAPED):
         raise ValueError(f"virtual_stages={virtual_stages} needs --schedule interleaved")
     p, m, v = pp, micro_batches, virtual_stages
     gen = {"gpipe": lambda: _gpipe(p, m), "1f1b": lambda: _one_f_one_b(p, m),
-           "interleaved": lambda: _interleaved(p, m, v), "zb-h1": lambda: _zb_h1(p, m)}[name]
+           "interleaved": lambda: _interleaved(p, m, v), "zb-h1": lambda: _zb_h1(p, m),
+           "zb-v": lambda: _zb_v(p, m), "dualpipev": lambda: _dualpipev(p, m)}[name]
     return _with_comms(name, p, m, v, gen())
 
 
@@ -238,13 +394,18 @@ def _idle_busy(name: str, p: int, m: int, v: int) -> tuple[float, float]:
         # m >= p: the paper's (p-1) F-times of ramp. m < p: the deferred weight gradients
         # cannot fill it; the step lasts 2(p+m)-1 F-times, 3m of them busy.
         return p - 1 + max(0, p - m), 3 * m
+    if name in V_SHAPED:  # in units of a full stage's F (a chunk's F = BI = BW = 1/2)
+        # the V's ramp costs (p-1) chunk-forwards; zb-v with fewer than about 3p/2
+        # micro-batches cannot fill it and waits 2p-1-m (dualpipev needs m >= 2p)
+        return max((p - 1) / 2, 2 * p - 1 - m if name == "zb-v" else 0), 3 * m
     return p - 1, m  # gpipe, 1f1b (Huang et al. 2019; Narayanan et al. 2021)
 
 
 def bubble_formula(name: str, p: int, m: int, v: int = 1) -> float:
     """Idle fraction of the step, closed form: (p-1)/(m+p-1) for GPipe and 1F1B,
     (p-1)/(vm+p-1) interleaved, (p-1)/(3m+p-1) for ZB-H1 with m >= p and
-    (2p-m-1)/(2p+2m-1) with m < p. Equals
+    (2p-m-1)/(2p+2m-1) with m < p; for ZB-V and DualPipeV (p-1)/(6m+p-1), ZB-V with
+    2p-1-m > (p-1)/2 (too few micro-batches to fill the V) (2p-1-m)/(3m+2p-1-m). Equals
     :func:`paratrain.cost.pipeline_sim.simulate_pipeline`'s bubble of
     :func:`build_schedule` (``tests/test_systems_bubble.py``, every case up to 16)."""
     idle, busy = _idle_busy(name, p, m, v)
@@ -253,7 +414,8 @@ def bubble_formula(name: str, p: int, m: int, v: int = 1) -> float:
 
 def bubble_over_compute(name: str, p: int, m: int, v: int = 1) -> float:
     """Bubble time divided by the ideal (bubble-free) compute time: (p-1)/m for GPipe and
-    1F1B, divided by v interleaved, by 3 for ZB-H1 with m >= p (same closed form as
+    1F1B, divided by v interleaved, by 3 for ZB-H1 with m >= p, by 6 for ZB-V (enough
+    micro-batches) and DualPipeV (same closed form as
     :func:`bubble_formula`; the systems model scales compute time by it)."""
     idle, busy = _idle_busy(name, p, m, v)
     return idle / busy

@@ -110,12 +110,15 @@ def split_layers(cfg: ModelConfig, stages: int, seq_len: int | None = None
 
 
 @lru_cache(maxsize=4096)
-def rank_blocks(n: int, pp: int, virtual_stages: int, block: float, head: float
-                ) -> tuple[int, ...]:
-    """Blocks each pipeline rank holds (virtual stages r, r + pp, ...) under
-    :func:`split_blocks`; cached, as the planner asks for the same few splits again and
-    again."""
+def rank_blocks(n: int, pp: int, virtual_stages: int, block: float, head: float,
+                v_shape: bool = False) -> tuple[int, ...]:
+    """Blocks each pipeline rank holds (virtual stages r, r + pp, ...; ``v_shape``: r and
+    2 pp - 1 - r, :func:`paratrain.cost.schedule.stage_of`) under :func:`split_blocks`;
+    cached, as the planner asks for the same few splits again and again."""
     ranges = split_blocks(n, pp * virtual_stages, block, head)
+    if v_shape:
+        return tuple(sum(b - a for a, b in (ranges[r], ranges[2 * pp - 1 - r]))
+                     for r in range(pp))
     return tuple(sum(b - a for a, b in ranges[r::pp]) for r in range(pp))
 
 

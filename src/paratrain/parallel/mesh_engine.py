@@ -58,7 +58,7 @@ from torch import nn
 
 from paratrain.config import TrainConfig
 from paratrain.cost.ranks import virtual_stages
-from paratrain.cost.schedule import build_schedule
+from paratrain.cost.schedule import build_schedule, owner_of
 from paratrain.parallel.context import apply_context_parallel, cp_comm, local_tokens
 from paratrain.parallel.data_axis import data_axis
 from paratrain.parallel.engine import (
@@ -107,7 +107,7 @@ class MeshEngine(Engine):
         self.pp_rank, self.tp_rank = mesh.index("pp"), mesh.index("tp")
         # 1. pipeline split; 2. tensor/sequence; 3. context; 4. recompute
         record_plain(model)
-        chunks = build_chunks(model, plan.pp, v, self.pp_rank)
+        chunks = build_chunks(model, plan.pp, v, self.pp_rank, plan.schedule)
         if plan.pp > 1:
             mark(nn.ModuleList(chunks).parameters(), sharded=("pp",))
         self.tp_states = [apply_tensor_parallel(c, mesh, plan) for c in chunks]
@@ -172,7 +172,8 @@ class MeshEngine(Engine):
         S = plan.pp * (self.schedule.virtual_stages if self.schedule else 1)
         for k, (a, b) in enumerate(split_layers(self.mcfg, S)):
             ends = (" + embedding" if k == 0 else "") + (" + norm, head" if k == S - 1 else "")
-            lines.append(f"  stage {k} (pp rank {k % plan.pp}, chunk {k // plan.pp}): "
+            r, c = owner_of(plan.schedule, plan.pp, k)
+            lines.append(f"  stage {k} (pp rank {r}, chunk {c}): "
                          f"blocks [{a}, {b}){ends}")
         if plan.cp > 1:
             lines.append(f"  context parallel {plan.cp} ({plan.cp_algorithm}, load-balanced: "

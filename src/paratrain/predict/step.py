@@ -16,6 +16,7 @@ from paratrain.cost.hardware import Hardware
 from paratrain.cost.layout import ELEMENT_BYTES, RankLayout
 from paratrain.cost.ranks import virtual_stages
 from paratrain.cost.run_figures import predicted_activations, predicted_states
+from paratrain.cost.schedule import COMMS, V_SHAPED, build_schedule
 from paratrain.cost.shapes import as_shape
 from paratrain.cost.tp_bytes import tp_forward_backward
 from paratrain.plan import ParallelPlan
@@ -154,8 +155,20 @@ def _pp_calls(plan: ParallelPlan, lay: RankLayout, act: float, v: int
     if plan.pp == 1:
         return []
     hop = act / (plan.tp if plan.sp else 1)
+    if plan.schedule in V_SHAPED:
+        return [("p2p", hop, sum(_v_p2p(plan, lay.pp)))]
     ends = (0 if lay.last else 1) + (0 if lay.first else 1)
     return [("p2p", hop, 2 * plan.micro_batches * v * ends)]
+
+
+def _v_p2p(plan: ParallelPlan, pp_rank: int) -> tuple[int, int]:
+    """(sends, receives) of ``pp_rank`` per step under a V-shaped schedule, read off its
+    action lists: there rank 0 holds both ends of the model and still talks to rank 1 for
+    each, and rank p-1's middle hand-off is no message, so counting stage boundaries
+    would be wrong (docs/pipeline-schedules.md)."""
+    acts = build_schedule(plan.schedule, plan.pp, plan.micro_batches, 2).actions[pp_rank]
+    sends = sum(a.kind.startswith("SEND") for a in acts)
+    return sends, sum(a.kind in COMMS for a in acts) - sends
 
 
 def _dp_groups(mcfg: ModelConfig, plan: ParallelPlan, tcfg: TrainConfig, rank: int
@@ -287,6 +300,8 @@ def _pp_terms(r: _Run) -> tuple[float, float]:
     v = virtual_stages(plan)
     hop = r.act / (plan.tp if plan.sp else 1)
     pp_s = 2 * (r.m + plan.pp - 1) * v * (r.hw.intra_alpha + hop / r.hw.intra_bw)
+    if plan.schedule in V_SHAPED:
+        return pp_s, _v_p2p(plan, 0)[0] * hop
     # rank 0's sends per micro-batch: each chunk's output forward unless it is the last
     # stage, its input gradient back unless it is the first (interleaved: chunks 1..v-1
     # send both)

@@ -6,11 +6,12 @@ least 1024 tokens per rank; ring or all-to-all when the heads divide over cp x t
 (divisors of what is left, at most the layers), dp (the rest, dividing the batch), ep (MoE:
 powers of two dividing dp and the experts), micro-batch size (divisors of the per-replica
 batch, so accumulation or pipeline micro-batches follow), schedule (GPipe, 1F1B, interleaved
-with v in VIRTUAL_STAGES, ZB-H1), ZeRO stage 0-3, recomputation none/selective/full. Only
-layouts `paratrain train` accepts are ranked (:func:`runs`: the launcher's checks). Sequence
-parallelism is always on when tp > 1: it moves the same bytes as tensor parallelism alone
-(all-gather + reduce-scatter = all-reduce) and divides the remaining activations by tp, so
-it dominates.
+with v in VIRTUAL_STAGES, ZB-H1, and with 2 chunks per rank ZB-V and DualPipeV when 2 pp
+stages fit the layers, DualPipeV only with m >= 2 pp), ZeRO stage 0-3, recomputation
+none/selective/full. Only layouts `paratrain train` accepts are ranked (:func:`runs`: the
+launcher's checks). Sequence parallelism is always on when tp > 1: it moves the same bytes
+as tensor parallelism alone (all-gather + reduce-scatter = all-reduce) and divides the
+remaining activations by tp, so it dominates.
 
 Layouts are priced by the step model (:func:`paratrain.systems.step_model.predict_step`:
 per-GEMM efficiency, so thin micro-batches and narrow shards cost what they cost; kernel
@@ -121,6 +122,8 @@ def enumerate_plans(model: ModelConfig, hw: Hardware, gpus: int, sequences: int,
                     if pp > 1 and mb % pp == 0:
                         scheds += [("interleaved", v) for v in VIRTUAL_STAGES
                                    if pp * v <= m.n_layers]
+                    if pp > 1 and 2 * pp <= m.n_layers:  # V: 2 chunks per rank
+                        scheds += [("zb-v", 2)] + ([("dualpipev", 2)] if mb >= 2 * pp else [])
                     algos = ("ring",) if cp == 1 else ("ring", "all-to-all") if (
                         m.n_heads % (cp * tp) == 0 and m.kv_heads % (cp * tp) == 0
                         and not m.is_moe) else ("ring",)
@@ -219,7 +222,7 @@ def explain(result: SearchResult, model: ModelConfig, hw: Hardware) -> list[str]
         how = []
         if p.pp > 1:
             how.append(f"pipeline {p.pp} across nodes ({p.schedule}"
-                       f"{f', v={p.virtual_stages}' if p.virtual_stages > 1 else ''}, "
+                       f"{f', v={p.virtual_stages}' if p.schedule == 'interleaved' else ''}, "
                        f"bubble {100 * bubble_fraction(p.schedule, p.pp, p.micro_batches, p.virtual_stages):.1f}%)")  # noqa: E501
         if p.zero:
             how.append(f"ZeRO-{p.zero} over {p.dp * p.cp} data ranks")
@@ -291,7 +294,7 @@ def render_search(result: SearchResult, lines: list[str], title: str, console=No
     for i, c in enumerate(result.top, 1):
         p = c.plan
         sched = p.schedule if p.pp > 1 else "-"
-        if p.virtual_stages > 1:
+        if p.virtual_stages > 1 and p.schedule == "interleaved":
             sched = f"int v{p.virtual_stages}"
         rows.append((str(i), str(p.dp), str(p.tp), str(p.pp), str(p.cp), str(p.ep),
                      str(p.zero), f"{p.micro_batches}x{c.micro_batch}", sched,

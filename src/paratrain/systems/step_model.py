@@ -30,7 +30,7 @@ from paratrain.cost.groups import split_batch
 from paratrain.cost.hardware import Hardware
 from paratrain.cost.memory import params_per_gpu
 from paratrain.cost.ranks import virtual_stages
-from paratrain.cost.schedule import bubble_over_compute
+from paratrain.cost.schedule import V_SHAPED, bubble_over_compute
 from paratrain.cost.shapes import as_shape
 from paratrain.cost.stages import rank_blocks, stage_costs
 from paratrain.plan import ParallelPlan
@@ -168,14 +168,16 @@ def _flops_per_token(m, seq_len: int, recompute: str) -> tuple[float, float]:
     return m.flops_per_token(seq_len), recompute_flops_per_token(m, recompute, seq_len)
 
 
-def _busiest(m, seq_len: int, pp: int, v: int, block_s: float, head_s: float
-             ) -> tuple[int, bool]:
-    """(blocks, holds the head) of the slowest pipeline rank under the runtime's split."""
+def _busiest(m, seq_len: int, pp: int, v: int, block_s: float, head_s: float,
+             v_shape: bool = False) -> tuple[int, bool]:
+    """(blocks, holds the head) of the slowest pipeline rank under the runtime's split
+    (the head is on the last rank, or on rank 0 with a V placement)."""
     block_flops, _, head_flops = stage_costs(m, seq_len)
-    per_rank = rank_blocks(m.n_layers, pp, v, block_flops, head_flops)
-    last = per_rank[-1] * block_s + head_s
-    rest = max(per_rank[:-1], default=0)
-    return (per_rank[-1], True) if last >= rest * block_s else (rest, False)
+    per_rank = list(rank_blocks(m.n_layers, pp, v, block_flops, head_flops, v_shape))
+    head_blocks = per_rank.pop(0 if v_shape else -1)
+    rest = max(per_rank, default=0)
+    return (head_blocks, True) if head_blocks * block_s + head_s >= rest * block_s \
+        else (rest, False)
 
 
 def _dp_sync(plan: ParallelPlan, payloads, hw: Hardware, sp: StepParams, eng: Engine,
@@ -261,8 +263,9 @@ def predict_step(model, plan: ParallelPlan, hw: Hardware, tokens_per_step: int,
     head_f, head_b = head_cost(m, M, plan.tp, hw, chip, rates)
 
     # the busiest pipeline rank: the runtime's split of blocks, the head on the last rank
+    # (on rank 0 with a V placement)
     blocks, has_head = _busiest(m, seq_len, plan.pp, virtual_stages(plan), blk_f + blk_b,
-                                head_f + head_b)
+                                head_f + head_b, plan.schedule in V_SHAPED)
 
     # exposed tensor / context / expert communication, per block per micro-batch
     act = M * m.d_model * 2.0

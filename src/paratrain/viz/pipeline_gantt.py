@@ -9,8 +9,10 @@ with ``--pp > 1``) a second panel draws the recorded start and end of every acti
 the last step, in seconds, on the same rows.
 
 Colours: forward blue, backward orange (input-gradient half of zero-bubble darker
-orange), weight gradient green; chunks of interleaved schedules are lighter shades, one
-legend entry per (action, chunk); labels are micro-batch numbers.
+orange), weight gradient green; chunks of interleaved and V-shaped schedules are lighter
+shades, one legend entry per (action, chunk); labels are micro-batch numbers. The rows are
+ranks whatever the placement, so a V schedule (chunk 1 of rank r is stage 2p-1-r) needs
+no other drawing: the legend's title states the placement.
 
 No torch import: matplotlib (Agg) and the pure schedule module only.
 """
@@ -75,7 +77,7 @@ def draw_pipeline(name: str, pp: int, micro_batches: int, virtual_stages: int, o
     from matplotlib.patches import Patch
 
     from paratrain.cost.pipeline_sim import simulate_pipeline
-    from paratrain.cost.schedule import bubble_formula, build_schedule
+    from paratrain.cost.schedule import V_SHAPED, bubble_formula, build_schedule
 
     sched = build_schedule(name, pp, micro_batches, virtual_stages)
     tl = simulate_pipeline(sched)
@@ -104,7 +106,9 @@ def draw_pipeline(name: str, pp: int, micro_batches: int, virtual_stages: int, o
     fig.legend(handles=handles, loc="lower center", fontsize=8, ncols=min(6, len(handles)),
                title="box = one action of a micro-batch (its number inside)"
                + ("; lighter shade = a later model chunk on the rank"
-                  if virtual_stages > 1 else ""), title_fontsize=8, frameon=False)
+                  if virtual_stages > 1 else "")
+               + (f"; V placement: chunk 0 of rank r is stage r, chunk 1 stage {2 * pp - 1}-r"
+                  if name in V_SHAPED else ""), title_fontsize=8, frameon=False)
     fig.tight_layout(rect=(0, _LEGEND_IN / fig.get_figheight(), 1, 1))
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -15,6 +15,9 @@ Each pipeline rank walks its own action list in order:
   dW = g^T x and accumulates them into ``.grad``. Small weight gradients (norm gains,
   the embedding) are computed inside ``BI``.
 - ``SEND_F`` / ``SEND_B``: ``isend`` the output or the input gradient.
+- V placement (zb-v, dualpipev): stages p-1 and p share rank p-1, so there the output
+  (forward) and the input gradient (backward) pass within the process, detached as a
+  message would be, with no send or receive.
 
 Note (why this cannot deadlock on gloo). Sends are never waited on until the whole list
 is done, so a rank only ever blocks in ``wait()`` of a receive, and that receive's
@@ -218,6 +221,8 @@ class PipelineRuntime:
         elif a.kind == "F":
             if k == 0:
                 inp = x_mbs[a.mb]
+            elif s.locate(k - 1)[0] == self.rank:  # V bottom: the previous stage is local
+                inp = state[(a.mb, s.locate(k - 1)[1])][1].detach().requires_grad_(True)
             else:
                 work, inp = recvs.pop(("F", a.mb, a.chunk))
                 tw = time.perf_counter()
@@ -242,6 +247,8 @@ class PipelineRuntime:
             inp, out = state.pop(key)
             if k == last:
                 grad = None
+            elif s.locate(k + 1)[0] == self.rank:  # V bottom: the next stage is local
+                grad = grads_in.pop((a.mb, s.locate(k + 1)[1]))
             else:
                 work, grad = recvs.pop(("B", a.mb, a.chunk))
                 tw = time.perf_counter()
@@ -253,6 +260,8 @@ class PipelineRuntime:
                     torch.autograd.backward(out, grad)
             else:
                 torch.autograd.backward(out, grad)
+                if zb:  # a full B in a schedule that also splits (dualpipev): the
+                    self.store.flush(key)  # forward deferred dW, so B computes it now
                 self.meter.release(key)
             if k > 0:
                 grads_in[key] = inp.grad.contiguous()
@@ -271,11 +280,13 @@ class PipelineRuntime:
         """Evaluation: the whole batch through the stages in order (blocking receives of
         earlier stages only, non-blocking sends: cannot deadlock); loss sum on the last."""
         s, last = self.s, self.s.stages - 1
-        sends, loss_sum = [], 0.0
+        sends, loss_sum, local = [], 0.0, {}
         for c, chunk in enumerate(self.chunks):
             k = s.stage(self.rank, c)
             if k == 0:
                 inp = x_BT
+            elif k - 1 in local:  # V bottom: the previous stage ran here
+                inp = local.pop(k - 1)
             else:
                 inp = torch.empty(self.hidden_shape(x_BT.shape[0]), dtype=self.dtype,
                                   device=self.device)
@@ -284,6 +295,8 @@ class PipelineRuntime:
                 out = chunk(inp, T)
             if k == last:
                 loss_sum += float(self.loss_fn(out, y_BT))
+            elif s.locate(k + 1)[0] == self.rank:
+                local[k] = out
             else:
                 out = out.contiguous()
                 sends.append((dist.isend(out, dst=self.peer(s.locate(k + 1)[0]),

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from paratrain.cost.schedule import stage_of
 from paratrain.cost.stages import split_layers, stage_costs
 
 __all__ = ["StageChunk", "build_chunks", "split_layers", "stage_costs"]
@@ -50,14 +51,16 @@ class StageChunk(nn.Module):
         return self.head(self.norm(h)) if self.last else h
 
 
-def build_chunks(model: nn.Module, pp: int, virtual_stages: int, rank: int) -> list[StageChunk]:
-    """The chunks pipeline ``rank`` holds: virtual stages rank, rank + pp, ..."""
+def build_chunks(model: nn.Module, pp: int, virtual_stages: int, rank: int,
+                 schedule: str = "1f1b") -> list[StageChunk]:
+    """The chunks pipeline ``rank`` holds: virtual stages rank, rank + pp, ... (or, for a
+    V-shaped ``schedule``, rank and 2 pp - 1 - rank: :func:`paratrain.cost.schedule.stage_of`)."""
     cfg = model.cfg
     S = pp * virtual_stages
     ranges = split_layers(cfg, S)
     chunks = []
     for c in range(virtual_stages):
-        k = c * pp + rank
+        k = stage_of(schedule, pp, rank, c)
         a, b = ranges[k]
         chunks.append(StageChunk(model, a, b, k == 0, k == S - 1))
     return chunks
