@@ -95,7 +95,6 @@ def test_second_run_on_one_checkpoint_dir_is_refused_naming_the_holder(tmp_path,
                               "--run-dir", str(run), "--checkpoint-dir", str(ck),
                               "--checkpoint-every", "2"], stderr=err, cwd=tmp_path)
         _wait_for_steps(a, run, 3, tmp_path)
-        assert (ck / LOCK_FILE).read_text().split()[0] == str(a.pid)
         b = subprocess.run([*CMD, *ONE, "--steps", "100000", "--data", text_file, "--run-dir",
                             str(tmp_path / "b"), "--checkpoint-dir", str(ck), "--resume",
                             "auto"], capture_output=True, text=True, cwd=tmp_path, timeout=120)
@@ -103,6 +102,7 @@ def test_second_run_on_one_checkpoint_dir_is_refused_naming_the_holder(tmp_path,
         assert b.returncode == 2, b.stderr
         assert f"is in use by another run (pid {a.pid} on " in line, line
         assert a.poll() is None  # A runs on
+        assert (ck / LOCK_FILE).read_text().split()[0] == str(a.pid)
         os.kill(a.pid, signal.SIGKILL)
         a.wait(timeout=10)
     assert (ck / LOCK_FILE).is_file()  # a stale lock file: its holder is dead
