@@ -308,10 +308,10 @@ def test_every_worker_stopped_is_ended_by_the_progress_deadline(tmp_path, text_f
     line = _only_line(err)
     assert rc == 2, err
     assert took < 2 * timeout + 5 + 10, took
-    beats = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()]
+    logged = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert "no worker made progress for" in line and "2 x --timeout 4 + 5 s" in line, line
     assert "every worker is stopped or hung in step" in line, line
-    assert int(line.split("in step ")[1].split(";")[0]) >= beats[-1]
+    assert int(line.split("in step ")[1].split(";")[0]) >= logged[-1]
     assert not _wait_gone(str(tmp_path), 5.0)
     assert not any(Path(f"/proc/{pid}/cmdline").exists() and
                    Path(f"/proc/{pid}/cmdline").read_bytes() for pid in workers.values())

@@ -263,6 +263,7 @@ def launch(cmd: list[str], run_dir: str, grace_s: float = 7.0) -> int:
         signal.signal(signal.SIGTERM, old[signal.SIGTERM])
         watch.reap()
         reader.join(timeout=5.0)
+        shutdown.clear_heartbeats(run_dir)
     return _report(rc, watch, b"".join(held), run_dir, spec, _max_restarts(cmd))
 
 

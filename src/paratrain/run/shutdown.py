@@ -102,9 +102,11 @@ def start_heartbeat(run_dir: str | Path, rank: int) -> None:
 def beat(step: int | str) -> None:
     """Say this worker is alive and working on ``step`` (nothing unless started)."""
     path = _state["beat"]
-    if path is not None:
+    if path is not None:  # replaced whole: a worker stopped mid-write leaves no empty file
+        tmp = path.with_name(f".{path.name}.tmp")
         try:
-            path.write_text(f"{step}\n")
+            tmp.write_text(f"{step}\n")
+            os.replace(tmp, path)
         except OSError:  # a full run directory must not end the run here
             pass
 
@@ -123,8 +125,10 @@ def last_beat(run_dir: str | Path) -> tuple[float, str] | None:
 
 
 def clear_heartbeats(run_dir: str | Path) -> None:
-    for p in Path(run_dir).glob(f"{HEARTBEAT}.*"):
-        p.unlink(missing_ok=True)
+    """Remove the heartbeats (the launcher, before and after a run)."""
+    for pattern in (f"{HEARTBEAT}.*", f".{HEARTBEAT}.*.tmp"):
+        for p in Path(run_dir).glob(pattern):
+            p.unlink(missing_ok=True)
 
 
 def progress_deadline(timeout_s: float) -> float:
