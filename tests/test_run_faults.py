@@ -13,6 +13,8 @@ files, real filesystems and real signals:
 - ``--checkpoint-every`` without ``--checkpoint-dir`` is refused.
 
 The tmpfs tests mount filesystems, which needs root; elsewhere they skip, saying so.
+The inner loop (``-m "not slow"``) keeps the full disk and the stopped workers; the
+concurrent run, the inodes, the remount and the spent restarts are marked slow.
 """
 
 from __future__ import annotations
@@ -85,6 +87,7 @@ def test_fresh_run_into_another_runs_checkpoints_is_refused(tmp_path, text_file,
     assert _snapshot(ck) == before
 
 
+@pytest.mark.slow
 def test_second_run_on_one_checkpoint_dir_is_refused_naming_the_holder(tmp_path, text_file):
     """Run A holds the directory; B (--resume auto, which would otherwise resume A's
     checkpoint and write beside it) is refused with A's pid. A then dies by SIGKILL,
@@ -206,6 +209,7 @@ def test_full_disk_is_one_line_and_the_previous_step_is_intact(tmp_path, text_fi
     assert not list(ck.glob("step_*.tmp"))
 
 
+@pytest.mark.slow
 def test_no_free_inode_during_a_save_is_one_line(tmp_path, text_file, tmpfs):
     """Room for the bytes but not the files: the check before the save passes and the
     save itself fails (ENOSPC from mkdir on rank 0, its peer waiting in a barrier); the
@@ -231,6 +235,7 @@ def _remount_read_only(fs: Path) -> None:
     raise AssertionError(f"could not remount {fs} read-only")
 
 
+@pytest.mark.slow
 def test_disk_remounted_read_only_is_one_line(tmp_path, text_file, tmpfs):
     """Read-only mid-run (after the first checkpoint): the next save is one line."""
     fs = tmpfs("size=64m")
