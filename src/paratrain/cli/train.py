@@ -25,7 +25,7 @@ from typer.core import TyperCommand
 
 from paratrain.cli.settings import DEFAULT_NPROC, PANELS, resolve, with_settings
 from paratrain.config import ModelConfig, TrainConfig
-from paratrain.files.prepare import settle_vocab
+from paratrain.files.prepare import claim_checkpoint_dir, settle_vocab
 from paratrain.plan import ParallelPlan
 from paratrain.run import launcher, shutdown
 
@@ -316,22 +316,24 @@ def train(
     launcher.check_memory(mcfg, tcfg, plan, 1 if in_torchrun else nproc)
     lead = not in_torchrun or os.environ.get("RANK") == "0"  # checks once
     _check_dirs(run_dir, checkpoint_dir, resume_as, lead)
-    mcfg = settle_vocab(mcfg, tcfg, config)  # slow, so late: BPE trained, ids cached
-    plan.check(mcfg, world, tcfg.global_batch)  # again: the vocabulary may have changed
-    if lead and (resume_as == "yes"
-                 or (resume_as == "auto" and _has_checkpoint(checkpoint_dir))):
-        check_resume(checkpoint_dir, mcfg, tcfg, plan)
-    spec = {"model": dataclasses.asdict(mcfg), "train": dataclasses.asdict(tcfg),
-            "plan": dataclasses.asdict(plan),
-            "opts": dict(run_dir=_run_dir(run_dir, in_torchrun), checkpoint_dir=checkpoint_dir,
-                         resume={"yes": True, "auto": "auto"}.get(resume_as, False),
-                         keep_checkpoints=keep_checkpoints,
-                         simulate_workers=simulate_workers, quiet=quiet,
-                         tensorboard=tensorboard),
-            "timeout_s": timeout}
-    _start(spec, in_torchrun, world, nproc,
-           dict(nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint,
-                max_restarts=max_restarts, grace=grace))
+    with claim_checkpoint_dir(checkpoint_dir, resume_as, tcfg.checkpoint_every,
+                              lead and node_rank == 0):  # held for the run's life
+        mcfg = settle_vocab(mcfg, tcfg, config)  # slow, so late: BPE trained, ids cached
+        plan.check(mcfg, world, tcfg.global_batch)  # again: the vocabulary may have changed
+        if lead and (resume_as == "yes"
+                     or (resume_as == "auto" and _has_checkpoint(checkpoint_dir))):
+            check_resume(checkpoint_dir, mcfg, tcfg, plan)
+        spec = {"model": dataclasses.asdict(mcfg), "train": dataclasses.asdict(tcfg),
+                "plan": dataclasses.asdict(plan),
+                "opts": dict(run_dir=_run_dir(run_dir, in_torchrun), checkpoint_dir=checkpoint_dir,
+                             resume={"yes": True, "auto": "auto"}.get(resume_as, False),
+                             keep_checkpoints=keep_checkpoints,
+                             simulate_workers=simulate_workers, quiet=quiet,
+                             tensorboard=tensorboard),
+                "timeout_s": timeout}
+        _start(spec, in_torchrun, world, nproc,
+               dict(nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint,
+                    max_restarts=max_restarts, grace=grace))
 
 
 class TrainCommand(TyperCommand):

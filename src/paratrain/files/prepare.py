@@ -4,9 +4,16 @@ and the token ids cached once here, and the model's vocabulary set to the tokeni
 Workers then find everything in the cache (:func:`paratrain.files.corpus.prepare`), so N
 processes never train N tokenizers, and a bad ``--tokenizer`` or a missing text field
 is one ``error:`` line from the launcher, not one per rank. No torch here.
+
+:func:`claim_checkpoint_dir`: the checkpoint directory is this run's alone (locked for
+the run's life, :mod:`paratrain.files.checkpoint.lock`), and a fresh run never writes
+into one that holds another run's steps (docs/faults.md, "Fault table").
 """
 
 from __future__ import annotations
+
+import contextlib
+from pathlib import Path
 
 from paratrain.config import ModelConfig, TrainConfig, load_toml
 
@@ -33,3 +40,31 @@ def settle_vocab(mcfg: ModelConfig, tcfg: TrainConfig, config: str | None) -> Mo
                          f"{tok.vocab_size} tokens of --tokenizer {tcfg.tokenizer}; remove "
                          "vocab_size from the TOML (it follows the tokenizer)")
     return mcfg if set_in_toml else mcfg.replace(vocab_size=tok.vocab_size)
+
+
+def claim_checkpoint_dir(checkpoint_dir: str | None, resume: str | None,
+                         checkpoint_every: int, lead: bool):
+    """A context holding ``--checkpoint-dir``'s lock (``lead``: the process that holds
+    it for the run); refuses ``--checkpoint-every`` without a directory, and a fresh run
+    (``resume`` None) into a directory that holds anything but the lock file. The lock
+    is taken first, so a concurrent run is named as such rather than as leftovers."""
+    from paratrain.files.checkpoint.lock import LOCK_FILE, acquire
+
+    if checkpoint_dir is None:
+        if checkpoint_every:
+            raise ValueError(f"--checkpoint-every {checkpoint_every} saves nothing without "
+                             "--checkpoint-dir; add --checkpoint-dir DIR, or drop "
+                             "--checkpoint-every")
+        return contextlib.nullcontext()
+    if not lead:
+        return contextlib.nullcontext()
+    held = acquire(checkpoint_dir)
+    if resume is None:
+        found = sorted(p.name for p in Path(checkpoint_dir).iterdir() if p.name != LOCK_FILE)
+        if found:
+            held.release()
+            shown = ", ".join(found[:3]) + (", ..." if len(found) > 3 else "")
+            raise ValueError(f"--checkpoint-dir {checkpoint_dir!r} already holds files "
+                             f"({shown}: another run's checkpoints?); pass a new or empty "
+                             "directory, or add --resume to continue the run they belong to")
+    return held

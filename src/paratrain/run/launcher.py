@@ -8,7 +8,10 @@ forwarded, no orphans, a worker's error printed once; and the checks it makes fi
   after ``grace_s`` or on a second signal); when a worker reports a user error in
   ``RUN_DIR/failure.txt`` the launcher stops the rest at once (a peer stuck in a
   collective, or stopped, would otherwise hold the run until torchrun's own timeouts)
-  and prints that one line.
+  and prints that one line. When no worker has beaten its heartbeat for
+  :func:`paratrain.run.shutdown.progress_deadline` (every worker stopped or hung), the
+  launcher SIGKILLs them all and names the step. A worker that died otherwise is one
+  line with advice fitted to the flags the run was given (:func:`restart_advice`).
 - :func:`check_memory`: the systems model's bytes per rank against this machine's
   available memory, before anything is allocated.
 
@@ -17,6 +20,7 @@ No torch import (the CLI must start instantly).
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -143,10 +147,84 @@ TORCH_LOG = re.compile(rb"[IWEF]\d{4} \d\d:\d\d:\d\d")  # glog-style lines torch
 FAILURE_SETTLE_S = 1.0  # after the first failure line: time for torchrun to end by itself
 
 
-def launch(cmd: list[str], run_dir: str, grace_s: float = 7.0) -> int:
-    """Run torchrun; forward SIGINT/SIGTERM to it and its workers (SIGKILL after
-    ``grace_s`` or on a second signal); relay the first worker's user error once."""
-    (Path(run_dir) / shutdown.FAILURE_FILE).unlink(missing_ok=True)
+def _spec(cmd: list[str]) -> dict:
+    """The workers' spec (RUN_DIR/run.json, the command's last argument): what the run
+    was given, for the deadline and the advice. {} for another command."""
+    try:
+        return json.loads(Path(cmd[-1]).read_text()) if cmd[-1].endswith(".json") else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _max_restarts(cmd: list[str]) -> int:
+    for a in cmd:
+        if a.startswith("--max-restarts="):
+            return int(a.split("=", 1)[1])
+    return 0
+
+
+class _Watch:
+    """torchrun and its workers while they run: signals forwarded (SIGKILL after
+    ``grace_s`` or on a second signal), a worker's failure line, and the progress
+    deadline (no heartbeat for ``deadline_s``: every worker stopped or hung)."""
+
+    def __init__(self, proc, run_dir: str, grace_s: float, deadline_s: float) -> None:
+        self.proc, self.run_dir, self.grace_s, self.deadline_s = proc, run_dir, grace_s, \
+            deadline_s
+        self.got: list[tuple[int, float]] = []
+        self.seen: set[int] = set()
+        self.failed_at = None
+        self.stalled: tuple[float, str] | None = None  # (seconds, step) when the deadline hit
+        self.started = time.time()
+
+    def kill_all(self, sig) -> None:
+        self.seen.update(_descendants(self.proc.pid))
+        _kill([self.proc.pid, *self.seen], sig)
+
+    def forward(self, signum, frame) -> None:
+        if self.got:  # a second signal: stop now
+            self.kill_all(signal.SIGKILL)
+            return
+        self.got.append((signum, time.monotonic()))
+        self.kill_all(signum)
+
+    def _check_progress(self) -> None:
+        last = shutdown.last_beat(self.run_dir)
+        if last is None or last[0] < self.started:
+            return  # before the first beat: starting up (torchrun's rendezvous bounds it)
+        quiet = time.time() - last[0]
+        if quiet > self.deadline_s:
+            self.stalled = (quiet, last[1])
+            self.kill_all(signal.SIGKILL)  # SIGKILL ends a stopped process too
+
+    def wait(self) -> int:
+        while True:
+            try:
+                return self.proc.wait(timeout=0.2)
+            except subprocess.TimeoutExpired:
+                now = time.monotonic()
+                if self.got and now - self.got[0][1] > self.grace_s:
+                    self.kill_all(signal.SIGKILL)
+                if self.failed_at is None and shutdown.read_failure(self.run_dir):
+                    self.failed_at = now
+                if self.failed_at is not None and now - self.failed_at > FAILURE_SETTLE_S:
+                    self.kill_all(signal.SIGKILL)  # a peer may hang or be stopped
+                if not self.got and self.failed_at is None and self.stalled is None:
+                    self._check_progress()
+
+    def reap(self) -> None:
+        """Nothing outlives the launcher: wait for what it saw to go, SIGKILL the rest."""
+        left = [p for p in self.seen if Path(f"/proc/{p}").exists()]
+        deadline = time.monotonic() + 2.0
+        while left and time.monotonic() < deadline:
+            time.sleep(0.05)
+            left = [p for p in left if Path(f"/proc/{p}").exists()]
+        _kill(left, signal.SIGKILL)
+
+
+def _start(cmd: list[str]):
+    """torchrun in its own session (dies with us); its stderr read by a thread that
+    shows our warnings now and holds the rest. (proc, held lines, reader thread)."""
     # torchrun prints an OMP_NUM_THREADS banner unless the variable is set; the workers
     # run one intra-op thread each anyway (worker.run_worker)
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
@@ -164,66 +242,82 @@ def launch(cmd: list[str], run_dir: str, grace_s: float = 7.0) -> int:
 
     reader = threading.Thread(target=relay, daemon=True)
     reader.start()
-    got: list[tuple[int, float]] = []
-    seen: set[int] = set()
-    failed_at = None
+    return proc, held, reader
 
-    def forward(signum, frame) -> None:
-        seen.update(_descendants(proc.pid))
-        if got:  # a second signal: stop now
-            _kill([proc.pid, *seen], signal.SIGKILL)
-            return
-        got.append((signum, time.monotonic()))
-        _kill([proc.pid, *seen], signum)
 
-    old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+def launch(cmd: list[str], run_dir: str, grace_s: float = 7.0) -> int:
+    """Run torchrun; forward SIGINT/SIGTERM to it and its workers (SIGKILL after
+    ``grace_s`` or on a second signal); relay the first worker's user error once; end a
+    run without progress (:func:`paratrain.run.shutdown.progress_deadline`)."""
+    spec = _spec(cmd)
+    (Path(run_dir) / shutdown.FAILURE_FILE).unlink(missing_ok=True)
+    shutdown.clear_heartbeats(run_dir)
+    proc, held, reader = _start(cmd)
+    watch = _Watch(proc, run_dir, grace_s, shutdown.progress_deadline(
+        spec.get("timeout_s", 120.0)))
+    old = {s: signal.signal(s, watch.forward) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        while True:
-            try:
-                rc = proc.wait(timeout=0.2)
-                break
-            except subprocess.TimeoutExpired:
-                now = time.monotonic()
-                if got and now - got[0][1] > grace_s:
-                    seen.update(_descendants(proc.pid))
-                    _kill([proc.pid, *seen], signal.SIGKILL)
-                if failed_at is None and shutdown.read_failure(run_dir):
-                    failed_at = now
-                if failed_at is not None and now - failed_at > FAILURE_SETTLE_S:
-                    seen.update(_descendants(proc.pid))  # a peer may hang or be stopped
-                    _kill([proc.pid, *seen], signal.SIGKILL)
+        rc = watch.wait()
     finally:
         signal.signal(signal.SIGINT, old[signal.SIGINT])
         signal.signal(signal.SIGTERM, old[signal.SIGTERM])
-        left = [p for p in seen if Path(f"/proc/{p}").exists()]
-        deadline = time.monotonic() + 2.0
-        while left and time.monotonic() < deadline:
-            time.sleep(0.05)
-            left = [p for p in left if Path(f"/proc/{p}").exists()]
-        _kill(left, signal.SIGKILL)  # nothing outlives the launcher
+        watch.reap()
         reader.join(timeout=5.0)
-    if got:
-        return 128 + got[0][0]
+        shutdown.clear_heartbeats(run_dir)
+    return _report(rc, watch, b"".join(held), run_dir, spec, _max_restarts(cmd))
+
+
+def _report(rc: int, watch: _Watch, held: bytes, run_dir: str, spec: dict,
+            max_restarts: int) -> int:
+    """The launcher's exit code, and its one line when the run failed."""
+    if watch.got:
+        return 128 + watch.got[0][0]
     failure = shutdown.read_failure(run_dir)
     if rc != 0 and failure:
         print(f"error: {failure}", file=sys.stderr)
         return 2
+    if watch.stalled is not None:
+        quiet, step = watch.stalled
+        where = "while starting" if step == "start" else f"in step {step}"
+        timeout = spec.get("timeout_s", 120.0)
+        print(f"error: no worker made progress for {quiet:.0f} s (the deadline is 2 x "
+              f"--timeout {timeout:g} + 5 s): every worker is stopped or hung {where}; "
+              "they were killed; pass a larger --timeout if a step really takes this long",
+              file=sys.stderr)
+        return 2
     if rc == 0:  # torchrun's log of a worker it restarted: our warnings said it already
-        held = [line for line in held if not TORCH_LOG.match(line)]
-        sys.stderr.buffer.write(b"".join(held))
+        kept = [line for line in held.splitlines(keepends=True) if not TORCH_LOG.match(line)]
+        sys.stderr.buffer.write(b"".join(kept))
         sys.stderr.flush()
         return rc
     # A worker died without a user-facing error (killed, crashed): one line, and
     # torchrun's own report (its ChildFailedError traceback) kept in a file, not shown.
     log = Path(run_dir) / "torchrun.log"
     try:
-        log.write_bytes(b"".join(held))
+        log.write_bytes(held)
         where = f"torchrun's report is in {log}"
     except OSError:
         where = "torchrun wrote no readable report"
-    print(f"error: {worker_death(b''.join(held))}; {where}; pass --max-restarts 1 "
-          "--resume auto (with --checkpoint-dir) to survive a lost worker", file=sys.stderr)
+    print(f"error: {worker_death(held)}; {where}; {restart_advice(spec, max_restarts)}",
+          file=sys.stderr)
     return rc
+
+
+def restart_advice(spec: dict, max_restarts: int) -> str:
+    """What to pass next, from what this run was given (``spec``: the workers' spec)."""
+    opts = spec.get("opts", {})
+    resumes = bool(opts.get("checkpoint_dir")) and bool(opts.get("resume"))
+    if max_restarts == 0:
+        if resumes:
+            return "pass --max-restarts 1 to survive a lost worker"
+        return ("pass --max-restarts 1 --resume auto (with --checkpoint-dir) to survive a "
+                "lost worker")
+    said = (f"the workers failed again after all {max_restarts} restart(s) of "
+            f"--max-restarts {max_restarts}; pass --max-restarts {max_restarts + 1} or more "
+            "if the failures are transient, or find why the worker dies")
+    if not resumes:
+        said += "; add --checkpoint-dir DIR --resume auto so a restart resumes its steps"
+    return said
 
 
 def worker_death(report: bytes) -> str:

@@ -31,6 +31,7 @@ from paratrain.parallel.process_groups import at
 from paratrain.plan import ParallelPlan
 from paratrain.run import shutdown
 from paratrain.run.outputs import mfu_of_step, output_lines
+from paratrain.run.save import save_checked
 from paratrain.run.summary import build_summary, comm_counters, report_summary, step_comm
 
 
@@ -246,6 +247,7 @@ def _resume(engine, corpus: Corpus, mcfg: ModelConfig, tcfg: TrainConfig,
     if opts.checkpoint_dir and _rank_world()[0] == 0:  # what generate and export decode with
         checkpoint._atomic_write_bytes(Path(opts.checkpoint_dir) / "tokenizer.json",
                                        corpus.tokenizer.json.encode())  # umask, not 0600
+    shutdown.beat(start)  # set up (and resumed): the launcher's progress deadline runs
     return start, meta
 
 
@@ -374,12 +376,13 @@ def _checkpoint_or_stop(engine, mcfg: ModelConfig, tcfg: TrainConfig, plan: Para
     """Checkpoint every K steps, at the end, or when the ranks agree on a stop signal;
     then stop (:class:`paratrain.run.shutdown.Stopped`) unless this was the last step."""
     every = tcfg.checkpoint_every
+    shutdown.beat(step + 1)  # step done: the launcher's progress deadline starts again
     at("stop-signal all-reduce", "world")
     sig = _stop_agreed(world, device)
     if opts.checkpoint_dir and ((every and (step + 1) % every == 0) or last or sig):
         at("checkpoint save", "world")
-        checkpoint.save(opts.checkpoint_dir, step + 1, engine, mcfg, plan, meta,
-                        opts.keep_checkpoints)
+        save_checked(engine, mcfg, tcfg, plan, opts, meta, step + 1)
+        shutdown.beat(step + 1)
     if sig and not last:
         log.close()
         raise shutdown.Stopped(sig, step + 1, str(checkpoint.step_dir(

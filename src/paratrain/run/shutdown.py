@@ -9,6 +9,11 @@
 - :func:`write_failure` / :func:`read_failure`: a worker's ``error: ...`` line travels
   to the launcher in ``RUN_DIR/failure.txt`` (the first rank to fail creates it; the
   others find it there), so the launcher prints it once and exits 2.
+- :func:`start_heartbeat` / :func:`beat` / :func:`last_beat`: under the launcher each
+  worker writes ``RUN_DIR/heartbeat.RANK`` (the step it works on) when it starts and
+  after every step and save; the launcher ends a run in which no worker has beaten for
+  :func:`progress_deadline` seconds (every worker stopped or hung: no collective
+  timeout can fire then).
 
 No torch import: the launcher uses this module too.
 """
@@ -21,7 +26,8 @@ import sys
 from pathlib import Path
 
 FAILURE_FILE = "failure.txt"
-_state = {"signum": 0, "installed": False, "escalate": False}
+HEARTBEAT = "heartbeat"  # RUN_DIR/heartbeat.RANK
+_state = {"signum": 0, "installed": False, "escalate": False, "beat": None}
 
 
 class Stopped(Exception):
@@ -85,6 +91,53 @@ def read_failure(run_dir: str | Path) -> str | None:
         return path.read_text().strip() or None
     except OSError:
         return None
+
+
+def start_heartbeat(run_dir: str | Path, rank: int) -> None:
+    """Beat into ``RUN_DIR/heartbeat.RANK`` from now on (the worker, under the launcher)."""
+    _state["beat"] = Path(run_dir) / f"{HEARTBEAT}.{rank}"
+    beat("start")
+
+
+def beat(step: int | str) -> None:
+    """Say this worker is alive and working on ``step`` (nothing unless started)."""
+    path = _state["beat"]
+    if path is not None:  # replaced whole: a worker stopped mid-write leaves no empty file
+        tmp = path.with_name(f".{path.name}.tmp")
+        try:
+            tmp.write_text(f"{step}\n")
+            os.replace(tmp, path)
+        except OSError:  # a full run directory must not end the run here
+            pass
+
+
+def last_beat(run_dir: str | Path) -> tuple[float, str] | None:
+    """(time, step) of the newest heartbeat of any worker; None before the first."""
+    newest = None
+    for p in Path(run_dir).glob(f"{HEARTBEAT}.*"):
+        try:
+            t, said = p.stat().st_mtime, p.read_text().strip()
+        except OSError:
+            continue
+        if newest is None or t > newest[0]:
+            newest = (t, said)
+    return newest
+
+
+def clear_heartbeats(run_dir: str | Path) -> None:
+    """Remove the heartbeats (the launcher, before and after a run)."""
+    for pattern in (f"{HEARTBEAT}.*", f".{HEARTBEAT}.*.tmp"):
+        for p in Path(run_dir).glob(pattern):
+            p.unlink(missing_ok=True)
+
+
+def progress_deadline(timeout_s: float) -> float:
+    """Seconds without a heartbeat after which the launcher ends the run: twice the
+    collective timeout plus 5 s. A hang of some workers is the collective timeout's to
+    report (after ``timeout_s`` in the collective, its 2 s settle and the launcher's 1 s);
+    the collective starts at most one step's compute after the last beat, allowed
+    another ``timeout_s``. So only a run that no timeout can end meets this deadline."""
+    return 2 * timeout_s + 5.0
 
 
 def set_pdeathsig() -> None:

@@ -91,6 +91,17 @@ def _restarts_left() -> int:
         int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
+def _no_restart_left() -> str:
+    """The advice when a peer is lost and torchrun restarts no more: fitted to the
+    restarts this run was given (which were all spent when there were any)."""
+    given = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+    if given == 0:
+        return "pass --max-restarts 1 --resume auto to survive a lost worker"
+    return (f"a worker died again after all {given} restart(s) of --max-restarts {given}; "
+            f"pass --max-restarts {given + 1} or more if the failures are transient, or "
+            "find why the worker dies")
+
+
 def _say_restart(opts) -> None:
     """After an elastic restart, one line naming the step the run resumes from (the
     newest intact checkpoint, as :func:`paratrain.files.checkpoint.load` will choose it)."""
@@ -125,6 +136,8 @@ def run_worker(spec: dict) -> None:
     shutdown.install()
     if spec.get("failure_file"):  # under our launcher: never outlive torchrun
         shutdown.set_pdeathsig()
+        if spec["opts"].get("run_dir"):  # the launcher's progress deadline reads it
+            shutdown.start_heartbeat(spec["opts"]["run_dir"], int(os.environ["RANK"]))
     code, rank = 0, -1
     try:
         mcfg, tcfg, plan, opts = _parse(spec)
@@ -155,8 +168,8 @@ def run_worker(spec: dict) -> None:
                 print(f"warning: rank {rank}: {peer_lost_message(e)}; exiting for torchrun "
                       "to restart the workers", file=sys.stderr)
             else:
-                print(f"error: rank {rank}: {peer_lost_message(e)}; pass --max-restarts 1 "
-                      "--resume auto to survive a lost worker", file=sys.stderr)
+                print(f"error: rank {rank}: {peer_lost_message(e)}; {_no_restart_left()}",
+                      file=sys.stderr)
             finish(1)  # non-zero: the elastic agent counts it as a failure and restarts
         if not is_timeout(e):
             traceback.print_exc()
