@@ -190,7 +190,7 @@ class TrainConfig:
 
     steps: int = setting(300, "Optimizer steps.")
     global_batch: int = setting(16, "Windows (sequences) per step, summed over workers.")
-    lr: float = setting(3e-3, "Peak learning rate.")
+    lr: float = setting(3e-3, "Peak learning rate (0: frozen weights).")
     min_lr_ratio: float = setting(0.1, "Cosine floor as a fraction of lr.", flag=None)
     warmup_steps: int = setting(20, "Linear warm-up steps.")
     weight_decay: float = setting(0.1, "AdamW weight decay.", flag=None)
@@ -216,7 +216,11 @@ class TrainConfig:
             self.global_batch > 0,
             f"global_batch={self.global_batch} must be positive; pass e.g. --global-batch 16",
         )
-        _require(self.lr > 0, f"lr={self.lr} must be positive; pass e.g. --lr 3e-3")
+        # lr 0 is a frozen run: AdamW's step is lr x (...) = 0 and its decay factor
+        # 1 - lr x weight_decay is exactly 1, so every weight keeps its bits
+        # (docs/export.md, "Import"; a weight of -0.0 may come back as +0.0)
+        _require(self.lr >= 0, f"lr={self.lr} must be positive (or 0: a frozen run); "
+                 "pass e.g. --lr 3e-3")
         _require(
             0 <= self.min_lr_ratio <= 1,
             f"min_lr_ratio={self.min_lr_ratio} must be in [0, 1]",
