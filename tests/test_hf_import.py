@@ -172,8 +172,12 @@ def _variant(folders, tmp_path, **changes):
 ])
 def test_what_paratrain_cannot_compute_is_refused_in_one_line(folders, tmp_path, capsys,
                                                               changes, flags, fragment):
-    d = _variant(folders, tmp_path, **changes)
-    code = main(["train", "--init-from", str(d), *RUN, *flags])
+    _refused(["--init-from", str(_variant(folders, tmp_path, **changes)), *flags], fragment,
+             capsys)
+
+
+def _refused(args: list[str], fragment: str, capsys) -> None:
+    code = main(["train", *RUN, *args])  # args last: they win
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1 and err.startswith("error:"), err
     assert fragment in err, err
@@ -183,12 +187,11 @@ def test_vocabulary_mismatch_and_bad_folders_are_one_line(folders, tmp_path, cap
     d = tmp_path / "no_tokenizer"
     shutil.copytree(folders / "gqa", d)
     (d / "tokenizer.json").unlink()  # vocabulary 300; --tokenizer bytes has 256
-    for args, fragment in ((["--init-from", str(d)], "has 256 tokens but vocab_size=300"),
-                           (["--init-from", str(tmp_path / "none")], "is not a directory"),
-                           (["--init-from", str(tmp_path)], "has no readable config.json")):
-        code = main(["train", *args, *RUN])
-        err = capsys.readouterr().err.strip()
-        assert code == 2 and len(err.splitlines()) == 1 and fragment in err, err
+    _refused(["--init-from", str(d)], "has 256 tokens but vocab_size=300", capsys)
+    _refused(["--init-from", str(tmp_path / "none")], "is not a directory", capsys)
+    _refused(["--init-from", str(tmp_path)], "has no readable config.json", capsys)
+    (d / "model.safetensors").unlink()
+    _refused(["--init-from", str(d)], "has no model.safetensors", capsys)
 
 
 def test_lr_zero_is_accepted_and_negative_refused():

@@ -163,6 +163,7 @@ def settle(hf_dir: str, mcfg: ModelConfig, tcfg: TrainConfig, config: str | None
     ``flags``: {table: {field: value}} given on the command line. Everything set
     explicitly is checked against config.json."""
     raw = read_config(hf_dir)
+    weight_files(hf_dir)
     where = str(Path(hf_dir) / "config.json")
     tables = load_toml(config) if config else {}
     given = {**tables.get("model", {}), **flags.get("model", {})}
@@ -182,21 +183,31 @@ def settle(hf_dir: str, mcfg: ModelConfig, tcfg: TrainConfig, config: str | None
     return out, _tokenizer(Path(hf_dir), tcfg, tok)
 
 
+def weight_files(hf_dir: str | Path) -> list[Path]:
+    """``model.safetensors``, or the shards ``model.safetensors.index.json`` lists (no
+    torch: the launcher checks them before any worker starts)."""
+    d = Path(hf_dir)
+    index = d / "model.safetensors.index.json"
+    try:
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values())) \
+            if index.is_file() else ["model.safetensors"]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        raise ValueError(f"{index} is not a safetensors index (no weight_map); save the "
+                         "model again with save_pretrained") from None
+    missing = [n for n in names if not (d / n).is_file()]
+    if missing:
+        raise ValueError(f"--init-from {str(hf_dir)!r} has no {missing[0]}; save the model "
+                         "with save_pretrained (safetensors) or paratrain export")
+    return [d / n for n in names]
+
+
 def _tensors(hf_dir: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of ``model.safetensors`` or of the shards its index lists, float32."""
+    """Every tensor of the folder's safetensors, float32."""
     from safetensors.torch import load_file
 
-    index = hf_dir / "model.safetensors.index.json"
-    if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    elif (hf_dir / "model.safetensors").is_file():
-        files = ["model.safetensors"]
-    else:
-        raise ValueError(f"--init-from {str(hf_dir)!r} has no model.safetensors (nor an "
-                         "index of shards); save the model with safe_serialization")
     out = {}
-    for f in files:
-        out.update(load_file(str(hf_dir / f)))
+    for f in weight_files(hf_dir):
+        out.update(load_file(str(f)))
     return {k: v.float() for k, v in out.items()}
 
 
