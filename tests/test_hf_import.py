@@ -221,3 +221,25 @@ def test_tp2_dp2_from_the_folder_matches_one_process(folders, tmp_path, text_fil
                         (run / "metrics.jsonl").read_text().splitlines()]
     assert len(losses["one"]) == 3
     assert max_rel_diff(losses["tp2dp2"], losses["one"]) <= 1e-9
+
+
+@pytest.mark.slow
+def test_frozen_tp2_zero3_run_exports_the_folder_bit_for_bit(folders, tmp_path, text_file):
+    """The shards every rank took (tp2 x dp2 with ZeRO-3: tensor-parallel slices of flat
+    FSDP shards) are the folder's weights exactly: a frozen 4-process run's checkpoint
+    exports them back bit for bit."""
+    from safetensors.torch import load_file
+
+    r = subprocess.run([sys.executable, "-m", "paratrain.cli", "train", "--init-from",
+                        str(folders / "gqa"), "--nproc", "4", "--tp", "2", "--zero", "3",
+                        "--lr", "0", *RUN[2:], "--data", text_file,
+                        "--checkpoint-dir", str(tmp_path / "ck"),
+                        "--run-dir", str(tmp_path / "run")],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert main(["export", "--checkpoint", str(tmp_path / "ck"),
+                 "--out", str(tmp_path / "out")]) == 0
+    theirs = load_file(str(folders / "gqa" / "model.safetensors"))
+    ours = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert ours.keys() == theirs.keys()
+    assert [k for k in ours if not torch.equal(ours[k], theirs[k])] == []

@@ -64,10 +64,12 @@ def _rope_theta(hf: dict, where: str) -> float:
     """``rope_theta`` (transformers 4.x: top level; 5.x: ``rope_parameters``); refuses
     any scaled RoPE (linear, dynamic, yarn, llama3, ...), which paratrain does not compute."""
     params = hf.get("rope_parameters") or {}
-    scaling = hf.get("rope_scaling")
-    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type")) if scaling else \
-        params.get("rope_type", "default")
-    if scaling or kind not in (None, "default"):
+    scaling = hf.get("rope_scaling")  # transformers 4.x; 5.x folds it into rope_parameters
+    kind = params.get("rope_type", "default")
+    if scaling:
+        kind = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) \
+            else scaling
+    if kind != "default":
         raise ValueError(f"{where} sets rope_scaling (rope_type {kind!r}); paratrain's RoPE "
                          "is the default unscaled one: pick a model without rope_scaling")
     return float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
