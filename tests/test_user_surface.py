@@ -18,7 +18,7 @@ RUN_FLAGS = {
     "--checkpoint-dir", "--config", "--nproc", "--quiet", "--resume", "--run-dir",
     "--simulate-workers", "--tensorboard",
     "--keep-checkpoints", "--max-restarts", "--nnodes", "--node-rank", "--rdzv-endpoint",
-    "--timeout", "--grace", "--plan", "--max-memory-gb",
+    "--timeout", "--grace", "--plan", "--max-memory-gb", "--init-from",
     "resume_mode",  # hidden argument: the 'auto' of '--resume auto'
 }
 # The settings' flags, written out once more on purpose: the commands generate theirs from

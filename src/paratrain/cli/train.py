@@ -292,6 +292,9 @@ def train(
     max_memory_gb: Annotated[float | None, _opt("layout", "With --plan auto: leave out "
                                                 "layouts over this memory per rank "
                                                 "(GB).")] = None,
+    init_from: Annotated[str | None, _opt("model", "Start from this Hugging Face "
+                                          "LlamaForCausalLM folder: its config.json sets "
+                                          "the model (docs/export.md, Import).")] = None,
     flags: dict | None = None,
 ) -> None:
     """Train the decoder LM (default: 2 workers, data parallel, stdlib corpus)."""
@@ -299,8 +302,12 @@ def train(
     nproc, world = _world(nproc, nnodes, node_rank, rdzv_endpoint, simulate_workers,
                           in_torchrun)
     flags = flags or {}
-    mcfg, tcfg, plan = resolve(config, flags.get("model", {}), flags.get("train", {}),
-                               flags.get("plan", {}), world)
+    mcfg, tcfg, plan = resolve(config, {} if init_from else flags.get("model", {}),
+                               flags.get("train", {}), flags.get("plan", {}), world)
+    if init_from is not None:  # config.json sets the model (paratrain/files/hf_import.py)
+        from paratrain.files import hf_import
+
+        mcfg, tcfg = hf_import.settle(init_from, mcfg, tcfg, config, flags)
     if plan_mode is not None or max_memory_gb is not None:
         plan = _auto_plan(plan_mode, max_memory_gb, mcfg, tcfg, world, config, flags,
                           in_torchrun, nnodes, simulate_workers)
@@ -318,7 +325,8 @@ def train(
     _check_dirs(run_dir, checkpoint_dir, resume_as, lead)
     with claim_checkpoint_dir(checkpoint_dir, resume_as, tcfg.checkpoint_every,
                               lead and node_rank == 0):  # held for the run's life
-        mcfg = settle_vocab(mcfg, tcfg, config)  # slow, so late: BPE trained, ids cached
+        fixed = None if init_from is None else str(Path(init_from) / "config.json")  # vocab
+        mcfg = settle_vocab(mcfg, tcfg, config, fixed)  # slow, so late: BPE trained, ids cached
         plan.check(mcfg, world, tcfg.global_batch)  # again: the vocabulary may have changed
         if lead and (resume_as == "yes"
                      or (resume_as == "auto" and _has_checkpoint(checkpoint_dir))):
@@ -329,7 +337,7 @@ def train(
                              resume={"yes": True, "auto": "auto"}.get(resume_as, False),
                              keep_checkpoints=keep_checkpoints,
                              simulate_workers=simulate_workers, quiet=quiet,
-                             tensorboard=tensorboard),
+                             tensorboard=tensorboard, init_from=init_from),
                 "timeout_s": timeout}
         _start(spec, in_torchrun, world, nproc,
                dict(nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint,

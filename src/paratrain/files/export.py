@@ -27,8 +27,9 @@ import torch
 from paratrain.config import ModelConfig
 from paratrain.files.inference import Loaded
 
-# paratrain name -> transformers name, per block ({i} = block index)
-_BLOCK = {"attn_norm.weight": "input_layernorm.weight",
+# paratrain name -> transformers name, per block ({i} = block index); the one mapping,
+# which import (paratrain/files/hf_import.py) inverts
+BLOCK_NAMES = {"attn_norm.weight": "input_layernorm.weight",
           "attn.wq.weight": "self_attn.q_proj.weight",
           "attn.wk.weight": "self_attn.k_proj.weight",
           "attn.wv.weight": "self_attn.v_proj.weight",
@@ -37,6 +38,7 @@ _BLOCK = {"attn_norm.weight": "input_layernorm.weight",
           "mlp.w_gate.weight": "mlp.gate_proj.weight",
           "mlp.w_up.weight": "mlp.up_proj.weight",
           "mlp.w_down.weight": "mlp.down_proj.weight"}
+ROPE_ROWS = ("attn.wq.weight", "attn.wk.weight")  # rows permuted between the layouts
 
 
 def interleaved_to_halves(w: torch.Tensor, head_dim: int) -> torch.Tensor:
@@ -44,6 +46,13 @@ def interleaved_to_halves(w: torch.Tensor, head_dim: int) -> torch.Tensor:
     interleaved RoPE pairs (2i, 2i+1) become rotate-half pairs (i, i + E/2)."""
     heads = w.shape[0] // head_dim
     return w.view(heads, head_dim // 2, 2, -1).transpose(1, 2).reshape(w.shape)
+
+
+def halves_to_interleaved(w: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """The inverse of :func:`interleaved_to_halves` (a transformers q or k projection back
+    into paratrain's row order); exact: rows move, no arithmetic."""
+    heads = w.shape[0] // head_dim
+    return w.view(heads, 2, head_dim // 2, -1).transpose(1, 2).reshape(w.shape)
 
 
 def hf_config(cfg: ModelConfig) -> dict:
@@ -71,9 +80,9 @@ def hf_state_dict(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str,
     if not cfg.tie_embeddings:
         out["lm_head.weight"] = state["head.weight"]
     for i in range(cfg.n_layers):
-        for ours, theirs in _BLOCK.items():
+        for ours, theirs in BLOCK_NAMES.items():
             w = state[f"blocks.{i}.{ours}"]
-            if ours in ("attn.wq.weight", "attn.wk.weight"):
+            if ours in ROPE_ROWS:
                 w = interleaved_to_halves(w, cfg.head_dim)
             out[f"model.layers.{i}.{theirs}"] = w
     return {k: v.detach().float().contiguous().clone() for k, v in out.items()}

@@ -18,13 +18,17 @@ from pathlib import Path
 from paratrain.config import ModelConfig, TrainConfig, load_toml
 
 
-def settle_vocab(mcfg: ModelConfig, tcfg: TrainConfig, config: str | None) -> ModelConfig:
+def settle_vocab(mcfg: ModelConfig, tcfg: TrainConfig, config: str | None,
+                 vocab_from: str | None = None) -> ModelConfig:
     """``mcfg`` with ``vocab_size`` = the tokenizer's (a larger ``vocab_size`` set in the
-    TOML is kept: unused rows; a smaller one is refused)."""
+    TOML is kept: unused rows; a smaller one is refused). ``vocab_from``: the file that
+    fixed ``vocab_size`` (``--init-from``'s config.json), under the same rule."""
     from paratrain.files.corpus import data_files, prepare  # numpy: not at CLI start-up
-    from paratrain.files.tokenizer import parse_spec
+    from paratrain.files.tokenizer import BYTES_VOCAB, parse_spec
 
     kind, _ = parse_spec(tcfg.tokenizer)
+    if vocab_from is not None and kind == "bytes":
+        _check_fixed_vocab(mcfg, tcfg, BYTES_VOCAB, vocab_from)
     if not tcfg.text_field:
         raise ValueError("--text-field '' is empty; pass the records' text field, e.g. "
                          "--text-field text")
@@ -33,6 +37,9 @@ def settle_vocab(mcfg: ModelConfig, tcfg: TrainConfig, config: str | None) -> Mo
         return mcfg  # bytes of text files: nothing to prepare (as before tokenizers)
     _, _, tok, _ = prepare(tcfg.data, tcfg.val_fraction, tcfg.tokenizer, tcfg.text_field)
     if kind == "bytes":
+        return mcfg
+    if vocab_from is not None:
+        _check_fixed_vocab(mcfg, tcfg, tok.vocab_size, vocab_from)
         return mcfg
     set_in_toml = config is not None and "vocab_size" in load_toml(config).get("model", {})
     if set_in_toml and mcfg.vocab_size < tok.vocab_size:
@@ -68,3 +75,15 @@ def claim_checkpoint_dir(checkpoint_dir: str | None, resume: str | None,
                              f"({shown}: another run's checkpoints?); pass a new or empty "
                              "directory, or add --resume to continue the run they belong to")
     return held
+
+
+def _check_fixed_vocab(mcfg: ModelConfig, tcfg: TrainConfig, tokens: int,
+                       vocab_from: str) -> None:
+    """The tokenizer fits the vocabulary ``vocab_from`` fixed (see :func:`settle_vocab`)."""
+    own = Path(tcfg.tokenizer).is_file() and \
+        Path(tcfg.tokenizer).parent.resolve() == Path(vocab_from).parent.resolve()
+    if tokens == mcfg.vocab_size or (own and tokens < mcfg.vocab_size):
+        return
+    raise ValueError(f"--tokenizer {tcfg.tokenizer} has {tokens} tokens but vocab_size="
+                     f"{mcfg.vocab_size} in {vocab_from}; pass the model's own tokenizer.json "
+                     "with --tokenizer PATH")

@@ -49,6 +49,7 @@ class RunOptions:
     stop_after: int | None = None  # end (and checkpoint) after this step, as if interrupted
     profile: str | None = None  # hardware profile for the prediction (default: calibrate's)
     tensorboard: str | None = None  # rank 0 also writes TensorBoard event files here
+    init_from: str | None = None  # a Hugging Face folder the weights start from
 
 
 def _rank_world() -> tuple[int, int]:
@@ -57,10 +58,17 @@ def _rank_world() -> tuple[int, int]:
     return 0, 1
 
 
-def build_model(cfg: ModelConfig, tcfg: TrainConfig, device: torch.device) -> Decoder:
-    """The same weights on every rank and in every mode: seeded construction on CPU."""
+def build_model(cfg: ModelConfig, tcfg: TrainConfig, device: torch.device,
+                init_from: str | None = None) -> Decoder:
+    """The same weights on every rank and in every mode: seeded construction on CPU, or
+    the full weights of the Hugging Face folder ``init_from`` (every engine then takes
+    its shards from this whole model, as from a fresh one)."""
     torch.manual_seed(tcfg.seed)
     model = Decoder(cfg)
+    if init_from is not None:
+        from paratrain.files import hf_import
+
+        hf_import.load_into(model, init_from)
     return model.to(device=device, dtype=working_dtype(tcfg))
 
 
@@ -220,7 +228,7 @@ def _setup(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan, opts: RunOp
         raise ValueError(f"vocab_size={mcfg.vocab_size} is smaller than the {corpus.vocab_size} "
                          f"tokens of --tokenizer {tcfg.tokenizer}; set vocab_size to "
                          f"{corpus.vocab_size} (paratrain train does)")
-    model = build_model(mcfg, tcfg, device)
+    model = build_model(mcfg, tcfg, device, opts.init_from)
     engine = build_engine(model, tcfg, plan, device, opts.simulate_workers)
     if _rank_world()[0] == 0 and not opts.quiet and hasattr(engine, "describe_layout"):
         print(engine.describe_layout(), flush=True)  # mesh / stages / buckets chosen

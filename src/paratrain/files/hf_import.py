@@ -1,0 +1,253 @@
+"""Start from a Hugging Face folder: ``paratrain train --init-from HF_DIR`` (docs/export.md,
+"Import"). The inverse of :mod:`paratrain.files.export`.
+
+``HF_DIR`` holds a ``LlamaForCausalLM``: ``config.json``, ``model.safetensors`` (or the
+shards a ``model.safetensors.index.json`` lists) and optionally ``tokenizer.json``.
+
+- :func:`settle` (the launcher, no torch): ``config.json`` -> the run's
+  :class:`~paratrain.config.ModelConfig`; what paratrain's decoder cannot compute
+  (``rope_scaling``, biases, another activation, ``head_dim`` != hidden/heads, ...) is
+  refused by name, and so is a model setting given by flag or TOML that contradicts the
+  config (``--init-from`` sets the model; only ``--context``, at most
+  ``max_position_embeddings``, and ``--attention``, a kernel choice, are the run's). The
+  folder's ``tokenizer.json``, when present, is the run's tokenizer.
+- :func:`state_dict` (every worker): the tensors under paratrain's names, RoPE rows
+  permuted back (``export.halves_to_interleaved``), in float32; the worker loads them
+  into the seeded :class:`~paratrain.model.Decoder` before the engine is built, so every
+  layout takes its shards from the full model exactly as it does from a fresh one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from paratrain.config import ModelConfig, TrainConfig, flag_for, load_toml
+
+if TYPE_CHECKING:
+    import torch
+
+# ModelConfig field -> config.json key (and its transformers default when absent; None:
+# required), the settings --init-from decides
+FIELDS = {"n_layers": ("num_hidden_layers", None), "d_model": ("hidden_size", None),
+          "n_heads": ("num_attention_heads", None), "d_ff": ("intermediate_size", None),
+          "vocab_size": ("vocab_size", None), "n_kv_heads": ("num_key_value_heads", 0),
+          "tie_embeddings": ("tie_word_embeddings", False),
+          "norm_eps": ("rms_norm_eps", 1e-6), "rope_theta": ("rope_theta", 10000.0)}
+RUN_FIELDS = ("context", "attention")  # the run's own, not the checkpoint's
+DEFAULT_CONTEXT = ModelConfig().context
+
+
+def read_config(hf_dir: str | Path) -> dict:
+    """``HF_DIR/config.json`` as a dict; one ValueError when it is not there or not JSON."""
+    d = Path(hf_dir)
+    if not d.is_dir():
+        raise ValueError(f"--init-from {str(hf_dir)!r} is not a directory; pass a Hugging "
+                         "Face model folder (config.json + model.safetensors)")
+    p = d / "config.json"
+    try:
+        cfg = json.loads(p.read_text())
+    except OSError:
+        raise ValueError(f"--init-from {str(hf_dir)!r} has no readable config.json; pass a "
+                         "folder written by save_pretrained or paratrain export") from None
+    except ValueError as e:
+        raise ValueError(f"{p} is not JSON ({e}); pass a folder written by "
+                         "save_pretrained or paratrain export") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{p} is not a JSON object; pass a Hugging Face config.json")
+    return cfg
+
+
+def _rope_theta(hf: dict, where: str) -> float:
+    """``rope_theta`` (transformers 4.x: top level; 5.x: ``rope_parameters``); refuses
+    any scaled RoPE (linear, dynamic, yarn, llama3, ...), which paratrain does not compute."""
+    params = hf.get("rope_parameters") or {}
+    scaling = hf.get("rope_scaling")  # transformers 4.x; 5.x folds it into rope_parameters
+    kind = params.get("rope_type", "default")
+    if scaling:
+        kind = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) \
+            else scaling
+    if kind != "default":
+        raise ValueError(f"{where} sets rope_scaling (rope_type {kind!r}); paratrain's RoPE "
+                         "is the default unscaled one: pick a model without rope_scaling")
+    return float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+
+
+def _refuse_unsupported(hf: dict, where: str) -> None:
+    """What LlamaForCausalLM can set and paratrain's decoder cannot compute, by name."""
+    arch = hf.get("architectures") or []
+    if hf.get("model_type") != "llama" or (arch and "LlamaForCausalLM" not in arch):
+        raise ValueError(f"{where} describes model_type {hf.get('model_type')!r} "
+                         f"({', '.join(arch) or 'no architectures'}); --init-from reads "
+                         "LlamaForCausalLM folders only")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"{where} has hidden_act={hf['hidden_act']!r}; paratrain's MLP is "
+                         "SwiGLU (silu): pick a model with hidden_act silu")
+    for key in ("attention_bias", "mlp_bias"):
+        if hf.get(key):
+            raise ValueError(f"{where} has {key}=true; paratrain's projections have no "
+                             "bias: pick a model without biases")
+    if hf.get("attention_dropout", 0.0):
+        raise ValueError(f"{where} has attention_dropout={hf['attention_dropout']}; "
+                         "paratrain trains without dropout: set it to 0.0 in config.json")
+    heads, hidden = hf.get("num_attention_heads"), hf.get("hidden_size")
+    if hf.get("head_dim") is not None and heads and hidden \
+            and hf["head_dim"] != hidden // heads:
+        raise ValueError(f"{where} has head_dim={hf['head_dim']} but hidden_size/"
+                         f"num_attention_heads = {hidden // heads}; paratrain's head "
+                         "dimension is hidden/heads: pick a model where they agree")
+
+
+def hf_model_fields(hf: dict, where: str) -> dict:
+    """The ModelConfig fields ``config.json`` decides (dense: experts 0)."""
+    _refuse_unsupported(hf, where)
+    out = {}
+    for name, (key, default) in FIELDS.items():
+        if name == "rope_theta":
+            out[name] = _rope_theta(hf, where)
+            continue
+        v = hf.get(key, default)
+        if v is None:
+            raise ValueError(f"{where} has no {key}; pass a complete LlamaForCausalLM "
+                             "config.json")
+        out[name] = v
+    if out["n_kv_heads"] in (0, out["n_heads"]):
+        out["n_kv_heads"] = None  # plain multi-head attention, as paratrain's default
+    out["norm_eps"] = float(out["norm_eps"])
+    out["experts"] = 0
+    return out
+
+
+def _said(name: str, v: object) -> str:
+    flag = flag_for(name)
+    return f"{flag} {v}" if flag else f"[model] {name} = {v!r} in the TOML"
+
+
+def _contradiction(given: dict, hf: dict, raw: dict, where: str) -> None:
+    """A model setting given by flag or TOML that config.json decides otherwise."""
+    for name, v in given.items():
+        if name in RUN_FIELDS or name not in hf:
+            continue
+        want = hf[name]
+        if name == "n_kv_heads":  # None and n_heads both mean multi-head attention
+            v, want = v or hf["n_heads"], want or hf["n_heads"]
+        if v == want:
+            continue
+        if name == "experts":
+            raise ValueError(f"{_said(name, v)} contradicts {where}: LlamaForCausalLM is "
+                             "dense; --init-from sets the model: drop it")
+        key = FIELDS[name][0]
+        raise ValueError(f"{_said(name, v)} contradicts {key}={raw.get(key, want)} in "
+                         f"{where}; --init-from sets the model: drop it")
+
+
+def _tokenizer(hf_dir: Path, tcfg: TrainConfig, given: str | None) -> TrainConfig:
+    """The folder's ``tokenizer.json`` when present (an explicit other --tokenizer is a
+    contradiction); otherwise --tokenizer decides."""
+    path = hf_dir / "tokenizer.json"
+    if not path.is_file():
+        return tcfg
+    spec = str(path.resolve())
+    if given is not None and (not Path(given).is_file() or Path(given).resolve() != path.resolve()):
+        raise ValueError(f"--tokenizer {given} contradicts {path}, the tokenizer of "
+                         "--init-from; drop --tokenizer (the folder's is used)")
+    return dataclasses.replace(tcfg, tokenizer=spec)
+
+
+def settle(hf_dir: str, mcfg: ModelConfig, tcfg: TrainConfig, config: str | None,
+           flags: dict) -> tuple[ModelConfig, TrainConfig]:
+    """The run's (ModelConfig, TrainConfig) under ``--init-from hf_dir``: the model from
+    ``config.json`` with the run's context and attention kernel, the folder's tokenizer.
+    ``mcfg``: the [model] TOML table's (built without the model flags: a flag such as
+    --kv-heads is checked against config.json, not against the defaults' heads);
+    ``flags``: {table: {field: value}} given on the command line. Everything set
+    explicitly is checked against config.json."""
+    raw = read_config(hf_dir)
+    weight_files(hf_dir)
+    where = str(Path(hf_dir) / "config.json")
+    tables = load_toml(config) if config else {}
+    given = {**tables.get("model", {}), **flags.get("model", {})}
+    hf = hf_model_fields(raw, where)
+    _contradiction(given, hf, raw, where)
+    top = raw.get("max_position_embeddings")
+    context = given.get("context", DEFAULT_CONTEXT if top is None else min(DEFAULT_CONTEXT, top))
+    if top is not None and context > top:
+        raise ValueError(f"--context {context} exceeds max_position_embeddings={top} in "
+                         f"{where}; pass --context {top} or less")
+    own = {k: v for k, v in flags.get("model", {}).items() if k not in hf}
+    try:
+        out = mcfg.replace(**{**own, **hf, "context": context})
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+    tok = flags.get("train", {}).get("tokenizer", tables.get("train", {}).get("tokenizer"))
+    return out, _tokenizer(Path(hf_dir), tcfg, tok)
+
+
+def weight_files(hf_dir: str | Path) -> list[Path]:
+    """``model.safetensors``, or the shards ``model.safetensors.index.json`` lists (no
+    torch: the launcher checks them before any worker starts)."""
+    d = Path(hf_dir)
+    index = d / "model.safetensors.index.json"
+    try:
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values())) \
+            if index.is_file() else ["model.safetensors"]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        raise ValueError(f"{index} is not a safetensors index (no weight_map); save the "
+                         "model again with save_pretrained") from None
+    missing = [n for n in names if not (d / n).is_file()]
+    if missing:
+        raise ValueError(f"--init-from {str(hf_dir)!r} has no {missing[0]}; save the model "
+                         "with save_pretrained (safetensors) or paratrain export")
+    return [d / n for n in names]
+
+
+def _tensors(hf_dir: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the folder's safetensors, float32."""
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in weight_files(hf_dir):
+        out.update(load_file(str(f)))
+    return {k: v.float() for k, v in out.items()}
+
+
+def to_paratrain(hf: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Llama's names -> the Decoder's state_dict (export's mapping, inverted; RoPE rows
+    back to interleaved pairs). A missing tensor is named."""
+    from paratrain.files.export import BLOCK_NAMES, ROPE_ROWS, halves_to_interleaved
+
+    def take(name: str) -> torch.Tensor:
+        if name not in hf:
+            raise ValueError(f"the safetensors have no {name}; the folder does not hold the "
+                             "LlamaForCausalLM its config.json describes")
+        return hf[name]
+
+    out = {"tok_emb.weight": take("model.embed_tokens.weight"),
+           "norm.weight": take("model.norm.weight")}
+    out["head.weight"] = out["tok_emb.weight"] if cfg.tie_embeddings \
+        else take("lm_head.weight")
+    for i in range(cfg.n_layers):
+        for ours, theirs in BLOCK_NAMES.items():
+            w = take(f"model.layers.{i}.{theirs}")
+            out[f"blocks.{i}.{ours}"] = halves_to_interleaved(w, cfg.head_dim) \
+                if ours in ROPE_ROWS else w
+    return out
+
+
+def state_dict(hf_dir: str | Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """The folder's weights as the Decoder's full state_dict (float32, CPU)."""
+    return to_paratrain(_tensors(Path(hf_dir)), cfg)
+
+
+def load_into(model, hf_dir: str | Path) -> None:
+    """Copy the folder's weights into the plain Decoder ``model`` (its config is the
+    folder's, :func:`settle`); a tensor of another shape is named, not a traceback."""
+    sd = state_dict(hf_dir, model.cfg)
+    for name, t in model.state_dict().items():
+        if sd[name].shape != t.shape:
+            raise ValueError(f"--init-from {str(hf_dir)!r}: {name} has shape "
+                             f"{tuple(sd[name].shape)} but its config.json implies "
+                             f"{tuple(t.shape)}; the weights do not match the config")
+    model.load_state_dict(sd)

@@ -1,0 +1,245 @@
+"""`paratrain train --init-from HF_DIR`: a LlamaForCausalLM folder that transformers wrote
+(randomly initialised here, no hub) becomes paratrain's model with transformers' logits;
+a frozen run (--lr 0) exports the folder's tensors back bit for bit; tp2 x dp2 from it
+reproduces one process; what paratrain cannot compute is refused in one line."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import max_rel_diff
+from paratrain.cli import main
+
+SHAPE = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+             num_attention_heads=4, max_position_embeddings=64)
+RUN = ["--nproc", "1", "--steps", "1", "--global-batch", "4", "--context", "16",
+       "--eval-every", "0", "--quiet"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny matrices on a shared 2-core machine: one intra-op thread is far faster."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _write_llama(path, seed: int, tokenizer: bool, **config) -> None:
+    """A random LlamaForCausalLM saved by transformers itself, every weight (the norms'
+    gains too, which start at 1) perturbed so that a misplaced tensor shows."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from paratrain.files.tokenizer import bytes_tokenizer_json
+
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(**SHAPE, **config))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    model.save_pretrained(path)
+    if tokenizer:
+        (path / "tokenizer.json").write_text(bytes_tokenizer_json())
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    """gqa: 2 KV heads, untied, eps 1e-6, theta 5000, its own tokenizer.json (a padded
+    vocabulary of 300 over 256 byte tokens); tied: multi-head, tied head, vocabulary 256,
+    no tokenizer.json (--tokenizer decides)."""
+    root = tmp_path_factory.mktemp("hf")
+    _write_llama(root / "gqa", 0, True, vocab_size=300, num_key_value_heads=2,
+                 rms_norm_eps=1e-6, rope_theta=5000.0, tie_word_embeddings=False)
+    _write_llama(root / "tied", 1, False, vocab_size=256, tie_word_embeddings=True)
+    return root
+
+
+def _settled(d, flags=None):
+    from paratrain.config import ModelConfig, TrainConfig
+    from paratrain.files import hf_import
+
+    return hf_import.settle(str(d), ModelConfig(), TrainConfig(), None, flags or {})
+
+
+def test_config_carries_every_setting(folders):
+    mcfg, tcfg = _settled(folders / "gqa")
+    assert (mcfg.n_layers, mcfg.d_model, mcfg.n_heads, mcfg.kv_heads, mcfg.d_ff,
+            mcfg.vocab_size) == (2, 32, 4, 2, 64, 300)
+    assert (mcfg.norm_eps, mcfg.rope_theta, mcfg.tie_embeddings) == (1e-6, 5000.0, False)
+    assert mcfg.context == 64 and mcfg.experts == 0  # min(128, max_position_embeddings)
+    assert tcfg.tokenizer == str((folders / "gqa" / "tokenizer.json").resolve())
+    mcfg, tcfg = _settled(folders / "tied", {"model": {"context": 16}})
+    assert mcfg.tie_embeddings and mcfg.kv_heads == 4 and mcfg.context == 16
+    assert tcfg.tokenizer == "bytes"
+
+
+@pytest.mark.parametrize("name", ["gqa", "tied"])
+def test_logits_equal_transformers(folders, name):
+    from transformers import AutoModelForCausalLM
+
+    from paratrain.files import hf_import
+    from paratrain.model import Decoder
+
+    mcfg, _ = _settled(folders / name)
+    model = Decoder(mcfg)
+    hf_import.load_into(model, folders / name)
+    hf = AutoModelForCausalLM.from_pretrained(folders / name)
+    x = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours, theirs = model.eval()(x), hf.eval()(x).logits
+    torch.testing.assert_close(theirs, ours, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_import_inverts_export_exactly(tie):
+    from paratrain.config import ModelConfig
+    from paratrain.files.export import hf_state_dict
+    from paratrain.files.hf_import import to_paratrain
+    from paratrain.model import Decoder
+
+    cfg = ModelConfig(n_layers=2, d_model=48, n_heads=6, n_kv_heads=3, d_ff=40,
+                      vocab_size=70, context=8, tie_embeddings=tie)
+    torch.manual_seed(0)
+    sd = Decoder(cfg).state_dict()
+    back = to_paratrain(hf_state_dict(sd, cfg), cfg)
+    assert back.keys() == sd.keys()
+    assert all(torch.equal(back[k], sd[k]) for k in sd)
+
+
+@pytest.mark.parametrize("name", ["gqa", "tied"])
+def test_frozen_run_exports_the_folder_bit_for_bit(folders, tmp_path, text_file, capsys, name):
+    """--lr 0 (weight decay 0.1 included) changes no weight: train, then export, gives
+    the folder's tensors back, bit for bit, and its tokenizer."""
+    from safetensors.torch import load_file
+
+    src = folders / name
+    assert main(["train", "--init-from", str(src), "--lr", "0", *RUN, "--data", text_file,
+                 "--checkpoint-dir", str(tmp_path / "ck"),
+                 "--run-dir", str(tmp_path / "run")]) == 0
+    assert main(["export", "--checkpoint", str(tmp_path / "ck"),
+                 "--out", str(tmp_path / "out")]) == 0
+    capsys.readouterr()
+    theirs = load_file(str(src / "model.safetensors"))
+    ours = load_file(str(tmp_path / "out" / "model.safetensors"))
+    if name == "tied":  # a tied head is the embedding; export leaves it out
+        theirs.pop("lm_head.weight", None)
+    assert ours.keys() == theirs.keys()
+    bad = [k for k in ours if not torch.equal(ours[k], theirs[k])]
+    assert not bad, bad
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    want = json.loads((src / "config.json").read_text())
+    for k in ("vocab_size", "num_key_value_heads", "rms_norm_eps", "tie_word_embeddings"):
+        assert config[k] == want[k], k
+    if (src / "tokenizer.json").is_file():
+        assert (tmp_path / "out" / "tokenizer.json").read_text() == \
+            (src / "tokenizer.json").read_text()
+
+
+def _variant(folders, tmp_path, **changes):
+    """A copy of the gqa folder with config.json keys changed (None: removed)."""
+    d = tmp_path / "variant"
+    shutil.copytree(folders / "gqa", d)
+    cfg = json.loads((d / "config.json").read_text())
+    for k, v in changes.items():
+        if v is None:
+            del cfg[k]
+        else:
+            cfg[k] = v
+    (d / "config.json").write_text(json.dumps(cfg))
+    return d
+
+
+@pytest.mark.parametrize("changes, flags, fragment", [
+    ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, [], "rope_scaling"),
+    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4}}, [], "'llama3'"),
+    ({"attention_bias": True}, [], "attention_bias=true"),
+    ({"mlp_bias": True}, [], "mlp_bias=true"),
+    ({"hidden_act": "gelu"}, [], "hidden_act='gelu'"),
+    ({"head_dim": 16}, [], "head_dim=16"),
+    ({"model_type": "mistral", "architectures": ["MistralForCausalLM"]}, [], "'mistral'"),
+    ({"attention_dropout": 0.1}, [], "attention_dropout=0.1"),
+    ({"intermediate_size": None}, [], "has no intermediate_size"),
+    ({"intermediate_size": 48}, [], "has shape (64, 32) but its config.json implies (48, 32)"),
+    ({}, ["--layers", "3"], "--layers 3 contradicts num_hidden_layers=2"),
+    ({}, ["--kv-heads", "4"], "--kv-heads 4 contradicts num_key_value_heads=2"),
+    ({}, ["--experts", "4"], "LlamaForCausalLM is dense"),
+    ({}, ["--context", "65"], "--context 65 exceeds max_position_embeddings=64"),
+    ({}, ["--tokenizer", "bpe:300"], "--tokenizer bpe:300 contradicts"),
+])
+def test_what_paratrain_cannot_compute_is_refused_in_one_line(folders, tmp_path, capsys,
+                                                              changes, flags, fragment):
+    _refused(["--init-from", str(_variant(folders, tmp_path, **changes)), *flags], fragment,
+             capsys)
+
+
+def _refused(args: list[str], fragment: str, capsys) -> None:
+    code = main(["train", *RUN, *args])  # args last: they win
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and err.startswith("error:"), err
+    assert fragment in err, err
+
+
+def test_vocabulary_mismatch_and_bad_folders_are_one_line(folders, tmp_path, capsys):
+    d = tmp_path / "no_tokenizer"
+    shutil.copytree(folders / "gqa", d)
+    (d / "tokenizer.json").unlink()  # vocabulary 300; --tokenizer bytes has 256
+    _refused(["--init-from", str(d)], "has 256 tokens but vocab_size=300", capsys)
+    _refused(["--init-from", str(tmp_path / "none")], "is not a directory", capsys)
+    _refused(["--init-from", str(tmp_path)], "has no readable config.json", capsys)
+    (d / "model.safetensors").unlink()
+    _refused(["--init-from", str(d)], "has no model.safetensors", capsys)
+
+
+def test_lr_zero_is_accepted_and_negative_refused():
+    from paratrain.config import TrainConfig
+
+    assert TrainConfig(lr=0.0).lr == 0.0
+    with pytest.raises(ValueError, match="lr=-1.0 must be positive"):
+        TrainConfig(lr=-1.0)
+
+
+@pytest.mark.slow
+def test_tp2_dp2_from_the_folder_matches_one_process(folders, tmp_path, text_file):
+    """Every rank takes its shard of the imported model: tp2 x dp2 (4 processes) follows
+    the single process's float64 loss trajectory."""
+    losses = {}
+    for name, layout in (("one", ["--nproc", "1"]), ("tp2dp2", ["--nproc", "4", "--tp", "2"])):
+        run = tmp_path / name
+        r = subprocess.run([sys.executable, "-m", "paratrain.cli", "train", "--init-from",
+                            str(folders / "gqa"), *layout, "--dtype", "float64", "--steps",
+                            "3", "--global-batch", "4", "--context", "16", "--eval-every",
+                            "0", "--quiet", "--data", text_file, "--run-dir", str(run)],
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-2000:]
+        losses[name] = [json.loads(x)["loss"] for x in
+                        (run / "metrics.jsonl").read_text().splitlines()]
+    assert len(losses["one"]) == 3
+    assert max_rel_diff(losses["tp2dp2"], losses["one"]) <= 1e-9
+
+
+@pytest.mark.slow
+def test_frozen_tp2_zero3_run_exports_the_folder_bit_for_bit(folders, tmp_path, text_file):
+    """The shards every rank took (tp2 x dp2 with ZeRO-3: tensor-parallel slices of flat
+    FSDP shards) are the folder's weights exactly: a frozen 4-process run's checkpoint
+    exports them back bit for bit."""
+    from safetensors.torch import load_file
+
+    r = subprocess.run([sys.executable, "-m", "paratrain.cli", "train", "--init-from",
+                        str(folders / "gqa"), "--nproc", "4", "--tp", "2", "--zero", "3",
+                        "--lr", "0", *RUN[2:], "--data", text_file,
+                        "--checkpoint-dir", str(tmp_path / "ck"),
+                        "--run-dir", str(tmp_path / "run")],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert main(["export", "--checkpoint", str(tmp_path / "ck"),
+                 "--out", str(tmp_path / "out")]) == 0
+    theirs = load_file(str(folders / "gqa" / "model.safetensors"))
+    ours = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert ours.keys() == theirs.keys()
+    assert [k for k in ours if not torch.equal(ours[k], theirs[k])] == []
