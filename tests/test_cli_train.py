@@ -58,7 +58,7 @@ def test_nproc_1_runs_in_process(tmp_path, text_file):
 @pytest.mark.parametrize("args, fragment", [
     (["--global-batch", "15", "--nproc", "2"], "not divisible by dp*micro_batches"),
     (["--data", "/no/such/file.txt"], "does not exist"),
-    (["--lr", "-1"], "lr = -1.0 (--lr): must be a number > 0"),
+    (["--lr", "-1"], "lr = -1.0 (--lr): must be a number >= 0"),
     (["--layers", "0"], "n_layers = 0 (--layers)"),
     (["--tp", "3", "--nproc", "3"], "tp=3 does not divide n_heads"),
     (["--nproc", "3", "--dp", "2"], "but there are 3 processes"),

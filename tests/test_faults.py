@@ -581,6 +581,7 @@ def test_messages_name_only_flags_that_exist():
 
     flags = {"--nproc-per-node", "--standalone", "--field-name", "--rdzv-backend",
              "--rdzv-id",  # torchrun's; a comment
+             "--logdir",  # TensorBoard's own (`tensorboard --logdir DIR`, in a hint)
              "--help"}  # every command's (click adds it, outside cmd.params)
 
     def walk(cmd):

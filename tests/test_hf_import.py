@@ -200,7 +200,7 @@ def test_lr_zero_is_accepted_and_negative_refused():
     from paratrain.config import TrainConfig
 
     assert TrainConfig(lr=0.0).lr == 0.0
-    with pytest.raises(ValueError, match="lr=-1.0 must be positive"):
+    with pytest.raises(ValueError, match=r"lr = -1.0 \(--lr\): must be a number >= 0"):
         TrainConfig(lr=-1.0)
 
 

@@ -234,8 +234,7 @@ class TrainConfig:
     steps: int = setting(300, "Optimizer steps.", lo=1, hi=MAX_STEPS)
     global_batch: int = setting(16, "Windows (sequences) per step, summed over workers.",
                                 lo=1, hi=MAX_BATCH)
-    # lr 0 is a frozen run: AdamW's step is lr x (...) = 0 and its decay factor
-    # 1 - lr x weight_decay is exactly 1, so every weight keeps its bits (docs/export.md)
+    # lr 0: a frozen run (AdamW's step and decay vanish: every weight keeps its bits)
     lr: float = setting(3e-3, "Peak learning rate (0: frozen weights).", lo=0)
     min_lr_ratio: float = setting(0.1, "Cosine floor as a fraction of lr.", flag=None, lo=0,
                                   hi=1)
