@@ -17,10 +17,9 @@ model in place. Two conventions make that possible:
   :meth:`MoE.run_sorted`; expert parallelism (:mod:`paratrain.parallel.expert`) sets
   ``moe.exchange`` to send those rows to the experts' ranks instead, and keeps only its
   own experts in ``moe.experts``.
-- Inference has a second entry, :meth:`Decoder.decode`, which appends tokens to a
-  :class:`KVCache` (the keys and values of the positions already seen) and runs only the
-  new ones. It shares every layer with ``forward`` and changes nothing there; the
-  parallel transforms never see it (they wrap ``forward`` and ``attn.core``).
+- Inference with a KV cache (:mod:`paratrain.run.kv_cache`) reuses ``Attention.project``
+  and :func:`heads_first`, so it shares every layer with ``forward`` and changes nothing
+  there; the parallel transforms never see it (they wrap ``forward`` and ``attn.core``).
 
 Shapes: B batch, T time, D model width, H heads, K kv heads, E head dim, V vocabulary.
 """
@@ -81,21 +80,6 @@ def eager_attention(q_BHTE: torch.Tensor, k_BHSE: torch.Tensor,
     return s_BHTS.softmax(dim=-1) @ v_BHSE
 
 
-def cached_attention(q_BHTE, k_BHSE, v_BHSE, kernel: str) -> torch.Tensor:
-    """Causal attention of T new queries over S = cached + T keys (inference).
-
-    sdpa's ``is_causal`` aligns its mask top-left (query i sees keys 0..i), right only
-    when S = T; with a cache the mask is explicit (query i sees keys 0..S - T + i), and
-    a single new query sees every key, so it needs none."""
-    T, S = q_BHTE.shape[-2], k_BHSE.shape[-2]
-    if kernel == "eager":
-        return eager_attention(q_BHTE, k_BHSE, v_BHSE)
-    if T == S or T == 1:
-        return F.scaled_dot_product_attention(q_BHTE, k_BHSE, v_BHSE, is_causal=T > 1)
-    sees_TS = torch.ones(T, S, dtype=torch.bool, device=q_BHTE.device).tril(S - T)
-    return F.scaled_dot_product_attention(q_BHTE, k_BHSE, v_BHSE, attn_mask=sees_TS)
-
-
 def heads_first(q_BTHE, k_BSKE, v_BSKE) -> tuple[torch.Tensor, ...]:
     """(B, H, T, E) q and (B, H, S, E) k, v: grouped-query attention repeats each of the
     K kv heads for H / K query heads."""
@@ -105,28 +89,6 @@ def heads_first(q_BTHE, k_BSKE, v_BSKE) -> tuple[torch.Tensor, ...]:
         k = k.repeat_interleave(rep, dim=1)
         v = v.repeat_interleave(rep, dim=1)
     return q, k, v
-
-
-class KVCache:
-    """Keys and values (after RoPE) of the positions a batch has seen, for inference.
-
-    One (B, context, K, E) buffer each for keys and values per block, K the model's kv
-    heads (grouped-query attention repeats them only at use, as in training); ``length``
-    positions are filled. :meth:`Decoder.decode` writes into it and advances it."""
-
-    def __init__(self, cfg: ModelConfig, batch: int, dtype: torch.dtype,
-                 device: torch.device | str = "cpu") -> None:
-        shape = (batch, cfg.context, cfg.kv_heads, cfg.head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.n_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.n_layers)]
-        self.length = 0
-
-    def extend(self, layer: int, k_BTKE, v_BTKE) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write block ``layer``'s new keys/values at ``length``; all of them so far."""
-        t0, t1 = self.length, self.length + k_BTKE.shape[1]
-        self.k[layer][:, t0:t1] = k_BTKE
-        self.v[layer][:, t0:t1] = v_BTKE
-        return self.k[layer][:, :t1], self.v[layer][:, :t1]
 
 
 class Attention(nn.Module):
@@ -159,14 +121,6 @@ class Attention(nn.Module):
 
     def forward(self, x_BTD, cos, sin) -> torch.Tensor:
         return self.wo(self.core(*self.project(x_BTD, cos, sin)))
-
-    def decode(self, x_BTD, cos, sin, cache: KVCache, layer: int) -> torch.Tensor:
-        """``forward`` for T new positions after ``cache.length`` cached ones (cos, sin
-        are the new positions' rows): their keys/values join the cache."""
-        q, k, v = self.project(x_BTD, cos, sin)
-        q, k, v = heads_first(q, *cache.extend(layer, k, v))
-        return self.wo(cached_attention(q, k, v, self.kernel).transpose(1, 2).flatten(2))
-
 
 class SwiGLU(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
@@ -337,11 +291,6 @@ class Block(nn.Module):
         x_BTD = x_BTD + self.attn(self.attn_norm(x_BTD), cos, sin)
         return x_BTD + self.mlp(self.mlp_norm(x_BTD))
 
-    def decode(self, x_BTD, cos, sin, cache: KVCache, layer: int) -> torch.Tensor:
-        x_BTD = x_BTD + self.attn.decode(self.attn_norm(x_BTD), cos, sin, cache, layer)
-        return x_BTD + self.mlp(self.mlp_norm(x_BTD))
-
-
 class Decoder(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -388,29 +337,6 @@ class Decoder(nn.Module):
         for blk in self.blocks:
             h = blk(h, cos, sin)
         return self.logits(h)
-
-    @torch.no_grad()
-    def decode(self, idx_BT: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        """Inference: token ids (B, T) at positions ``cache.length`` onwards -> their
-        logits (B, T, V), equal to ``forward``'s at those positions over the whole
-        sequence (a prefill is decode on an empty cache). The cache advances by T.
-
-        A causal model only: with expert capacity (``capacity_factor`` > 0) a token's
-        output depends on the sequence length, so that model has no cache."""
-        T, t0 = idx_BT.shape[1], cache.length
-        if self.cfg.capacity_factor > 0:
-            raise ValueError("a model with expert capacity (capacity_factor > 0) routes "
-                             "by sequence length; run forward over the whole sequence")
-        if t0 + T > self.cfg.context:
-            raise ValueError(f"{t0} cached + {T} new positions exceed the model context "
-                             f"{self.cfg.context}; start a new cache")
-        cos, sin = self.rope(t0, t0 + T)
-        h = self.embed(idx_BT)
-        for i, blk in enumerate(self.blocks):
-            h = blk.decode(h, cos, sin, cache, i)
-        cache.length = t0 + T
-        return self.logits(h)
-
 
 def moe_modules(model: nn.Module) -> list[MoE]:
     """The MoE MLPs of ``model`` (or of a list of pipeline chunks), in order."""
