@@ -26,13 +26,7 @@ CONFIGS = {
 TOL = {torch.float64: 1e-6, torch.float32: 1e-4}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The references run outside sample(), which sets one thread itself."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 def _model(cfg, dtype=torch.float32) -> Decoder:
