@@ -248,6 +248,16 @@ class MoE(nn.Module):
     assignments per sequence, first come first served in position order (a token's k
     slots in rank order); the rest are dropped (the token keeps its residual) and counted.
     C = 0 is dropless.
+
+    Sharded sequences (context / sequence parallelism set ``shards``: each rank holds
+    1/``shards.factor`` of every sequence's tokens and routes only those): the counts
+    c_se are summed over the shards (``shards.all_reduce``, integers: exact) before
+    f_se is formed, and P_se is this rank's sum of router probabilities over T (the whole
+    sequence), so the shards' aux_s add up to the single process's and each token's
+    gradient, E f_se / T, is the one it gets there (f carries no gradient in either).
+    The statistics are the group's totals, kept by ``shards.owner`` only (0 elsewhere).
+    Capacity needs every position's place in line, so it is refused with shards
+    (:meth:`paratrain.plan.ParallelPlan.check_runtime`).
     """
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -261,6 +271,7 @@ class MoE(nn.Module):
         self.shared = (Expert(cfg.d_model, cfg.shared_experts * cfg.expert_ffn)
                        if cfg.shared_experts else None)
         self.exchange = None  # expert parallelism: (moe, x_SD, counts_E) -> y_SD
+        self.shards = None  # cp / sp: .factor, .owner, .all_reduce(t) (sums over shards)
         self.loss_scale: float | None = None
         self.reset_stats()
 
@@ -270,7 +281,8 @@ class MoE(nn.Module):
 
     def route(self, x_ND: torch.Tensor, T: int):
         """(top-k expert index, renormalised weight, keep mask or None, aux sum, z sum
-        (None when the z-loss is off))."""
+        (None when the z-loss is off), statistics (aux, z, load (E,)) of this rank's
+        record). ``T``: the tokens of each sequence on this rank."""
         N, E, K = x_ND.shape[0], self.num_experts, self.top_k
         logits = self.router(x_ND)
         if logits.dtype in (torch.float16, torch.bfloat16):
@@ -281,14 +293,40 @@ class MoE(nn.Module):
         w_NK = w_NK / w_NK.sum(-1, keepdim=True)
         B = N // T
         onehot_BAE = F.one_hot(idx_NK.view(B, T * K), E)  # A = T*K assignments, in order
-        f_BE = onehot_BAE.sum(1).to(probs_NE.dtype) / (T * K)
-        aux = E * (f_BE * probs_NE.view(B, T, E).mean(1)).sum()
+        if self.shards is None:
+            f_BE = onehot_BAE.sum(1).to(probs_NE.dtype) / (T * K)
+            aux = E * (f_BE * probs_NE.view(B, T, E).mean(1)).sum()
+            stats = (aux.detach(), z, None)  # load: what is kept (forward)
+        elif not torch.is_grad_enabled():  # evaluation: no auxiliary loss, no statistics
+            aux, stats = None, None
+        else:
+            aux, stats = self._sharded_aux(onehot_BAE.sum(1), probs_NE.view(B, T, E), z)
         keep = None
         if self.capacity_factor > 0:
             cap = math.ceil(self.capacity_factor * T * K / E)
             pos_BA = (onehot_BAE.cumsum(1) * onehot_BAE).sum(-1)  # 1-based place in line
             keep = (pos_BA <= cap).view(N, K)
-        return idx_NK, w_NK.to(x_ND.dtype), keep, aux, z
+        return idx_NK, w_NK.to(x_ND.dtype), keep, aux, z, stats
+
+    def _sharded_aux(self, counts_BE: torch.Tensor, probs_BTE: torch.Tensor, z):
+        """This shard's part of the auxiliary sum (class docstring) and the group's
+        statistics, from one all-reduce of [counts, probability sums, z] (float64)."""
+        sh, E, K = self.shards, self.num_experts, self.top_k
+        B, Tl, _ = probs_BTE.shape
+        T = Tl * sh.factor  # the whole sequence
+        psum_BE = probs_BTE.sum(1)
+        zd = torch.zeros(1, dtype=torch.float64, device=psum_BE.device) if z is None \
+            else z.detach().double().view(1)
+        packed = torch.cat((counts_BE.double().flatten(), psum_BE.detach().double().flatten(),
+                            zd))
+        sh.all_reduce(packed)
+        counts_g = packed[:B * E].view(B, E)
+        f_BE = counts_g.to(probs_BTE.dtype) / (T * K)  # the whole sequence's fractions
+        aux = E * (f_BE * (psum_BE / T)).sum()
+        if not sh.owner:
+            return aux, (torch.zeros(()), None, torch.zeros(E, dtype=torch.long))
+        full = E * (f_BE.double() * packed[B * E:2 * B * E].view(B, E) / T).sum()
+        return aux, (full, None if z is None else packed[-1], counts_g.sum(0).long())
 
     def run_sorted(self, x_SD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
         """Rows sorted by expert, ``counts_E`` rows each -> expert outputs, same order.
@@ -300,7 +338,7 @@ class MoE(nn.Module):
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
         B, T, D = x_BTD.shape
         x_ND = x_BTD.reshape(B * T, D)
-        idx_NK, w_NK, keep, aux, z = self.route(x_ND, T)
+        idx_NK, w_NK, keep, aux, z, rec = self.route(x_ND, T)
         tok_S, w_S, counts_E = sort_assignments(idx_NK, w_NK, keep, self.num_experts)
         x_SD = x_ND[tok_S]
         if self.exchange is None:
@@ -314,12 +352,13 @@ class MoE(nn.Module):
             return y_ND.view(B, T, D)  # evaluation: no auxiliary loss, no statistics
         if torch._C._current_graph_task_id() == -1:  # not a recompute inside backward
             st = self.stats
-            st["aux_sum"] += float(aux.detach())
-            st["z_sum"] += 0.0 if z is None else float(z.detach())
+            st["aux_sum"] += float(rec[0])
+            st["z_sum"] += 0.0 if rec[1] is None else float(rec[1].detach())
             st["dropped"] += 0 if keep is None else int((~keep).sum())
-            st["load"] += counts_E.cpu()
+            st["load"] += (counts_E if rec[2] is None else rec[2]).cpu()
+        T_seq = T * (1 if self.shards is None else self.shards.factor)
         if self.loss_scale is not None and self.coef > 0:
-            y_ND = _AuxGrad.apply(y_ND, aux, self.coef * T * self.loss_scale)
+            y_ND = _AuxGrad.apply(y_ND, aux, self.coef * T_seq * self.loss_scale)
         if self.loss_scale is not None and z is not None:
             y_ND = _AuxGrad.apply(y_ND, z, self.z_coef * self.loss_scale)
         return y_ND.view(B, T, D)

@@ -193,11 +193,12 @@ class ParallelPlan:
             f"ep={self.ep} needs a Mixture-of-Experts model; pass --experts E (a multiple "
             f"of {self.ep}) or use --ep 1",
         )
-        if model.experts:
+        if model.experts and model.capacity_factor > 0:
             _require(
                 self.cp == 1 and not self.sp,
-                "MoE with --cp or --sp is not supported (the auxiliary loss and capacity are "
-                "per whole sequence); use --cp 1 and drop --sp",
+                f"MoE capacity (--capacity-factor {model.capacity_factor}) with --cp or --sp "
+                "is not supported (capacity counts places in line over the whole "
+                "sequence); pass --capacity-factor 0 or use --cp 1 without --sp",
             )
         if self.ep > 1:
             _require(

@@ -23,6 +23,13 @@ ep group. The all-to-all is torch's ``all_to_all_single``, or with ``--collectiv
 ours`` paratrain's pairwise exchange (p - 1 rounds of isend / irecv,
 :meth:`ExpertExchange._pairwise`); both send the same bytes.
 
+Sharded sequences (cp > 1, or sp: :class:`TokenShards`): each rank routes only the
+tokens it holds (T/cp of each sequence, T/(cp tp) with SP, where the MoE MLP reads the
+sequence-sharded residual), through the same exchange. The load-balancing loss needs each
+sequence's per-expert counts, so :meth:`paratrain.model.MoE.route` sums them over the
+shards (one small all-reduce per layer and micro-batch over cp, then over tp with SP) and
+stays exact (docs/expert-parallel.md, "Context and sequence parallelism").
+
 Gradients: dense parameters are reduced over dp (the usual :class:`.data_axis.DataAxis`),
 expert parameters (tagged ``expert = True``, ``ep`` among their placement's sharded axes:
 :mod:`.placement`) by a second data axis over the ``edp`` group
@@ -170,6 +177,41 @@ def apply_expert_parallel(chunks: list[nn.Module], mesh, collectives: str = "nat
             mark(m.experts.parameters(), sharded=("ep",))  # the plain name says which
         m.exchange = ex
     return ex
+
+
+class TokenShards:
+    """The ranks holding pieces of the same sequences: the cp group, and with SP the tp
+    group (:attr:`paratrain.model.MoE.shards`). ``factor`` pieces per sequence; the
+    ``owner`` (cp and tp index 0) records the group's MoE statistics."""
+
+    def __init__(self, groups: list, factor: int, owner: bool) -> None:
+        self.groups, self.factor, self.owner = groups, factor, owner
+        self.calls = 0
+        self.payload_bytes = 0  # router statistics all-reduced (each group in turn)
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum ``t`` over the shards in place: over each group in turn (cp x tp)."""
+        for g in self.groups:
+            dist.all_reduce(t, group=g)
+            self.calls += 1
+            self.payload_bytes += t.numel() * t.element_size()
+        return t
+
+
+def apply_token_shards(chunks: list[nn.Module], mesh, plan) -> TokenShards | None:
+    """With cp > 1 or sp, tell every MoE layer of ``chunks`` which ranks share its
+    sequences (:class:`TokenShards`); None when each rank holds whole sequences."""
+    groups = ([mesh.group("cp")] if plan.cp > 1 else []) + \
+        ([mesh.group("tp")] if plan.sp else [])
+    if not groups:
+        return None
+    factor = plan.cp * (plan.tp if plan.sp else 1)
+    owner = mesh.index("cp") == 0 and (not plan.sp or mesh.index("tp") == 0)
+    shards = TokenShards(groups, factor, owner)
+    for c in chunks:
+        for m in moe_modules(c):
+            m.shards = shards
+    return shards
 
 
 class SplitDataAxis:
