@@ -100,3 +100,14 @@ def test_capacity_with_cp_or_sp_is_one_line(capsys):
     assert "--capacity-factor 1.25" in err and "--sp" in err, err
     ParallelPlan(cp=2).check_runtime(MOE)  # dropless MoE with cp or sp runs
     ParallelPlan(tp=2, sp=True).check_runtime(MOE)
+
+
+def test_expert_data_group_spans_the_cp_ranks():
+    """Context-parallel ranks hold the same experts, so their gradients are summed over
+    the dp / ep x cp ranks of the same ep index (global order: dp outer, cp inner)."""
+    from paratrain.parallel.mesh import axis_ranks
+
+    sizes = {"pp": 1, "dp": 4, "cp": 2, "tp": 1, "ep": 2}  # rank = dp index * 2 + cp index
+    assert axis_ranks(0, "edp", sizes) == [0, 1, 4, 5]
+    assert axis_ranks(3, "edp", sizes) == [2, 3, 6, 7]
+    assert axis_ranks(1, "ep", sizes) == [1, 3]
