@@ -14,6 +14,7 @@ import pytest
 
 from conftest import max_rel_diff
 from paratrain.config import ModelConfig, TrainConfig
+from paratrain.cost.layout import dp_wire_bytes, state_bytes
 from paratrain.parallel.process_groups import spawn
 from paratrain.plan import ParallelPlan
 from paratrain.run.loop import RunOptions, train
@@ -51,7 +52,10 @@ def _worker(rank: int, world: int, data: str, combos: dict) -> dict:
     out = {}
     for name, (model, plan) in combos.items():
         s = train(model, tcfg(data), plan, RunOptions(**QUIET))
-        out[name] = (s["losses"], s["val_loss"], s["moe_steps"])
+        out[name] = (s["losses"], s["val_loss"], s["moe_steps"],
+                     (s["wire_bytes_per_step"], dp_wire_bytes(model, plan, "float64", rank)),
+                     (s["memory"]["measured_per_rank"][rank],
+                      state_bytes(model, plan, "float64", rank)))
     return out
 
 
@@ -63,7 +67,11 @@ def refs(text_file):
 def _check(results: list, combos: dict, refs: dict) -> None:
     for name, (model, plan) in combos.items():
         ref = refs[model]
-        losses, val, moe = results[0][name]
+        losses, val, moe = results[0][name][:3]
+        for r, res in enumerate(results):  # dp sync bytes (dense and expert reducers)
+            assert res[name][3][0] == pytest.approx(res[name][3][1], rel=1e-12), (name, r)
+            measured, want = res[name][4]  # model states: the layout's exact count
+            assert {k: measured[k] for k in want} == want, (name, r)
         for r in results[1:]:
             assert r[name][0] == losses, f"{name}: ranks disagree on the loss"
         d = max_rel_diff(losses, ref["losses"])

@@ -232,11 +232,12 @@ class MoE(nn.Module):
     sequence's T*k assignments routed to e and P_se its mean router probability (1.0 when
     perfectly balanced). The step loss is (sum of token cross-entropies + coef * sum_s T
     aux_s) / (global tokens), i.e. the mean token loss plus coef x the mean over
-    sequences of aux_s. Because a sequence never spans data ranks or micro-batches, this
-    is a sum over sequences and composes exactly under any data / pipeline split (no
-    collective of router statistics; DeepSeek-V3's sequence-wise balance loss has the
-    same shape). The engine sets ``loss_scale`` = 1 / global tokens before each forward;
-    while it is None (a plain forward) the auxiliary loss adds no gradient.
+    sequences of aux_s. A sequence never spans data ranks or micro-batches, so this is a
+    sum over sequences and composes exactly under any data / pipeline split with no
+    collective of router statistics (DeepSeek-V3's sequence-wise balance loss has the
+    same shape); a sequence cut over cp / sp ranks sums its counts (below). The engine
+    sets ``loss_scale`` = 1 / global tokens before each forward; while it is None (a
+    plain forward) the auxiliary loss adds no gradient.
 
     Router z-loss (ST-MoE, Zoph et al. 2022, eq. 5), when ``z_loss_coef`` > 0: the
     squared log-sum-exp of each token's router logits, z_n = (log sum_e exp x_ne)^2,
