@@ -5,7 +5,8 @@ sums each sequence's per-expert counts over those shards (:meth:`paratrain.model
 route`), so it stays the single process's. Checked in float64 against one process on
 real gloo: every step's loss within 1e-9 relative, and the MoE statistics (auxiliary
 loss, z-loss, load per expert) equal, for cp (ring and all-to-all), tp + sp, and with
-ep, ZeRO and a pipeline. Expert capacity is refused with cp / sp (one line, the flags).
+ep, ZeRO and a pipeline; with expert capacity the same assignments are dropped (the
+places in line are counted over the whole sequence).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from paratrain.run.loop import RunOptions, train
 MOE = ModelConfig(n_layers=2, d_model=32, n_heads=4, d_ff=64, context=16, experts=4,
                   top_k=2, z_loss_coef=0.01)
 SHARED = MOE.replace(shared_experts=1, moe_every=2)  # block 0 dense, block 1 MoE
+CAPPED = MOE.replace(capacity_factor=1.0)  # drops assignments: places in line matter
 QUIET = dict(quiet=True, measure_peak=False)
 
 FAST = {"cp2": (MOE, ParallelPlan(cp=2))}
@@ -31,6 +33,8 @@ TWO = {
     "tp2 sp": (MOE, ParallelPlan(tp=2, sp=True)),
     "tp2 sp shared, moe_every 2, ours": (SHARED, ParallelPlan(tp=2, sp=True,
                                                               collectives="ours")),
+    "cp2 capacity 1.0": (CAPPED, ParallelPlan(cp=2)),
+    "tp2 sp capacity 1.0": (CAPPED, ParallelPlan(tp=2, sp=True)),
 }
 FOUR = {
     "dp2 ep2 cp2": (MOE, ParallelPlan(dp=2, ep=2, cp=2)),
@@ -40,6 +44,10 @@ FOUR = {
     "dp2 ep2 cp2 zero3 all-to-all": (MOE, ParallelPlan(dp=2, ep=2, cp=2, zero=3,
                                                        cp_algorithm="all-to-all")),
     "cp2 pp2 m4 shared": (SHARED, ParallelPlan(cp=2, pp=2, micro_batches=4)),
+    "cp2 tp2 sp capacity 1.0 full recompute": (CAPPED, ParallelPlan(
+        cp=2, tp=2, sp=True, recompute="full")),
+    "dp2 ep2 cp2 capacity 1.0 all-to-all": (CAPPED, ParallelPlan(
+        dp=2, ep=2, cp=2, cp_algorithm="all-to-all")),
 }
 
 
@@ -61,7 +69,7 @@ def _worker(rank: int, world: int, data: str, combos: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def refs(text_file):
-    return {m: train(m, tcfg(text_file), None, RunOptions(**QUIET)) for m in (MOE, SHARED)}
+    return {m: train(m, tcfg(text_file), None, RunOptions(**QUIET)) for m in (MOE, SHARED, CAPPED)}
 
 
 def _check(results: list, combos: dict, refs: dict) -> None:
@@ -85,6 +93,8 @@ def _check(results: list, combos: dict, refs: dict) -> None:
             assert got["z_loss"] == pytest.approx(want["z_loss"], rel=1e-9), name
             assert got["z_loss"] > 0 and got["aux_loss"] > 0, name
             assert ("ep_wire_bytes" in got) == (plan.ep > 1), name
+            assert got["moe_dropped"] == want["moe_dropped"], name
+            assert (got["moe_dropped"] > 0) == (model.capacity_factor > 0), name
 
 
 def test_moe_cp2_reproduces_one_process(text_file, refs):
@@ -95,19 +105,6 @@ def test_moe_cp2_reproduces_one_process(text_file, refs):
 @pytest.mark.slow
 def test_moe_cp_sp_reproduce_one_process(text_file, refs, world, combos):
     _check(spawn(_worker, world, text_file, combos, timeout_s=600), combos, refs)
-
-
-def test_capacity_with_cp_or_sp_is_one_line(capsys):
-    from paratrain.cli import main
-
-    code = main(["train", "--layers", "2", "--d-model", "32", "--heads", "4", "--context",
-                 "16", "--global-batch", "8", "--steps", "1", "--experts", "4",
-                 "--capacity-factor", "1.25", "--tp", "2", "--sp", "--nproc", "2"])
-    err = capsys.readouterr().err.strip()
-    assert code == 2 and len(err.splitlines()) == 1, err
-    assert "--capacity-factor 1.25" in err and "--sp" in err, err
-    ParallelPlan(cp=2).check_runtime(MOE)  # dropless MoE with cp or sp runs
-    ParallelPlan(tp=2, sp=True).check_runtime(MOE)
 
 
 def test_expert_data_group_spans_the_cp_ranks():

@@ -257,8 +257,9 @@ class MoE(nn.Module):
     sequence), so the shards' aux_s add up to the single process's and each token's
     gradient, E f_se / T, is the one it gets there (f carries no gradient in either).
     The statistics are the group's totals, kept by ``shards.owner`` only (0 elsewhere).
-    Capacity needs every position's place in line, so it is refused with shards
-    (:meth:`paratrain.plan.ParallelPlan.check_runtime`).
+    Capacity needs every assignment's place in line over the whole sequence: the expert
+    indices (B, T, k) are gathered in position order, the keep mask is computed there
+    as above and each rank keeps its own rows, so the same assignments are dropped.
     """
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -282,8 +283,9 @@ class MoE(nn.Module):
 
     def route(self, x_ND: torch.Tensor, T: int):
         """(top-k expert index, renormalised weight, keep mask or None, aux sum, z sum
-        (None when the z-loss is off), statistics (aux, z, load (E,)) of this rank's
-        record). ``T``: the tokens of each sequence on this rank."""
+        (None when the z-loss is off), statistics (aux, z, load (E,) or None: the kept
+        assignments counted here, dropped or None: counted here) of this rank's record).
+        ``T``: the tokens of each sequence on this rank."""
         N, E, K = x_ND.shape[0], self.num_experts, self.top_k
         logits = self.router(x_ND)
         if logits.dtype in (torch.float16, torch.bfloat16):
@@ -297,17 +299,36 @@ class MoE(nn.Module):
         if self.shards is None:
             f_BE = onehot_BAE.sum(1).to(probs_NE.dtype) / (T * K)
             aux = E * (f_BE * probs_NE.view(B, T, E).mean(1)).sum()
-            stats = (aux.detach(), z, None)  # load: what is kept (forward)
+            stats = [aux.detach(), z, None, None]
         elif not torch.is_grad_enabled():  # evaluation: no auxiliary loss, no statistics
             aux, stats = None, None
         else:
             aux, stats = self._sharded_aux(onehot_BAE.sum(1), probs_NE.view(B, T, E), z)
         keep = None
         if self.capacity_factor > 0:
-            cap = math.ceil(self.capacity_factor * T * K / E)
-            pos_BA = (onehot_BAE.cumsum(1) * onehot_BAE).sum(-1)  # 1-based place in line
-            keep = (pos_BA <= cap).view(N, K)
+            keep = self._capacity(idx_NK.view(B, T, K), onehot_BAE, stats)
         return idx_NK, w_NK.to(x_ND.dtype), keep, aux, z, stats
+
+    def _capacity(self, idx_BTK: torch.Tensor, onehot_BAE: torch.Tensor, stats):
+        """Keep mask (N, K): at most ceil(C T k / E) assignments per expert and whole
+        sequence, in position order. With shards the sequence's expert indices are
+        gathered in position order (``shards.whole``), the mask computed there and this
+        rank's rows taken (``shards.mine``); the owner's statistics count the whole."""
+        sh, E, K = self.shards, self.num_experts, self.top_k
+        B, Tl, _ = idx_BTK.shape
+        T = Tl * (1 if sh is None else sh.factor)
+        whole = idx_BTK if sh is None else sh.whole(idx_BTK)
+        oh = onehot_BAE if sh is None else F.one_hot(whole.reshape(B, T * K), E)
+        cap = math.ceil(self.capacity_factor * T * K / E)
+        pos_BA = (oh.cumsum(1) * oh).sum(-1)  # 1-based place in line
+        keep_BTK = (pos_BA <= cap).view(B, T, K)
+        if sh is None:
+            return keep_BTK.view(B * T, K)
+        if stats is not None:  # training: the group's dropped and kept, on the owner
+            kept = torch.bincount(whole[keep_BTK], minlength=E)
+            stats[2] = kept if sh.owner else torch.zeros_like(kept)
+            stats[3] = int((~keep_BTK).sum()) if sh.owner else 0
+        return sh.mine(keep_BTK).reshape(B * Tl, K)
 
     def _sharded_aux(self, counts_BE: torch.Tensor, probs_BTE: torch.Tensor, z):
         """This shard's part of the auxiliary sum (class docstring) and the group's
@@ -325,9 +346,9 @@ class MoE(nn.Module):
         f_BE = counts_g.to(probs_BTE.dtype) / (T * K)  # the whole sequence's fractions
         aux = E * (f_BE * (psum_BE / T)).sum()
         if not sh.owner:
-            return aux, (torch.zeros(()), None, torch.zeros(E, dtype=torch.long))
+            return aux, [torch.zeros(()), None, torch.zeros(E, dtype=torch.long), 0]
         full = E * (f_BE.double() * packed[B * E:2 * B * E].view(B, E) / T).sum()
-        return aux, (full, None if z is None else packed[-1], counts_g.sum(0).long())
+        return aux, [full, None if z is None else packed[-1], counts_g.sum(0).long(), 0]
 
     def run_sorted(self, x_SD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
         """Rows sorted by expert, ``counts_E`` rows each -> expert outputs, same order.
@@ -355,7 +376,8 @@ class MoE(nn.Module):
             st = self.stats
             st["aux_sum"] += float(rec[0])
             st["z_sum"] += 0.0 if rec[1] is None else float(rec[1].detach())
-            st["dropped"] += 0 if keep is None else int((~keep).sum())
+            st["dropped"] += rec[3] if rec[3] is not None else (
+                0 if keep is None else int((~keep).sum()))
             st["load"] += (counts_E if rec[2] is None else rec[2]).cpu()
         T_seq = T * (1 if self.shards is None else self.shards.factor)
         if self.loss_scale is not None and self.coef > 0:

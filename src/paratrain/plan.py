@@ -193,13 +193,6 @@ class ParallelPlan:
             f"ep={self.ep} needs a Mixture-of-Experts model; pass --experts E (a multiple "
             f"of {self.ep}) or use --ep 1",
         )
-        if model.experts and model.capacity_factor > 0:
-            _require(
-                self.cp == 1 and not self.sp,
-                f"MoE capacity (--capacity-factor {model.capacity_factor}) with --cp or --sp "
-                "is not supported (capacity counts places in line over the whole "
-                "sequence); pass --capacity-factor 0 or use --cp 1 without --sp",
-            )
         if self.ep > 1:
             _require(
                 self.compress is None,
