@@ -144,7 +144,7 @@ def enumerate_plans(model: ModelConfig, hw: Hardware, gpus: int, sequences: int,
 def runs(plan: ParallelPlan, model: ModelConfig, gpus: int, sequences: int) -> bool:
     """Whether `paratrain train` accepts ``plan`` (the launcher's own checks): the search
     ranks nothing the runtime refuses (a composition the systems model could price but
-    the runtime does not run, such as MoE capacity with context parallelism, is left out)."""
+    the runtime does not run, such as tied embeddings with a pipeline, is left out)."""
     try:
         plan.check(model, gpus, sequences)
         plan.check_runtime(model)
