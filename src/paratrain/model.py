@@ -186,11 +186,12 @@ class MoE(nn.Module):
     sequence's T*k assignments routed to e and P_se its mean router probability (1.0 when
     perfectly balanced). The step loss is (sum of token cross-entropies + coef * sum_s T
     aux_s) / (global tokens), i.e. the mean token loss plus coef x the mean over
-    sequences of aux_s. Because a sequence never spans data ranks or micro-batches, this
-    is a sum over sequences and composes exactly under any data / pipeline split (no
-    collective of router statistics; DeepSeek-V3's sequence-wise balance loss has the
-    same shape). The engine sets ``loss_scale`` = 1 / global tokens before each forward;
-    while it is None (a plain forward) the auxiliary loss adds no gradient.
+    sequences of aux_s. A sequence never spans data ranks or micro-batches, so this is a
+    sum over sequences and composes exactly under any data / pipeline split with no
+    collective of router statistics (DeepSeek-V3's sequence-wise balance loss has the
+    same shape); a sequence cut over cp / sp ranks sums its counts (below). The engine
+    sets ``loss_scale`` = 1 / global tokens before each forward; while it is None (a
+    plain forward) the auxiliary loss adds no gradient.
 
     Router z-loss (ST-MoE, Zoph et al. 2022, eq. 5), when ``z_loss_coef`` > 0: the
     squared log-sum-exp of each token's router logits, z_n = (log sum_e exp x_ne)^2,
@@ -202,6 +203,17 @@ class MoE(nn.Module):
     assignments per sequence, first come first served in position order (a token's k
     slots in rank order); the rest are dropped (the token keeps its residual) and counted.
     C = 0 is dropless.
+
+    Sharded sequences (context / sequence parallelism set ``shards``: each rank holds
+    1/``shards.factor`` of every sequence's tokens and routes only those): the counts
+    c_se are summed over the shards (``shards.all_reduce``, integers: exact) before
+    f_se is formed, and P_se is this rank's sum of router probabilities over T (the whole
+    sequence), so the shards' aux_s add up to the single process's and each token's
+    gradient, E f_se / T, is the one it gets there (f carries no gradient in either).
+    The statistics are the group's totals, kept by ``shards.owner`` only (0 elsewhere).
+    Capacity needs every assignment's place in line over the whole sequence: the expert
+    indices (B, T, k) are gathered in position order, the keep mask is computed there
+    as above and each rank keeps its own rows, so the same assignments are dropped.
     """
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -215,6 +227,7 @@ class MoE(nn.Module):
         self.shared = (Expert(cfg.d_model, cfg.shared_experts * cfg.expert_ffn)
                        if cfg.shared_experts else None)
         self.exchange = None  # expert parallelism: (moe, x_SD, counts_E) -> y_SD
+        self.shards = None  # cp / sp: .factor, .owner, .all_reduce(t) (sums over shards)
         self.loss_scale: float | None = None
         self.reset_stats()
 
@@ -224,7 +237,9 @@ class MoE(nn.Module):
 
     def route(self, x_ND: torch.Tensor, T: int):
         """(top-k expert index, renormalised weight, keep mask or None, aux sum, z sum
-        (None when the z-loss is off))."""
+        (None when the z-loss is off), statistics (aux, z, load (E,) or None: the kept
+        assignments counted here, dropped or None: counted here) of this rank's record).
+        ``T``: the tokens of each sequence on this rank."""
         N, E, K = x_ND.shape[0], self.num_experts, self.top_k
         logits = self.router(x_ND)
         if logits.dtype in (torch.float16, torch.bfloat16):
@@ -235,14 +250,59 @@ class MoE(nn.Module):
         w_NK = w_NK / w_NK.sum(-1, keepdim=True)
         B = N // T
         onehot_BAE = F.one_hot(idx_NK.view(B, T * K), E)  # A = T*K assignments, in order
-        f_BE = onehot_BAE.sum(1).to(probs_NE.dtype) / (T * K)
-        aux = E * (f_BE * probs_NE.view(B, T, E).mean(1)).sum()
+        if self.shards is None:
+            f_BE = onehot_BAE.sum(1).to(probs_NE.dtype) / (T * K)
+            aux = E * (f_BE * probs_NE.view(B, T, E).mean(1)).sum()
+            stats = [aux.detach(), z, None, None]
+        elif not torch.is_grad_enabled():  # evaluation: no auxiliary loss, no statistics
+            aux, stats = None, None
+        else:
+            aux, stats = self._sharded_aux(onehot_BAE.sum(1), probs_NE.view(B, T, E), z)
         keep = None
         if self.capacity_factor > 0:
-            cap = math.ceil(self.capacity_factor * T * K / E)
-            pos_BA = (onehot_BAE.cumsum(1) * onehot_BAE).sum(-1)  # 1-based place in line
-            keep = (pos_BA <= cap).view(N, K)
-        return idx_NK, w_NK.to(x_ND.dtype), keep, aux, z
+            keep = self._capacity(idx_NK.view(B, T, K), onehot_BAE, stats)
+        return idx_NK, w_NK.to(x_ND.dtype), keep, aux, z, stats
+
+    def _capacity(self, idx_BTK: torch.Tensor, onehot_BAE: torch.Tensor, stats):
+        """Keep mask (N, K): at most ceil(C T k / E) assignments per expert and whole
+        sequence, in position order. With shards the sequence's expert indices are
+        gathered in position order (``shards.whole``), the mask computed there and this
+        rank's rows taken (``shards.mine``); the owner's statistics count the whole."""
+        sh, E, K = self.shards, self.num_experts, self.top_k
+        B, Tl, _ = idx_BTK.shape
+        T = Tl * (1 if sh is None else sh.factor)
+        whole = idx_BTK if sh is None else sh.whole(idx_BTK)
+        oh = onehot_BAE if sh is None else F.one_hot(whole.reshape(B, T * K), E)
+        cap = math.ceil(self.capacity_factor * T * K / E)
+        pos_BA = (oh.cumsum(1) * oh).sum(-1)  # 1-based place in line
+        keep_BTK = (pos_BA <= cap).view(B, T, K)
+        if sh is None:
+            return keep_BTK.view(B * T, K)
+        if stats is not None:  # training: the group's dropped and kept, on the owner
+            kept = torch.bincount(whole[keep_BTK], minlength=E)
+            stats[2] = kept if sh.owner else torch.zeros_like(kept)
+            stats[3] = int((~keep_BTK).sum()) if sh.owner else 0
+        return sh.mine(keep_BTK).reshape(B * Tl, K)
+
+    def _sharded_aux(self, counts_BE: torch.Tensor, probs_BTE: torch.Tensor, z):
+        """This shard's part of the auxiliary sum (class docstring) and the group's
+        statistics, from one all-reduce of [counts, probability sums, z] (float64)."""
+        sh, E, K = self.shards, self.num_experts, self.top_k
+        B, Tl, _ = probs_BTE.shape
+        T = Tl * sh.factor  # the whole sequence
+        psum_BE = probs_BTE.sum(1)
+        zd = torch.zeros(1, dtype=torch.float64, device=psum_BE.device) if z is None \
+            else z.detach().double().view(1)
+        packed = torch.cat((counts_BE.double().flatten(), psum_BE.detach().double().flatten(),
+                            zd))
+        sh.all_reduce(packed)
+        counts_g = packed[:B * E].view(B, E)
+        f_BE = counts_g.to(probs_BTE.dtype) / (T * K)  # the whole sequence's fractions
+        aux = E * (f_BE * (psum_BE / T)).sum()
+        if not sh.owner:
+            return aux, [torch.zeros(()), None, torch.zeros(E, dtype=torch.long), 0]
+        full = E * (f_BE.double() * packed[B * E:2 * B * E].view(B, E) / T).sum()
+        return aux, [full, None if z is None else packed[-1], counts_g.sum(0).long(), 0]
 
     def run_sorted(self, x_SD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
         """Rows sorted by expert, ``counts_E`` rows each -> expert outputs, same order.
@@ -254,7 +314,7 @@ class MoE(nn.Module):
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
         B, T, D = x_BTD.shape
         x_ND = x_BTD.reshape(B * T, D)
-        idx_NK, w_NK, keep, aux, z = self.route(x_ND, T)
+        idx_NK, w_NK, keep, aux, z, rec = self.route(x_ND, T)
         tok_S, w_S, counts_E = sort_assignments(idx_NK, w_NK, keep, self.num_experts)
         x_SD = x_ND[tok_S]
         if self.exchange is None:
@@ -268,12 +328,14 @@ class MoE(nn.Module):
             return y_ND.view(B, T, D)  # evaluation: no auxiliary loss, no statistics
         if torch._C._current_graph_task_id() == -1:  # not a recompute inside backward
             st = self.stats
-            st["aux_sum"] += float(aux.detach())
-            st["z_sum"] += 0.0 if z is None else float(z.detach())
-            st["dropped"] += 0 if keep is None else int((~keep).sum())
-            st["load"] += counts_E.cpu()
+            st["aux_sum"] += float(rec[0])
+            st["z_sum"] += 0.0 if rec[1] is None else float(rec[1].detach())
+            st["dropped"] += rec[3] if rec[3] is not None else (
+                0 if keep is None else int((~keep).sum()))
+            st["load"] += (counts_E if rec[2] is None else rec[2]).cpu()
+        T_seq = T * (1 if self.shards is None else self.shards.factor)
         if self.loss_scale is not None and self.coef > 0:
-            y_ND = _AuxGrad.apply(y_ND, aux, self.coef * T * self.loss_scale)
+            y_ND = _AuxGrad.apply(y_ND, aux, self.coef * T_seq * self.loss_scale)
         if self.loss_scale is not None and z is not None:
             y_ND = _AuxGrad.apply(y_ND, z, self.z_coef * self.loss_scale)
         return y_ND.view(B, T, D)
