@@ -51,7 +51,7 @@ def layer_activation_bytes(seq: int, batch: int, hidden: int, heads: int, tp: in
 
 
 def is_paratrain_block(model: ModelConfig) -> bool:
-    """Whether ``model``'s layers are paratrain's own block (model.py): RMSNorm x 2, RoPE
+    """Whether ``model``'s layers are paratrain's own block (paratrain.model): RMSNorm x 2, RoPE
     attention with head dim d_model / n_heads, SwiGLU, no biases; its MLP dense or
     paratrain's :class:`paratrain.model.MoE` (``ModelConfig.experts``, layers picked by
     ``is_moe_layer``). A catalogue MoE shape (``experts_over_tp`` or
@@ -75,7 +75,7 @@ def block_activation_bytes(model: ModelConfig, seq: int, *, tp: int = 1, sp: boo
     activation formula of paratrain.
 
     For paratrain's block (:func:`is_paratrain_block`) it is exact: the tensors autograd
-    keeps in model.py, counted once per storage as
+    keeps in paratrain.model, counted once per storage as
     :class:`paratrain.parallel.memory.ActivationMeter` measures them (the tests check
     float32 and float64 runs). With h = d_model, f = d_ff, t = tp and u = t with
     sequence parallelism (else 1), in elements:
