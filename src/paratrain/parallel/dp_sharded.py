@@ -5,6 +5,8 @@ owns (:func:`.placement.record_flat`)."""
 
 from __future__ import annotations
 
+import time
+
 import torch
 from torch import nn
 
@@ -38,6 +40,25 @@ class _Sharded(DataAxis):
     def layout(self) -> str:
         return bucket_layout(self.buckets)
 
+    def _pad_to(self, group) -> int | None:
+        """HSDP: flat buffers padded to a multiple of the whole dp (x cp), so the owned
+        chunk splits evenly over the replicas (None: the group's size, plain ZeRO)."""
+        if self.rcomm is None:
+            return None
+        import torch.distributed as dist
+
+        return dist.get_world_size(group) * self.rcomm.size
+
+    def _replicas(self, shards: list[torch.Tensor]) -> float:
+        """HSDP: sum each owned gradient chunk over the replicas (in place, all launched
+        then all waited); the seconds it took, all exposed."""
+        if self.rcomm is None:
+            return 0.0
+        t0 = time.perf_counter()
+        for h in [self.rcomm.all_reduce(g) for g in shards]:
+            h.wait()
+        return time.perf_counter() - t0
+
 
 class Zero(_Sharded):
     """``--zero 1|2``: bucketed reduce-scatter, sharded AdamW, all-gather
@@ -51,7 +72,7 @@ class Zero(_Sharded):
         plan = self.plan
         self.zo = ZeroOptimizer(self.lists, group, plan.zero, cfg, plan.bucket_mb,
                                 plan.overlap, plan.collectives, self.counted,
-                                self.deferred, reduce_dtype(cfg))
+                                self.deferred, reduce_dtype(cfg), self._pad_to(group))
         self.comm, self.buckets = self.zo.comm, self.zo.chunks
         self.adam, self.opt = self.zo.adam, self.zo.adam.opt
         self._exposed = 0.0  # ZeRO-2's per-micro-batch waits, billed to the step
@@ -75,6 +96,8 @@ class Zero(_Sharded):
         stats = self.zo.finish()
         # the previous step's parameter all-gather belongs to this step's bill
         stats.seconds += self._exposed + self.zo.gather_s
+        stats.seconds += self._replicas([b.grad_shard for gb in self.buckets
+                                         for b in gb.buckets])
         self._exposed = 0.0
         return stats
 
@@ -120,7 +143,8 @@ class Units(_Sharded):
         plan = self.plan
         self.fs = FullyShard(units, group, cfg, plan.collectives, reduce_dtype=reduce_dtype(cfg),
                              overlap=plan.overlap, deferred=self.deferred,
-                             unit_chunks=owner, counted=self.counted, select=select)
+                             unit_chunks=owner, counted=self.counted, select=select,
+                             pad_to=self._pad_to(group))
         self.comm, self.adam, self.opt = self.fs.comm, self.fs.adam, self.fs.adam.opt
         for u in self.fs.units:
             record_flat(u.params, u.offsets, u.padded, self.comm.rank, self.comm.size,
@@ -133,7 +157,10 @@ class Units(_Sharded):
         self.fs.launch_chunk(c)
 
     def _reduce(self) -> DPCommStats:
-        return self.fs.finish()
+        stats = self.fs.finish()
+        stats.seconds += self._replicas([u.grad_shard for u in self.fs.units
+                                         if u.grad_shard is not None])
+        return stats
 
     def _bind(self) -> None:
         self.fs.prepare_step()
