@@ -87,9 +87,9 @@ class ParallelPlan:
             "dp/R shards); pass --dp-replicate with a divisor of --dp",
         )
         _require(
-            self.dp_replicate == 1 or self.dp_replicate < self.dp,
-            f"dp_replicate={self.dp_replicate} = dp leaves one rank per shard: that is plain "
-            "data parallelism; pass --zero 0 and drop --dp-replicate",
+            self.dp_replicate == 1 or self.dp_replicate < self.dp * self.cp,
+            f"dp_replicate={self.dp_replicate} = dp*cp leaves one rank per shard: that is "
+            "plain data parallelism; pass --zero 0 and drop --dp-replicate",
         )
         _require(
             self.dp_replicate == 1 or self.zero >= 1,
