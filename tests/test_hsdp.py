@@ -211,3 +211,20 @@ def test_plan_prices_the_bytes_the_run_counts(tmp_path, capsys):
             dp_wire_bytes_by_axis(TINY, plan, "float64", r)
         assert run["dp_wire_bytes_per_rank"][r] == dp_wire_bytes(TINY, plan, "float64", r)
         assert run["model_state_bytes_per_rank"][r] == state_bytes(TINY, plan, "float64", r)
+
+
+def test_search_can_try_replica_counts():
+    """``replicas=(1, 2)``: the search also prices HSDP layouts (ZeRO >= 1 only, each
+    valid for the runtime), and reports the replica count; by default it tries none."""
+    from paratrain.cost.hardware import load_hardware
+    from paratrain.systems.search import candidate_record, enumerate_plans, search
+
+    hw, big = load_hardware("h100"), TINY.replace(d_model=256, n_heads=8, d_ff=1024,
+                                                  context=1024)
+    plain = list(enumerate_plans(big, hw, 8, 64, 1024))
+    both = list(enumerate_plans(big, hw, 8, 64, 1024, replicas=(1, 2)))
+    hsdp = [p for p, _ in both if p.dp_replicate == 2]
+    assert all(p.dp_replicate == 1 for p, _ in plain) and len(both) == len(plain) + len(hsdp)
+    assert hsdp and all(p.zero >= 1 and p.dp % 2 == 0 and p.dp * p.cp > 2 for p in hsdp)
+    res = search(big, hw, 8, 64 * 1024, 1024, top=len(both), replicas=(1, 2))
+    assert {candidate_record(c)["dp_replicate"] for c in res.top} == {1, 2}
