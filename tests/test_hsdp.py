@@ -191,6 +191,14 @@ def test_checkpoint_resumes_under_another_layout(text_file, tmp_path):
     for name, losses in got.items():
         assert len(losses) == 3, name
         assert max_rel_diff(losses, full[3:]) <= 1e-9, name
+    # the HSDP checkpoint is the plain model's tensors: the same as plain ZeRO-3's
+    from paratrain.files.checkpoint import load_full_model
+
+    _, hsdp = load_full_model(tmp_path / "hsdp_-_zero1", step=3)
+    _, zero3 = load_full_model(tmp_path / "zero3_-_hsdp_zero2", step=3)
+    assert hsdp.keys() == zero3.keys()
+    for k in hsdp:
+        assert float((hsdp[k] - zero3[k]).abs().max()) <= 1e-12 * float(zero3[k].abs().max()), k
 
 
 def test_plan_prices_the_bytes_the_run_counts(tmp_path, capsys):

@@ -49,6 +49,12 @@ class _Sharded(DataAxis):
 
         return dist.get_world_size(group) * self.rcomm.size
 
+    def _hsdp(self) -> str:
+        if self.rcomm is None:
+            return ""
+        return (f" (HSDP: sharded over {self.comm.size} ranks, owned chunks all-reduced "
+                f"over {self.rcomm.size} replicas once per step)")
+
     def _replicas(self, shards: list[torch.Tensor]) -> float:
         """HSDP: sum each owned gradient chunk over the replicas (in place, all launched
         then all waited); the seconds it took, all exposed."""
@@ -123,7 +129,7 @@ class Zero(_Sharded):
         return self.zo.state_tensors()
 
     def describe(self) -> str:
-        return f"ZeRO-{self.plan.zero}: " + self.layout()
+        return f"ZeRO-{self.plan.zero}{self._hsdp()}: " + self.layout()
 
 
 class Units(_Sharded):
@@ -194,7 +200,7 @@ class Units(_Sharded):
         return self.fs.layout()
 
     def describe(self) -> str:
-        return "ZeRO-3: " + self.layout()
+        return f"ZeRO-3{self._hsdp()}: " + self.layout()
 
     def full_parameters(self) -> dict[int, torch.Tensor]:
         return self.fs.full_parameters()

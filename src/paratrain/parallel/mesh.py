@@ -116,6 +116,10 @@ def layout_table(sizes: dict[str, int]) -> str:
             f"({world} ranks; tp innermost, then {'cp, then ' if cp > 1 else ''}dp, "
             "then pp)")
     lines = [head]
+    if sizes.get("dp_replicate", 1) > 1:
+        R = sizes["dp_replicate"]
+        groups = sorted({tuple(axis_ranks(r, "dp_shard", sizes)) for r in range(world)})
+        lines.append(f"  HSDP: {R} replicas; ZeRO shard groups {[list(g) for g in groups]}")
     for r in range(world):
         c = coords_of(r, sizes)
         cpc = f"  cp {c['cp']}" if cp > 1 else ""
