@@ -79,8 +79,9 @@ def data_axis(chunks: list[nn.Module], group, dp: int, plan: ParallelPlan,
     from paratrain.parallel.dp_replicated import Buckets, TopK
     from paratrain.parallel.dp_sharded import Units, Zero
 
+    ranks = dp * (plan.dp_replicate if replicate is not None else 1)  # the whole axis
     cls = {"none": DataAxis, "topk": TopK, "ddp": Buckets, "zero": Zero,
-           "fsdp": Units}[strategy(dp * (plan.dp_replicate if replicate is not None else 1), plan)]
+           "fsdp": Units}[strategy(ranks, plan)]
     return cls(chunks, group, plan, cfg, index, axes, select, units_of, replicate)
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from paratrain.parallel.data_axis import DataAxis, bucket_layout
@@ -45,8 +46,6 @@ class _Sharded(DataAxis):
         chunk splits evenly over the replicas (None: the group's size, plain ZeRO)."""
         if self.rcomm is None:
             return None
-        import torch.distributed as dist
-
         return dist.get_world_size(group) * self.rcomm.size
 
     def _hsdp(self) -> str:
