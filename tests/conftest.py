@@ -48,3 +48,15 @@ def paratrain_exe() -> str:
 def max_rel_diff(losses, ref) -> float:
     """Largest relative difference between two loss trajectories of equal length."""
     return max(abs(a - b) / abs(b) for a, b in zip(losses, ref, strict=True))
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for a module's in-process models: tiny matrices on a shared
+    2-core machine run far faster so (``pytestmark = pytest.mark.usefixtures(...)``)."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -71,7 +71,7 @@ def test_this_machines_search_tries_every_axis_and_only_valid_layouts():
     assert {p.cp_algorithm for p in dense if p.cp > 1} == {"ring", "all-to-all"}
     moe_plans = list(runtime_plans(moe, 4, TC.global_batch))
     assert any(p.ep == 4 for p in moe_plans)
-    assert not any(p.cp > 1 or p.sp for p in moe_plans)  # what check_runtime refuses
+    assert any(p.cp > 1 for p in moe_plans) and any(p.sp for p in moe_plans)  # issue 25
 
 
 def test_the_ranking_is_the_predictions_order_and_respects_limits_and_fixed_flags():
@@ -96,10 +96,12 @@ def test_kendall_tau_by_hand():
 
 
 def test_the_verdict_names_the_winner_and_its_gap():
-    recs = [{"layout": n, "predicted_s": p, "measured_s": m, "error": p / m - 1}
-            for n, p, m in (("a", 1.0, 1.2), ("b", 1.1, 1.0), ("c", 2.0, 2.5))]
+    recs = [{"layout": n, "predicted_rank": k, "predicted_s": p, "measured_s": m,
+             "error": p / m - 1}
+            for n, k, p, m in (("a", 1, 1.0, 1.2), ("b", 2, 1.1, 1.0), ("c", 9, 2.0, 2.5))]
     v = verdict(recs)
     assert v["winner"] == "a" and not v["winner_is_measured_best"]
+    assert v["kendall_tau_search"] == v["kendall_tau"]  # no separate search figure given
     assert math.isclose(v["winner_over_best"], 0.2)
     assert [r["measured_place"] for r in v["records"]] == [2, 1, 3]
     assert math.isclose(v["kendall_tau"], 1 / 3)

@@ -271,8 +271,9 @@ def test_plans_refused_with_ep():
         ParallelPlan(dp=2, ep=2, compress="topk:4").check_runtime(MOE)
     with pytest.raises(ValueError, match="does not divide experts"):
         ParallelPlan(dp=3, ep=3).check(MOE)
-    with pytest.raises(ValueError, match="--cp"):
-        ParallelPlan(dp=1, cp=2).check_runtime(MOE)
+    for m in (MOE, CAPPED):  # MoE runs under cp and sp (tests/test_moe_cp_sp.py)
+        ParallelPlan(dp=1, cp=2).check_runtime(m)
+        ParallelPlan(tp=2, sp=True).check_runtime(m)
 
 
 @pytest.mark.parametrize("args, fragment", [
@@ -283,7 +284,6 @@ def test_plans_refused_with_ep():
     (["--experts", "3", "--ep", "2", "--nproc", "2"], "does not divide experts=3"),
     (["--experts", "4", "--ep", "3", "--nproc", "2"], "ep=3 must divide dp=2"),
     (["--experts", "4", "--top-k", "5"], "top_k=5"),
-    (["--experts", "4", "--cp", "2", "--nproc", "2"], "MoE with --cp or --sp"),
     (["--experts", "4", "--capacity-factor", "-1"], "capacity_factor = -1.0 (--capacity-factor)"),
 ])
 def test_bad_moe_flags_are_one_line_and_exit_2(capsys, args, fragment):

@@ -13,8 +13,9 @@ from conftest import TINY
 from paratrain.cli import main
 from paratrain.files.inference import Loaded, logits
 from paratrain.files.tokenizer import Tokenizer, bytes_tokenizer_json
-from paratrain.model import Decoder, KVCache
+from paratrain.model import Decoder
 from paratrain.run.generate import NextLogits, sample
+from paratrain.run.kv_cache import KVCache, decode
 
 CONFIGS = {
     "gqa": TINY.replace(n_kv_heads=2),
@@ -25,13 +26,7 @@ CONFIGS = {
 TOL = {torch.float64: 1e-6, torch.float32: 1e-4}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The references run outside sample(), which sets one thread itself."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 def _model(cfg, dtype=torch.float32) -> Decoder:
@@ -68,7 +63,7 @@ def test_decode_in_chunks_equals_the_forward(name, dtype):
         ref = model(idx)
     cache, got, t = KVCache(model.cfg, 2, dtype), [], 0
     for n in (5, 3, 1, 1, 6):
-        got.append(model.decode(idx[:, t:t + n], cache))
+        got.append(decode(model, idx[:, t:t + n], cache))
         t += n
     assert cache.length == 16
     torch.testing.assert_close(torch.cat(got, 1), ref, rtol=0, atol=TOL[dtype])
@@ -135,7 +130,7 @@ def test_a_model_with_expert_capacity_has_no_cache():
     plain forward over the window (one forward per token, as before)."""
     model = _model(CONFIGS["moe-gqa"].replace(capacity_factor=1.0), torch.float64)
     with pytest.raises(ValueError, match="capacity_factor > 0"):
-        model.decode(torch.zeros(1, 2, dtype=torch.long), KVCache(model.cfg, 1, torch.float64))
+        decode(model, torch.zeros(1, 2, dtype=torch.long), KVCache(model.cfg, 1, torch.float64))
     sizes = _forward_sizes(model)
     ids, new = sample(_run(model), "ab", 20)
     assert sizes == [min(2 + i, 16) for i in range(20)]
@@ -145,10 +140,10 @@ def test_a_model_with_expert_capacity_has_no_cache():
 def test_decode_refuses_more_than_the_context():
     model = _model(TINY)
     cache = KVCache(model.cfg, 1, torch.float32)
-    model.decode(torch.zeros(1, 10, dtype=torch.long), cache)
+    decode(model, torch.zeros(1, 10, dtype=torch.long), cache)
     with pytest.raises(ValueError, match="10 cached \\+ 7 new positions exceed the model "
                                          "context 16; start a new cache"):
-        model.decode(torch.zeros(1, 7, dtype=torch.long), cache)
+        decode(model, torch.zeros(1, 7, dtype=torch.long), cache)
 
 
 def test_cli_default_is_greedy(tmp_path, capsys):

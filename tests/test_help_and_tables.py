@@ -83,7 +83,7 @@ def test_train_help_groups_flags_and_shows_every_default(monkeypatch, capsys):
         assert flag in ("--config", "--help") or "[default: " in text, flag
     assert "[default: world / (tp*pp*cp)]" in opts["--dp"][1]  # not the stored 1
     assert "[default: heads]" in opts["--kv-heads"][1]
-    assert "[gpipe|1f1b|interleaved|zb-h1]" in opts["--schedule"][1]
+    assert "[gpipe | 1f1b | interleaved | zb-h1 | zb-v | dualpipev]" in opts["--schedule"][1]
     assert "--resume auto" in opts["--resume"][1]
     assert opts["--resume"][0] == "Checkpoints and faults"
     usage = next(line for line in lines if "Usage:" in line)

@@ -22,13 +22,7 @@ RUN = ["--nproc", "1", "--steps", "1", "--global-batch", "4", "--context", "16",
        "--eval-every", "0", "--quiet"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matrices on a shared 2-core machine: one intra-op thread is far faster."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 def _write_llama(path, seed: int, tokenizer: bool, **config) -> None:

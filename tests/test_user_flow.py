@@ -16,13 +16,7 @@ MODEL = ["--layers", "2", "--d-model", "32", "--heads", "4", "--kv-heads", "2",
          "--d-ff", "64", "--context", "32"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matrices on a shared 2-core machine: one intra-op thread is far faster."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 @pytest.fixture(scope="module")

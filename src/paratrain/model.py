@@ -17,10 +17,9 @@ model in place. Two conventions make that possible:
   :meth:`MoE.run_sorted`; expert parallelism (:mod:`paratrain.parallel.expert`) sets
   ``moe.exchange`` to send those rows to the experts' ranks instead, and keeps only its
   own experts in ``moe.experts``.
-- Inference has a second entry, :meth:`Decoder.decode`, which appends tokens to a
-  :class:`KVCache` (the keys and values of the positions already seen) and runs only the
-  new ones. It shares every layer with ``forward`` and changes nothing there; the
-  parallel transforms never see it (they wrap ``forward`` and ``attn.core``).
+- Inference with a KV cache (:mod:`paratrain.run.kv_cache`) reuses ``Attention.project``
+  and :func:`heads_first`, so it shares every layer with ``forward`` and changes nothing
+  there; the parallel transforms never see it (they wrap ``forward`` and ``attn.core``).
 
 Shapes: B batch, T time, D model width, H heads, K kv heads, E head dim, V vocabulary.
 """
@@ -81,21 +80,6 @@ def eager_attention(q_BHTE: torch.Tensor, k_BHSE: torch.Tensor,
     return s_BHTS.softmax(dim=-1) @ v_BHSE
 
 
-def cached_attention(q_BHTE, k_BHSE, v_BHSE, kernel: str) -> torch.Tensor:
-    """Causal attention of T new queries over S = cached + T keys (inference).
-
-    sdpa's ``is_causal`` aligns its mask top-left (query i sees keys 0..i), right only
-    when S = T; with a cache the mask is explicit (query i sees keys 0..S - T + i), and
-    a single new query sees every key, so it needs none."""
-    T, S = q_BHTE.shape[-2], k_BHSE.shape[-2]
-    if kernel == "eager":
-        return eager_attention(q_BHTE, k_BHSE, v_BHSE)
-    if T == S or T == 1:
-        return F.scaled_dot_product_attention(q_BHTE, k_BHSE, v_BHSE, is_causal=T > 1)
-    sees_TS = torch.ones(T, S, dtype=torch.bool, device=q_BHTE.device).tril(S - T)
-    return F.scaled_dot_product_attention(q_BHTE, k_BHSE, v_BHSE, attn_mask=sees_TS)
-
-
 def heads_first(q_BTHE, k_BSKE, v_BSKE) -> tuple[torch.Tensor, ...]:
     """(B, H, T, E) q and (B, H, S, E) k, v: grouped-query attention repeats each of the
     K kv heads for H / K query heads."""
@@ -105,28 +89,6 @@ def heads_first(q_BTHE, k_BSKE, v_BSKE) -> tuple[torch.Tensor, ...]:
         k = k.repeat_interleave(rep, dim=1)
         v = v.repeat_interleave(rep, dim=1)
     return q, k, v
-
-
-class KVCache:
-    """Keys and values (after RoPE) of the positions a batch has seen, for inference.
-
-    One (B, context, K, E) buffer each for keys and values per block, K the model's kv
-    heads (grouped-query attention repeats them only at use, as in training); ``length``
-    positions are filled. :meth:`Decoder.decode` writes into it and advances it."""
-
-    def __init__(self, cfg: ModelConfig, batch: int, dtype: torch.dtype,
-                 device: torch.device | str = "cpu") -> None:
-        shape = (batch, cfg.context, cfg.kv_heads, cfg.head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.n_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.n_layers)]
-        self.length = 0
-
-    def extend(self, layer: int, k_BTKE, v_BTKE) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write block ``layer``'s new keys/values at ``length``; all of them so far."""
-        t0, t1 = self.length, self.length + k_BTKE.shape[1]
-        self.k[layer][:, t0:t1] = k_BTKE
-        self.v[layer][:, t0:t1] = v_BTKE
-        return self.k[layer][:, :t1], self.v[layer][:, :t1]
 
 
 class Attention(nn.Module):
@@ -159,14 +121,6 @@ class Attention(nn.Module):
 
     def forward(self, x_BTD, cos, sin) -> torch.Tensor:
         return self.wo(self.core(*self.project(x_BTD, cos, sin)))
-
-    def decode(self, x_BTD, cos, sin, cache: KVCache, layer: int) -> torch.Tensor:
-        """``forward`` for T new positions after ``cache.length`` cached ones (cos, sin
-        are the new positions' rows): their keys/values join the cache."""
-        q, k, v = self.project(x_BTD, cos, sin)
-        q, k, v = heads_first(q, *cache.extend(layer, k, v))
-        return self.wo(cached_attention(q, k, v, self.kernel).transpose(1, 2).flatten(2))
-
 
 class SwiGLU(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
@@ -232,11 +186,12 @@ class MoE(nn.Module):
     sequence's T*k assignments routed to e and P_se its mean router probability (1.0 when
     perfectly balanced). The step loss is (sum of token cross-entropies + coef * sum_s T
     aux_s) / (global tokens), i.e. the mean token loss plus coef x the mean over
-    sequences of aux_s. Because a sequence never spans data ranks or micro-batches, this
-    is a sum over sequences and composes exactly under any data / pipeline split (no
-    collective of router statistics; DeepSeek-V3's sequence-wise balance loss has the
-    same shape). The engine sets ``loss_scale`` = 1 / global tokens before each forward;
-    while it is None (a plain forward) the auxiliary loss adds no gradient.
+    sequences of aux_s. A sequence never spans data ranks or micro-batches, so this is a
+    sum over sequences and composes exactly under any data / pipeline split with no
+    collective of router statistics (DeepSeek-V3's sequence-wise balance loss has the
+    same shape); a sequence cut over cp / sp ranks sums its counts (below). The engine
+    sets ``loss_scale`` = 1 / global tokens before each forward; while it is None (a
+    plain forward) the auxiliary loss adds no gradient.
 
     Router z-loss (ST-MoE, Zoph et al. 2022, eq. 5), when ``z_loss_coef`` > 0: the
     squared log-sum-exp of each token's router logits, z_n = (log sum_e exp x_ne)^2,
@@ -248,6 +203,17 @@ class MoE(nn.Module):
     assignments per sequence, first come first served in position order (a token's k
     slots in rank order); the rest are dropped (the token keeps its residual) and counted.
     C = 0 is dropless.
+
+    Sharded sequences (context / sequence parallelism set ``shards``: each rank holds
+    1/``shards.factor`` of every sequence's tokens and routes only those): the counts
+    c_se are summed over the shards (``shards.all_reduce``, integers: exact) before
+    f_se is formed, and P_se is this rank's sum of router probabilities over T (the whole
+    sequence), so the shards' aux_s add up to the single process's and each token's
+    gradient, E f_se / T, is the one it gets there (f carries no gradient in either).
+    The statistics are the group's totals, kept by ``shards.owner`` only (0 elsewhere).
+    Capacity needs every assignment's place in line over the whole sequence: the expert
+    indices (B, T, k) are gathered in position order, the keep mask is computed there
+    as above and each rank keeps its own rows, so the same assignments are dropped.
     """
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -261,6 +227,7 @@ class MoE(nn.Module):
         self.shared = (Expert(cfg.d_model, cfg.shared_experts * cfg.expert_ffn)
                        if cfg.shared_experts else None)
         self.exchange = None  # expert parallelism: (moe, x_SD, counts_E) -> y_SD
+        self.shards = None  # cp / sp: .factor, .owner, .all_reduce(t) (sums over shards)
         self.loss_scale: float | None = None
         self.reset_stats()
 
@@ -270,7 +237,9 @@ class MoE(nn.Module):
 
     def route(self, x_ND: torch.Tensor, T: int):
         """(top-k expert index, renormalised weight, keep mask or None, aux sum, z sum
-        (None when the z-loss is off))."""
+        (None when the z-loss is off), statistics (aux, z, load (E,) or None: the kept
+        assignments counted here, dropped or None: counted here) of this rank's record).
+        ``T``: the tokens of each sequence on this rank."""
         N, E, K = x_ND.shape[0], self.num_experts, self.top_k
         logits = self.router(x_ND)
         if logits.dtype in (torch.float16, torch.bfloat16):
@@ -281,14 +250,59 @@ class MoE(nn.Module):
         w_NK = w_NK / w_NK.sum(-1, keepdim=True)
         B = N // T
         onehot_BAE = F.one_hot(idx_NK.view(B, T * K), E)  # A = T*K assignments, in order
-        f_BE = onehot_BAE.sum(1).to(probs_NE.dtype) / (T * K)
-        aux = E * (f_BE * probs_NE.view(B, T, E).mean(1)).sum()
+        if self.shards is None:
+            f_BE = onehot_BAE.sum(1).to(probs_NE.dtype) / (T * K)
+            aux = E * (f_BE * probs_NE.view(B, T, E).mean(1)).sum()
+            stats = [aux.detach(), z, None, None]
+        elif not torch.is_grad_enabled():  # evaluation: no auxiliary loss, no statistics
+            aux, stats = None, None
+        else:
+            aux, stats = self._sharded_aux(onehot_BAE.sum(1), probs_NE.view(B, T, E), z)
         keep = None
         if self.capacity_factor > 0:
-            cap = math.ceil(self.capacity_factor * T * K / E)
-            pos_BA = (onehot_BAE.cumsum(1) * onehot_BAE).sum(-1)  # 1-based place in line
-            keep = (pos_BA <= cap).view(N, K)
-        return idx_NK, w_NK.to(x_ND.dtype), keep, aux, z
+            keep = self._capacity(idx_NK.view(B, T, K), onehot_BAE, stats)
+        return idx_NK, w_NK.to(x_ND.dtype), keep, aux, z, stats
+
+    def _capacity(self, idx_BTK: torch.Tensor, onehot_BAE: torch.Tensor, stats):
+        """Keep mask (N, K): at most ceil(C T k / E) assignments per expert and whole
+        sequence, in position order. With shards the sequence's expert indices are
+        gathered in position order (``shards.whole``), the mask computed there and this
+        rank's rows taken (``shards.mine``); the owner's statistics count the whole."""
+        sh, E, K = self.shards, self.num_experts, self.top_k
+        B, Tl, _ = idx_BTK.shape
+        T = Tl * (1 if sh is None else sh.factor)
+        whole = idx_BTK if sh is None else sh.whole(idx_BTK)
+        oh = onehot_BAE if sh is None else F.one_hot(whole.reshape(B, T * K), E)
+        cap = math.ceil(self.capacity_factor * T * K / E)
+        pos_BA = (oh.cumsum(1) * oh).sum(-1)  # 1-based place in line
+        keep_BTK = (pos_BA <= cap).view(B, T, K)
+        if sh is None:
+            return keep_BTK.view(B * T, K)
+        if stats is not None:  # training: the group's dropped and kept, on the owner
+            kept = torch.bincount(whole[keep_BTK], minlength=E)
+            stats[2] = kept if sh.owner else torch.zeros_like(kept)
+            stats[3] = int((~keep_BTK).sum()) if sh.owner else 0
+        return sh.mine(keep_BTK).reshape(B * Tl, K)
+
+    def _sharded_aux(self, counts_BE: torch.Tensor, probs_BTE: torch.Tensor, z):
+        """This shard's part of the auxiliary sum (class docstring) and the group's
+        statistics, from one all-reduce of [counts, probability sums, z] (float64)."""
+        sh, E, K = self.shards, self.num_experts, self.top_k
+        B, Tl, _ = probs_BTE.shape
+        T = Tl * sh.factor  # the whole sequence
+        psum_BE = probs_BTE.sum(1)
+        zd = torch.zeros(1, dtype=torch.float64, device=psum_BE.device) if z is None \
+            else z.detach().double().view(1)
+        packed = torch.cat((counts_BE.double().flatten(), psum_BE.detach().double().flatten(),
+                            zd))
+        sh.all_reduce(packed)
+        counts_g = packed[:B * E].view(B, E)
+        f_BE = counts_g.to(probs_BTE.dtype) / (T * K)  # the whole sequence's fractions
+        aux = E * (f_BE * (psum_BE / T)).sum()
+        if not sh.owner:
+            return aux, [torch.zeros(()), None, torch.zeros(E, dtype=torch.long), 0]
+        full = E * (f_BE.double() * packed[B * E:2 * B * E].view(B, E) / T).sum()
+        return aux, [full, None if z is None else packed[-1], counts_g.sum(0).long(), 0]
 
     def run_sorted(self, x_SD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
         """Rows sorted by expert, ``counts_E`` rows each -> expert outputs, same order.
@@ -300,7 +314,7 @@ class MoE(nn.Module):
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
         B, T, D = x_BTD.shape
         x_ND = x_BTD.reshape(B * T, D)
-        idx_NK, w_NK, keep, aux, z = self.route(x_ND, T)
+        idx_NK, w_NK, keep, aux, z, rec = self.route(x_ND, T)
         tok_S, w_S, counts_E = sort_assignments(idx_NK, w_NK, keep, self.num_experts)
         x_SD = x_ND[tok_S]
         if self.exchange is None:
@@ -314,12 +328,14 @@ class MoE(nn.Module):
             return y_ND.view(B, T, D)  # evaluation: no auxiliary loss, no statistics
         if torch._C._current_graph_task_id() == -1:  # not a recompute inside backward
             st = self.stats
-            st["aux_sum"] += float(aux.detach())
-            st["z_sum"] += 0.0 if z is None else float(z.detach())
-            st["dropped"] += 0 if keep is None else int((~keep).sum())
-            st["load"] += counts_E.cpu()
+            st["aux_sum"] += float(rec[0])
+            st["z_sum"] += 0.0 if rec[1] is None else float(rec[1].detach())
+            st["dropped"] += rec[3] if rec[3] is not None else (
+                0 if keep is None else int((~keep).sum()))
+            st["load"] += (counts_E if rec[2] is None else rec[2]).cpu()
+        T_seq = T * (1 if self.shards is None else self.shards.factor)
         if self.loss_scale is not None and self.coef > 0:
-            y_ND = _AuxGrad.apply(y_ND, aux, self.coef * T * self.loss_scale)
+            y_ND = _AuxGrad.apply(y_ND, aux, self.coef * T_seq * self.loss_scale)
         if self.loss_scale is not None and z is not None:
             y_ND = _AuxGrad.apply(y_ND, z, self.z_coef * self.loss_scale)
         return y_ND.view(B, T, D)
@@ -336,11 +352,6 @@ class Block(nn.Module):
     def forward(self, x_BTD, cos, sin) -> torch.Tensor:
         x_BTD = x_BTD + self.attn(self.attn_norm(x_BTD), cos, sin)
         return x_BTD + self.mlp(self.mlp_norm(x_BTD))
-
-    def decode(self, x_BTD, cos, sin, cache: KVCache, layer: int) -> torch.Tensor:
-        x_BTD = x_BTD + self.attn.decode(self.attn_norm(x_BTD), cos, sin, cache, layer)
-        return x_BTD + self.mlp(self.mlp_norm(x_BTD))
-
 
 class Decoder(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
@@ -388,29 +399,6 @@ class Decoder(nn.Module):
         for blk in self.blocks:
             h = blk(h, cos, sin)
         return self.logits(h)
-
-    @torch.no_grad()
-    def decode(self, idx_BT: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        """Inference: token ids (B, T) at positions ``cache.length`` onwards -> their
-        logits (B, T, V), equal to ``forward``'s at those positions over the whole
-        sequence (a prefill is decode on an empty cache). The cache advances by T.
-
-        A causal model only: with expert capacity (``capacity_factor`` > 0) a token's
-        output depends on the sequence length, so that model has no cache."""
-        T, t0 = idx_BT.shape[1], cache.length
-        if self.cfg.capacity_factor > 0:
-            raise ValueError("a model with expert capacity (capacity_factor > 0) routes "
-                             "by sequence length; run forward over the whole sequence")
-        if t0 + T > self.cfg.context:
-            raise ValueError(f"{t0} cached + {T} new positions exceed the model context "
-                             f"{self.cfg.context}; start a new cache")
-        cos, sin = self.rope(t0, t0 + T)
-        h = self.embed(idx_BT)
-        for i, blk in enumerate(self.blocks):
-            h = blk.decode(h, cos, sin, cache, i)
-        cache.length = t0 + T
-        return self.logits(h)
-
 
 def moe_modules(model: nn.Module) -> list[MoE]:
     """The MoE MLPs of ``model`` (or of a list of pipeline chunks), in order."""

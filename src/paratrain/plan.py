@@ -211,12 +211,6 @@ class ParallelPlan:
             f"ep={self.ep} needs a Mixture-of-Experts model; pass --experts E (a multiple "
             f"of {self.ep}) or use --ep 1",
         )
-        if model.experts:
-            _require(
-                self.cp == 1 and not self.sp,
-                "MoE with --cp or --sp is not supported (the auxiliary loss and capacity are "
-                "per whole sequence); use --cp 1 and drop --sp",
-            )
         _require(
             self.dp_replicate == 1 or self.ep == 1,
             f"--dp-replicate {self.dp_replicate} with --ep {self.ep} is not supported (the "

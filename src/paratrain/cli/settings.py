@@ -89,7 +89,9 @@ def schema(tables: dict[str, tuple[str, ...] | None]) -> list[Setting]:
             want = next(t for t in typing.get_args(hints[f.name]) or (hints[f.name],)
                         if t is not type(None))
             choices = f.metadata.get("choices", ())
-            text = f.metadata.get("help", "") + (f" \\[{'|'.join(choices)}]" if choices else "")
+            # ' | ' so a long choice list wraps at 80 columns instead of being cut
+            text = f.metadata.get("help", "") + (f" \\[{' | '.join(choices)}]" if choices
+                                                  else "")
             out.append(Setting(table, f.name, flag, want, text, f.default))
     return out
 

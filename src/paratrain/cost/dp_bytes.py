@@ -13,8 +13,16 @@ from paratrain.cost.buffers import (
     topk_keep,
 )
 from paratrain.cost.collectives import ring_share, wire_bytes
-from paratrain.cost.ranks import elements, rank_layout, reducers
+from paratrain.cost.ranks import elements, rank_layout
+from paratrain.cost.ranks import reducers as _reducers
 from paratrain.plan import ParallelPlan
+
+
+def reducers(plan: ParallelPlan, rank: int) -> list:
+    """:func:`paratrain.cost.ranks.reducers` with each reducer's plan as it sees it
+    (:func:`reducer_plan`: cp ranks hold the same parameters, dense and expert ones
+    alike, so both reducers run over their dp ranks x cp)."""
+    return [(reducer_plan(q), r, part, ep) for q, r, part, ep in _reducers(plan, rank)]
 
 
 # ---- bytes -----------------------------------------------------------------------------

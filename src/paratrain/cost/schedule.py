@@ -35,11 +35,12 @@ Generators:
   the paper's (p-1)(T_F + T_B - T_W) per stage, i.e. (p-1)/(3m+p-1) of the step, for
   m >= p (checked for p up to 64); 1F1B's is (p-1)/(m+p-1).
 - ``zb-v`` (Qi et al. 2023, sec. 6): zero bubble on the V placement, as PyTorch's
-  ``ScheduleZBVZeroBubble`` builds it (:func:`_zb_v`; the same compute order, tested
-  against the installed torch); activation memory of 2p chunks
+  ``ScheduleZBVZeroBubble`` builds it (:func:`paratrain.cost.schedule_v.zb_v`; the same
+  compute order, tested against the installed torch); activation memory of 2p chunks
   (p stages' worth, as 1F1B's rank 0).
 - ``dualpipev`` (DeepSeek-AI 2024, "DeepSeek-V3 Technical Report", sec. 3.2.1: DualPipe;
-  its V-shaped one-copy variant as PyTorch's ``ScheduleDualPipeV``, :func:`_dualpipev`):
+  its V-shaped one-copy variant as PyTorch's ``ScheduleDualPipeV``,
+  :func:`paratrain.cost.schedule_v.dualpipev`):
   forward of one chunk paired with a full backward of the other in the steady phase,
   zero-bubble BI/BW at the ramps; needs m >= 2p; 2p + 1 chunks' activations.
   Under unit costs both V schedules leave (p-1)/2 forward-times idle per rank
@@ -64,26 +65,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from paratrain.cost.actions import COMMS, COMPUTE, Action  # noqa: F401 (re-exported)
+from paratrain.cost.schedule_v import dualpipev as _dualpipev
+from paratrain.cost.schedule_v import zb_v as _zb_v
+
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipev")
 V_SHAPED = ("zb-v", "dualpipev")  # two chunks per rank, placed in a V (see stage_of)
-COMPUTE = ("F", "B", "BI", "BW")
-COMMS = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
-
-
-@dataclass(frozen=True)
-class Action:
-    kind: str  # one of COMPUTE or COMMS
-    mb: int  # micro-batch
-    chunk: int = 0  # local model chunk on this rank (0 .. v-1)
-    peer: int = -1  # the other pipeline rank of a send/receive
-
-    def __str__(self) -> str:
-        c = f"c{self.chunk}" if self.chunk else ""
-        p = f"->{self.peer}" if self.kind.startswith("SEND") else (
-            f"<-{self.peer}" if self.kind.startswith("RECV") else "")
-        return f"{self.kind}{self.mb}{c}{p}"
-
-
 @dataclass(frozen=True)
 class PipelineSchedule:
     name: str
@@ -211,123 +198,6 @@ def _zb_h1(p: int, m: int) -> list[list[Action]]:
         if not progressed and t > 4 * total:
             raise RuntimeError(f"zb-h1 generation stalled at p={p} m={m}")
     return acts
-
-
-class _Emitter:
-    """One rank's list under construction: ``emit(kind, chunk)`` appends that chunk's next
-    micro-batch of ``kind`` (a full ``B`` counts as that chunk's next input gradient, so
-    B and BI share a counter); ``BI`` queues its ``BW``, which ``weight()`` emits oldest
-    first (``weight(chunk)``: the oldest of that chunk)."""
-
-    def __init__(self) -> None:
-        self.acts: list[Action] = []
-        self.next: dict[tuple[str, int], int] = {}
-        self.deferred: list[tuple[int, int]] = []  # (chunk, mb) whose BW is still owed
-
-    def emit(self, kind: str, chunk: int, times: int = 1) -> None:
-        for _ in range(times):
-            key = ("BI" if kind == "B" else kind, chunk)
-            mb = self.next.get(key, 0)
-            self.next[key] = mb + 1
-            self.acts.append(Action(kind, mb, chunk))
-            if kind == "BI":
-                self.deferred.append((chunk, mb))
-
-    def weight(self, chunk: int | None = None) -> bool:
-        """Emit the oldest owed BW (of ``chunk`` if given); False if none is owed."""
-        i = next((j for j, (c, _) in enumerate(self.deferred) if chunk in (None, c)), None)
-        if i is None:
-            return False
-        c, mb = self.deferred.pop(i)
-        self.acts.append(Action("BW", mb, c))
-        return True
-
-    def count(self, kind: str, chunk: int) -> int:
-        return self.next.get((kind, chunk), 0)
-
-
-def _zb_v(p: int, m: int) -> list[list[Action]]:
-    """ZB-V (Qi et al. 2023, sec. 6), V placement. Built for ``n = max(m, 2p - 1)``
-    micro-batches (the fewest that fill the V) and cut back to m: per rank r, forwards of
-    chunk 0 until the V's bottom is reached, then chunk 1's first backwards right behind
-    their forwards, a steady phase of F BI BW on each chunk in turn, and a drain whose
-    deferred BW fill the ramp-down."""
-    n = max(m, 2 * p - 1)
-    out = []
-    for r in range(p):
-        e = _Emitter()
-        e.emit("F", 0, 2 * (p - r) - 1)
-        for _ in range(r):
-            e.emit("F", 1)
-            e.emit("F", 0)
-        for _ in range(p - r):
-            e.emit("F", 1)
-            e.emit("BI", 1)
-            e.weight()
-        while e.count("F", 1) < e.count("F", 0) or e.count("F", 0) < n:
-            if e.count("F", 0) < n:
-                e.emit("F", 0)
-            e.emit("BI", 0)
-            e.weight()
-            e.emit("F", 1)
-            e.emit("BI", 1)
-            e.weight()
-        for _ in range(r):
-            e.emit("BI", 0)
-            e.emit("BI", 1)
-        # drain: chunk 0's backwards, each followed by the oldest chunk-0 BW, then the rest
-        for _ in range(p - r):
-            e.emit("BI", 0)
-            e.weight(0)
-        while e.weight(1):
-            pass
-        while e.weight(0):
-            pass
-        out.append([a for a in e.acts if a.mb < m])
-    return out
-
-
-def _dualpipev(p: int, m: int) -> list[list[Action]]:
-    """DualPipeV (DeepSeek-AI 2024, DeepSeek-V3 report sec. 3.2.1, in its V-shaped
-    one-copy form): per rank r, forwards of chunk 0 then of both chunks; a zero-bubble
-    lead-in on chunk 1 (BI, a deferred BW, F); the main phase pairs a forward of one chunk
-    with a full backward of the other (F0 B1, F1 B0: DeepSeek overlaps each pair's
-    communication with the other's compute; here they run back to back); then backwards
-    only, the second half as BI whose BW fill the ramp-down. Needs m >= 2p."""
-    if m < 2 * p:
-        raise ValueError(f"dualpipev needs micro_batches >= 2*pp = {2 * p} (got {m}); "
-                         f"use --micro-batches {2 * p}")
-    out = []
-    for r in range(p):
-        e = _Emitter()
-        e.emit("F", 0, 2 * (p - r - 1))
-        for _ in range(r + 1):
-            e.emit("F", 0)
-            e.emit("F", 1)
-        for _ in range(p - r - 1):
-            e.emit("BI", 1)
-            e.weight()
-            e.emit("F", 1)
-        for _ in range(m - 2 * p + r + 1):
-            for f, b in ((0, 1), (1, 0)):
-                e.emit("F", f)
-                e.emit("B", b)
-        for _ in range(p - r - 1):
-            e.emit("B", 1)
-            e.emit("F", 1)
-            e.emit("B", 0)
-        zb = False
-        for i in range(r + 1):  # the switch to BI falls mid-phase, on chunk 1 (r odd) or 0
-            for c in (1, 0):
-                zb = zb or (i == (r + 1) // 2 and (r % 2 == 1) == (c == 1))
-                e.emit("BI" if zb else "B", c)
-        for _ in range(p - r - 1):
-            e.weight()
-            e.emit("BI" if zb else "B", 0)
-        while e.weight():
-            pass
-        out.append(e.acts)
-    return out
 
 
 def _with_comms(name: str, p: int, m: int, v: int, compute: list[list[Action]]) -> PipelineSchedule:

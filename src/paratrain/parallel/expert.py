@@ -23,6 +23,13 @@ ep group. The all-to-all is torch's ``all_to_all_single``, or with ``--collectiv
 ours`` paratrain's pairwise exchange (p - 1 rounds of isend / irecv,
 :meth:`ExpertExchange._pairwise`); both send the same bytes.
 
+Sharded sequences (cp > 1, or sp: :class:`TokenShards`): each rank routes only the
+tokens it holds (T/cp of each sequence, T/(cp tp) with SP, where the MoE MLP reads the
+sequence-sharded residual), through the same exchange. The load-balancing loss needs each
+sequence's per-expert counts, so :meth:`paratrain.model.MoE.route` sums them over the
+shards (one small all-reduce per layer and micro-batch over cp, then over tp with SP) and
+stays exact (docs/expert-parallel.md, "Context and sequence parallelism").
+
 Gradients: dense parameters are reduced over dp (the usual :class:`.data_axis.DataAxis`),
 expert parameters (tagged ``expert = True``, ``ep`` among their placement's sharded axes:
 :mod:`.placement`) by a second data axis over the ``edp`` group
@@ -43,6 +50,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from paratrain.cost.layout import cp_positions
 from paratrain.model import moe_modules
 from paratrain.parallel.ddp import DPCommStats
 from paratrain.parallel.placement import mark
@@ -170,6 +178,79 @@ def apply_expert_parallel(chunks: list[nn.Module], mesh, collectives: str = "nat
             mark(m.experts.parameters(), sharded=("ep",))  # the plain name says which
         m.exchange = ex
     return ex
+
+
+class TokenShards:
+    """The ranks holding pieces of the same sequences: the cp group, and with SP the tp
+    group (:attr:`paratrain.model.MoE.shards`). ``factor`` pieces per sequence; the
+    ``owner`` (cp and tp index 0) records the group's MoE statistics. ``cp`` and ``tp``:
+    (group, size, index) of each axis that cuts the sequence, None where it does not."""
+
+    def __init__(self, cp: tuple | None, tp: tuple | None) -> None:
+        self.cp, self.tp = cp, tp
+        self.groups = [a[0] for a in (cp, tp) if a is not None]
+        self.factor = math.prod(a[1] for a in (cp, tp) if a is not None)
+        self.owner = all(a[2] == 0 for a in (cp, tp) if a is not None)
+        self.calls = 0
+        self.payload_bytes = 0  # router statistics and expert indices moved (per rank)
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum ``t`` over the shards in place: over each group in turn (cp x tp)."""
+        for g in self.groups:
+            dist.all_reduce(t, group=g)
+            self._count(t)
+        return t
+
+    def _count(self, t: torch.Tensor) -> None:
+        self.calls += 1
+        self.payload_bytes += t.numel() * t.element_size()
+
+    def _gather(self, x: torch.Tensor, axis: tuple) -> list[torch.Tensor]:
+        parts = [torch.empty_like(x) for _ in range(axis[1])]
+        dist.all_gather(parts, x.contiguous(), group=axis[0])
+        self._count(x)
+        return parts
+
+    def whole(self, x_BtK: torch.Tensor) -> torch.Tensor:
+        """This rank's (B, T / factor, ...) piece -> every sequence whole, (B, T, ...) in
+        position order: SP pieces are consecutive slices of the cp rank's tokens (in
+        its local order), cp ranks hold the load-balanced chunks (:func:`paratrain.cost.
+        layout.cp_positions`)."""
+        if self.tp is not None:
+            x_BtK = torch.cat(self._gather(x_BtK, self.tp), dim=1)
+        if self.cp is None:
+            return x_BtK
+        B, Tc, *rest = x_BtK.shape
+        T = Tc * self.cp[1]
+        out = x_BtK.new_empty((B, T, *rest))
+        for i, part in enumerate(self._gather(x_BtK, self.cp)):
+            out[:, self._cp_pos(T, i, x_BtK.device)] = part
+        return out
+
+    def mine(self, x_BT: torch.Tensor) -> torch.Tensor:
+        """The inverse of :meth:`whole` for this rank: its columns, in its order."""
+        if self.cp is not None:
+            x_BT = x_BT.index_select(1, self._cp_pos(x_BT.shape[1], self.cp[2], x_BT.device))
+        if self.tp is not None:
+            x_BT = x_BT.chunk(self.tp[1], dim=1)[self.tp[2]]
+        return x_BT
+
+    def _cp_pos(self, T: int, i: int, device) -> torch.Tensor:
+        return torch.tensor(cp_positions(T, self.cp[1], i), device=device)
+
+
+def apply_token_shards(chunks: list[nn.Module], mesh, plan) -> TokenShards | None:
+    """With cp > 1 or sp, tell every MoE layer of ``chunks`` which ranks share its
+    sequences (:class:`TokenShards`); None when each rank holds whole sequences."""
+    if plan.cp == 1 and not plan.sp:
+        return None
+    cp = (mesh.group("cp"), plan.cp, mesh.index("cp")) if plan.cp > 1 else None
+    tp = (mesh.group("tp"), plan.tp, mesh.index("tp")) if plan.sp else None
+    shards = TokenShards(cp, tp)
+    for c in chunks:
+        for m in moe_modules(c):
+            m.shards = shards
+    return shards
 
 
 class SplitDataAxis:

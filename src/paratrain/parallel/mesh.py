@@ -15,7 +15,10 @@ Expert parallelism (``ep``, dividing dp) is a sub-axis of dp, not a fifth factor
 world (Megatron-LM / DeepSpeed-MoE): consecutive dp indices form an ``ep`` group (dp
 index = g * ep + j; the group holds every expert once, ep index j holds experts
 [j E/ep, (j+1) E/ep)), and the dp ranks with the same j form the expert-data-parallel
-group ``edp`` (size dp / ep) that holds the same experts and sums their gradients.
+group ``edp`` (size dp / ep, times cp: context-parallel ranks hold the same experts
+too) that holds the same experts and sums their gradients; its rank order is the global
+order (dp outer, cp inner), so a rank's index in it is ``(dp_index // ep) * cp +
+cp_index``.
 Both come from ``dist.new_group`` and exist only when ep > 1 (``sizes["ep"]``).
 
 Besides one group per axis the mesh holds ``dpcp``: the dp x cp ranks of one (pp, tp)
@@ -91,9 +94,10 @@ def axis_ranks(rank: int, axis: str, sizes: dict[str, int]) -> list[int]:
     if axis in ("ep", "edp"):
         ep = sizes.get("ep", 1)
         g, j = divmod(c["dp"], ep)
-        dps = ([g * ep + i for i in range(ep)] if axis == "ep"
-               else [i * ep + j for i in range(sizes["dp"] // ep)])
-        return [rank_of({**c, "dp": d}, sizes) for d in dps]
+        if axis == "ep":
+            return [rank_of({**c, "dp": g * ep + i}, sizes) for i in range(ep)]
+        return [rank_of({**c, "dp": i * ep + j, "cp": k}, sizes)
+                for i in range(sizes["dp"] // ep) for k in range(_full(sizes)["cp"])]
     if axis == "dpcp":
         f = _full(sizes)
         return [rank_of({**c, "dp": d, "cp": k}, sizes)
@@ -217,7 +221,7 @@ class Mesh:
             return R if axis == "dp_replicate" else self.sizes["dp"] // R * self.sizes["cp"]
         if axis in ("ep", "edp"):
             ep = self.sizes.get("ep", 1)
-            return ep if axis == "ep" else self.sizes["dp"] // ep
+            return ep if axis == "ep" else self.sizes["dp"] // ep * self.sizes["cp"]
         return self.sizes[axis]
 
     def index(self, axis: str) -> int:
@@ -230,7 +234,7 @@ class Mesh:
             return rep if axis == "dp_replicate" else s * self.sizes["cp"] + c["cp"]
         if axis in ("ep", "edp"):
             g, j = divmod(c["dp"], self.sizes.get("ep", 1))
-            return j if axis == "ep" else g
+            return j if axis == "ep" else g * self.sizes["cp"] + c["cp"]
         return c[axis]
 
     def group(self, axis: str):

@@ -118,6 +118,9 @@ class MeshEngine(Engine):
             self.cp = cp_comm(mesh, plan.cp_algorithm, plan.collectives)
             for c in chunks:
                 apply_context_parallel(c, self.cp, self.mcfg.context)
+        from paratrain.parallel.expert import apply_token_shards
+
+        self.shards = apply_token_shards(chunks, mesh, plan)  # MoE routing under cp / sp
         for c in chunks:
             apply_recompute(c.blocks, plan.recompute)
         self.model = nn.ModuleList(chunks)

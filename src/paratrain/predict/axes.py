@@ -35,20 +35,30 @@ def moe_blocks(mcfg: ModelConfig, lay: L.RankLayout) -> int:
     return sum(mcfg.is_moe_layer(i) for a, b in lay.ranges for i in range(a, b))
 
 
+def routed_tokens(plan: ParallelPlan, tokens: float) -> float:
+    """Of a rank's ``tokens`` (T/cp of each sequence), those its MoE MLP routes: with
+    SP the MLP reads the sequence-sharded residual, 1/tp of them (each tp rank routes
+    its own, :class:`paratrain.parallel.expert.TokenShards`); without SP every tp rank
+    routes all of them (identical tokens)."""
+    return tokens / plan.tp if plan.sp else tokens
+
+
 def moe_extra_flops(mcfg: ModelConfig, plan: ParallelPlan, tokens: float) -> float:
     """FLOPs an MoE block adds (forward + backward, recompute included) over the dense
     block :func:`paratrain.predict.step._flops_block` priced, on ``tokens`` tokens: the
     router, top_k routed experts and the shared ones instead of the tp-sharded SwiGLU
     (the MoE MLP is whole on every tp rank, :func:`paratrain.parallel.tensor.
     shard_block`); with ep > 1 the busiest rank's experts carry the expected extreme
-    load (:func:`paratrain.systems.layer_cost.expert_imbalance`)."""
+    load (:func:`paratrain.systems.layer_cost.expert_imbalance`); with SP the MoE MLP
+    runs on the rank's 1/tp of the tokens (:func:`routed_tokens`)."""
     K = mcfg.top_k
-    imb = expert_imbalance(tokens * K, plan.ep) if plan.ep > 1 else 1.0
+    routed = routed_tokens(plan, tokens)
+    imb = expert_imbalance(routed * K, plan.ep) if plan.ep > 1 else 1.0
     m = as_shape(mcfg)
     moe = m.moe_mlp_params(active=True) + (imb - 1) * K * m.expert_params()
     dense = m.dense_mlp_params() / plan.tp
     redo = 4 / 3 if plan.recompute == "full" else 1.0
-    return redo * 6.0 * tokens * (moe - dense)
+    return redo * 6.0 * (routed * moe - tokens * dense)
 
 
 def cp_block_s(mcfg: ModelConfig, plan: ParallelPlan, seqs_mb: float, tokens_mb: float,
@@ -81,8 +91,10 @@ def cp_calls(plan: ParallelPlan, wire: float, blocks: int) -> list[tuple[str, fl
 
 def ep_rows_uniform(mcfg: ModelConfig, plan: ParallelPlan, tokens_mb: float) -> float:
     """Rows one rank sends in a dispatch (and, in expectation, receives) per MoE layer
-    and micro-batch under uniform routing: (ep - 1) / ep of its tokens x top_k."""
-    return coll.wire_bytes("all_to_all", "naive", plan.ep, tokens_mb * mcfg.top_k)
+    and micro-batch under uniform routing: (ep - 1) / ep of the tokens it routes
+    (:func:`routed_tokens`) x top_k."""
+    return coll.wire_bytes("all_to_all", "naive", plan.ep,
+                           routed_tokens(plan, tokens_mb) * mcfg.top_k)
 
 
 def ep_rows_from_load(plan: ParallelPlan, experts: int, load_by_rank: list[list[int]],
@@ -120,7 +132,8 @@ def ep_block_s(mcfg: ModelConfig, plan: ParallelPlan, tokens_mb: float, hw: Hard
     if plan.ep == 1:
         return 0.0
     n = 6 if plan.recompute == "full" else 4
-    return n * ct.ep_s(plan, tokens_mb * mcfg.top_k * mcfg.d_model * elem, hw, 1.0, 1.0)
+    rows = routed_tokens(plan, tokens_mb) * mcfg.top_k
+    return n * ct.ep_s(plan, rows * mcfg.d_model * elem, hw, 1.0, 1.0)
 
 
 def ep_calls(plan: ParallelPlan, wire: float, layer_passes: int

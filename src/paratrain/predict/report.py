@@ -71,14 +71,16 @@ def _ep_bytes(pred: Prediction, summary: dict, plan: ParallelPlan,
     """Rank 0's MoE all-to-all bytes in the first step (no evaluation precedes it):
     predicted under uniform routing, measured, and counted from that step's routing
     (:func:`paratrain.predict.axes.ep_rows_from_load`; pp = 1, where rank 0 holds every
-    layer whose load the step records; dropless, where every routed row is sent)."""
+    layer whose load the step records; dropless, where every routed row is sent; cp = 1
+    and no SP, where the recorded load of data rank 0 is what rank 0 itself routed)."""
     steps = [s for s in summary.get("moe_steps") or [] if "ep_wire_bytes" in s]
     out = {"predicted": pred.ep_wire_bytes, "measured": None, "given_routing": None,
            "exact": None}
     if not steps:
         return out
     out["measured"] = steps[0]["ep_wire_bytes"]
-    if mcfg is not None and tcfg is not None and plan.pp == 1 and not mcfg.capacity_factor:
+    if (mcfg is not None and tcfg is not None and plan.pp == 1 and not mcfg.capacity_factor
+            and plan.cp == 1 and not plan.sp):  # cp / sp: rank 0 routes one shard
         sent, recv = ep_rows_from_load(plan, mcfg.experts, steps[0]["moe_load_by_rank"])
         out["given_routing"] = ep_wire_bytes(mcfg, plan, ELEMENT_BYTES[tcfg.dtype], sent,
                                              recv, plan.micro_batches * mcfg.moe_layers)

@@ -3,8 +3,8 @@ logits), otherwise softmax(logits / T) over the top-k tokens, drawn with a gener
 seeded by ``--seed`` (the same checkpoint, prompt and seed give the same text).
 
 One forward per new token (:class:`NextLogits`): the prompt is prefilled once into a
-:class:`~paratrain.model.KVCache`, then each drawn token runs alone, attending to the
-cached keys and values (:meth:`~paratrain.model.Decoder.decode`). The logits are those
+:class:`~paratrain.run.kv_cache.KVCache`, then each drawn token runs alone, attending to the
+cached keys and values (:func:`~paratrain.run.kv_cache.decode`). The logits are those
 of the plain forward over the last ``context`` tokens
 (:func:`paratrain.files.inference.logits`), to rounding.
 
@@ -29,7 +29,8 @@ from __future__ import annotations
 import torch
 
 from paratrain.files.inference import Loaded, logits
-from paratrain.model import Decoder, KVCache
+from paratrain.model import Decoder
+from paratrain.run.kv_cache import KVCache, decode
 
 
 def check_args(max_new_tokens: int, temperature: float, top_k: int | None) -> None:
@@ -58,13 +59,13 @@ class NextLogits:
         w = self.model.head.weight
         self.cache = KVCache(self.model.cfg, 1, w.dtype, w.device)
         x = torch.tensor([self.ids[-self.context:]], dtype=torch.long, device=w.device)
-        return self.model.decode(x, self.cache)[0, -1]
+        return decode(self.model, x, self.cache)[0, -1]
 
     def push(self, token: int) -> None:
         self.ids.append(token)
         if self.cached and self.cache.length < self.context:
             x = torch.tensor([[token]], dtype=torch.long, device=self.model.head.weight.device)
-            self.logits = self.model.decode(x, self.cache)[0, -1]
+            self.logits = decode(self.model, x, self.cache)[0, -1]
         else:
             self.logits = self._window()
 

@@ -108,15 +108,20 @@ def verify(mcfg: ModelConfig, tcfg: TrainConfig, ranked: list[Ranked], world: in
 
 
 def verdict(records: list[dict]) -> dict:
-    """Tau between the predicted and measured order, and the predicted winner's place."""
+    """Tau between the predicted and measured order (the load-adjusted prediction, and
+    the search's own, made before anything ran), and the place of the search's winner
+    (the layout `train --plan auto` would train: the record of search rank 1, else the
+    best-ranked one measured)."""
     pred = [r["predicted_s"] for r in records]
     meas = [r["measured_s"] for r in records]
     for key, xs in (("measured_place", meas), ("predicted_place", pred)):
         for i, r in enumerate(sorted(range(len(xs)), key=xs.__getitem__), 1):
             records[r][key] = i
-    winner = min(range(len(pred)), key=lambda i: (pred[i], i))
+    winner = min(range(len(records)), key=lambda i: records[i]["predicted_rank"])
     best = min(meas)
+    search = [r.get("search_s", r["predicted_s"]) for r in records]
     return {"records": records, "kendall_tau": kendall_tau(pred, meas),
+            "kendall_tau_search": kendall_tau(search, meas),
             "winner": records[winner]["layout"],
             "winner_is_measured_best": meas[winner] == best,
             "winner_over_best": meas[winner] / best - 1,
@@ -134,10 +139,11 @@ def format_verdict(result: dict) -> str:
                      f"{100 * r['error']:>+4.0f}%")
     n = len(result["records"])
     lines.append(f"Kendall tau (predicted vs measured order, {n} layouts): "
-                 f"{result['kendall_tau']:.2f}")
+                 f"{result['kendall_tau']:.2f} (the search's unloaded prediction: "
+                 f"{result['kendall_tau_search']:.2f})")
     where = ("is the measured best" if result["winner_is_measured_best"] else
              f"is {100 * result['winner_over_best']:.1f}% slower than the measured best")
-    lines.append(f"predicted winner ({result['winner']}) {where}; median |error| "
+    lines.append(f"the search's winner ({result['winner']}) {where}; median |error| "
                  f"{100 * result['median_abs_error']:.0f}%")
     lines.append("search: the layout's place among every valid layout ranked; pred, meas: "
                  "its place among these, predicted and measured")

@@ -128,7 +128,7 @@ def enumerate_plans(model: ModelConfig, hw: Hardware, gpus: int, sequences: int,
                         scheds += [("zb-v", 2)] + ([("dualpipev", 2)] if mb >= 2 * pp else [])
                     algos = ("ring",) if cp == 1 else ("ring", "all-to-all") if (
                         m.n_heads % (cp * tp) == 0 and m.kv_heads % (cp * tp) == 0
-                        and not m.is_moe) else ("ring",)
+                        ) else ("ring",)
                     for sched, v in scheds:
                         for ep in eps:
                             for algo in algos:
@@ -158,7 +158,7 @@ def _zero_replicas(zero_stages, replicas, dp: int, cp: int, ep: int
 def runs(plan: ParallelPlan, model: ModelConfig, gpus: int, sequences: int) -> bool:
     """Whether `paratrain train` accepts ``plan`` (the launcher's own checks): the search
     ranks nothing the runtime refuses (a composition the systems model could price but
-    the runtime does not run, such as MoE with context parallelism, is left out)."""
+    the runtime does not run, such as tied embeddings with a pipeline, is left out)."""
     try:
         plan.check(model, gpus, sequences)
         plan.check_runtime(model)
