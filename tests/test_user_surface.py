@@ -29,7 +29,7 @@ SETTING_FLAGS = {
     "--experts", "--moe-every", "--moe-ffn", "--shared-experts", "--top-k", "--z-loss-coef",
     "--checkpoint-every", "--collectives",
     "--compress", "--context", "--cp", "--cp-algorithm", "--d-ff", "--d-model",
-    "--data", "--dp", "--dtype",
+    "--data", "--dp", "--dp-replicate", "--dtype",
     "--eval-every", "--global-batch", "--heads", "--kv-heads", "--layers", "--lr",
     "--micro-batches", "--overlap", "--pp", "--recompute",
     "--reduce-dtype", "--schedule", "--seed", "--sp", "--steps",

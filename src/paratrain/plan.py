@@ -41,6 +41,9 @@ class ParallelPlan:
     cp: int = setting(1, "Context-parallel size (sequence split).", lo=1, hi=MAX_RANKS)
     ep: int = setting(1, "Expert-parallel size (divides dp).", lo=1, hi=MAX_RANKS)
     zero: int = setting(0, "ZeRO stage 0-3 (3 = FSDP).", lo=0, hi=3)
+    dp_replicate: int = setting(1, "HSDP: dp split into R replicas of dp/R ranks; ZeRO "
+                                "shards within a replica, replicas all-reduce (divides dp; "
+                                "needs --zero >= 1).", lo=1, hi=MAX_RANKS)
     sp: bool = setting(False, "Sequence parallelism (needs tp > 1).")
     micro_batches: int = setting(1, "Micro-batches (gradient accumulation at pp 1).", lo=1,
                                  hi=MAX_MICRO_BATCHES)
@@ -77,6 +80,21 @@ class ParallelPlan:
         _require(
             self.dp % self.ep == 0,
             f"ep={self.ep} must divide dp={self.dp}; expert ranks are a subset of data ranks",
+        )
+        _require(
+            self.dp % self.dp_replicate == 0,
+            f"dp_replicate={self.dp_replicate} must divide dp={self.dp} (R replicas of "
+            "dp/R shards); pass --dp-replicate with a divisor of --dp",
+        )
+        _require(
+            self.dp_replicate == 1 or self.dp_replicate < self.dp * self.cp,
+            f"dp_replicate={self.dp_replicate} = dp*cp leaves one rank per shard: that is "
+            "plain data parallelism; pass --zero 0 and drop --dp-replicate",
+        )
+        _require(
+            self.dp_replicate == 1 or self.zero >= 1,
+            f"--dp-replicate {self.dp_replicate} needs --zero 1, 2 or 3 (with --zero 0 every "
+            "dp rank is a replica already); pass --zero 3 or drop --dp-replicate",
         )
         _require(
             not self.sp or self.tp > 1,
@@ -192,6 +210,11 @@ class ParallelPlan:
             self.ep == 1 or model.experts > 0,
             f"ep={self.ep} needs a Mixture-of-Experts model; pass --experts E (a multiple "
             f"of {self.ep}) or use --ep 1",
+        )
+        _require(
+            self.dp_replicate == 1 or self.ep == 1,
+            f"--dp-replicate {self.dp_replicate} with --ep {self.ep} is not supported (the "
+            "expert reducer has its own data group); use --ep 1 or --dp-replicate 1",
         )
         if self.ep > 1:
             _require(

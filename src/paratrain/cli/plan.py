@@ -253,15 +253,19 @@ def run_bytes(mcfg: ModelConfig, tcfg: TrainConfig, p: ParallelPlan) -> dict:
     """What a run's summary measures, per rank, from the cost functions the run's
     prediction uses (:mod:`paratrain.cost.layout`): parameters, model-state bytes
     (params, grads, optimizer) and data-parallel wire bytes per step."""
-    from paratrain.cost.layout import dp_wire_bytes, state_bytes
+    from paratrain.cost.layout import dp_wire_bytes, dp_wire_bytes_by_axis, state_bytes
     from paratrain.cost.shapes import as_shape
 
     ranks, shape = range(p.world_size), as_shape(mcfg)
-    return {"params": shape.num_params(), "active_params": shape.active_params(),
-            "model_state_bytes_per_rank": [state_bytes(mcfg, p, tcfg.dtype, r,
-                                                       tcfg.reduce_dtype) for r in ranks],
-            "dp_wire_bytes_per_rank": [dp_wire_bytes(mcfg, p, tcfg.dtype, r,
-                                                     tcfg.reduce_dtype) for r in ranks]}
+    out = {"params": shape.num_params(), "active_params": shape.active_params(),
+           "model_state_bytes_per_rank": [state_bytes(mcfg, p, tcfg.dtype, r,
+                                                      tcfg.reduce_dtype) for r in ranks],
+           "dp_wire_bytes_per_rank": [dp_wire_bytes(mcfg, p, tcfg.dtype, r,
+                                                    tcfg.reduce_dtype) for r in ranks]}
+    if p.dp_replicate > 1:  # HSDP: per sub-axis, as the run's dp report counts them
+        out["dp_wire_bytes_by_axis_per_rank"] = [
+            dp_wire_bytes_by_axis(mcfg, p, tcfg.dtype, r, tcfg.reduce_dtype) for r in ranks]
+    return out
 
 
 def _report(m, hw, p, gpus, tokens, seq, eta, precision, attention, step_params, eng,

@@ -52,7 +52,7 @@ FIELD_PANELS = {
     **dict.fromkeys(("data", "tokenizer", "text_field"), "data"),
     **dict.fromkeys(("steps", "global_batch", "lr", "warmup_steps", "seed", "dtype",
                      "reduce_dtype", "eval_every"), "training"),
-    **dict.fromkeys(("dp", "tp", "pp", "cp", "ep", "zero", "sp", "micro_batches",
+    **dict.fromkeys(("dp", "tp", "pp", "cp", "ep", "zero", "dp_replicate", "sp", "micro_batches",
                      "schedule", "virtual_stages", "recompute", "cp_algorithm"), "layout"),
     **dict.fromkeys(("bucket_mb", "overlap", "compress", "collectives"), "sync"),
     "checkpoint_every": "checkpoints",

@@ -60,9 +60,10 @@ def pad(n: int, p: int) -> int:
     return -(-n // p) * p
 
 
-def owned(n: int, p: int, r: int) -> int:
-    """Real (not padding) elements in chunk r of a flat buffer of n padded to p."""
-    s = -(-n // p)
+def owned(n: int, p: int, r: int, pad_to: int | None = None) -> int:
+    """Real (not padding) elements in chunk r of p of a flat buffer of n padded to a
+    multiple of ``pad_to`` (default p; HSDP pads to the whole dp, :func:`shard_group`)."""
+    s = pad(n, pad_to or p) // p
     return max(0, min((r + 1) * s, n) - r * s)
 
 
@@ -77,6 +78,15 @@ def reducer_plan(plan: ParallelPlan) -> ParallelPlan:
     keeps every global rank number (((pp x dp + d) x cp + c) x tp + t = (pp x dp cp +
     (d cp + c)) x tp + t), and the dp index becomes the index in ``dpcp``."""
     return plan if plan.cp == 1 else plan.replace(dp=plan.dp * plan.cp, cp=1)
+
+
+def shard_group(plan: ParallelPlan) -> int:
+    """Ranks a ZeRO shard group spans: the reducer's dp x cp (:func:`reducer_plan`), or
+    under HSDP (``dp_replicate`` R) one replica's dp x cp / R. Flat buffers are padded to
+    a multiple of the whole dp x cp either way, so the owned chunk (padded / group) is
+    all-reduced over the R replicas in equal pieces (:mod:`paratrain.parallel.dp_sharded`).
+    A rank's index in it is its reducer dp index mod the group (replicas outer)."""
+    return reducer_plan(plan).dp // plan.dp_replicate
 
 
 def strategy(dp: int, plan: ParallelPlan) -> str:

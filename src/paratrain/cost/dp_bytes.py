@@ -3,8 +3,16 @@
 from __future__ import annotations
 
 from paratrain.config import ModelConfig
-from paratrain.cost.buffers import dp_flats, dp_kind, owned, pad, reducer_plan, topk_keep
-from paratrain.cost.collectives import ring_share
+from paratrain.cost.buffers import (
+    dp_flats,
+    dp_kind,
+    owned,
+    pad,
+    reducer_plan,
+    shard_group,
+    topk_keep,
+)
+from paratrain.cost.collectives import ring_share, wire_bytes
 from paratrain.cost.ranks import elements, rank_layout
 from paratrain.cost.ranks import reducers as _reducers
 from paratrain.plan import ParallelPlan
@@ -47,11 +55,12 @@ def _state_bytes(mcfg: ModelConfig, plan: ParallelPlan, dtype: str, rank: int,
     w, g, m = elements(dtype, reduce_dtype)
     mixed = dtype == "bfloat16"
     lay = rank_layout(mcfg, plan, rank, part, ep)
-    n, p, r = lay.params, plan.dp, lay.dp
+    p = shard_group(plan)  # HSDP: chunks of one replica's ranks, padded to the whole dp
+    n, r = lay.params, lay.dp % p
     kind = dp_kind(plan)
     flats = dp_flats(mcfg, plan, w, rank, part, ep)
-    padded = sum(pad(b, p) for b in flats)
-    own = sum(owned(b, p, r) for b in flats)
+    padded = sum(pad(b, plan.dp) for b in flats)
+    own = sum(owned(b, p, r, plan.dp) for b in flats)
     if kind in ("none", "topk"):  # a master per parameter
         return {"params": w * n, "grads": w * n, "optimizer": (2 + mixed) * m * n}
     if kind == "ddp":  # grads are (or main_grad is) views into the padded buckets
@@ -143,10 +152,41 @@ def dp_calls(mcfg: ModelConfig, plan: ParallelPlan, dtype: str, rank: int,
     return [c for n in flats for c in (("reduce_scatter", g * n, rs), ("all_gather", w * n, 1))]
 
 
+def dp_replicate_calls(mcfg: ModelConfig, plan: ParallelPlan, dtype: str, rank: int,
+                       reduce_dtype: str = "bfloat16") -> list[tuple[str, float, int]]:
+    """HSDP: (op, full bytes, calls per step) over the ``dp_replicate`` group of R
+    ranks: one all-reduce per flat buffer of the owned gradient chunk (padded / shard
+    group elements, gradient dtype), once per step after the last reduce-scatter,
+    whatever the micro-batch count (:mod:`paratrain.parallel.dp_sharded`); [] without
+    HSDP."""
+    if plan.dp_replicate == 1:
+        return []
+    plan = reducer_plan(plan)
+    w, g, _ = elements(dtype, reduce_dtype)
+    s = shard_group(plan)
+    return [("all_reduce", g * pad(b, plan.dp) // s, 1)
+            for b in dp_flats(mcfg, plan, w, rank)]
+
+
+def dp_wire_bytes_by_axis(mcfg: ModelConfig, plan: ParallelPlan, dtype: str, rank: int,
+                          reduce_dtype: str = "bfloat16") -> dict[str, float]:
+    """HSDP: bytes ``rank`` sends per steady step on each dp sub-axis, ``dp_shard``
+    (ZeRO's reduce-scatters and all-gathers inside one replica) and ``dp_replicate``
+    (the owned chunks' all-reduce across replicas): what the runtime reports as
+    ``wire_bytes_by_axis``. Without HSDP: everything on ``dp``."""
+    total = dp_wire_bytes(mcfg, plan, dtype, rank, reduce_dtype)
+    if plan.dp_replicate == 1:
+        return {"dp": total}
+    rep = sum(k * wire_bytes(op, "ring", plan.dp_replicate, n) for op, n, k in
+              dp_replicate_calls(mcfg, plan, dtype, rank, reduce_dtype))
+    return {"dp_shard": total - rep, "dp_replicate": rep}
+
+
 def dp_wire_bytes(mcfg: ModelConfig, plan: ParallelPlan, dtype: str, rank: int,
                   reduce_dtype: str = "bfloat16") -> float:
     """Bytes ``rank`` sends per steady step for its dp sync (ring collectives); with
-    ep > 1 both reducers' (each over its own group size)."""
+    ep > 1 both reducers' (each over its own group size); under HSDP both sub-axes'
+    (:func:`dp_wire_bytes_by_axis`)."""
     if plan.ep > 1:
         w, g, _ = elements(dtype, reduce_dtype)
         total = 0.0
@@ -160,13 +200,15 @@ def dp_wire_bytes(mcfg: ModelConfig, plan: ParallelPlan, dtype: str, rank: int,
             else:
                 total += dp_wire_factor(q) * ring_share(q.dp) * payload
         return total
+    rep = sum(k * wire_bytes(op, "ring", plan.dp_replicate, n) for op, n, k in
+              dp_replicate_calls(mcfg, plan, dtype, rank, reduce_dtype))
     plan = reducer_plan(plan)
-    p = plan.dp
+    p = shard_group(plan)
     if dp_kind(plan) == "none":
         return 0.0
     w, g, _ = elements(dtype, reduce_dtype)
     if w != g and dp_kind(plan) in ("zero", "fsdp"):  # gathers and reductions differ
-        return sum(k * n * ring_share(p) for _, n, k in
-                   dp_calls(mcfg, plan, dtype, rank, reduce_dtype))
-    return dp_wire_factor(plan) * ring_share(p) * dp_payload_bytes(mcfg, plan, dtype, rank,
-                                                                 reduce_dtype)
+        return rep + sum(k * n * ring_share(p) for _, n, k in
+                         dp_calls(mcfg, plan, dtype, rank, reduce_dtype))
+    return rep + dp_wire_factor(plan) * ring_share(p) * dp_payload_bytes(
+        mcfg, plan, dtype, rank, reduce_dtype)

@@ -25,8 +25,11 @@ and the tests count it from the configs here, and the runtime calls the pieces i
   :func:`paratrain.parallel.data_axis.data_axis` builds): flat buffers per chunk (gradient
   buckets of at most ``bucket_mb`` MiB packed greedily in reverse registration order,
   :func:`bucket_sizes`; or FSDP units, :func:`fsdp_unit_sizes`), each padded to a
-  multiple of dp; rank r owns chunk r. Their bytes at rest and on the wire:
-  :mod:`.dp_bytes`.
+  multiple of dp; rank r owns chunk r. Under HSDP (``dp_replicate`` R) chunks are
+  cut over one replica's dp / R ranks (:func:`shard_group`, padding still to dp) and
+  each owned chunk is all-reduced over the R replicas once per step
+  (:func:`dp_replicate_calls`). Their bytes at rest and on the wire: :mod:`.dp_bytes`
+  (per sub-axis: :func:`dp_wire_bytes_by_axis`).
 - **Context parallelism** (:mod:`.cp_bytes`: :func:`cp_chunks`, :func:`ring_blocks`,
   :func:`cp_wire_bytes`): which sequence pieces a cp rank holds, which attention blocks
   it computes at each ring step, and the bytes it sends (:mod:`paratrain.parallel.context`).
@@ -43,6 +46,7 @@ from paratrain.cost.buffers import (  # noqa: F401 - the package's API
     pack_groups,
     pad,
     reducer_plan,
+    shard_group,
     strategy,
     topk_keep,
 )
@@ -60,7 +64,9 @@ from paratrain.cost.dp_bytes import (  # noqa: F401 - the package's API
     _state_bytes,
     dp_calls,
     dp_payload_bytes,
+    dp_replicate_calls,
     dp_wire_bytes,
+    dp_wire_bytes_by_axis,
     dp_wire_factor,
     state_bytes,
     zero_wire_factor,

@@ -167,11 +167,12 @@ def _sharded(params: float, d: float, zero: int, prec: Precision,
 
 def model_states(model: ModelConfig, plan: ParallelPlan,
                  precision: str | Precision = "bf16-adam") -> ModelStates:
-    """Weights, gradients and optimizer state per GPU for ``plan.zero`` over dp x cp
-    (gradients unsharded under ZeRO-2 with a pipeline, as the runtime keeps them)."""
+    """Weights, gradients and optimizer state per GPU for ``plan.zero`` over dp x cp, or
+    under HSDP over one replica's dp x cp / ``dp_replicate`` ranks (gradients unsharded
+    under ZeRO-2 with a pipeline, as the runtime keeps them)."""
     prec = recipe(precision) if isinstance(precision, str) else precision
     p = params_per_gpu(model, plan)
-    d = plan.dp * plan.cp
+    d = plan.dp * plan.cp // plan.dp_replicate
     a = _sharded(p.dense, d, plan.zero, prec, plan.pp > 1)
     b = _sharded(p.expert, d / plan.ep, plan.zero, prec, plan.pp > 1)
     return ModelStates(a.weights_bytes + b.weights_bytes, a.grads_bytes + b.grads_bytes,

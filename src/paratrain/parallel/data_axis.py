@@ -34,6 +34,13 @@ Placements (:mod:`.placement`). Replicating reducers add their axes (``dp``/``cp
 ``edp`` for experts) to each parameter's ``replicated`` axes; ZeRO-1/2/3 add them to
 ``sharded`` with the flat range of the parameter this rank's optimizer owns.
 
+HSDP (``--dp-replicate R``, :mod:`.dp_sharded`): ``group`` is one replica's dp / R
+(x cp) ranks, over which ZeRO-1/2/3 run unchanged, with flat buffers padded to a
+multiple of the whole dp x cp; after the step's last reduce-scatter each owned gradient
+chunk is all-reduced over the R replicas (``replicate``: once per step, whatever the
+micro-batch count, exposed), and parameters are marked ``replicated`` over
+``dp_replicate`` so that replica 0 alone counts them (norm, checkpoint).
+
 Global norm. Each reducer gives the squares of the gradient it *owns* (its ZeRO shard,
 or everything on dp rank 0 when gradients are replicated): a piece counts where its
 placement is canonical (index 0 on every replicated axis); the engine sums them over
@@ -50,7 +57,7 @@ from paratrain.cost.buffers import strategy
 from paratrain.parallel.ddp import DPCommStats, GradBuckets
 from paratrain.parallel.engine import grad_sq
 from paratrain.parallel.optim import build_adamw, set_lr
-from paratrain.parallel.placement import placement_of
+from paratrain.parallel.placement import mark, placement_of
 from paratrain.parallel.precision import (
     grad_of,
     optimizer_owned,
@@ -62,18 +69,20 @@ from paratrain.plan import ParallelPlan
 
 def data_axis(chunks: list[nn.Module], group, dp: int, plan: ParallelPlan,
               cfg: TrainConfig, index, axes: tuple[str, ...], select=None,
-              units_of=None) -> DataAxis:
+              units_of=None, replicate=None) -> DataAxis:
     """The reducer the plan selects for a data axis of ``dp`` ranks (``group``, the mesh
     axes ``axes``). ``index(axis)``: this rank's mesh coordinate. ``select(p)``: the
     parameters it takes (default all; expert parallelism builds two, dense over dp and
     experts over edp). ``units_of(chunk)``: ZeRO-3's units (default
-    :func:`.fsdp.default_units`)."""
+    :func:`.fsdp.default_units`). ``replicate``: HSDP's replica group (the mesh's
+    ``dp_replicate``; ``group`` is then one replica's ``dp_shard`` ranks)."""
     from paratrain.parallel.dp_replicated import Buckets, TopK
     from paratrain.parallel.dp_sharded import Units, Zero
 
+    ranks = dp * (plan.dp_replicate if replicate is not None else 1)  # the whole axis
     cls = {"none": DataAxis, "topk": TopK, "ddp": Buckets, "zero": Zero,
-           "fsdp": Units}[strategy(dp, plan)]
-    return cls(chunks, group, plan, cfg, index, axes, select, units_of)
+           "fsdp": Units}[strategy(ranks, plan)]
+    return cls(chunks, group, plan, cfg, index, axes, select, units_of, replicate)
 
 
 class DataAxis:
@@ -85,7 +94,7 @@ class DataAxis:
     grads_replicated = False  # every replica holds the whole reduced gradient
 
     def __init__(self, chunks, group, plan: ParallelPlan, cfg: TrainConfig, index,
-                 axes: tuple[str, ...], select=None, units_of=None) -> None:
+                 axes: tuple[str, ...], select=None, units_of=None, replicate=None) -> None:
         self.plan, self.index, self.axes = plan, index, axes
         self.deferred = plan.pp > 1
         self.container = nn.ModuleList(chunks)
@@ -98,10 +107,19 @@ class DataAxis:
         self.history: list[DPCommStats] = []
         self.steps_done = 0
         self.buckets: list[GradBuckets] = []
+        self.rcomm = None  # HSDP: the replicas' group (the all-reduce of owned chunks)
+        self.by_axis: list[dict[str, float]] = []  # HSDP: wire bytes per sub-axis, per step
+        if replicate is not None:
+            from paratrain.parallel.ddp_comm import GroupComm
+
+            self.rcomm = GroupComm(replicate, plan.collectives)
+            # replicas hold the same chunks: count (norm, checkpoint) on replica 0 only
+            mark(self.params, replicated=("dp_replicate",))
         self._build(group, cfg, select, units_of)
         if self.comm is not None:
             self.dp_rank = self.comm.rank
             self._mark = self.comm.bytes_sent
+            self._rmark = self.rcomm.bytes_sent if self.rcomm else 0.0
         if self.deferred:
             for gb in self.buckets:
                 gb.set_sync(False)  # a pipeline reduces per chunk, never from hooks
@@ -130,6 +148,11 @@ class DataAxis:
         stats = self._reduce()
         stats.wire_bytes = self.comm.bytes_sent - self._mark
         self._mark = self.comm.bytes_sent
+        if self.rcomm is not None:
+            rep = self.rcomm.bytes_sent - self._rmark
+            self._rmark = self.rcomm.bytes_sent
+            self.by_axis.append({"dp_shard": stats.wire_bytes, "dp_replicate": rep})
+            stats.wire_bytes += rep
         self.history.append(stats)
         return stats
 
@@ -225,7 +248,8 @@ class DataAxis:
                 "steps": self.steps_done,
                 "last_step": last.__dict__.copy() if last else None,
                 "exposed_s_per_step": [h.seconds for h in self.history],
-                "hidden_s_per_step": [h.hidden_s for h in self.history]}
+                "hidden_s_per_step": [h.hidden_s for h in self.history],
+                **({"wire_bytes_by_axis": self.by_axis} if self.rcomm else {})}
 
 
 def bucket_layout(buckets: list[GradBuckets]) -> str:

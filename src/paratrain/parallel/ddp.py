@@ -140,7 +140,8 @@ class GradBuckets:
 
     def __init__(self, params, comm: GroupComm, bucket_mb: float = 25.0,
                  overlap: bool = True, mode: str = "all_reduce", persistent: bool = True,
-                 rebuild: bool = True, dtype: torch.dtype | None = None) -> None:
+                 rebuild: bool = True, dtype: torch.dtype | None = None,
+                 pad_to: int | None = None) -> None:
         if mode not in MODES:
             raise ValueError(f"mode={mode!r} is unknown; choose one of {', '.join(MODES)}")
         if bucket_mb <= 0:
@@ -157,7 +158,9 @@ class GradBuckets:
         self.params = [p for p in params if p.requires_grad]
         # Padding to a multiple of p: equal chunks for reduce-scatter, and a perfectly
         # balanced ring all-reduce (every rank sends exactly 2(p-1)/p of the bucket).
-        self.pad_to = comm.size
+        # ``pad_to`` (a multiple of p): HSDP pads to the whole dp, so that each owned
+        # chunk is all-reduced over the replicas in equal pieces too.
+        self.pad_to = pad_to or comm.size
         self.sync = True
         self.rebuild_pending = rebuild
         self.rebuilt = False  # True once the layout followed the observed order

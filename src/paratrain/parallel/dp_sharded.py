@@ -5,7 +5,10 @@ owns (:func:`.placement.record_flat`)."""
 
 from __future__ import annotations
 
+import time
+
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from paratrain.parallel.data_axis import DataAxis, bucket_layout
@@ -38,6 +41,29 @@ class _Sharded(DataAxis):
     def layout(self) -> str:
         return bucket_layout(self.buckets)
 
+    def _pad_to(self, group) -> int | None:
+        """HSDP: flat buffers padded to a multiple of the whole dp (x cp), so the owned
+        chunk splits evenly over the replicas (None: the group's size, plain ZeRO)."""
+        if self.rcomm is None:
+            return None
+        return dist.get_world_size(group) * self.rcomm.size
+
+    def _hsdp(self) -> str:
+        if self.rcomm is None:
+            return ""
+        return (f" (HSDP: sharded over {self.comm.size} ranks, owned chunks all-reduced "
+                f"over {self.rcomm.size} replicas once per step)")
+
+    def _replicas(self, shards: list[torch.Tensor]) -> float:
+        """HSDP: sum each owned gradient chunk over the replicas (in place, all launched
+        then all waited); the seconds it took, all exposed."""
+        if self.rcomm is None:
+            return 0.0
+        t0 = time.perf_counter()
+        for h in [self.rcomm.all_reduce(g) for g in shards]:
+            h.wait()
+        return time.perf_counter() - t0
+
 
 class Zero(_Sharded):
     """``--zero 1|2``: bucketed reduce-scatter, sharded AdamW, all-gather
@@ -51,7 +77,7 @@ class Zero(_Sharded):
         plan = self.plan
         self.zo = ZeroOptimizer(self.lists, group, plan.zero, cfg, plan.bucket_mb,
                                 plan.overlap, plan.collectives, self.counted,
-                                self.deferred, reduce_dtype(cfg))
+                                self.deferred, reduce_dtype(cfg), self._pad_to(group))
         self.comm, self.buckets = self.zo.comm, self.zo.chunks
         self.adam, self.opt = self.zo.adam, self.zo.adam.opt
         self._exposed = 0.0  # ZeRO-2's per-micro-batch waits, billed to the step
@@ -75,6 +101,8 @@ class Zero(_Sharded):
         stats = self.zo.finish()
         # the previous step's parameter all-gather belongs to this step's bill
         stats.seconds += self._exposed + self.zo.gather_s
+        stats.seconds += self._replicas([b.grad_shard for gb in self.buckets
+                                         for b in gb.buckets])
         self._exposed = 0.0
         return stats
 
@@ -100,7 +128,7 @@ class Zero(_Sharded):
         return self.zo.state_tensors()
 
     def describe(self) -> str:
-        return f"ZeRO-{self.plan.zero}: " + self.layout()
+        return f"ZeRO-{self.plan.zero}{self._hsdp()}: " + self.layout()
 
 
 class Units(_Sharded):
@@ -120,7 +148,8 @@ class Units(_Sharded):
         plan = self.plan
         self.fs = FullyShard(units, group, cfg, plan.collectives, reduce_dtype=reduce_dtype(cfg),
                              overlap=plan.overlap, deferred=self.deferred,
-                             unit_chunks=owner, counted=self.counted, select=select)
+                             unit_chunks=owner, counted=self.counted, select=select,
+                             pad_to=self._pad_to(group))
         self.comm, self.adam, self.opt = self.fs.comm, self.fs.adam, self.fs.adam.opt
         for u in self.fs.units:
             record_flat(u.params, u.offsets, u.padded, self.comm.rank, self.comm.size,
@@ -133,7 +162,10 @@ class Units(_Sharded):
         self.fs.launch_chunk(c)
 
     def _reduce(self) -> DPCommStats:
-        return self.fs.finish()
+        stats = self.fs.finish()
+        stats.seconds += self._replicas([u.grad_shard for u in self.fs.units
+                                         if u.grad_shard is not None])
+        return stats
 
     def _bind(self) -> None:
         self.fs.prepare_step()
@@ -167,7 +199,7 @@ class Units(_Sharded):
         return self.fs.layout()
 
     def describe(self) -> str:
-        return "ZeRO-3: " + self.layout()
+        return f"ZeRO-3{self._hsdp()}: " + self.layout()
 
     def full_parameters(self) -> dict[int, torch.Tensor]:
         return self.fs.full_parameters()

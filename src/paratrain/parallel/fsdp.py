@@ -114,10 +114,12 @@ class FullyShard:
                  impl: str = "native", param_dtype: torch.dtype | None = None,
                  reduce_dtype: torch.dtype | None = None, overlap: bool = True,
                  deferred: bool = False, unit_chunks: list[int] | None = None,
-                 counted=lambda q: True, select=None) -> None:
+                 counted=lambda q: True, select=None, pad_to: int | None = None) -> None:
         """``select(q)``: the parameters of the units' modules this instance shards
         (default all); expert parallelism runs two, dense over dp and the experts over
-        the expert-data-parallel group (:mod:`.expert`)."""
+        the expert-data-parallel group (:mod:`.expert`). ``pad_to`` (a multiple of the
+        group size, default it): each unit's flat length is padded to a multiple of it
+        (HSDP pads to the whole dp, :mod:`.dp_sharded`)."""
         self.comm = GroupComm(group, impl)
         self.overlap, self.deferred = overlap, deferred
         unit_chunks = unit_chunks or [0] * len(units)
@@ -137,7 +139,7 @@ class FullyShard:
                     if id(q) not in owner:
                         owner[id(q)] = i
                         params.append(q)
-            self.units.append(self._make_unit(f"unit{i}", mods, params, p, r))
+            self.units.append(self._make_unit(f"unit{i}", mods, params, p, r, pad_to or p))
             self.units[-1].chunk = unit_chunks[i]
         self.shard_dtype = self.units[0].shard.dtype  # the working dtype (FP32 masters, if
         self.param_dtype = param_dtype or self.shard_dtype  # any, live in the optimizer)
@@ -173,12 +175,12 @@ class FullyShard:
 
     @staticmethod
     @torch.no_grad()
-    def _make_unit(name, mods, params, p, r) -> Unit:
+    def _make_unit(name, mods, params, p, r, pad_to) -> Unit:
         offsets, n = [], 0
         for q in params:
             offsets.append(n)
             n += q.numel()
-        padded = -(-n // p) * p
+        padded = -(-n // pad_to) * pad_to
         s = padded // p
         flat = torch.zeros(padded, dtype=params[0].dtype, device=params[0].device)
         for q, off in zip(params, offsets, strict=True):

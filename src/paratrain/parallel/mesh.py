@@ -34,6 +34,13 @@ we fall back to ``dist.new_group`` per axis: every
 rank creates every group of every axis in the same order, as ``new_group`` requires,
 and keeps the ones it belongs to. Both give the same ranks per group (tested).
 
+HSDP (``dp_replicate`` R > 1; torchtitan's ``dp_replicate`` x ``dp_shard``) cuts the
+dp x cp ranks into R replicas of consecutive dp indices (dp index = rep * S + s, S =
+dp / R; replicate outer, as torchtitan's mesh): ``dp_shard`` is the S x cp ranks of one
+replica (where ZeRO shards, global order, index s * cp + cp index) and ``dp_replicate``
+the R ranks holding the same shard (index rep), which all-reduce it. Both come from
+``dist.new_group`` and exist only when R > 1 (``sizes["dp_replicate"]``).
+
 The mesh is passed explicitly to every transform and engine; there is no global mesh.
 """
 
@@ -48,6 +55,7 @@ from paratrain.cost.ranks import grid_coords, grid_rank
 from paratrain.plan import ParallelPlan
 
 AXES = ("pp", "dp", "cp", "tp")  # outermost to innermost
+HSDP_AXES = ("dp_shard", "dp_replicate")  # sub-groups of dp x cp under HSDP
 
 
 def _full(sizes: dict[str, int]) -> dict[str, int]:
@@ -74,6 +82,15 @@ def axis_ranks(rank: int, axis: str, sizes: dict[str, int]) -> list[int]:
     """Global ranks of the group along ``axis`` that contains ``rank``, in axis order;
     ``axis="dpcp"``: the dp x cp group (dp outer, cp inner = global order)."""
     c = coords_of(rank, sizes)
+    if axis in ("dp_shard", "dp_replicate"):
+        f = _full(sizes)
+        R = sizes.get("dp_replicate", 1)
+        S = f["dp"] // R
+        rep, s = divmod(c["dp"], S)
+        if axis == "dp_replicate":
+            return [rank_of({**c, "dp": i * S + s}, sizes) for i in range(R)]
+        return [rank_of({**c, "dp": rep * S + d, "cp": k}, sizes)
+                for d in range(S) for k in range(f["cp"])]
     if axis in ("ep", "edp"):
         ep = sizes.get("ep", 1)
         g, j = divmod(c["dp"], ep)
@@ -103,6 +120,10 @@ def layout_table(sizes: dict[str, int]) -> str:
             f"({world} ranks; tp innermost, then {'cp, then ' if cp > 1 else ''}dp, "
             "then pp)")
     lines = [head]
+    if sizes.get("dp_replicate", 1) > 1:
+        R = sizes["dp_replicate"]
+        groups = sorted({tuple(axis_ranks(r, "dp_shard", sizes)) for r in range(world)})
+        lines.append(f"  HSDP: {R} replicas; ZeRO shard groups {[list(g) for g in groups]}")
     for r in range(world):
         c = coords_of(r, sizes)
         cpc = f"  cp {c['cp']}" if cp > 1 else ""
@@ -133,6 +154,8 @@ class Mesh:
             if plan.dp % plan.ep:
                 raise ValueError(f"ep={plan.ep} must divide dp={plan.dp}")
             sizes["ep"] = plan.ep
+        if plan.dp_replicate > 1:
+            sizes["dp_replicate"] = plan.dp_replicate
         if world_of(sizes) != world:
             raise ValueError(f"pp*dp*cp*tp = {plan.pp}*{plan.dp}*{plan.cp}*{plan.tp} != "
                              f"world size {world}; make the plan's product equal the "
@@ -150,6 +173,9 @@ class Mesh:
         if plan.ep > 1:
             groups.update(cls._new_groups(sizes, rank, ("ep", "edp")))
             extra = ("ep", "edp")
+        if plan.dp_replicate > 1:
+            groups.update(cls._new_groups(sizes, rank, HSDP_AXES))
+            extra += HSDP_AXES
         mesh = cls(sizes, rank, groups, source)
         for axis in (*AXES, "dpcp", *extra):  # both paths must give the layout documented above
             got = dist.get_process_group_ranks(groups[axis])
@@ -190,6 +216,9 @@ class Mesh:
     def size(self, axis: str) -> int:
         if axis == "dpcp":
             return self.sizes["dp"] * self.sizes["cp"]
+        if axis in HSDP_AXES:
+            R = self.sizes.get("dp_replicate", 1)
+            return R if axis == "dp_replicate" else self.sizes["dp"] // R * self.sizes["cp"]
         if axis in ("ep", "edp"):
             ep = self.sizes.get("ep", 1)
             return ep if axis == "ep" else self.sizes["dp"] // ep * self.sizes["cp"]
@@ -200,6 +229,9 @@ class Mesh:
         c = coords_of(self.rank, self.sizes)
         if axis == "dpcp":
             return c["dp"] * self.sizes["cp"] + c["cp"]
+        if axis in HSDP_AXES:
+            rep, s = divmod(c["dp"], self.sizes["dp"] // self.sizes.get("dp_replicate", 1))
+            return rep if axis == "dp_replicate" else s * self.sizes["cp"] + c["cp"]
         if axis in ("ep", "edp"):
             g, j = divmod(c["dp"], self.sizes.get("ep", 1))
             return j if axis == "ep" else g * self.sizes["cp"] + c["cp"]

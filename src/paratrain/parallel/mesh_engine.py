@@ -157,6 +157,10 @@ class MeshEngine(Engine):
     def _data_axis(self, chunks, group: str, **kw):
         """The plan's reducer over the mesh group ``dpcp`` or ``edp``."""
         m = self.mesh
+        if group == "dpcp" and self.plan.dp_replicate > 1:  # HSDP: shard in a replica
+            return data_axis(chunks, m.group("dp_shard"), m.size("dp_shard"), self.plan,
+                             self.cfg, m.index, ("dp_shard",),
+                             replicate=m.group("dp_replicate"), **kw)
         names = ("dp", "cp") if group == "dpcp" else ("edp",)
         axes = tuple(a for a in names if m.size(a) > 1)
         return data_axis(chunks, m.group(group), m.size(group), self.plan, self.cfg,

@@ -199,7 +199,7 @@ class ZeroOptimizer:
     def __init__(self, param_lists, group, stage: int, cfg: TrainConfig,
                  bucket_mb: float = 25.0, overlap: bool = True, impl: str = "native",
                  counted=lambda p: True, deferred: bool = False,
-                 reduce_dtype: torch.dtype | None = None) -> None:
+                 reduce_dtype: torch.dtype | None = None, pad_to: int | None = None) -> None:
         if stage not in (1, 2):
             raise ValueError(f"ZeroOptimizer handles stages 1 and 2, not {stage}; "
                              "use FullyShard for stage 3")
@@ -208,7 +208,8 @@ class ZeroOptimizer:
         self.deferred = deferred
         persistent = stage == 1 or deferred
         self.chunks = [GradBuckets(ps, self.comm, bucket_mb, overlap, "reduce_scatter",
-                                   persistent=persistent, rebuild=False, dtype=reduce_dtype)
+                                   persistent=persistent, rebuild=False, dtype=reduce_dtype,
+                                   pad_to=pad_to)
                        for ps in param_lists]
         p, r = self.comm.size, self.comm.rank
         shards = []

@@ -179,9 +179,12 @@ def _dp_groups(mcfg: ModelConfig, plan: ParallelPlan, tcfg: TrainConfig, rank: i
     parts = [(plan, rank, "all", None)] if plan.ep == 1 else L.reducers(plan, rank)
     out = []
     for q, r, part, e in parts:
-        p = L.reducer_plan(q).dp
-        if p > 1:
+        p = L.shard_group(q)  # HSDP: ZeRO within a replica, then the replicas' all-reduce
+        if L.reducer_plan(q).dp > 1:
             out.append((p, L.dp_calls(mcfg, q, tcfg.dtype, r, tcfg.reduce_dtype, part, e)))
+    if plan.dp_replicate > 1:
+        out.append((plan.dp_replicate, L.dp_replicate_calls(mcfg, plan, tcfg.dtype, rank,
+                                                            tcfg.reduce_dtype)))
     return out
 
 
@@ -319,7 +322,8 @@ def _dp_terms(r: _Run, first_flop_s: float) -> tuple[float, float]:
     if not groups:
         return 0.0, 0.0
     a, bw = r.hw.intra_alpha, r.hw.intra_bw
-    calls = [c for _, cs in groups for c in cs]
+    # HSDP's replica all-reduce (the last group) runs after backward: never hidden
+    calls = [c for _, cs in (groups[:-1] if plan.dp_replicate > 1 else groups) for c in cs]
     dp_s = sum(k * coll.time_s(op, "ring", p, n, a, bw) for p, cs in groups for op, n, k in cs)
     # Buckets that fill before backward ends can hide under it; the last cannot. A
     # pipeline reduces each chunk after its last backward, top-k after backward, and

@@ -39,6 +39,8 @@ def print_summary(s: dict, run_dir: str | None) -> None:
         layout += f", cp={plan['cp']} ({plan.get('cp_algorithm', 'ring')})"
     if plan.get("ep", 1) > 1:
         layout += f", ep={plan['ep']}"
+    if plan.get("dp_replicate", 1) > 1:
+        layout += f", dp_replicate={plan['dp_replicate']} (HSDP)"
     rows = [
         ("processes / plan", f"{s['world_size']} / {layout}"),
         ("parameters", f"{s['params']:,}"),

@@ -53,7 +53,7 @@ def build_report(model: ModelConfig, hw: Hardware, plan: ParallelPlan, tokens_pe
     }
     zero_rows = []
     for z in range(4):
-        pz = plan.replace(zero=z)
+        pz = plan.replace(zero=z, dp_replicate=plan.dp_replicate if z else 1)
         mem = memory(m, pz, hw, tokens_per_step, seq_len, prec, attention)
         zero_rows.append({
             "zero": z,
@@ -65,7 +65,8 @@ def build_report(model: ModelConfig, hw: Hardware, plan: ParallelPlan, tokens_pe
             "states_bytes": mem.states_bytes,
             "total_bytes": mem.total_bytes,
             "fits": mem.fits,
-            "wire_bytes": dp_sync_wire_bytes(payload, d, z, plan.micro_batches, plan.pp > 1),
+            "wire_bytes": dp_sync_wire_bytes(payload, d, z, plan.micro_batches, plan.pp > 1,
+                                             pz.dp_replicate),
         })
     mem = memory(m, plan, hw, tokens_per_step, seq_len, prec, attention)
     st = step_time(m, plan, hw, tokens_per_step, seq_len, overlap_fraction=overlap_fraction,
@@ -78,7 +79,8 @@ def build_report(model: ModelConfig, hw: Hardware, plan: ParallelPlan, tokens_pe
                      "gpus_per_node": hw.gpus_per_node, "intra_bw": hw.intra_bw,
                      "inter_bw": hw.inter_bw, "eta": hw.eta},
         "plan": {"gpus": plan.world_size, "dp": plan.dp, "tp": plan.tp, "pp": plan.pp,
-                 "cp": plan.cp, "ep": plan.ep, "zero": plan.zero, "sp": plan.sp,
+                 "cp": plan.cp, "ep": plan.ep, "zero": plan.zero,
+                 "dp_replicate": plan.dp_replicate, "sp": plan.sp,
                  "micro_batches": plan.micro_batches, "schedule": plan.schedule,
                  "virtual_stages": plan.virtual_stages, "recompute": plan.recompute,
                  "overlap": plan.overlap, "tokens_per_step": tokens_per_step,

@@ -94,9 +94,11 @@ class SearchResult:
 
 def enumerate_plans(model: ModelConfig, hw: Hardware, gpus: int, sequences: int,
                     seq_len: int, *, zero_stages=ZERO_STAGES, recomputes=RECOMPUTES,
-                    max_micro_batch: int = 64) -> Iterator[tuple[ParallelPlan, int]]:
+                    max_micro_batch: int = 64, replicas=(1,)
+                    ) -> Iterator[tuple[ParallelPlan, int]]:
     """Every valid (plan, micro-batch size) for ``gpus`` GPUs and a global batch of
-    ``sequences`` sequences of ``seq_len`` tokens."""
+    ``sequences`` sequences of ``seq_len`` tokens; ``replicas``: the HSDP replica counts
+    (``dp_replicate``) tried with ZeRO >= 1 (default none: plain ZeRO over dp x cp)."""
     m = as_shape(model)
     for tp in _pow2_upto(min(hw.gpus_per_node, gpus)):
         if m.n_heads % tp or m.kv_heads % tp or gpus % tp:
@@ -130,15 +132,27 @@ def enumerate_plans(model: ModelConfig, hw: Hardware, gpus: int, sequences: int,
                     for sched, v in scheds:
                         for ep in eps:
                             for algo in algos:
-                                for zero in (zero_stages if dp * cp > 1 else (0,)):
+                                for zero, r in _zero_replicas(zero_stages, replicas,
+                                                              dp, cp, ep):
                                     for rc in recomputes:
                                         plan = ParallelPlan(
                                             dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=zero,
-                                            sp=tp > 1, micro_batches=mb, schedule=sched,
-                                            virtual_stages=v, recompute=rc,
-                                            cp_algorithm=algo)
+                                            dp_replicate=r, sp=tp > 1, micro_batches=mb,
+                                            schedule=sched, virtual_stages=v,
+                                            recompute=rc, cp_algorithm=algo)
                                         if runs(plan, m, gpus, sequences):
                                             yield plan, b
+
+
+def _zero_replicas(zero_stages, replicas, dp: int, cp: int, ep: int
+                   ) -> list[tuple[int, int]]:
+    """(ZeRO stage, HSDP replicas) pairs of one (dp, cp, ep): replicas > 1 only with
+    ZeRO >= 1, dividing dp, leaving 2+ ranks per shard group, without ep (the plan's
+    rules, :class:`paratrain.plan.ParallelPlan`)."""
+    if dp * cp == 1:
+        return [(0, 1)]
+    return [(z, r) for z in zero_stages for r in replicas
+            if r == 1 or (z >= 1 and dp % r == 0 and r < dp * cp and ep == 1)]
 
 
 def runs(plan: ParallelPlan, model: ModelConfig, gpus: int, sequences: int) -> bool:
@@ -224,7 +238,10 @@ def explain(result: SearchResult, model: ModelConfig, hw: Hardware) -> list[str]
             how.append(f"pipeline {p.pp} across nodes ({p.schedule}"
                        f"{f', v={p.virtual_stages}' if p.schedule == 'interleaved' else ''}, "
                        f"bubble {100 * bubble_fraction(p.schedule, p.pp, p.micro_batches, p.virtual_stages):.1f}%)")  # noqa: E501
-        if p.zero:
+        if p.zero and p.dp_replicate > 1:
+            how.append(f"ZeRO-{p.zero} over {p.dp * p.cp // p.dp_replicate} data ranks, "
+                       f"{p.dp_replicate} replicas (HSDP)")
+        elif p.zero:
             how.append(f"ZeRO-{p.zero} over {p.dp * p.cp} data ranks")
         lines.append(f"{' and '.join(how)} until the model fits: model states "
                      f"{mem.states_bytes / gb:.1f} GB, total {mem.total_bytes / gb:.1f} of "
@@ -272,7 +289,8 @@ def explain(result: SearchResult, model: ModelConfig, hw: Hardware) -> list[str]
 def candidate_record(c: Candidate) -> dict:
     p = c.plan
     return {"dp": p.dp, "tp": p.tp, "pp": p.pp, "cp": p.cp, "ep": p.ep, "zero": p.zero,
-            "sp": p.sp, "micro_batches": p.micro_batches, "micro_batch_seqs": c.micro_batch,
+            "dp_replicate": p.dp_replicate, "sp": p.sp, "micro_batches": p.micro_batches,
+            "micro_batch_seqs": c.micro_batch,
             "schedule": p.schedule, "virtual_stages": p.virtual_stages,
             "cp_algorithm": p.cp_algorithm,
             "recompute": p.recompute, "step_s": c.step_s, "mfu": c.time.mfu,

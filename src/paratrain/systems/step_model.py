@@ -242,7 +242,8 @@ def predict_step(model, plan: ParallelPlan, hw: Hardware, tokens_per_step: int,
     """Price one optimizer step of ``plan`` (see the module docstring); ``attention``
     (flash or eager) defaults to the engine's kernel; ``shard_group`` (hybrid sharding,
     HSDP / multi-slice FSDP): ZeRO runs over that many data ranks, replicas all-reduce;
-    ``fp8``: the linear layers' GEMMs run at the accelerator's FP8 peak (attention and
+    default: the plan's dp x cp / ``dp_replicate``, where the runtime shards; ``fp8``:
+    the linear layers' GEMMs run at the accelerator's FP8 peak (attention and
     element-wise work stay 16-bit; MFU stays relative to the BF16 peak)."""
     m = as_shape(model)
     sp = params or StepParams()
@@ -303,7 +304,7 @@ def predict_step(model, plan: ParallelPlan, hw: Hardware, tokens_per_step: int,
     p = _params_per_gpu(m, plan.tp, plan.pp, plan.ep)
     grad = 2.0
     d_dense, d_exp = plan.dp * plan.cp, plan.dp * plan.cp // plan.ep
-    sg = shard_group or d_dense
+    sg = shard_group or d_dense // plan.dp_replicate  # HSDP: the plan's replica size
     if d_dense % sg:
         raise ValueError(f"shard_group={sg} does not divide dp*cp={d_dense}; pick a divisor")
     payloads = [(p.dense * grad, d_dense, sg), (p.expert * grad, d_exp, min(sg, d_exp))]

@@ -62,7 +62,7 @@ def bubble_fraction(schedule: str, pp: int, m: int, v: int = 1) -> float:
 
 
 def dp_sync_wire_bytes(payload_bytes: float, p: int, zero: int, micro_batches: int = 1,
-                       pipelined: bool = False) -> float:
+                       pipelined: bool = False, replicate: int = 1) -> float:
     """Bytes each data-parallel rank sends per step for its gradient sync, m micro-batches
     (:func:`paratrain.cost.layout.dp_wire_factor`, the runtime's count):
 
@@ -72,7 +72,14 @@ def dp_sync_wire_bytes(payload_bytes: float, p: int, zero: int, micro_batches: i
     ZeRO 3: each micro-batch all-gathers the weights for forward and again for backward
     and reduce-scatters its gradients: 3m(p-1)/p (3(p-1)/p at m = 1).
     Under a pipeline (``pipelined``) ZeRO 2 and 3 sync once per step: 2(p-1)/p.
+    HSDP (``replicate`` R > 1, ZeRO >= 1): the above over s = p / R ranks, plus one
+    all-reduce per step of the owned 1/s of the payload over the R replicas,
+    2(R-1)/R x payload / s (:func:`paratrain.cost.layout.dp_wire_bytes_by_axis`).
     """
+    if replicate > 1:
+        s = p // replicate
+        return (dp_sync_wire_bytes(payload_bytes, s, zero, micro_batches, pipelined)
+                + coll.wire_bytes("all_reduce", "ring", replicate, payload_bytes / s))
     if zero <= 1:
         return coll.wire_bytes("all_reduce", "ring", p, payload_bytes)
     piece = coll.wire_bytes("all_gather", "ring", p, payload_bytes)  # (p-1)/p x payload
@@ -216,15 +223,20 @@ def _dp_sync(m: ModelConfig, plan: ParallelPlan, hw: Hardware, prec: Precision,
     for params, d, stride in groups:
         if d == 1 or params == 0:
             continue
+        r = plan.dp_replicate if stride == plan.tp else 1  # HSDP: the dense reducer only
         payload = params * prec.grad_bytes
         a, bw = hw.link(span(d, stride))
         algo, g = _dp_algorithm(dp_algorithm, d, max(1, min(d, hw.gpus_per_node // stride)),
                                 span(d, stride) > hw.gpus_per_node)
         kw = {"gpus_per_node": g, "intra_alpha_s": hw.intra_alpha,
               "intra_bw_bytes_per_s": hw.intra_bw}
-        dp_wire += dp_sync_wire_bytes(payload, d, plan.zero, plan.micro_batches, plan.pp > 1)
-        t, exposed = _dp_group_time(plan, algo, d, payload, a, bw, kw, compute_mb,
+        dp_wire += dp_sync_wire_bytes(payload, d, plan.zero, plan.micro_batches, plan.pp > 1,
+                                      r)
+        t, exposed = _dp_group_time(plan, algo, d // r, payload, a, bw, kw, compute_mb,
                                     overlap_fraction)
+        if r > 1:  # HSDP: the owned 1/s of the gradients all-reduced over the replicas
+            t_ar = coll.time_s("all_reduce", "ring", r, payload * r / d, a, bw)
+            t, exposed = t + t_ar, exposed + t_ar
         dp_comm += t
         dp_exposed += exposed
     return dp_comm, dp_exposed, dp_wire
