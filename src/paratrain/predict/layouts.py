@@ -51,7 +51,8 @@ def _schedules(pp: int, m: int, n_layers: int) -> list[tuple[str, int]]:
 def runtime_plans(mcfg: ModelConfig, world: int, global_batch: int) -> Iterator[ParallelPlan]:
     """Every plan of ``world`` ranks that `paratrain train` accepts for ``mcfg`` and a
     global batch of ``global_batch`` sequences: dp, tp, pp (with its schedule and chunks),
-    cp (ring or all-to-all), ep, ZeRO 0-3, micro-batches, sp and recomputation. Plans the
+    cp (ring or all-to-all), ep, ZeRO 0-3 (and HSDP replicas of the dp axis), micro-batches,
+    sp and recomputation. Plans the
     runtime refuses are skipped silently: refusing them is the checks' job."""
     for tp, cp in itertools.product(_divisors(world), repeat=2):
         if world % (tp * cp):
@@ -67,14 +68,16 @@ def runtime_plans(mcfg: ModelConfig, world: int, global_batch: int) -> Iterator[
                 for (sched, v), ep, sp in itertools.product(
                         _schedules(pp, m, mcfg.n_layers), eps, (False, True) if tp > 1 else
                         (False,)):
-                    for zero, rc, algo in itertools.product(
-                            (0, 1, 2, 3) if dp * cp > 1 else (0,), RECOMPUTE,
+                    for zero, reps, rc, algo in itertools.product(
+                            (0, 1, 2, 3) if dp * cp > 1 else (0,), _divisors(dp), RECOMPUTE,
                             CP_ALGORITHMS if cp > 1 else ("ring",)):
+                        if reps > 1 and (zero == 0 or ep > 1 or reps == dp * cp):
+                            continue  # not HSDP (the checks would refuse it anyway)
                         try:
                             plan = ParallelPlan(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=zero,
                                                 sp=sp, micro_batches=m, schedule=sched,
                                                 virtual_stages=v, recompute=rc,
-                                                cp_algorithm=algo)
+                                                cp_algorithm=algo, dp_replicate=reps)
                             plan.check(mcfg, world, global_batch)
                             plan.check_runtime(mcfg)
                         except ValueError:
@@ -135,6 +138,8 @@ def describe(plan: ParallelPlan) -> str:
     words = " x ".join(parts)
     if plan.zero:
         words += f" zero{plan.zero}"
+    if plan.dp_replicate > 1:
+        words += f" hsdp{plan.dp_replicate}"
     if plan.sp:
         words += " sp"
     if plan.cp > 1:
