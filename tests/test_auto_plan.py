@@ -190,3 +190,12 @@ def test_train_plan_auto_calibrates_a_fresh_machine_then_trains_the_winner(tmp_p
     summary = json.loads((run_dir / "summary.json").read_text())
     assert first.split()[0] == "1" and describe(ParallelPlan(**summary["plan"]))[:40] in first
     assert "predicted s/step" in out
+
+
+def test_the_top_and_the_why_fit_80_columns():
+    from paratrain.predict.layouts import bullets, format_top, why_the_winner_wins
+
+    ranked = rank_layouts(TINY.replace(n_layers=4), TC, 4, MACHINE)
+    text = format_top(ranked, 5) + "\n" + bullets(why_the_winner_wins(ranked))
+    assert max(map(len, text.splitlines())) <= 80
+    assert describe(ranked[0].plan) in text.splitlines()[1]

@@ -39,7 +39,7 @@ def search_machine(config: str | None, flags: dict, nproc: int, top: int, verify
                    json_out: bool) -> None:
     """Rank this machine's layouts for the run; verify and emit as asked."""
     from paratrain.files.run_toml import check_writable, write_run_toml
-    from paratrain.predict.layouts import format_top, why_the_winner_wins
+    from paratrain.predict.layouts import bullets, format_top, why_the_winner_wins
     from paratrain.run.auto_plan import search_here
 
     if emit_config:
@@ -56,12 +56,10 @@ def search_machine(config: str | None, flags: dict, nproc: int, top: int, verify
                        "memory_bytes": r.memory_bytes} for r in ranked[:top]],
               "why": why_the_winner_wins(ranked)}
     if not json_out:
-        print(f"{len(ranked)} valid layouts of {nproc} processes, ranked by the prediction "
-              "for this machine:")
+        print(f"{len(ranked)} valid layouts of {nproc} processes, ranked for this machine:")
         print(format_top(ranked, top))
         print("why the winner wins:")
-        for line in record["why"]:
-            print(f"  - {line}")
+        print(bullets(record["why"]))
     if verify:
         from paratrain.predict.machine import load_machine
         from paratrain.run.verify import format_verdict

@@ -183,3 +183,12 @@ def format_top(ranked: list[Ranked], k: int = 5) -> str:
         lines.append(f"{i:>2} {describe(r.plan)[:40]:<40} {r.step_s * 1e3:>8.1f} "
                      f"{r.memory_bytes / 2**20:>8.1f} {comm * 1e3:>8.1f}")
     return "\n".join(lines)
+
+
+def bullets(lines: list[str], width: int = 80) -> str:
+    """``lines`` as "  - " bullets wrapped to ``width`` columns, continuations indented
+    under their bullet's text."""
+    import textwrap
+
+    return "\n".join(textwrap.fill(line, width, initial_indent="  - ",
+                                    subsequent_indent="    ") for line in lines)

@@ -23,7 +23,13 @@ from pathlib import Path
 
 from paratrain.config import ModelConfig, TrainConfig
 from paratrain.plan import ParallelPlan
-from paratrain.predict.layouts import Ranked, format_top, rank_layouts, why_the_winner_wins
+from paratrain.predict.layouts import (
+    Ranked,
+    bullets,
+    format_top,
+    rank_layouts,
+    why_the_winner_wins,
+)
 from paratrain.predict.machine import DEFAULT_PROFILE, MachineModel, load_machine
 
 CALIBRATION_SIZES = [4 << k for k in range(0, 19, 3)]  # 4 B .. 1 MiB, 7 points
@@ -88,10 +94,9 @@ def choose(mcfg: ModelConfig, tcfg: TrainConfig, world: int, fixed: dict,
            ) -> ParallelPlan:
     """The winner, after printing the top 5 and why it wins."""
     ranked = search_here(mcfg, tcfg, world, fixed, max_memory_gb, profile, log)
-    log(f"--plan auto: {len(ranked)} valid layouts of {world} processes ranked by the "
-        f"prediction for this machine; the top 5:")
+    log(f"--plan auto: {len(ranked)} layouts of {world} processes ranked for this "
+        "machine; the top 5:")
     log(format_top(ranked, 5))
     log("why the winner wins:")
-    for line in why_the_winner_wins(ranked):
-        log(f"  - {line}")
+    log(bullets(why_the_winner_wins(ranked)))
     return ranked[0].plan

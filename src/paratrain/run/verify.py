@@ -101,9 +101,8 @@ def verify(mcfg: ModelConfig, tcfg: TrainConfig, ranked: list[Ranked], world: in
                "other_threads": machine.replace(others=got["others"]).other_threads,
                "plan": dataclasses.asdict(r.plan)}
         records.append(rec)
-        log(f"{rec['layout']:<40} predicted {pred.step_s * 1e3:7.1f} ms  measured "
-            f"{got['measured_s'] * 1e3:7.1f} ms  {100 * rec['error']:+5.0f}%  (other "
-            f"sessions' threads {rec['other_threads']:.1f})")
+        log(f"ran {rec['layout'][:34]:<34} pred {pred.step_s * 1e3:7.1f} ms, measured "
+            f"{got['measured_s'] * 1e3:7.1f} ms")
     return verdict(records)
 
 
