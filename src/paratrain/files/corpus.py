@@ -21,26 +21,18 @@ from __future__ import annotations
 import os
 import sys
 import sysconfig
-import tempfile
 from pathlib import Path
 
 import numpy as np
 
 from paratrain.files import tokenizer as tk
+from paratrain.files.atomic import write_atomic
 
 RECORD_KINDS = {".jsonl": "json", ".parquet": "parquet"}
 
 
 def cache_dir() -> Path:
     return Path.home() / ".cache" / "paratrain"  # beside the calibration profile
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".")
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
 
 
 def _stdlib_files() -> list[Path]:

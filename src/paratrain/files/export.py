@@ -128,7 +128,7 @@ def export(run: Loaded, out_dir: str | Path) -> list[Path]:
 def _write(run: Loaded, cfg: ModelConfig, out: Path) -> list[Path]:
     from safetensors.torch import save_file
 
-    from paratrain.files.checkpoint.atomic import default_mode
+    from paratrain.files.atomic import default_mode
 
     out.mkdir(parents=True, exist_ok=True)
     files = [out / n for n in ("config.json", "model.safetensors", "tokenizer.json",

@@ -15,6 +15,7 @@ import math
 from pathlib import Path
 
 from paratrain.config import ModelConfig, TrainConfig
+from paratrain.files.atomic import write_atomic
 from paratrain.plan import ParallelPlan
 
 
@@ -57,12 +58,10 @@ def run_toml(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan, header: s
 
 def write_run_toml(path: str | Path, mcfg: ModelConfig, tcfg: TrainConfig,
                    plan: ParallelPlan, header: str = "") -> Path:
-    """Write :func:`run_toml` to ``path`` (its folder must exist: checked before any
-    work by the caller), atomically (a temporary file renamed into place)."""
+    """Write :func:`run_toml` to ``path`` atomically (:func:`paratrain.files.atomic.
+    write_atomic`; its folder is checked before any work by the caller)."""
     path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(run_toml(mcfg, tcfg, plan, header))
-    tmp.replace(path)
+    write_atomic(path, run_toml(mcfg, tcfg, plan, header).encode())
     return path
 
 

@@ -184,7 +184,8 @@ def load(spec: str, train_bytes: bytes | None = None) -> Tokenizer:
                              f"({msg}); pass a file saved by tokenizers, or bpe:N") from None
     if train_bytes is None:
         raise ValueError(f"--tokenizer {spec} is trained on the corpus; load the corpus first")
-    from paratrain.files.corpus import cache_dir, write_atomic
+    from paratrain.files.atomic import write_atomic
+    from paratrain.files.corpus import cache_dir
 
     cache = cache_dir() / f"bpe-{sha256(train_bytes)[:16]}-{arg}.json"
     if cache.is_file():

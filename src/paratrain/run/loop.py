@@ -21,6 +21,7 @@ from paratrain.bench.peak import measure_peak, memory_bytes
 from paratrain.config import ModelConfig, TrainConfig
 from paratrain.cost.shapes import as_shape
 from paratrain.files import checkpoint
+from paratrain.files.atomic import write_atomic
 from paratrain.files.batches import Corpus, bits_per_byte
 from paratrain.model import Decoder, take_moe_stats
 from paratrain.parallel.api import build_engine
@@ -88,7 +89,7 @@ class _Log:
             run_dir.mkdir(parents=True, exist_ok=True)
             path = run_dir / "metrics.jsonl"
             keep = _records_before(path, start) if start else ""
-            checkpoint._atomic_write_bytes(path, keep.encode())  # resumed: no duplicates
+            write_atomic(path, keep.encode())  # resumed: no duplicates
             self.file = path.open("a")
         self.progress = None
         if active and not quiet:
@@ -253,7 +254,7 @@ def _resume(engine, corpus: Corpus, mcfg: ModelConfig, tcfg: TrainConfig,
                              f"but --steps is {tcfg.steps}; pass --steps above {start} to "
                              "train further")
     if opts.checkpoint_dir and _rank_world()[0] == 0:  # what generate and export decode with
-        checkpoint._atomic_write_bytes(Path(opts.checkpoint_dir) / "tokenizer.json",
+        write_atomic(Path(opts.checkpoint_dir) / "tokenizer.json",
                                        corpus.tokenizer.json.encode())  # umask, not 0600
     shutdown.beat(start)  # set up (and resumed): the launcher's progress deadline runs
     return start, meta

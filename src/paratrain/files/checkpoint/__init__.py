@@ -39,7 +39,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from paratrain.files.checkpoint.atomic import write_atomic as _atomic_write_bytes
+from paratrain.files.atomic import write_atomic
 from paratrain.files.checkpoint.verify import FORMAT, check_step, fallback_line, read_meta_why
 from paratrain.files.checkpoint.verify import sha256_file as _sha256
 from paratrain.files.checkpoint.verify import verify_files as verify_files
@@ -162,11 +162,11 @@ def save(root: str | Path, step: int, engine, mcfg, plan, meta: dict, keep: int 
 
         full = dict(meta, format=FORMAT, step=step, world_size=world, plan=asdict(plan),
                     files=files)
-        _atomic_write_bytes(tmp_dir / "meta.json", json.dumps(full, indent=1).encode())
+        write_atomic(tmp_dir / "meta.json", json.dumps(full, indent=1).encode())
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp_dir, final)
         remember_intact(final)
-        _atomic_write_bytes(root / "latest", name.encode())
+        write_atomic(root / "latest", name.encode())
         prune(root, steps(root), step, keep, step_dir)
     _barrier()
     return final
@@ -269,7 +269,7 @@ def _point_latest(root: Path, step: int) -> None:
     """After a fallback, ``latest`` names the step loaded (it named a damaged one)."""
     try:
         if latest(root) != step_dir(root, step):
-            _atomic_write_bytes(root / "latest", f"step_{step:06d}".encode())
+            write_atomic(root / "latest", f"step_{step:06d}".encode())
     except OSError:
         pass  # a hint only; the next save rewrites it
 

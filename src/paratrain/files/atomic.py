@@ -1,4 +1,5 @@
-"""Files written whole or not at all, with one permission policy: the user's umask.
+"""Files written whole or not at all, with one permission policy: the user's umask. The
+package's one atomic writer: checkpoints, metrics, caches and run TOMLs all come here.
 
 ``tempfile.mkstemp`` creates its file 0600 whatever the umask, so a file written through
 it and renamed into place (``meta.json``, ``latest``, ``metrics.jsonl``) came out 0600
