@@ -17,7 +17,7 @@ import pytest
 from conftest import TINY
 from paratrain.cli import main
 from paratrain.cli.settings import resolve
-from paratrain.config import ModelConfig, TrainConfig
+from paratrain.config import TrainConfig
 from paratrain.cost.hardware import Hardware, load_hardware
 from paratrain.cost.shapes import load_model
 from paratrain.files.run_toml import run_toml, write_run_toml
@@ -26,21 +26,13 @@ from paratrain.predict import MachineModel
 from paratrain.predict.layouts import describe, rank_layouts, runtime_plans
 from paratrain.run.auto_plan import constrained
 from paratrain.run.verify import kendall_tau, pick, verdict
+from paratrain.systems.search import runs as _accepted  # ParallelPlan.check_run, the launcher's
 from paratrain.systems.search import search
 
 HW = Hardware("test-box", peak_flops=4e9, hbm_bytes=8e9, hbm_bw=1e10, gpus_per_node=2,
               intra_bw=1e9, intra_alpha=1e-4, inter_bw=1e9, inter_alpha=1e-4, eta=1.0)
 MACHINE = MachineModel(HW, eta=0.5, thread_peak=1e9, pass_s=1e-3, step_s=2e-3, fitted=True)
 TC = TrainConfig(steps=2, global_batch=8)
-
-
-def _accepted(plan: ParallelPlan, model: ModelConfig, world: int, batch: int) -> bool:
-    try:
-        plan.check(model, world, batch)
-        plan.check_runtime(model)
-    except ValueError:
-        return False
-    return True
 
 
 @pytest.mark.parametrize("name,gpus,tokens,seq", [

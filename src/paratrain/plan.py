@@ -223,6 +223,13 @@ class ParallelPlan:
                 "two reducers); drop --compress",
             )
 
+    def check_run(self, model: ModelConfig, world_size: int, global_batch: int) -> None:
+        """Everything `paratrain train` checks before it runs this plan: :meth:`check`,
+        then :meth:`check_runtime` (the launcher, the training loop and both searches
+        call this one method, so what is ranked is what runs)."""
+        self.check(model, world_size, global_batch)
+        self.check_runtime(model)
+
     def replace(self, **changes) -> ParallelPlan:
         return dataclasses.replace(self, **changes)
 

@@ -311,8 +311,7 @@ def train(
     if plan_mode is not None or max_memory_gb is not None:
         plan = _auto_plan(plan_mode, max_memory_gb, mcfg, tcfg, world, config, flags,
                           in_torchrun, nnodes, simulate_workers)
-    plan.check(mcfg, world, tcfg.global_batch)
-    plan.check_runtime(mcfg)
+    plan.check_run(mcfg, world, tcfg.global_batch)
     if simulate_workers > 1 and world > 1:
         raise ValueError("--simulate-workers runs in one process; add --nproc 1")
     if tcfg.data is not None:

@@ -5,8 +5,8 @@ Why its own enumeration, beside :func:`paratrain.systems.search.enumerate_plans`
 one walks GPU clusters of thousands of ranks with the published runs' habits (tp inside a
 node, sp always on with tp, cp only from 1024 tokens per rank); on a CPU box of a few
 ranks every axis is cheap to try and none of those habits holds, so here every divisor
-is tried and the runtime's own checks (:meth:`ParallelPlan.check` and
-:meth:`ParallelPlan.check_runtime`, the ones the launcher calls) decide what is valid:
+is tried and the runtime's own checks (:meth:`ParallelPlan.check_run`, the one the
+launcher calls) decide what is valid:
 nothing is ranked that `paratrain train` would refuse.
 
 Torch-free: the ranking is arithmetic (:func:`paratrain.predict.predict`).
@@ -78,8 +78,7 @@ def runtime_plans(mcfg: ModelConfig, world: int, global_batch: int) -> Iterator[
                                                 sp=sp, micro_batches=m, schedule=sched,
                                                 virtual_stages=v, recompute=rc,
                                                 cp_algorithm=algo, dp_replicate=reps)
-                            plan.check(mcfg, world, global_batch)
-                            plan.check_runtime(mcfg)
+                            plan.check_run(mcfg, world, global_batch)
                         except ValueError:
                             continue
                         yield plan

@@ -213,8 +213,7 @@ def moe_record(stats: list[float], mcfg: ModelConfig, sequences: int) -> dict:
 def _setup(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan, opts: RunOptions,
            world: int, device: torch.device):
     """Checks, then the corpus, the model and the engine that runs ``plan``."""
-    plan.check(mcfg, world, tcfg.global_batch)
-    plan.check_runtime(mcfg)
+    plan.check_run(mcfg, world, tcfg.global_batch)
     if opts.simulate_workers > 1:
         if world > 1:
             raise ValueError("--simulate-workers runs in one process; use it with --nproc 1")

@@ -160,8 +160,7 @@ def runs(plan: ParallelPlan, model: ModelConfig, gpus: int, sequences: int) -> b
     ranks nothing the runtime refuses (a composition the systems model could price but
     the runtime does not run, such as tied embeddings with a pipeline, is left out)."""
     try:
-        plan.check(model, gpus, sequences)
-        plan.check_runtime(model)
+        plan.check_run(model, gpus, sequences)
     except ValueError:
         return False
     return True
