@@ -60,3 +60,11 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+def parity_tcfg(data: str):
+    """The short float64 run the composition parity tests train (4 steps of 8 windows)."""
+    from paratrain.config import TrainConfig
+
+    return TrainConfig(steps=4, global_batch=8, lr=1e-2, warmup_steps=2, eval_every=0,
+                       eval_batches=1, dtype="float64", data=data)

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import TINY, max_rel_diff
-from paratrain.config import ModelConfig, TrainConfig
+from conftest import TINY, max_rel_diff, parity_tcfg
+from paratrain.config import ModelConfig
 from paratrain.parallel.process_groups import spawn
 from paratrain.plan import ParallelPlan
 from paratrain.run.loop import RunOptions, train
@@ -56,23 +56,18 @@ EIGHT = {
 }
 
 
-def tcfg(data: str) -> TrainConfig:
-    return TrainConfig(steps=4, global_batch=8, lr=1e-2, warmup_steps=2, eval_every=0,
-                       eval_batches=1, dtype="float64", data=data)
-
-
 def _worker(rank: int, world: int, data: str, combos: dict) -> dict:
     out = {}
     for name, (model, plan) in combos.items():
         plan = plan.replace(bucket_mb=BUCKET_MB)
-        s = train(model, tcfg(data), plan, RunOptions(**QUIET))
+        s = train(model, parity_tcfg(data), plan, RunOptions(**QUIET))
         out[name] = (s["losses"], s["val_loss"])
     return out
 
 
 @pytest.fixture(scope="module")
 def refs(text_file):
-    return {m: train(m, tcfg(text_file), None, RunOptions(**QUIET))
+    return {m: train(m, parity_tcfg(text_file), None, RunOptions(**QUIET))
             for m in {m for m, _ in (*FOUR.values(), *EIGHT.values())}}
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import max_rel_diff
+from conftest import max_rel_diff, parity_tcfg
 from paratrain.config import ModelConfig, TrainConfig
 from paratrain.cost.layout import dp_wire_bytes, state_bytes
 from paratrain.parallel.process_groups import spawn
@@ -51,15 +51,10 @@ FOUR = {
 }
 
 
-def tcfg(data: str) -> TrainConfig:
-    return TrainConfig(steps=4, global_batch=8, lr=1e-2, warmup_steps=2, eval_every=0,
-                       eval_batches=1, dtype="float64", data=data)
-
-
 def _worker(rank: int, world: int, data: str, combos: dict) -> dict:
     out = {}
     for name, (model, plan) in combos.items():
-        s = train(model, tcfg(data), plan, RunOptions(**QUIET))
+        s = train(model, parity_tcfg(data), plan, RunOptions(**QUIET))
         out[name] = (s["losses"], s["val_loss"], s["moe_steps"],
                      (s["wire_bytes_per_step"], dp_wire_bytes(model, plan, "float64", rank)),
                      (s["memory"]["measured_per_rank"][rank],
@@ -69,7 +64,8 @@ def _worker(rank: int, world: int, data: str, combos: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def refs(text_file):
-    return {m: train(m, tcfg(text_file), None, RunOptions(**QUIET)) for m in (MOE, SHARED, CAPPED)}
+    return {m: train(m, parity_tcfg(text_file), None, RunOptions(**QUIET))
+            for m in (MOE, SHARED, CAPPED)}
 
 
 def _check(results: list, combos: dict, refs: dict) -> None:
