@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from paratrain.config import ModelConfig, TrainConfig
+from paratrain.cost.schedule import V_SHAPED
 from paratrain.plan import CP_ALGORITHMS, RECOMPUTE, SCHEDULES, ParallelPlan
 from paratrain.predict.machine import MachineModel
 from paratrain.predict.step import Prediction, predict
@@ -32,7 +33,7 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _schedules(pp: int, m: int, n_layers: int) -> list[tuple[str, int]]:
+def _schedules(pp: int, n_layers: int) -> list[tuple[str, int]]:
     """(schedule, virtual stages) worth trying: one entry when there is no pipeline
     (the schedule does not matter), every schedule and chunk count otherwise."""
     if pp == 1:
@@ -41,7 +42,7 @@ def _schedules(pp: int, m: int, n_layers: int) -> list[tuple[str, int]]:
     for s in SCHEDULES:
         if s == "interleaved":
             out += [(s, v) for v in range(2, MAX_VIRTUAL_STAGES + 1) if pp * v <= n_layers]
-        elif s in ("zb-v", "dualpipev"):  # V placement: two chunks per rank
+        elif s in V_SHAPED:  # V placement: two chunks per rank
             out += [(s, 2)] if 2 * pp <= n_layers else []
         else:
             out.append((s, 1))
@@ -66,7 +67,7 @@ def runtime_plans(mcfg: ModelConfig, world: int, global_batch: int) -> Iterator[
                 if m > MAX_MICRO_BATCHES:
                     break
                 for (sched, v), ep, sp in itertools.product(
-                        _schedules(pp, m, mcfg.n_layers), eps, (False, True) if tp > 1 else
+                        _schedules(pp, mcfg.n_layers), eps, (False, True) if tp > 1 else
                         (False,)):
                     for zero, reps, rc, algo in itertools.product(
                             (0, 1, 2, 3) if dp * cp > 1 else (0,), _divisors(dp), RECOMPUTE,
