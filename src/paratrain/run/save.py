@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from paratrain.config import ModelConfig, TrainConfig
+from paratrain.cost.ranks import elements
 from paratrain.cost.shapes import as_shape
 from paratrain.files import checkpoint, disk
 from paratrain.plan import ParallelPlan
@@ -38,7 +39,7 @@ def save_checked(engine, mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPla
     root = opts.checkpoint_dir
     done = checkpoint.steps(root)
     newest = done[0] if done else None
-    master = 8 if tcfg.dtype == "float64" else 4  # bf16 runs keep FP32 masters
+    master = elements(tcfg.dtype, tcfg.reduce_dtype)[2]  # bf16 runs keep FP32 masters
     need = disk.checkpoint_bytes(root, newest,
                                  disk.state_bytes(as_shape(mcfg).num_params(), master))
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
