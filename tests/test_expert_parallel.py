@@ -282,7 +282,7 @@ def test_plans_refused_with_ep():
      "works without --compress"),
     (["--experts", "4", "--z-loss-coef", "-1"], "z_loss_coef = -1.0 (--z-loss-coef)"),
     (["--experts", "3", "--ep", "2", "--nproc", "2"], "does not divide experts=3"),
-    (["--experts", "4", "--ep", "3", "--nproc", "2"], "ep=3 must divide dp=2"),
+    (["--experts", "4", "--ep", "3", "--nproc", "2"], "ep*etp=3*1 must divide dp*cp*tp=2"),
     (["--experts", "4", "--top-k", "5"], "top_k=5"),
     (["--experts", "4", "--capacity-factor", "-1"], "capacity_factor = -1.0 (--capacity-factor)"),
 ])

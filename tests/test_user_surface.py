@@ -25,7 +25,7 @@ RUN_FLAGS = {
 # the dataclass fields (paratrain/cli/settings.py), so a field that gains or loses a flag
 # by accident fails here.
 SETTING_FLAGS = {
-    "--attention", "--aux-loss-coef", "--bucket-mb", "--capacity-factor", "--ep",
+    "--attention", "--aux-loss-coef", "--bucket-mb", "--capacity-factor", "--ep", "--etp",
     "--experts", "--moe-every", "--moe-ffn", "--shared-experts", "--top-k", "--z-loss-coef",
     "--checkpoint-every", "--collectives",
     "--compress", "--context", "--cp", "--cp-algorithm", "--d-ff", "--d-model",

@@ -29,7 +29,12 @@ def _require(ok: bool, msg: str) -> None:
 class ParallelPlan:
     """How the work is split. Sizes multiply to the world size: dp * tp * pp * cp.
 
-    ``ep`` (expert parallelism) reuses data-parallel ranks, so it must divide dp.
+    ``ep`` (expert parallelism) and ``etp`` (expert tensor parallelism) lay the MoE layers
+    over the same ranks as the dense ones, Megatron-Core's "MoE parallel folding": a
+    stage's dp * cp * tp ranks are regrouped as edp x ep x etp (etp innermost, then ep),
+    so ep * etp must divide dp * cp * tp and etp must divide tp. Each expert is split over
+    etp ranks, the experts over ep groups of them, and the edp = dp*cp*tp / (ep*etp)
+    copies of each expert reduce their gradients together.
     ``micro_batches`` is the pipeline's micro-batch count, or gradient accumulation steps
     when pp == 1.
     """
@@ -39,7 +44,10 @@ class ParallelPlan:
     tp: int = setting(1, "Tensor-parallel size.", lo=1, hi=MAX_RANKS)
     pp: int = setting(1, "Pipeline stages.", lo=1, hi=MAX_LAYERS)
     cp: int = setting(1, "Context-parallel size (sequence split).", lo=1, hi=MAX_RANKS)
-    ep: int = setting(1, "Expert-parallel size (divides dp).", lo=1, hi=MAX_RANKS)
+    ep: int = setting(1, "Expert-parallel size (ep*etp divides dp*cp*tp).", lo=1,
+                      hi=MAX_RANKS)
+    etp: int = setting(1, "Expert tensor-parallel size: each expert split over etp ranks "
+                       "(divides tp).", lo=1, hi=MAX_RANKS)
     zero: int = setting(0, "ZeRO stage 0-3 (3 = FSDP).", lo=0, hi=3)
     dp_replicate: int = setting(1, "HSDP: dp split into R replicas of dp/R ranks; ZeRO "
                                 "shards within a replica, replicas all-reduce (divides dp; "
@@ -78,8 +86,15 @@ class ParallelPlan:
             f"{', '.join(CP_ALGORITHMS)}",
         )
         _require(
-            self.dp % self.ep == 0,
-            f"ep={self.ep} must divide dp={self.dp}; expert ranks are a subset of data ranks",
+            self.tp % self.etp == 0,
+            f"etp={self.etp} must divide tp={self.tp}; pass --etp 1 or a divisor of --tp",
+        )
+        folded = self.dp * self.cp * self.tp
+        _require(
+            folded % (self.ep * self.etp) == 0,
+            f"ep*etp={self.ep}*{self.etp} must divide dp*cp*tp={folded} (the MoE layers "
+            "regroup the same ranks); choose --ep dividing "
+            f"{folded // self.etp}",
         )
         _require(
             self.dp % self.dp_replicate == 0,
@@ -215,6 +230,12 @@ class ParallelPlan:
             self.dp_replicate == 1 or self.ep == 1,
             f"--dp-replicate {self.dp_replicate} with --ep {self.ep} is not supported (the "
             "expert reducer has its own data group); use --ep 1 or --dp-replicate 1",
+        )
+        _require(
+            self.dp % self.ep == 0 and self.etp == 1,
+            f"--ep {self.ep} --etp {self.etp}: the runtime folds experts over dp only (ep "
+            f"dividing dp={self.dp}, etp 1); the systems model prices the wider folds; use "
+            "--ep dividing --dp and --etp 1",
         )
         if self.ep > 1:
             _require(
