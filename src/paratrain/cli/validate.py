@@ -62,7 +62,7 @@ def validate(
 
 
 def _explain_row(runs, params, unfitted, row_id, json_out) -> None:
-    from paratrain.systems.explain import explain_lines
+    from paratrain.systems.explain import case_lines, explain_lines
     from paratrain.systems.fitting import _figure, breakdown, source_count
     from paratrain.systems.runs import Skip, read_runs, row_to_case
     from paratrain.systems.validate import UNFITTED, load_params
@@ -89,12 +89,17 @@ def _explain_row(runs, params, unfitted, row_id, json_out) -> None:
     lines = [f"{row_id}: {case.model.name} on {case.plan.world_size} x {case.hw.name}, "
              f"dp {case.plan.dp} tp {case.plan.tp} pp {case.plan.pp} cp {case.plan.cp} "
              f"ep {case.plan.ep}, ZeRO-{case.plan.zero}, {case.plan.micro_batches} "
-             f"micro-batches, recompute {case.plan.recompute}"] + explain_lines(bd, rep)
+             f"micro-batches, recompute {case.plan.recompute}"] + case_lines(case) + \
+        explain_lines(bd, rep)
     if json_out:
         import json
 
         print(json.dumps({"id": row_id, "metric": case.metric, "reported": case.reported,
-                          "predicted": pred, "breakdown": bd.as_dict(), "lines": lines},
+                          "predicted": pred, "engine": case.engine,
+                          "engine_why": case.engine_why,
+                          "defaults": [{"field": f, "value": v, "why": w}
+                                       for f, v, w in case.defaults],
+                          "breakdown": bd.as_dict(), "lines": lines},
                          indent=2))
     else:
         for line in lines:

@@ -1,7 +1,10 @@
 """A step's breakdown as text: `paratrain plan --explain` and `paratrain validate --explain`.
 
 Every line is computed from the :class:`paratrain.systems.step_model.Breakdown` it
-describes, and the parts add up to the step it prints (tests check both).
+describes, and the parts add up to the step it prints (tests check both). A runs-table
+row's assumptions come first (:func:`case_lines`): the engine it is priced as and why,
+and every blank the reader filled in, so a reader sees what was guessed before what was
+computed from it.
 """
 
 from __future__ import annotations
@@ -45,4 +48,16 @@ def explain_lines(b: Breakdown, reported: str | None = None) -> list[str]:
                  f"HFU {100 * b.hfu:.1f}%, {b.tflops_per_gpu:.0f} model TFLOP/s per GPU")
     if reported:
         lines.append(f"  reported: {reported}")
+    return lines
+
+
+def case_lines(case) -> list[str]:
+    """The engine a :class:`paratrain.systems.runs.Case` is priced as, with the column and
+    word that chose it, then each default applied (column = value: why)."""
+    lines = [f"engine {case.engine}: {case.engine_why}"]
+    if case.defaults:
+        lines.append(f"defaults applied ({len(case.defaults)}):")
+        lines += [f"  {col} = {value}: {why}" for col, value, why in case.defaults]
+    else:
+        lines.append("defaults applied: none (every column the model reads is filled)")
     return lines

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from paratrain.config import read_toml
 from paratrain.systems.gemm import family
-from paratrain.systems.overlap import Engine, engine, infer_engine
+from paratrain.systems.row_engine import case_engine  # noqa: F401 - its home moved
 from paratrain.systems.runs import DATA_DIR, Case, Record
 from paratrain.systems.step_model import Breakdown, predict_step
 from paratrain.systems.step_params import BOUNDS, SCALARS, StepParams
@@ -71,18 +71,6 @@ def _param(path: Path, key: str, v: object, bounds: tuple[float, float]) -> floa
         raise ValueError(f"{str(path)!r}: {key} = {v!r} is outside its physical range "
                          f"[{lo:g}, {hi:g}] (systems/step_params.py); use a value in it")
     return float(v)
-
-
-def case_engine(case: Case) -> Engine:
-    """The engine a row names (its ``engine`` column), else the one its id or source
-    names, else Megatron-LM (:mod:`paratrain.systems.overlap`)."""
-    named = getattr(case, "engine", None)
-    if named:
-        try:
-            return engine(named)
-        except ValueError:
-            pass
-    return infer_engine(case.id, case.source, case.hw_key)
 
 
 def case_attention(case: Case) -> str | None:

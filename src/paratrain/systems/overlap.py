@@ -104,14 +104,26 @@ DEFAULT_ENGINE = "megatron"
 # pp 16 (docs/systems-model.md).
 SEARCH_ENGINE = "nemo"
 
-# words in a runs-table row's engine / source / sharding text -> engine
+# words that name a training stack -> engine (first match wins: "Megatron-DeepSpeed" is
+# deepspeed, "FSDP ... with Megatron tensor parallelism" fsdp, FSDP2 torchtitan's, as in
+# the table above); which columns of a runs-table row are read, and in what order:
+# paratrain.systems.row_engine
 _KEYWORDS = (("dualpipe", "dualpipe"), ("hai-llm", "dualpipe"),
              ("nemo", "nemo"), ("dgxc", "nemo"), ("megatron-core", "nemo"), ("mcore", "nemo"),
              ("megatron-bridge", "nemo"), ("deepspeed", "deepspeed"),
-             ("torchtitan", "torchtitan"), ("fsdp", "fsdp"), ("composer", "fsdp"),
-             ("llm-foundry", "fsdp"), ("mosaic", "fsdp"), ("pax", "xla"), ("jax", "xla"),
-             ("t5x", "xla"), ("maxtext", "xla"), ("tpu", "xla"), ("megatron", "megatron"),
-             ("megascale", "megascale"))
+             ("torchtitan", "torchtitan"), ("fsdp2", "torchtitan"), ("fsdp", "fsdp"),
+             ("composer", "fsdp"), ("llm-foundry", "fsdp"), ("mosaic", "fsdp"),
+             ("pax", "xla"), ("jax", "xla"), ("t5x", "xla"), ("maxtext", "xla"), ("tpu", "xla"),
+             ("megatron", "megatron"), ("megascale", "megascale"))
+
+
+def named_engine(text: str | None) -> tuple[str, str] | None:
+    """(engine, the word that names it) for the first of :data:`_KEYWORDS` in ``text``
+    (an engine's own name counts as its word), else None."""
+    low = (text or "").lower().strip()
+    if low in ENGINES:
+        return low, low
+    return next(((eng, key) for key, eng in _KEYWORDS if key in low), None)
 
 
 def engine(name: str | None) -> Engine:
@@ -119,22 +131,7 @@ def engine(name: str | None) -> Engine:
     ``engine`` cell "Megatron-DeepSpeed" gives deepspeed)."""
     if not name:
         return ENGINES[DEFAULT_ENGINE]
-    low = name.lower().strip()
-    if low in ENGINES:
-        return ENGINES[low]
-    for key, eng in _KEYWORDS:
-        if key in low:
-            return ENGINES[eng]
-    raise ValueError(f"engine {name!r} is unknown; choose one of {', '.join(ENGINES)}")
-
-
-def infer_engine(*texts: str | None) -> Engine:
-    """The engine a row names in any of ``texts`` (first match wins), else Megatron-LM."""
-    for t in texts:
-        if not t:
-            continue
-        low = t.lower()
-        for key, eng in _KEYWORDS:
-            if key in low:
-                return ENGINES[eng]
-    return ENGINES[DEFAULT_ENGINE]
+    found = named_engine(name)
+    if found is None:
+        raise ValueError(f"engine {name!r} is unknown; choose one of {', '.join(ENGINES)}")
+    return ENGINES[found[0]]

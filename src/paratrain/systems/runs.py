@@ -12,7 +12,12 @@ and batch of one row, or raises :class:`Skip` with the reason the model cannot p
 if set, else the first reported of mfu, hfu, tflops, tokens/s per accelerator; tokens/s
 is priced as model TFLOP/s (tokens/s x the model's FLOPs per token, the count the step
 model uses, so this compares throughput). Rows marked ``confirmed=no`` are skipped with
-that reason. Columns, sources policy and the held-out rule: docs/runs.md.
+that reason. Nothing is read from the free-text ``notes``: what changes a price has its
+own column (``schedule``, ``vpp``, ``head_dim``, ``engine``). Every blank filled in is
+listed in ``Case.defaults`` as (column, value, why), the engine is chosen with its reason
+(:mod:`paratrain.systems.row_engine`), a blank recompute is inferred from memory and a
+layout that cannot fit is refused (:mod:`paratrain.systems.row_memory`). Columns,
+sources policy and the held-out rule: docs/runs.md.
 """
 
 from __future__ import annotations
@@ -25,23 +30,23 @@ from pathlib import Path
 
 from paratrain.cost.groups import split_batch
 from paratrain.cost.hardware import Hardware, load_hardware
-from paratrain.cost.shapes import FLOP_COUNTS, ModelShape, load_model
-from paratrain.plan import ParallelPlan, infer_dp
+from paratrain.cost.shapes import FLOP_COUNTS, ModelShape
+from paratrain.plan import ParallelPlan
+from paratrain.systems.row_engine import case_engine, row_engine
+from paratrain.systems.row_fields import Default, Skip
+from paratrain.systems.row_fields import num as _num
+from paratrain.systems.row_layout import axes, batch, schedule
+from paratrain.systems.row_memory import fitting_recompute, refusal
+from paratrain.systems.row_shape import (  # noqa: F401 - the table's readers, re-exported
+    MOE_COLUMNS,
+    SHAPE_COLUMNS,
+    _catalogue_model,
+    row_shape,
+)
 
 DATA_DIR = Path(__file__).parent / "data"  # the published runs and the fitted values
 DEFAULT_RUNS = DATA_DIR / "calibration.csv"
 SPLITS = ("fit", "heldout")
-# the expert-parallel issue's column names -> ModelShape (ModelConfig) fields
-MOE_COLUMNS = {"experts": "experts", "top_k": "top_k", "moe_ffn_hidden": "moe_ffn",
-               "shared_experts": "shared_experts"}
-# shape columns -> ModelShape fields
-SHAPE_COLUMNS = {"layers": "n_layers", "hidden": "d_model", "heads": "n_heads",
-                 "kv_heads": "n_kv_heads", "ffn_hidden": "d_ff", "vocab": "vocab_size",
-                 "head_dim": "head_size"}
-
-
-class Skip(Exception):
-    """A row the model cannot price; the message is the reason."""
 
 
 @dataclass(frozen=True)
@@ -59,7 +64,8 @@ class Case:
     metric: str  # mfu, hfu or tflops
     tflops_kind: str  # model or hardware (for tflops)
     reported: float  # fraction for mfu/hfu, TFLOP/s for tflops
-    engine: str = ""  # the software that ran the job (Megatron-LM, NeMo, FSDP, ...)
+    engine: str = ""  # the engine it is priced as (overlap.ENGINES; systems.row_engine)
+    engine_why: str = ""  # which column and word chose it
     split: str = "fit"  # fit or heldout (docs/runs.md)
     precision: str = ""
     step_time_s: float | None = None  # as published, when published
@@ -67,6 +73,11 @@ class Case:
     shard_group: int | None = None  # ZeRO/FSDP group when smaller than DP (hybrid sharding)
     # how the source counts model FLOPs (models.FLOP_COUNTS); empty = its engine's way
     flops_count: str = ""
+    defaults: tuple[Default, ...] = ()  # every blank filled in, in the order applied
+
+
+def _defaults_dicts(defaults: tuple) -> list[dict]:
+    return [{"field": f, "value": v, "why": w} for f, v, w in defaults]
 
 
 @dataclass(frozen=True)
@@ -77,6 +88,14 @@ class Record:
     reported: float | None
     predicted: float | None
     skipped_reason: str | None = None
+    engine: str | None = None
+    engine_why: str | None = None
+    defaults: tuple[Default, ...] = ()
+
+    def with_case(self, case: Case) -> Record:
+        """This record with what its case assumed: the engine, why, the defaults."""
+        return dataclasses.replace(self, engine=case.engine, engine_why=case.engine_why,
+                                   defaults=case.defaults)
 
     @property
     def error(self) -> float | None:
@@ -89,7 +108,9 @@ class Record:
     def as_dict(self) -> dict:
         return {"id": self.id, "source": self.source, "metric": self.metric,
                 "reported": self.reported, "predicted": self.predicted, "error": self.error,
-                "abs_pct_error": self.abs_pct_error, "skipped_reason": self.skipped_reason}
+                "abs_pct_error": self.abs_pct_error, "skipped_reason": self.skipped_reason,
+                "engine": self.engine, "engine_why": self.engine_why,
+                "defaults": _defaults_dicts(self.defaults)}
 
 
 def read_runs(path: str | Path | None = None) -> list[dict]:
@@ -110,17 +131,6 @@ def read_runs(path: str | Path | None = None) -> list[dict]:
     if not rows:
         raise ValueError(f"runs table {str(p)!r} has a header but no rows; add a row per run")
     return rows
-
-
-def _num(row: dict, key: str, kind=float):
-    v = (row.get(key) or "").strip()
-    if not v:
-        return None
-    try:
-        x = float(v)
-    except ValueError:
-        return None
-    return int(x) if kind is int and x == int(x) else (None if kind is int else x)
 
 
 def source_key(row: dict) -> str:
@@ -159,100 +169,26 @@ def _zero(text: str) -> int:
     return 0
 
 
-def _recompute(text: str) -> str:
-    """none, selective or full from a row's words. A selective recomputation whose module
+def _recompute(text: str) -> str | None:
+    """none, selective or full from a row's words, None where they say nothing (blank, "not
+    stated"): :func:`row_to_case` then infers it. A selective recomputation whose module
     list names the MLP or the MoE layer (Megatron-Core's recompute modules ``mlp``,
     ``moe``) reruns most of the block's GEMMs and its all-to-alls: priced as full."""
     t = text.lower().strip()
-    if not t or t.startswith("none") or t.startswith("no "):
+    if t.startswith("none") or t.startswith("no "):
         return "none"
     if "selective" in t:
         mods = t.split("modules", 1)[1] if "modules" in t else ""
         return "full" if re.search(r"\b(mlp|moe)\b", mods) else "selective"
     if any(k in t for k in ("full", "checkpoint", "rematerial", "recomput")):
         return "full"
-    return "none"
-
-
-def _catalogue_model(row: dict) -> ModelShape | None:
-    """The catalogue model a row names: its ``model_key`` column if set (nothing else),
-    else its ``model`` text (whole, then without a trailing parenthetical like "(NeMo)")."""
-    key, text = (row.get("model_key") or "").strip(), (row.get("model") or "").strip()
-    for name in ((key,) if key else (text, text.split("(")[0].strip())):
-        if name:
-            try:
-                return load_model(name)
-            except ValueError:
-                continue
     return None
 
 
-def _moe_fields(row: dict, n_layers: int) -> dict:
-    out = {field: _num(row, col, int) for col, field in MOE_COLUMNS.items()}
-    out = {k: v for k, v in out.items() if v is not None}
-    moe_layers = _num(row, "moe_layers", int)
-    if moe_layers is not None:
-        out["first_dense_layers"] = n_layers - moe_layers
-    if out.get("experts"):
-        out["experts_over_tp"] = True  # a published run: experts split over tp too
-    return out
-
-
-def _style(row: dict) -> dict:
-    """The ``mlp`` (swiglu/gelu: three or two matrices) and ``tied`` (yes/no) columns."""
-    out: dict = {}
-    mlp = (row.get("mlp") or "").strip().lower()
-    if mlp:
-        out["mlp"] = mlp
-    tied = (row.get("tied") or "").strip().lower()
-    if tied:
-        out["tie_embeddings"] = tied in ("yes", "true", "1")
-    return out
-
-
-def row_shape(row: dict, seq: int) -> ModelShape:
-    """The model a row ran: its shape columns, or the catalogue model it names with the
-    non-empty shape and MoE columns applied on top. Raises Skip with the reason."""
-    rid = row.get("id", "?")
-    L, h, heads = _num(row, "layers", int), _num(row, "hidden", int), _num(row, "heads", int)
-    base = _catalogue_model(row) if (row.get("model_key") or "").strip() or not (
-        L and h and heads) else None
-    if (row.get("model_key") or "").strip() and base is None:
-        raise Skip(f"model_key {row['model_key']!r} is not in the model catalogue "
-                   "(data/models.toml); use a catalogue name or fill the shape columns")
-    try:
-        if base is not None:
-            over = {f: _num(row, c, int) for c, f in SHAPE_COLUMNS.items()}
-            over = {k: v for k, v in over.items() if v}
-            over.update(_style(row))
-            n_layers = over.get("n_layers", base.n_layers)
-            over.update(_moe_fields(row, n_layers))
-            if "first_dense_layers" not in over and base.is_moe:
-                over["first_dense_layers"] = min(base.first_dense_layers, n_layers - 1)
-            return dataclasses.replace(base, context=seq, **over)
-        if not (L and h and heads):
-            raise Skip(f"model shape incomplete (layers, hidden, heads) and model "
-                       f"{row.get('model') or rid!r} is not in the model catalogue; fill the "
-                       "shape columns or set model_key")
-        ffn = _num(row, "ffn_hidden", int)
-        hd = re.search(r"head dim (\d+)", row.get("notes") or "")
-        kv = _num(row, "kv_heads", int)
-        style = {"mlp": "gelu" if ffn == 4 * h else "swiglu",
-                 "tie_embeddings": "palm" in (row.get("model") or "").lower(),
-                 **_style(row)}
-        return ModelShape(
-            name=row.get("model") or rid, n_layers=L, d_model=h, n_heads=heads,
-            n_kv_heads=kv if kv and kv != heads else None, d_ff=ffn or 4 * h,
-            vocab_size=_num(row, "vocab", int) or 51200, context=seq,
-            head_size=_num(row, "head_dim", int) or (int(hd.group(1)) if hd else None),
-            **style, **_moe_fields(row, L))
-    except (ValueError, TypeError) as e:
-        raise Skip(f"model shape invalid: {e}") from None
-
-
 def row_to_case(row: dict) -> Case:
-    """Turn one CSV row into a priceable case, or raise Skip with the reason."""
-    rid = row.get("id", "?")
+    """Turn one CSV row into a priceable case, or raise Skip with the reason. Every blank
+    filled in is listed in ``Case.defaults``; a blank recompute is inferred from memory
+    (:mod:`paratrain.systems.row_memory`), and a layout that cannot fit is refused."""
     if (row.get("confirmed") or "").strip().lower() == "no":
         raise Skip("confirmed=no: unverified, kept for reference")
     seq = _num(row, "seq_len", int)
@@ -261,62 +197,64 @@ def row_to_case(row: dict) -> Case:
     gpus = _num(row, "num_accel", int)
     if not gpus:
         raise Skip("no num_accel")
-    notes = row.get("notes") or ""
-    model = row_shape(row, seq)
+    out: list = []
+    model = row_shape(row, seq, out)
     L = model.n_layers
     hw_key, hw = _hardware(row.get("accelerator") or "")
     domain = _num(row, "accel_per_domain", int)
     if domain:  # the job's fast-interconnect domain (a TPU slice) differs from the catalogue's
         hw = dataclasses.replace(hw, gpus_per_node=domain)
-    tp, pp = _num(row, "TP", int) or 1, _num(row, "PP", int) or 1
-    cp, ep = _num(row, "CP", int) or 1, _num(row, "EP", int) or 1
-    try:
-        dp = _num(row, "DP", int) or infer_dp({"tp": tp, "pp": pp, "cp": cp}, gpus,
-                                                "num_accel")["dp"]
-    except ValueError as e:
-        raise Skip(str(e)) from None
-    if tp * pp * dp * cp != gpus:
-        raise Skip(f"TP*PP*DP*CP = {tp * pp * dp * cp} != num_accel {gpus}")
-    tokens = _num(row, "tokens_per_step", int)
-    seqs = _num(row, "global_batch_seqs", int)
-    if not tokens and seqs:
-        tokens = seqs * seq
-    if not tokens:
-        raise Skip("no batch size (tokens_per_step or global_batch_seqs)")
-    seqs = tokens // seq
-    if seqs % dp:
-        raise Skip(f"{seqs} sequences do not split over DP {dp}")
-    per_replica = seqs // dp
-    mbs = _num(row, "microbatch", int) or (1 if pp > 1 else per_replica)
-    if per_replica % mbs:
-        raise Skip(f"micro-batch {mbs} does not divide {per_replica} sequences per replica")
-    m = per_replica // mbs
-    # interleaving noted without its depth: one block per virtual stage as far as the
-    # layers allow (Llama 3's paper: a first chunk holding only the embedding)
-    v = _num(row, "vpp", int) or (max(1, L // pp) if "interleaved" in notes.lower() else 1)
-    sched = "interleaved" if pp > 1 and v > 1 and m % pp == 0 and pp * v <= L else "1f1b"
-    if sched != "interleaved":
-        v = 1
+    tp, pp, cp, ep, dp = axes(row, gpus, out)
+    tokens, m = batch(row, seq, dp, pp, out)
+    sched, v = schedule(row, pp, m, L, out)
+    sharding = (row.get("zero_or_fsdp") or "").strip()
+    if not _zero(sharding) and not sharding.lower().startswith("none"):
+        out.append(("zero_or_fsdp", "ZeRO-0", f"{sharding!r} names no ZeRO stage: states "
+                                              "replicated over DP" if sharding else
+                    "blank: states replicated over DP"))
+    recompute = _recompute(row.get("recompute") or "")
     try:
         plan = ParallelPlan(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep if dp % ep == 0 else 1,
-                            zero=_zero(row.get("zero_or_fsdp") or ""), sp=tp > 1,
+                            zero=_zero(sharding), sp=tp > 1,
                             micro_batches=m, schedule=sched, virtual_stages=v,
-                            recompute=_recompute(row.get("recompute") or ""))
+                            recompute=recompute or "none")
         split_batch(tokens, seq, plan)
     except ValueError as e:
-        raise Skip(f"layout invalid: {e}") from None
+        raise Skip(f"layout invalid: {e}", out) from None
     if pp > L:
-        raise Skip(f"PP {pp} exceeds layers {L}")
+        raise Skip(f"PP {pp} exceeds layers {L}", out)
     metric, kind, rep, count = _reported(row, model, seq)
     split = (row.get("split") or "fit").strip() or "fit"
     if split not in SPLITS:
-        raise Skip(f"split {split!r} is unknown; use one of {', '.join(SPLITS)}")
-    return Case(rid, source_key(row), hw_key, hw, model, plan, tokens, seq, metric, kind, rep,
-                engine=(row.get("engine") or "").strip(), split=split,
+        raise Skip(f"split {split!r} is unknown; use one of {', '.join(SPLITS)}", out)
+    eng, why = row_engine(row)
+    if why.startswith("no column"):
+        out.append(("engine", eng, why))
+    case = Case(row.get("id", "?"), source_key(row), hw_key, hw, model, plan, tokens, seq,
+                metric, kind, rep, engine=eng, engine_why=why, split=split,
                 precision=(row.get("precision") or "").strip(),
                 step_time_s=_num(row, "step_time_s"),
                 tokens_per_s=_num(row, "tokens_per_s_per_accel"),
                 shard_group=_num(row, "shard_group", int), flops_count=count)
+    return _fit_memory(case, recompute is not None, out)
+
+
+def _fit_memory(case: Case, stated: bool, out: list) -> Case:
+    """The case with its recompute inferred (blank: the least that fits), or Skip when the
+    layout does not fit even with full recomputation."""
+    from paratrain.systems.fitting import case_attention
+
+    att = case_attention(case) or case_engine(case).attention
+    mode, mem = fitting_recompute(case.model, case.plan, case.hw, case.tokens,
+                                  case.seq_len, att, case.shard_group)
+    if mode is None:
+        raise Skip(refusal(mem, case.hw), out)
+    if not stated:
+        out.append(("recompute", mode, f"inferred: the least of none < selective < full "
+                                       f"that fits ({mem.total_bytes / 1e9:,.1f} GB of "
+                                       f"{mem.hbm_bytes / 1e9:,.1f} GB HBM)"))
+        case = dataclasses.replace(case, plan=dataclasses.replace(case.plan, recompute=mode))
+    return dataclasses.replace(case, defaults=tuple(out))
 
 
 def _reported(row: dict, model: ModelShape, seq: int) -> tuple[str, str, float, str]:
@@ -358,5 +296,7 @@ def cases_and_skips(rows: list[dict]) -> tuple[list[Case], list[Record]]:
         try:
             cases.append(row_to_case(row))
         except Skip as e:
-            skips.append(Record(row.get("id", "?"), source_key(row), None, None, None, str(e)))
+            eng, why = row_engine(row)
+            skips.append(Record(row.get("id", "?"), source_key(row), None, None, None, str(e),
+                                eng, why, e.defaults))
     return cases, skips

@@ -110,7 +110,8 @@ def run_validate(runs: str | None, params_path: str | None, unfitted: bool, do_f
         params = UNFITTED
     else:
         params = load_params(params_path)
-    records = score(cases, params, reference) + skips
+    by_id = {c.id: c for c in cases}  # each record says what its case assumed
+    records = [r.with_case(by_id[r.id]) for r in score(cases, params, reference)] + skips
     order = {r["id"]: i for i, r in enumerate(rows)}
     records.sort(key=lambda r: order.get(r.id, 0))
     result["params"] = params_dict(params)

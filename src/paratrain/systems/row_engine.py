@@ -1,0 +1,65 @@
+"""Which engine ran a runs-table row, and why.
+
+The engine decides what a step hides (TP collectives under GEMMs, ZeRO-3 gathers under
+compute: :mod:`paratrain.systems.overlap`), so a wrong guess moves a prediction by a
+factor: DeepSpeed's ZeRO-3 exposes gathers that Megatron-LM never issues. A row says
+which engine ran it in several places, read in this order, the first that names one
+winning:
+
+1. ``engine`` (the stack that ran it): a filled cell decides; an engine we model by its
+   name, any other stack (Meta's Llama 3 stack, an unpublished one) as Megatron-LM's
+   defaults, since the row's sharding words then name a technique, not the stack;
+2. ``accelerator`` (a TPU runs XLA, whatever its sharding is called: MaxText's "FSDP" is
+   XLA's, not PyTorch's);
+3. ``zero_or_fsdp`` (how the states were sharded: "FSDP" is PyTorch's, "ZeRO" DeepSpeed's
+   name for stage 3, "distributed optimizer" Megatron's; ZeRO-1/2 is everyone's);
+4. ``precision`` (Composer's precision names ``amp_bf16`` / ``amp_fp16``);
+5. ``model`` (catalogue text such as "Llama 3.1 70B (NeMo)");
+6. ``source`` (a repository such as mosaicml/llm-foundry or NVIDIA/dgxc-benchmarking).
+
+In each column a word that names a stack (:data:`paratrain.systems.overlap._KEYWORDS`)
+beats a word that names a technique (:data:`TECHNIQUE_WORDS`), so "FSDP FULL_SHARD
+(ZeRO-3)" is fsdp. Nothing naming one: Megatron-LM's defaults, said so. Free-text
+``notes`` and the row's ``id`` (a label) are never read. Each answer carries its reason
+(column, its text and the word), which ``paratrain validate --explain`` prints and the
+JSON record keeps.
+"""
+
+from __future__ import annotations
+
+from paratrain.systems.overlap import DEFAULT_ENGINE, ENGINES, Engine, engine, named_engine
+
+COLUMNS = ("engine", "accelerator", "zero_or_fsdp", "precision", "model", "source")
+# words that name a technique, not a stack, per column -> the engine that calls it so
+TECHNIQUE_WORDS = {
+    "zero_or_fsdp": (("distributed optimizer", "megatron"), ("zero-3", "deepspeed"),
+                     ("zero stage 3", "deepspeed")),
+    "precision": (("amp_", "fsdp"),),
+}
+
+
+def _in_column(col: str, text: str) -> tuple[str, str] | None:
+    found = named_engine(text)
+    if found:
+        return found
+    low = text.lower()
+    return next(((eng, w) for w, eng in TECHNIQUE_WORDS.get(col, ()) if w in low), None)
+
+
+def row_engine(row: dict) -> tuple[str, str]:
+    """(engine name in :data:`~paratrain.systems.overlap.ENGINES`, why) for one row."""
+    for col in COLUMNS:
+        text = (row.get(col) or "").strip()
+        found = _in_column(col, text) if text else None
+        if found:
+            return found[0], f"{col} {text!r} says {found[1]!r}"
+        if text and col == "engine":
+            return DEFAULT_ENGINE, (f"engine {text!r} is none we model ({', '.join(ENGINES)})"
+                                    f": {DEFAULT_ENGINE} (Megatron-LM's defaults)")
+    return DEFAULT_ENGINE, (f"no column of {', '.join(COLUMNS)} names an engine: "
+                            f"{DEFAULT_ENGINE} (Megatron-LM's defaults)")
+
+
+def case_engine(case) -> Engine:
+    """The engine a case was priced with (``Case.engine``, set by :func:`row_engine`)."""
+    return engine(getattr(case, "engine", None))

@@ -1,0 +1,80 @@
+"""A runs-table row's layout: its parallel axes, batch split and pipeline schedule, each
+blank filled in and listed as a default (column, value, why); docs/runs.md."""
+
+from __future__ import annotations
+
+from paratrain.plan import SCHEDULES, infer_dp
+from paratrain.systems.row_fields import Skip
+from paratrain.systems.row_fields import num as _num
+
+
+def axes(row: dict, gpus: int, out: list) -> tuple[int, int, int, int, int]:
+    """(tp, pp, cp, ep, dp): a blank axis is 1, a blank DP what the others leave."""
+    axes = {}
+    for col in ("TP", "PP", "CP", "EP"):
+        axes[col] = _num(row, col, int)
+        if not axes[col]:
+            axes[col] = 1
+            out.append((col, 1, "blank: no parallelism on this axis"))
+    tp, pp, cp, ep = axes["TP"], axes["PP"], axes["CP"], axes["EP"]
+    dp = _num(row, "DP", int)
+    if not dp:
+        try:
+            dp = infer_dp({"tp": tp, "pp": pp, "cp": cp}, gpus, "num_accel")["dp"]
+        except ValueError as e:
+            raise Skip(str(e), out) from None
+        out.append(("DP", dp, "blank: num_accel / (TP x PP x CP)"))
+    if tp * pp * dp * cp != gpus:
+        raise Skip(f"TP*PP*DP*CP = {tp * pp * dp * cp} != num_accel {gpus}", out)
+    return tp, pp, cp, ep, dp
+
+
+def schedule(row: dict, pp: int, m: int, L: int, out: list) -> tuple[str, int]:
+    """(schedule, virtual stages) from the ``schedule`` and ``vpp`` columns. Interleaving
+    named without its depth: one block per virtual stage as far as the layers allow (Llama
+    3's paper: a first chunk holding only the embedding); a vpp > 1 alone means
+    interleaving. A schedule the layout cannot run falls back to 1F1B, said so."""
+    named = (row.get("schedule") or "").strip().lower()
+    v = _num(row, "vpp", int)
+    if named and named not in SCHEDULES:
+        raise Skip(f"schedule {named!r} is unknown; use one of {', '.join(SCHEDULES)}", out)
+    if pp == 1:
+        return "1f1b", 1
+    if not named:
+        named = "interleaved" if v and v > 1 else "1f1b"
+        out.append(("schedule", named, "blank: vpp > 1 means interleaved" if v and v > 1
+                    else "blank: 1F1B, Megatron-LM's default"))
+    if named != "interleaved":
+        return named, v or 1
+    if not v:
+        v = max(1, L // pp)
+        out.append(("vpp", v, "blank with schedule interleaved: one block per virtual stage"))
+    if v > 1 and m % pp == 0 and pp * v <= L:
+        return "interleaved", v
+    out.append(("schedule", "1f1b", f"interleaved needs vpp > 1, micro-batches ({m}) a "
+                                    f"multiple of PP ({pp}) and PP x vpp <= layers ({L})"))
+    return "1f1b", 1
+
+
+def batch(row: dict, seq: int, dp: int, pp: int, out: list) -> tuple[int, int]:
+    """(tokens per step, micro-batches per replica); a blank micro-batch is one sequence
+    under a pipeline, else the replica's whole batch (no accumulation)."""
+    tokens = _num(row, "tokens_per_step", int)
+    seqs = _num(row, "global_batch_seqs", int)
+    if not tokens and seqs:
+        tokens = seqs * seq
+    if not tokens:
+        raise Skip("no batch size (tokens_per_step or global_batch_seqs)", out)
+    seqs = tokens // seq
+    if seqs % dp:
+        raise Skip(f"{seqs} sequences do not split over DP {dp}", out)
+    per_replica = seqs // dp
+    mbs = _num(row, "microbatch", int)
+    if not mbs:
+        mbs = 1 if pp > 1 else per_replica
+        out.append(("microbatch", mbs, "blank: one sequence under a pipeline" if pp > 1
+                    else "blank: the replica's whole batch, no accumulation"))
+    if per_replica % mbs:
+        raise Skip(f"micro-batch {mbs} does not divide {per_replica} sequences per replica",
+                   out)
+    return tokens, per_replica // mbs

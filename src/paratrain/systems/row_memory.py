@@ -1,0 +1,69 @@
+"""Does a runs-table row's layout fit its accelerator, and which recomputation did it run?
+
+A published run ran, so its layout fitted its HBM. Two consequences for a row whose
+columns leave something out:
+
+- a blank (or "not stated") recompute is inferred as the least recomputation, in the
+  order none < selective < full, whose memory fits the accelerator's HBM, and marked
+  inferred among the case's defaults;
+- a layout that does not fit even with full recomputation is not the layout that ran (a
+  blank TP or PP defaulted to 1 can leave a 175B model whole on one GPU): it is refused,
+  with the bytes needed and the HBM.
+
+The memory is :func:`paratrain.cost.memory.memory`, the same busiest-rank count
+``paratrain plan`` and its search use, with the attention kernel the row's engine runs.
+That count is approximate (fp32 logits kept whole, no allocator fragmentation, an MoE's
+dispatch buffers priced roughly), so the rule is deliberately one-sided: a row is
+refused only when it needs more than its HBM with full recomputation, the least any
+layout can hold; a stated recompute is never second-guessed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from paratrain.cost.hardware import Hardware
+from paratrain.cost.memory import Memory, memory
+from paratrain.cost.shapes import ModelShape
+from paratrain.plan import ParallelPlan
+
+RECOMPUTE_ORDER = ("none", "selective", "full")  # least recomputation first
+
+
+def rank_memory(model: ModelShape, plan: ParallelPlan, hw: Hardware, tokens: int, seq: int,
+                attention: str, shard_group: int | None = None) -> Memory:
+    """The busiest GPU's memory under ``plan`` (``attention``: the engine's kernel;
+    anything fused counts as flash, which keeps no s x s scores), its ZeRO states over
+    ``shard_group`` ranks when the row shards over fewer than DP (hybrid sharding)."""
+    kernel = "eager" if attention == "eager" else "flash"
+    if shard_group and plan.zero and plan.dp % shard_group == 0 and shard_group < plan.dp:
+        try:
+            plan = dataclasses.replace(plan, dp_replicate=plan.dp // shard_group)
+        except ValueError:
+            pass  # a layout HSDP does not run with: the states over every DP rank
+    return memory(model, plan, hw, tokens, seq, attention=kernel)
+
+
+def _gb(x: float) -> str:
+    return f"{x / 1e9:,.1f} GB"
+
+
+def fitting_recompute(model: ModelShape, plan: ParallelPlan, hw: Hardware, tokens: int,
+                      seq: int, attention: str, shard_group: int | None = None
+                      ) -> tuple[str | None, Memory]:
+    """(the least recomputation whose memory fits the HBM, its memory), or (None, the
+    memory under full recomputation) when none does."""
+    for mode in RECOMPUTE_ORDER:
+        mem = rank_memory(model, dataclasses.replace(plan, recompute=mode), hw, tokens, seq,
+                          attention, shard_group)
+        if mem.fits:
+            return mode, mem
+    return None, mem
+
+
+def refusal(mem: Memory, hw: Hardware) -> str:
+    """The reason a layout that cannot fit is refused: bytes needed against the HBM."""
+    return (f"layout needs {_gb(mem.total_bytes)} per GPU even with full recompute "
+            f"(states {_gb(mem.states_bytes)}, activations {_gb(mem.activations_bytes)}), "
+            f"more than the {_gb(mem.hbm_bytes)} HBM of {hw.name}; fill the columns "
+            "(TP, PP, DP, microbatch, zero_or_fsdp) with what the run used")

@@ -1,0 +1,120 @@
+"""The model a runs-table row ran: its shape columns, or the catalogue model it names.
+
+Empty shape columns are filled from ``data/models.toml`` and non-empty ones override it,
+so a benchmark that ran a truncated model names the model and its layer count. Every
+blank filled in is reported as a default (column, value, why); docs/runs.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from paratrain.cost.shapes import ModelShape, load_model
+from paratrain.systems.row_fields import Skip
+from paratrain.systems.row_fields import num as _num
+
+# the expert-parallel issue's column names -> ModelShape (ModelConfig) fields
+MOE_COLUMNS = {"experts": "experts", "top_k": "top_k", "moe_ffn_hidden": "moe_ffn",
+               "shared_experts": "shared_experts"}
+# shape columns -> ModelShape fields
+SHAPE_COLUMNS = {"layers": "n_layers", "hidden": "d_model", "heads": "n_heads",
+                 "kv_heads": "n_kv_heads", "ffn_hidden": "d_ff", "vocab": "vocab_size",
+                 "head_dim": "head_size"}
+
+
+def _catalogue_model(row: dict) -> ModelShape | None:
+    """The catalogue model a row names: its ``model_key`` column if set (nothing else),
+    else its ``model`` text (whole, then without a trailing parenthetical like "(NeMo)")."""
+    key, text = (row.get("model_key") or "").strip(), (row.get("model") or "").strip()
+    for name in ((key,) if key else (text, text.split("(")[0].strip())):
+        if name:
+            try:
+                return load_model(name)
+            except ValueError:
+                continue
+    return None
+
+
+def _moe_fields(row: dict, n_layers: int) -> dict:
+    out = {field: _num(row, col, int) for col, field in MOE_COLUMNS.items()}
+    out = {k: v for k, v in out.items() if v is not None}
+    moe_layers = _num(row, "moe_layers", int)
+    if moe_layers is not None:
+        out["first_dense_layers"] = n_layers - moe_layers
+    if out.get("experts"):
+        out["experts_over_tp"] = True  # a published run: experts split over tp too
+    return out
+
+
+def _style(row: dict) -> dict:
+    """The ``mlp`` (swiglu/gelu: three or two matrices) and ``tied`` (yes/no) columns."""
+    out: dict = {}
+    mlp = (row.get("mlp") or "").strip().lower()
+    if mlp:
+        out["mlp"] = mlp
+    tied = (row.get("tied") or "").strip().lower()
+    if tied:
+        out["tie_embeddings"] = tied in ("yes", "true", "1")
+    return out
+
+
+def row_shape(row: dict, seq: int, defaults: list | None = None) -> ModelShape:
+    """The model a row ran: its shape columns, or the catalogue model it names with the
+    non-empty shape and MoE columns applied on top. Raises Skip with the reason. Each
+    blank filled in is appended to ``defaults`` as (column, value, why)."""
+    rid, out = row.get("id", "?"), [] if defaults is None else defaults
+    L, h, heads = _num(row, "layers", int), _num(row, "hidden", int), _num(row, "heads", int)
+    base = _catalogue_model(row) if (row.get("model_key") or "").strip() or not (
+        L and h and heads) else None
+    if (row.get("model_key") or "").strip() and base is None:
+        raise Skip(f"model_key {row['model_key']!r} is not in the model catalogue "
+                   "(data/models.toml); use a catalogue name or fill the shape columns")
+    try:
+        if base is not None:
+            return _over_catalogue(row, base, seq, out)
+        if not (L and h and heads):
+            raise Skip(f"model shape incomplete (layers, hidden, heads) and model "
+                       f"{row.get('model') or rid!r} is not in the model catalogue; fill the "
+                       "shape columns or set model_key")
+        ffn, kv = _num(row, "ffn_hidden", int), _num(row, "kv_heads", int)
+        style = {"mlp": "gelu" if ffn == 4 * h else "swiglu",
+                 "tie_embeddings": "palm" in (row.get("model") or "").lower()}
+        blank = [("ffn_hidden", 4 * h, "blank: 4 x hidden, GPT's MLP") if not ffn else None,
+                 ("vocab", 51200, "blank: GPT-2's, padded as Megatron-LM pads it")
+                 if not _num(row, "vocab", int) else None,
+                 ("kv_heads", heads, "blank: multi-head attention") if not kv else None,
+                 ("head_dim", h // heads, "blank: hidden / heads")
+                 if not _num(row, "head_dim", int) else None]
+        blank += [(col, style[f], why) for col, f, why in _STYLE_DEFAULTS
+                  if not (row.get(col) or "").strip()]
+        out.extend(d for d in blank if d)
+        return ModelShape(
+            name=row.get("model") or rid, n_layers=L, d_model=h, n_heads=heads,
+            n_kv_heads=kv if kv and kv != heads else None, d_ff=ffn or 4 * h,
+            vocab_size=_num(row, "vocab", int) or 51200, context=seq,
+            head_size=_num(row, "head_dim", int), **{**style, **_style(row)},
+            **_moe_fields(row, L))
+    except (ValueError, TypeError) as e:
+        raise Skip(f"model shape invalid: {e}") from None
+
+
+# style columns left blank on a shape-column row -> (column, ModelShape field, why)
+_STYLE_DEFAULTS = (
+    ("mlp", "mlp", "blank: gelu where ffn_hidden is stated as 4 x hidden, else swiglu"),
+    ("tied", "tie_embeddings", "blank: tied for PaLM (its model text), else not"))
+
+
+def _over_catalogue(row: dict, base: ModelShape, seq: int, out: list) -> ModelShape:
+    """The catalogue model with the row's non-empty shape, style and MoE columns on top."""
+    over = {f: _num(row, c, int) for c, f in SHAPE_COLUMNS.items()}
+    over = {k: v for k, v in over.items() if v}
+    over.update(_style(row))
+    n_layers = over.get("n_layers", base.n_layers)
+    over.update(_moe_fields(row, n_layers))
+    if "first_dense_layers" not in over and base.is_moe:
+        over["first_dense_layers"] = min(base.first_dense_layers, n_layers - 1)
+    blank = [c for c, f in SHAPE_COLUMNS.items() if f not in over]
+    if blank:
+        out.append(("shape", base.name, f"blank {', '.join(blank)}: the catalogue model's "
+                                        "(data/models.toml)"))
+    return dataclasses.replace(base, context=seq, **over)
