@@ -68,8 +68,9 @@ def test_toy_table_prices_like_for_like_and_lists_skips(tmp_path):
 def test_every_shipped_row_is_priced_and_fitted_defaults_are_good():
     rows = read_runs()
     cases, skips = cases_and_skips(rows)
-    assert all(s.skipped_reason.startswith("confirmed=no") for s in skips)
-    assert len(cases) == sum(r["confirmed"] != "no" for r in rows)
+    refused = [s for s in skips if s.skipped_reason.startswith("layout needs")]  # no fit
+    assert all(s.skipped_reason.startswith("confirmed=no") for s in skips if s not in refused)
+    assert len(cases) == sum(r["confirmed"] != "no" for r in rows) - len(refused) > 150
     res = run_validate(None, None, False, False, None, None)
     assert res["summary"]["overall"]["mape"] < 8
     assert res["summary_heldout"]["overall"]["mape"] < 10
@@ -115,8 +116,10 @@ def test_cli_json_records(capsys):
     for r in res["records"]:
         assert {"id", "metric", "reported", "predicted", "skipped_reason"} <= set(r)
     rows = read_runs()
-    assert res["summary"]["overall"]["n"] == sum(r["confirmed"] != "no" for r in rows)
-    assert res["summary"]["skipped"] == sum(r["confirmed"] == "no" for r in rows)
+    refused = sum((r["skipped_reason"] or "").startswith("layout needs")
+                  for r in res["records"])  # cannot fit the HBM: docs/runs.md
+    assert res["summary"]["overall"]["n"] == sum(r["confirmed"] != "no" for r in rows) - refused
+    assert res["summary"]["skipped"] == sum(r["confirmed"] == "no" for r in rows) + refused
     assert "Narayanan et al." in res["summary"]["per_source"]
 
 
