@@ -68,7 +68,7 @@ def test_toy_table_prices_like_for_like_and_lists_skips(tmp_path):
 def test_every_shipped_row_is_priced_and_fitted_defaults_are_good():
     rows = read_runs()
     cases, skips = cases_and_skips(rows)
-    refused = [s for s in skips if s.skipped_reason.startswith("layout needs")]  # no fit
+    refused = [s for s in skips if s.skipped_reason.startswith("needs ")]  # no fit
     assert all(s.skipped_reason.startswith("confirmed=no") for s in skips if s not in refused)
     assert len(cases) == sum(r["confirmed"] != "no" for r in rows) - len(refused) > 150
     res = run_validate(None, None, False, False, None, None)
@@ -116,7 +116,7 @@ def test_cli_json_records(capsys):
     for r in res["records"]:
         assert {"id", "metric", "reported", "predicted", "skipped_reason"} <= set(r)
     rows = read_runs()
-    refused = sum((r["skipped_reason"] or "").startswith("layout needs")
+    refused = sum((r["skipped_reason"] or "").startswith("needs ")
                   for r in res["records"])  # cannot fit the HBM: docs/runs.md
     assert res["summary"]["overall"]["n"] == sum(r["confirmed"] != "no" for r in rows) - refused
     assert res["summary"]["skipped"] == sum(r["confirmed"] == "no" for r in rows) + refused

@@ -62,8 +62,7 @@ def fitting_recompute(model: ModelShape, plan: ParallelPlan, hw: Hardware, token
 
 
 def refusal(mem: Memory, hw: Hardware) -> str:
-    """The reason a layout that cannot fit is refused: bytes needed against the HBM."""
-    return (f"layout needs {_gb(mem.total_bytes)} per GPU even with full recompute "
-            f"(states {_gb(mem.states_bytes)}, activations {_gb(mem.activations_bytes)}), "
-            f"more than the {_gb(mem.hbm_bytes)} HBM of {hw.name}; fill the columns "
-            "(TP, PP, DP, microbatch, zero_or_fsdp) with what the run used")
+    """The reason a layout that cannot fit is refused, the bytes needed against the HBM:
+    short enough for `paratrain validate`'s one line per reason at 80 columns (the fix,
+    filling the layout and sharding columns the run used, is in docs/runs.md)."""
+    return f"needs {_gb(mem.total_bytes)}/GPU even with full recompute > {_gb(mem.hbm_bytes)} HBM"
