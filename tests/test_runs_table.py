@@ -193,13 +193,16 @@ def test_flop_counts_by_hand_and_rows_priced_in_their_sources_count():
 
 
 def test_recompute_words():
-    from paratrain.systems.runs import _recompute
+    from paratrain.systems.runs import _recompute, recompute_stated
 
     assert _recompute("selective (modules mla_up_proj, mlp, moe)") == "full"
     assert _recompute("selective (modules core_attn)") == "selective"
     assert _recompute("selective (RMSNorm and MLA up-projections recomputed)") == "selective"
     assert _recompute("full (activation checkpointing)") == "full"
     assert _recompute("none (no activation checkpointing)") == "none"
-    assert _recompute("none (no activation checkpointing)") == "none"
-    for unstated in ("", "not stated (recipe default)", "not stated"):
-        assert _recompute(unstated) is None  # inferred from memory by row_to_case
+    assert _recompute("") == "none"
+    for stated in ("none (no activation checkpointing)", "selective (attention core)",
+                   "full", "rematerialization"):
+        assert recompute_stated(stated), stated
+    for unstated in ("", "not stated (recipe default)", "not stated", "not recorded"):
+        assert not recompute_stated(unstated)  # inferred from memory by row_to_case

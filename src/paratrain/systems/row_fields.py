@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-Default = tuple  # (column, value applied, why): a blank filled in, said so
+Default = tuple[str, object, str]  # (column, value applied, why): a blank filled in, said so
 
 
 class Skip(Exception):

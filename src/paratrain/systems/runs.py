@@ -169,20 +169,27 @@ def _zero(text: str) -> int:
     return 0
 
 
-def _recompute(text: str) -> str | None:
-    """none, selective or full from a row's words, None where they say nothing (blank, "not
-    stated"): :func:`row_to_case` then infers it. A selective recomputation whose module
-    list names the MLP or the MoE layer (Megatron-Core's recompute modules ``mlp``,
-    ``moe``) reruns most of the block's GEMMs and its all-to-alls: priced as full."""
+def _recompute(text: str) -> str:
+    """none, selective or full from a row's words ("none" where they say nothing, which
+    :func:`recompute_stated` tells apart: :func:`row_to_case` then infers it). A selective
+    recomputation whose module list names the MLP or the MoE layer (Megatron-Core's
+    recompute modules ``mlp``, ``moe``) reruns most of the block's GEMMs and its
+    all-to-alls: priced as full."""
     t = text.lower().strip()
-    if t.startswith("none") or t.startswith("no "):
+    if not t or t.startswith("none") or t.startswith("no "):
         return "none"
     if "selective" in t:
         mods = t.split("modules", 1)[1] if "modules" in t else ""
         return "full" if re.search(r"\b(mlp|moe)\b", mods) else "selective"
     if any(k in t for k in ("full", "checkpoint", "rematerial", "recomput")):
         return "full"
-    return None
+    return "none"
+
+
+def recompute_stated(text: str) -> bool:
+    """Whether a row's recompute words say anything (not blank, "not stated", ...)."""
+    t = text.lower().strip()
+    return t.startswith("none") or t.startswith("no ") or _recompute(t) != "none"
 
 
 def row_to_case(row: dict) -> Case:
@@ -212,12 +219,11 @@ def row_to_case(row: dict) -> Case:
         out.append(("zero_or_fsdp", "ZeRO-0", f"{sharding!r} names no ZeRO stage: states "
                                               "replicated over DP" if sharding else
                     "blank: states replicated over DP"))
-    recompute = _recompute(row.get("recompute") or "")
     try:
         plan = ParallelPlan(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep if dp % ep == 0 else 1,
-                            zero=_zero(sharding), sp=tp > 1,
+                            zero=_zero(row.get("zero_or_fsdp") or ""), sp=tp > 1,
                             micro_batches=m, schedule=sched, virtual_stages=v,
-                            recompute=recompute or "none")
+                            recompute=_recompute(row.get("recompute") or ""))
         split_batch(tokens, seq, plan)
     except ValueError as e:
         raise Skip(f"layout invalid: {e}", out) from None
@@ -236,7 +242,7 @@ def row_to_case(row: dict) -> Case:
                 step_time_s=_num(row, "step_time_s"),
                 tokens_per_s=_num(row, "tokens_per_s_per_accel"),
                 shard_group=_num(row, "shard_group", int), flops_count=count)
-    return _fit_memory(case, recompute is not None, out)
+    return _fit_memory(case, recompute_stated(row.get("recompute") or ""), out)
 
 
 def _fit_memory(case: Case, stated: bool, out: list) -> Case:
