@@ -163,7 +163,7 @@ def summarize(records: list[Record]) -> dict:
 MIN_ROWS = 3  # a generation's efficiencies are fitted only with this many rows on it
 F_SCALE = 0.0015  # soft_l1's knee: beyond 0.15% a row costs |r| (the MAPE), below it r^2
 AT_BOUND = 1e-3  # within 0.1% of its range of a bound: the bound holds it, not the rows
-NOT_PINNED = 0.5  # one standard deviation over half a parameter's range: the data leaves it free
+NOT_PINNED = 0.25  # a standard deviation over a quarter of its range: the rows leave it free
 
 
 def _names(cases: list[Case]) -> list[tuple[str, str | None]]:
@@ -290,8 +290,8 @@ def _sigmas(jac, cost: float, rows: int) -> list[float | None]:
     directions the rows pin), the way ``scipy.optimize.curve_fit`` takes it, through the
     SVD of J: a direction with a zero singular value (a parameter no row depends on, or
     two that trade off exactly) has no variance in the pseudo-inverse, so a parameter
-    that direction moves (by a tenth of its weight or more) is reported not pinned, as is
-    one whose standard deviation spans over half its range (NOT_PINNED)."""
+    that direction moves (a component of 0.1 or more) is reported not pinned, as is
+    one whose standard deviation exceeds a quarter of its range (NOT_PINNED)."""
     import numpy as np
 
     _, s, vt = np.linalg.svd(jac, full_matrices=False)
