@@ -225,8 +225,8 @@ class Fitted:
         and bound, and the lists a reader wants: pinned by the rows, pinned but pressed
         against a bound (the rows would take it outside its physical range: a sign of a
         cost the model lacks), and not pinned."""
-        flat = {**{f"gemm_eff[{k}]": v for k, v in self.params.gemm_eff.items()},
-                **{f"attn_eff[{k}]": v for k, v in self.params.attn_eff.items()},
+        flat = {**{_label(t, k): v for t in ("gemm_eff", "attn_eff")
+                   for k, v in getattr(self.params, t).items()},
                 **{k: getattr(self.params, k) for k in SCALARS}}
         pinned = [k for k in flat if k in self.sigma]
         return {"params": {k: {"value": v, "sigma": self.sigma.get(k),
