@@ -98,6 +98,29 @@ def test_fit_recovers_known_constants():
         fit_from_runs(MODEL, runs[:2], _hw(2), 6e10)
 
 
+@pytest.mark.parametrize("rows, x", [
+    # a negative fixed cost: the unconstrained solution leaves the feasible set
+    ([(4e9, 3.0, 1.0), (1e9, 3.0, 1.0), (4e9, 12.0, 1.0), (2e9, 6.0, 1.0)], (2e-10, 1e-3, -4e-3)),
+    # every run one micro-batch: the pass column is the step column times 3 (dependent)
+    ([(4e9, 3.0, 1.0), (1e9, 3.0, 1.0), (2e9, 3.0, 1.0), (8e9, 3.0, 1.0)], (1e-10, 2e-3, 5e-3)),
+])
+def test_cpu_fit_is_nonnegative_least_squares(rows, x):
+    """The fit's solver against scipy's NNLS (Lawson-Hanson) on the same scaled columns:
+    the same residual, every unknown >= 0, also where the columns are dependent."""
+    import numpy as np
+    from scipy.optimize import nnls
+
+    from paratrain.predict.fit import _nnls3
+
+    a = np.array(rows)
+    t = a @ np.array(x) + np.array([1e-4, -2e-4, 3e-4, -1e-4])  # off the model: a residual
+    got = np.array(_nnls3(rows, list(t)))
+    scale = np.abs(a).max(axis=0)
+    ref = nnls(a / scale, t)[0] / scale
+    assert got.min() >= 0
+    assert np.linalg.norm(a @ got - t) == pytest.approx(np.linalg.norm(a @ ref - t), rel=1e-9)
+
+
 def test_format_prediction_without_profile_says_what_to_run():
     assert "paratrain bench calibrate" in format_prediction(None)
 

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import csv
+import io
 import json
 
 import pytest
+from rich.console import Console
 
 from paratrain.cli import main
 from paratrain.systems.validate import (
@@ -17,6 +19,7 @@ from paratrain.systems.validate import (
     load_params,
     predict,
     read_runs,
+    render_validate,
     row_to_case,
     run_validate,
     summarize,
@@ -138,8 +141,18 @@ def test_cli_fit_writes_parameters_and_holdout(tmp_path, capsys):
     assert "leave-one-out MAPE" in out.read_text()
     assert res["fit"]["n_params"] <= 10 and res["fit"]["in_table"]["overall"]["n"] == \
         len(keep) - 2
+    u = res["fit"]["uncertainty"]
+    assert sorted(u["pinned"] + u["at_bound"] + u["not_pinned"]) == sorted(u["params"])
+    assert "gemm_eff[a100]" in u["pinned"]  # ten A100 rows of Narayanan et al.
+    assert all((e["sigma"] is None) == (k in u["not_pinned"]) for k, e in u["params"].items())
     assert main(["validate", "--runs", str(runs), "--params", str(out)]) == 0
     assert "overall: n=" in capsys.readouterr().out
+    text = io.StringIO()
+    render_validate(res, Console(file=text, width=80))
+    lines = text.getvalue().splitlines()
+    for k in u["pinned"]:  # each pinned one on its own line with its +/-, brackets kept
+        assert any(line.split()[:1] == [k] and "+/-" in line for line in lines), k
+    assert "not pinned by the runs: " in text.getvalue()
 
 
 @pytest.mark.parametrize("args, msg", [
@@ -168,3 +181,57 @@ def test_fit_minimises_absolute_error_so_one_wild_row_does_not_pull_it():
     for c in cases:
         err = abs(predict(c, got) / c.reported - 1)
         assert err > 0.35 if c.id == wild else err < 0.01, c.id
+
+
+def _fit_rows(family: str | None, every: int) -> list:
+    """Every ``every``-th priceable fit row of the shipped table (of one accelerator family,
+    or of A100 and H100), re-reported as TRUTH prices them."""
+    from paratrain.systems.validate import generation
+
+    cases = [row_to_case(r) for r in read_runs()
+             if r["confirmed"] != "no" and (r.get("split") or "").strip() != "heldout"]
+    fams = (family,) if family else ("a100", "h100")
+    return [c for c in cases if generation(c.hw.name) in fams][::every]
+
+
+def _noisy(cases: list, noise: float, seed: int = 0) -> list:
+    """``cases`` re-reported as TRUTH prices them, times 1 + noise x a standard normal."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    return [c.__class__(**{**c.__dict__, "reported": predict(c, TRUTH)
+                           * (1 + noise * rng.standard_normal())}) for c in cases]
+
+
+def test_fit_reports_constants_the_rows_do_not_depend_on_as_not_pinned():
+    """A100 rows only: H100's GEMM efficiency has no row (not fitted), and the
+    Hopper-native attention efficiency is fitted but no A100 row uses it (a zero column
+    of the Jacobian): both not pinned, while A100's GEMM efficiency is, tightly."""
+    from paratrain.systems.validate import fit_with_errors
+
+    cases = _noisy(_fit_rows("a100", 3), 0.0)
+    u = fit_with_errors(cases).as_dict()
+    assert {"gemm_eff[h100]", "attn3_eff"} <= set(u["not_pinned"])
+    assert not u["params"]["gemm_eff[h100]"]["fitted"] and u["params"]["attn3_eff"]["fitted"]
+    assert u["params"]["attn3_eff"]["sigma"] is None
+    assert "gemm_eff[a100]" in u["pinned"]
+    assert u["params"]["gemm_eff[a100]"]["value"] == pytest.approx(0.7, abs=1e-6)
+    assert u["params"]["gemm_eff[a100]"]["sigma"] < 1e-3
+
+
+def test_fit_recovers_parameters_within_its_reported_uncertainty():
+    """Rows priced by known parameters with 2% noise: each GEMM efficiency comes back
+    pinned, with a +/- under 0.03, within 3 of its +/- of the truth; without the noise the
+    same fit is exact and its +/- vanishes (the residual variance scales it)."""
+    from paratrain.systems.validate import fit_with_errors
+
+    rows = _fit_rows(None, 4)
+    noisy = fit_with_errors(_noisy(rows, 0.02)).as_dict()
+    exact = fit_with_errors(_noisy(rows, 0.0)).as_dict()
+    for fam, truth in TRUTH.gemm_eff.items():
+        key = f"gemm_eff[{fam}]"
+        e = noisy["params"][key]
+        assert key in noisy["pinned"] and 0 < e["sigma"] < 0.03, (key, e)
+        assert abs(e["value"] - truth) < 3 * e["sigma"], (key, e)
+        assert exact["params"][key]["sigma"] < 1e-3 * e["sigma"]
+        assert exact["params"][key]["value"] == pytest.approx(truth, abs=1e-6)

@@ -16,8 +16,9 @@ def validate(
     json_out: bool = typer.Option(False, "--json", help="Print records and summary as JSON."),
     fit: bool = typer.Option(False, "--fit", help="Refit the step model's physical "
                                                   "parameters (least absolute relative "
-                                                  "error); report in-table, leave-one-out "
-                                                  "and held-out error."),
+                                                  "error); report each one's +/- and "
+                                                  "whether the runs pin it, and in-table, "
+                                                  "leave-one-out and held-out error."),
     out: str | None = typer.Option(None, help="With --fit: write the fitted values here "
                                               "(TOML)."),
     params: str | None = typer.Option(None, help="Fitted parameters to use (default: the "

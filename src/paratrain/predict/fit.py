@@ -34,41 +34,28 @@ def fit_from_runs(mcfg: ModelConfig, runs: list[tuple[int, int, float]], hw: Har
                         fitted=True, source="fit")
 
 
-def _solve3(a: list[list[float]], b: list[float]) -> list[float] | None:
-    """Gaussian elimination for a small square system; None if singular."""
-    n = len(b)
-    m = [row[:] + [b[i]] for i, row in enumerate(a)]
-    for c in range(n):
-        piv = max(range(c, n), key=lambda r: abs(m[r][c]))
-        if abs(m[piv][c]) < 1e-300:
-            return None
-        m[c], m[piv] = m[piv], m[c]
-        for r in range(n):
-            if r != c:
-                f = m[r][c] / m[c][c]
-                m[r] = [x - f * y for x, y in zip(m[r], m[c], strict=True)]
-    return [m[i][n] / m[i][i] for i in range(n)]
-
-
 def _nnls3(rows: list[tuple[float, ...]], ts: list[float]) -> list[float]:
-    """Non-negative least squares for 3 unknowns: try every subset of free unknowns
-    (8 of them), keep the best feasible one. Columns are scaled first."""
-    k = len(rows[0])
-    scale = [max(abs(r[j]) for r in rows) or 1.0 for j in range(k)]
-    x_rows = [[r[j] / scale[j] for j in range(k)] for r in rows]
-    best, best_err = [0.0] * k, sum(t * t for t in ts)
+    """Non-negative least squares for 3 unknowns: every subset of free unknowns (8 of
+    them) solved by ``numpy.linalg.lstsq`` on columns scaled to 1, the best feasible one
+    kept. A subset whose columns are dependent (lstsq's rank short of it) is skipped, as
+    is one with a negative unknown: on 3 unknowns the search is exact and needs no
+    active-set iteration."""
+    import numpy as np
+
+    a, t = np.asarray(rows, dtype=float), np.asarray(ts, dtype=float)
+    k = a.shape[1]
+    scale = np.abs(a).max(axis=0)
+    scale[scale == 0] = 1.0
+    a = a / scale
+    best, best_err = np.zeros(k), float(t @ t)
     for mask in range(1, 1 << k):
         free = [j for j in range(k) if mask >> j & 1]
-        ata = [[sum(r[i] * r[j] for r in x_rows) for j in free] for i in free]
-        atb = [sum(r[i] * t for r, t in zip(x_rows, ts, strict=True)) for i in free]
-        sol = _solve3(ata, atb)
-        if sol is None or min(sol) < 0:
+        sol, _, rank, _ = np.linalg.lstsq(a[:, free], t, rcond=None)
+        if rank < len(free) or sol.min() < 0:
             continue
-        x = [0.0] * k
-        for j, v in zip(free, sol, strict=True):
-            x[j] = v
-        err = sum((sum(r[j] * x[j] for j in range(k)) - t) ** 2
-                  for r, t in zip(x_rows, ts, strict=True))
+        x = np.zeros(k)
+        x[free] = sol
+        err = float(np.sum((a @ x - t) ** 2))
         if err < best_err - 1e-18:
             best, best_err = x, err
-    return [best[j] / scale[j] for j in range(k)]
+    return [float(v) for v in best / scale]

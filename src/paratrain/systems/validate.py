@@ -21,6 +21,7 @@ from paratrain.systems.fitting import (
     FITTED,
     Params,
     fit,
+    fit_with_errors,
     generation,
     leave_one_out,
     load_params,
@@ -42,10 +43,10 @@ from paratrain.systems.runs import (
 from paratrain.systems.step_params import StepParams
 
 __all__ = ["DEFAULT_RUNS", "FITTED", "HOLDOUT", "UNFITTED", "Case", "Params", "Record",
-           "Skip", "cases_and_skips", "fit", "generation", "heldout_ids", "leave_one_out",
-           "load_params", "params_dict", "predict", "read_runs", "render_validate",
-           "row_to_case", "run_validate", "score", "source_key", "summarize",
-           "write_params"]
+           "Skip", "cases_and_skips", "fit", "fit_with_errors", "generation", "heldout_ids",
+           "leave_one_out", "load_params", "params_dict", "predict", "read_runs",
+           "render_validate", "row_to_case", "run_validate", "score", "source_key",
+           "summarize", "write_params"]
 
 # used only when the table has no ``split`` column
 HOLDOUT = ("megascale_530b_megatronlm_11200", "bloom_176b", "glm_130b",
@@ -82,8 +83,10 @@ def run_validate(runs: str | None, params_path: str | None, unfitted: bool, do_f
                              "pass ids from its 'id' column")
         train = [c for c in cases if c.id not in holdout]
         held = [c for c in cases if c.id in holdout]
-        params = fit(train)
-        result["fit"] = {"params": params_dict(params), "train_rows": len(train),
+        fitted = fit_with_errors(train)
+        params = fitted.params
+        result["fit"] = {"params": params_dict(params), "uncertainty": fitted.as_dict(),
+                         "train_rows": len(train),
                          "n_params": params.count(), "holdout_ids": [c.id for c in held],
                          "in_table": summarize(score(train, params))}
         if loo:
@@ -183,7 +186,10 @@ def render_validate(res: dict, console=None) -> None:
     for src, s in res["summary"]["per_source"].items():
         con.print("  " + line(src, s))
     p = res["params"]
-    if res["model"] == "reference":
+    if "uncertainty" in res.get("fit", {}):
+        for text in _uncertainty_lines(res["fit"]["uncertainty"]):
+            con.print(text, highlight=False, markup=False)  # [a100] is no markup
+    elif res["model"] == "reference":
         con.print("parameters: docs/design.md's reference model (catalogue eta, flat ring)")
     else:
         con.print("parameters: gemm_eff " + ", ".join(f"{k} {v:.3f}" for k, v in
@@ -204,3 +210,27 @@ def render_validate(res: dict, console=None) -> None:
                            f["holdout"]["overall"]))
         if "written" in f:
             con.print(f"wrote {f['written']}")
+
+
+def _uncertainty_lines(u: dict) -> list[str]:
+    """Each fitted parameter with its +/- (one standard deviation, from the fit's
+    Jacobian), then which constants the rows pin down and which they do not."""
+    def val(k, v):
+        return f"{v * 1e6:.1f} us" if k == "kernel_s" else f"{v:.3f}"
+
+    out = ["parameters (+/- one standard deviation, from the fit's Jacobian):"]
+    for k, e in u["params"].items():
+        side = f" (at its {e['bound']} bound)" if e["bound"] else ""
+        if not e["fitted"]:
+            note = "  not fitted (too few rows on its family)"
+        elif e["sigma"] is None:
+            note = f"  not pinned{side}"
+        else:
+            note = f" +/- {val(k, e['sigma'])}{side}"
+        out.append(f"  {k:<15} {val(k, e['value'])}{note}")
+    out.append("pinned by the runs: " + (", ".join(u["pinned"]) or "none"))
+    if u["at_bound"]:
+        out.append("pressed against a bound (the runs would take it outside its physical "
+                   "range): " + ", ".join(u["at_bound"]))
+    out.append("not pinned by the runs: " + (", ".join(u["not_pinned"]) or "none"))
+    return out
