@@ -186,10 +186,10 @@ def test_fit_minimises_absolute_error_so_one_wild_row_does_not_pull_it():
 def _fit_rows(family: str | None, every: int) -> list:
     """Every ``every``-th priceable fit row of the shipped table (of one accelerator family,
     or of A100 and H100), re-reported as TRUTH prices them."""
-    from paratrain.systems.validate import generation
+    from paratrain.systems.validate import cases_and_skips, generation
 
-    cases = [row_to_case(r) for r in read_runs()
-             if r["confirmed"] != "no" and (r.get("split") or "").strip() != "heldout"]
+    rows = [r for r in read_runs() if (r.get("split") or "").strip() != "heldout"]
+    cases = cases_and_skips(rows)[0]
     fams = (family,) if family else ("a100", "h100")
     return [c for c in cases if generation(c.hw.name) in fams][::every]
 
