@@ -193,8 +193,6 @@ def _moe_fields(row: dict, n_layers: int) -> dict:
     moe_layers = _num(row, "moe_layers", int)
     if moe_layers is not None:
         out["first_dense_layers"] = n_layers - moe_layers
-    if out.get("experts"):
-        out["experts_over_tp"] = True  # a published run: experts split over tp too
     return out
 
 
@@ -298,7 +296,9 @@ def row_to_case(row: dict) -> Case:
     if sched != "interleaved":
         v = 1
     try:
-        plan = ParallelPlan(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep if dp % ep == 0 else 1,
+        # expert parallelism as given, folded over dp*cp*tp; expert TP as the row says,
+        # else Megatron-Core's default (etp = tp: each expert split as the dense MLP is)
+        plan = ParallelPlan(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, etp=_num(row, "ETP", int) or tp,
                             zero=_zero(row.get("zero_or_fsdp") or ""), sp=tp > 1,
                             micro_batches=m, schedule=sched, virtual_stages=v,
                             recompute=_recompute(row.get("recompute") or ""))
