@@ -132,3 +132,30 @@ def test_runtime_plans_price_as_before():
     assert a.gemm["experts"] == pytest.approx(b.gemm["experts"])
     pay = moe_step.dispatch_payloads(m, tp2, 4096, "alltoall")["all_to_all"]
     assert pay == pytest.approx(4096 * 2 * m.d_model * 2 * expert_imbalance(4096 * 2, 8))
+
+
+def test_an_all_to_all_across_nodes_leaves_through_the_ranks_own_nic():
+    """EP 64 over 8 nodes (8 members a node): 56/64 of the payload over one NIC, 7/64
+    over NVLink beside it, 63 latencies; inside one node, the pairwise exchange."""
+    plan = ParallelPlan(dp=64, ep=64)
+    n = 1e9
+    s = moe_step.all_to_all_s(plan, n, H100, 0.8, 0.9)
+    off, on = n * 56 / 64 / (H100.inter_bw * 0.9), n * 7 / 64 / (H100.intra_bw * 0.8)
+    assert s == pytest.approx(63 * H100.inter_alpha + max(off, on))
+    node = ParallelPlan(dp=8, ep=8)
+    assert moe_step.all_to_all_s(node, n, H100, 0.8, 0.9) == pytest.approx(
+        7 * H100.intra_alpha + n * 7 / 8 / (H100.intra_bw * 0.8))
+
+
+def test_expert_parameters_split_over_ep_and_etp():
+    """Routed experts per GPU: all of them / (ep etp); the router and shared experts
+    over etp, the rest over tp."""
+    from paratrain.cost.memory import params_per_gpu
+
+    m = load_model("mixtral-8x7b")
+    whole = params_per_gpu(m, ParallelPlan(dp=8, tp=2, ep=8))
+    split = params_per_gpu(m, ParallelPlan(dp=8, tp=2, ep=8, etp=2))
+    assert whole.expert == pytest.approx(m.routed_expert_params() / 8)
+    assert split.expert == pytest.approx(m.routed_expert_params() / 16)
+    router = m.moe_layers * m.d_model * m.experts
+    assert whole.dense - split.dense == pytest.approx(router / 2)

@@ -39,6 +39,7 @@ from __future__ import annotations
 import math
 
 from paratrain.cost import moe_layout
+from paratrain.cost.groups import span
 from paratrain.cost.hardware import Hardware
 from paratrain.cost.shapes import ModelShape
 from paratrain.plan import ParallelPlan
@@ -108,11 +109,29 @@ def dispatch_payloads(m: ModelShape, plan: ParallelPlan, M: int, dispatcher: str
     return out
 
 
+def all_to_all_s(plan: ParallelPlan, payload: float, hw: Hardware, nvlink_eff: float,
+                 net_eff: float) -> float:
+    """One all-to-all over the ep group of the ``payload`` each rank holds (it keeps
+    1 / ep). Inside a node: pairwise over NVLink (:func:`paratrain.systems.comm_time.
+    ep_s`). Across nodes every GPU of a node is in some ep group at once, so a rank's
+    off-node share, (ep - g) / ep with g members per node, leaves through its own NIC
+    (not g NICs, as a ring's would), while the rest crosses NVLink beside it."""
+    if plan.ep == 1:
+        return 0.0
+    stride, p = moe_layout.ep_stride(plan), plan.ep
+    if span(p, stride) <= hw.gpus_per_node:
+        return ct.ep_s(plan, payload, hw, nvlink_eff, net_eff)
+    g = max(1, min(p, hw.gpus_per_node // stride))
+    off = payload * (p - g) / p / (hw.inter_bw * net_eff)
+    on = payload * (g - 1) / p / (hw.intra_bw * nvlink_eff)
+    return (p - 1) * hw.inter_alpha + max(off, on)
+
+
 def dispatch_s(m: ModelShape, plan: ParallelPlan, M: int, hw: Hardware, nvlink_eff: float,
                net_eff: float, dispatcher: str) -> float:
     """Seconds of one dispatch (or combine) on a rank, from :func:`dispatch_payloads`."""
     pay = dispatch_payloads(m, plan, M, dispatcher)
-    s = ct.ep_s(plan, pay.get("all_to_all", 0.0), hw, nvlink_eff, net_eff)
+    s = all_to_all_s(plan, pay.get("all_to_all", 0.0), hw, nvlink_eff, net_eff)
     if "etp_all_gather" in pay:  # etp innermost: consecutive ranks
         a, bw = ct.strided_bw(1, plan.etp, hw, nvlink_eff, net_eff)
         s += ct.ring_s("all_gather", plan.etp, pay["etp_all_gather"], a, bw)
