@@ -159,3 +159,16 @@ def test_expert_parameters_split_over_ep_and_etp():
     assert split.expert == pytest.approx(m.routed_expert_params() / 16)
     router = m.moe_layers * m.d_model * m.experts
     assert whole.dense - split.dense == pytest.approx(router / 2)
+
+
+def test_a_folded_plan_prices_in_both_models():
+    """EP 8 over DP 4 x TP 2 (etp 1): the step model and the reference model price it,
+    the experts' gradients reduced over their edp = 1 group (nothing to sync)."""
+    from paratrain.systems.step_time import step_time
+
+    m = load_model("mixtral-8x7b")
+    plan = ParallelPlan(dp=4, tp=2, pp=8, ep=8, sp=True, micro_batches=8)
+    assert moe_layout.expert_data_ranks(plan) == 1
+    bd = predict_step(m, plan, H100, 256 * 4096, 4096, StepParams(), "nemo")
+    assert bd.comm["ep"] > 0 and bd.step_s > 0
+    assert step_time(m, plan, H100, 256 * 4096, 4096).step_s > 0
