@@ -119,6 +119,9 @@ def test_a_row_with_ep_not_dividing_dp_is_priced_with_its_all_to_all():
     # Megatron-Core's default expert TP: etp = tp unless the row says otherwise
     assert row_to_case(_row(TP="2", DP="1", EP="4")).plan.etp == 2
     assert row_to_case(_row(TP="2", DP="1", EP="8", ETP="1")).plan.etp == 1
+    # EP 8 over DP 1 x CP 4 x TP 2 leaves no room for etp 2: folded over tp, etp 1
+    assert row_to_case(_row(TP="2", DP="1", EP="8")).plan.etp == 1
+    assert moe_layout.default_etp(dp=4, cp=1, tp=8, ep=8) == 4
 
 
 def test_runtime_plans_price_as_before():

@@ -59,3 +59,12 @@ def expert_data_ranks(plan: ParallelPlan) -> int:
     if runtime_layout(plan):
         return plan.dp * plan.cp // plan.ep
     return max(1, plan.dp * plan.cp * plan.tp // (plan.ep * plan.etp))
+
+
+def default_etp(dp: int, cp: int, tp: int, ep: int) -> int:
+    """The expert TP a run that does not state it ran: tp, Megatron-Core's default (each
+    expert split as the dense MLP is), unless ep x tp does not fit in dp x cp x tp; then
+    the largest divisor of tp that does (the only layouts Megatron-Core accepts; etp 1
+    when ep folds over all of tp)."""
+    folded = dp * cp * tp
+    return max(e for e in range(1, tp + 1) if tp % e == 0 and folded % (ep * e) == 0)

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from paratrain.cost.groups import split_batch
 from paratrain.cost.hardware import Hardware, load_hardware
+from paratrain.cost.moe_layout import default_etp
 from paratrain.cost.shapes import FLOP_COUNTS, ModelShape, load_model
 from paratrain.plan import ParallelPlan, infer_dp
 
@@ -297,8 +298,9 @@ def row_to_case(row: dict) -> Case:
         v = 1
     try:
         # expert parallelism as given, folded over dp*cp*tp; expert TP as the row says,
-        # else Megatron-Core's default (etp = tp: each expert split as the dense MLP is)
-        plan = ParallelPlan(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, etp=_num(row, "ETP", int) or tp,
+        # else Megatron-Core's default (etp = tp where ep fits, cost.moe_layout)
+        plan = ParallelPlan(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep,
+                            etp=_num(row, "ETP", int) or default_etp(dp, cp, tp, ep),
                             zero=_zero(row.get("zero_or_fsdp") or ""), sp=tp > 1,
                             micro_batches=m, schedule=sched, virtual_stages=v,
                             recompute=_recompute(row.get("recompute") or ""))
