@@ -27,11 +27,13 @@ dispatch/combine   alltoall: the t k routed rows (x the busiest rank's      alph
 =================  =======================================================  ============
 
 The dispatcher is the engine's (:class:`paratrain.systems.overlap.Engine.dispatcher`,
-Megatron-Core's ``moe_token_dispatcher_type``): ``allgather`` moves ep etp / k times the
-alltoall's bytes, so it pays at small ep (and is what Megatron-LM runs by default);
+Megatron-Core's ``moe_token_dispatcher_type``): ``allgather`` moves about ep etp / k times
+the alltoall's bytes, so it wins only on small groups (ep etp <= k; it is what Megatron-LM
+runs by default);
 ``alltoall`` is what the MoE recipes of NeMo, DeepSeek and torchtitan (and paratrain's
 runtime) run. Each is four collectives a layer (dispatch and combine, forward and
-backward), six with full recompute.
+backward), six with full recompute. An all-to-all that leaves the node is priced at the
+rank's own NIC for its off-node share (:func:`all_to_all_s`).
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ def expert_imbalance(tokens_per_expert: float, experts: int) -> float:
 
 
 def check_dispatcher(name: str) -> str:
+    """``name`` if it is a dispatcher, else one ValueError line naming the choices."""
     if name not in DISPATCHERS:
         raise ValueError(f"dispatcher {name!r} is unknown; choose one of "
                          f"{', '.join(DISPATCHERS)}")
