@@ -241,9 +241,10 @@ def test_loss_reads_and_writes_every_logit_as_the_unfused_chain_does():
     assert LOSS_BYTES_PER_LOGIT == 6 + 4 + 8 + 8 + 4 + 8 + 8 + 6
 
 
-def test_experts_split_over_tp_only_where_the_shape_says_so():
-    """A run's own MoE (paratrain keeps the MoE MLP whole on every tp rank) prices the
-    same expert GEMMs at tp 1 and tp 2; a published MoE shape splits them over tp."""
+def test_experts_split_over_tp_only_where_the_plan_says_so():
+    """The plan's etp lays the experts out, not the model's shape: etp 1 (paratrain's
+    runtime keeps the MoE MLP whole on every tp rank) prices the same expert GEMMs at tp 1
+    and tp 2; etp = tp (Megatron-Core's default) splits them over tp."""
     from paratrain.config import ModelConfig
     from paratrain.cost.shapes import as_shape
     from paratrain.systems.layer_cost import Rates, block_cost
@@ -253,12 +254,10 @@ def test_experts_split_over_tp_only_where_the_shape_says_so():
     chip = chip_of(H100.name)
     run = as_shape(ModelConfig(d_model=1024, n_heads=8, d_ff=4096, experts=8, top_k=2,
                                shared_experts=1, context=2048))
-    assert not run.experts_over_tp
 
-    def experts_s(m, tp):
-        c = block_cost(m, 8192, 2048, tp, 1, False, 1, H100, chip, r, True)
+    def experts_s(tp, etp):
+        c = block_cost(run, 8192, 2048, tp, 1, False, 1, H100, chip, r, True, etp=etp)
         return c.fwd["experts"] + c.bwd["experts"]
 
-    assert experts_s(run, 2) == pytest.approx(experts_s(run, 1))
-    published = run.replace(experts_over_tp=True)
-    assert experts_s(published, 2) < 0.6 * experts_s(published, 1)
+    assert experts_s(2, 1) == pytest.approx(experts_s(1, 1))
+    assert experts_s(2, 2) < 0.6 * experts_s(1, 1)

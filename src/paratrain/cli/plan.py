@@ -308,11 +308,9 @@ def _catalogue_model(name: str | None, values: dict):
     if not 1 <= top_k <= experts:
         raise ValueError(f"top_k={top_k} must be in 1..experts={experts}; pass e.g. "
                          "--top-k 2")
-    # a catalogue model made MoE prices the experts as Megatron places them (split over
-    # tp); a run's own model (--config) keeps paratrain's placement (whole on each tp rank)
+    # how the experts split over ranks is the plan's (--ep, --etp), not the shape's
     return m.replace(experts=experts, top_k=top_k, moe_ffn=values.get("moe_ffn"),
-                     shared_experts=values.get("shared_experts", 0), first_dense_layers=0,
-                     experts_over_tp=True)
+                     shared_experts=values.get("shared_experts", 0), first_dense_layers=0)
 
 
 def _run_model(mcfg: ModelConfig):

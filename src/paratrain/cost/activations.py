@@ -50,17 +50,17 @@ def layer_activation_bytes(seq: int, batch: int, hidden: int, heads: int, tp: in
     return sbh * (10 + 24 / t + attn / t)
 
 
-def is_paratrain_block(model: ModelConfig) -> bool:
+def is_paratrain_block(model: ModelConfig, etp: int = 1) -> bool:
     """Whether ``model``'s layers are paratrain's own block (paratrain.model): RMSNorm x 2, RoPE
     attention with head dim d_model / n_heads, SwiGLU, no biases; its MLP dense or
     paratrain's :class:`paratrain.model.MoE` (``ModelConfig.experts``, layers picked by
-    ``is_moe_layer``). A catalogue MoE shape (``experts_over_tp`` or
-    ``first_dense_layers``, a published model's layer plan) is not: it keeps
-    Korthikanti's figure."""
+    ``is_moe_layer``) with whole experts (the plan's ``etp`` 1). Experts split over etp > 1
+    (Megatron-Core's layout) or a published model's layer plan (``first_dense_layers``)
+    are not: they keep Korthikanti's figure."""
     m = as_shape(model)
     return (m.mlp == "swiglu" and not m.bias and not m.learned_positions
             and m.norms_per_layer == 2 and not m.is_mla
-            and not (m.is_moe and (m.experts_over_tp or m.first_dense_layers))
+            and not (m.is_moe and (etp > 1 or m.first_dense_layers))
             and m.head_dim * m.n_heads == m.d_model)
 
 
@@ -68,7 +68,7 @@ def block_activation_bytes(model: ModelConfig, seq: int, *, tp: int = 1, sp: boo
                            recompute: str = "none", attention: str = "flash",
                            element_bytes: float = 2.0, cp: int = 1,
                            cp_algorithm: str = "ring", layer: int | None = None,
-                           ep: int = 1) -> float:
+                           ep: int = 1, etp: int = 1) -> float:
     """Bytes one layer keeps for backward, per sequence of ``seq`` tokens held by this
     rank (T / cp under context parallelism), on one tensor-parallel rank of ``tp`` (with
     sequence parallelism if ``sp``), at ``element_bytes`` per element. The one
@@ -107,7 +107,7 @@ def block_activation_bytes(model: ModelConfig, seq: int, *, tp: int = 1, sp: boo
     _check_kinds(recompute, attention)
     m = as_shape(model)
     ring = cp > 1 and cp_algorithm == "ring"
-    if not is_paratrain_block(m):
+    if not is_paratrain_block(m, etp):
         return _published_block_bytes(m, seq, tp, sp, recompute, attention, element_bytes,
                                       cp, ring)
     s, h, t = seq, m.d_model, tp
@@ -285,7 +285,7 @@ def rank_activation_peaks(model: ModelConfig, plan: ParallelPlan, tokens_per_ste
                                             recompute=plan.recompute, attention=attention,
                                             element_bytes=element_bytes, cp=plan.cp,
                                             cp_algorithm=plan.cp_algorithm, layer=i,
-                                            ep=plan.ep)
+                                            ep=plan.ep, etp=plan.etp)
                  for i in range(m.n_layers)]
     # full recompute: checkpoint inputs; cp: the rank's own T / cp rows of the tables
     rope = m.context // plan.cp * m.head_dim * element_bytes

@@ -2,7 +2,8 @@
 
 Rank order (fastest-varying first): tp, cp, dp, pp, as in Megatron-LM, so tensor-parallel
 groups are consecutive GPUs (inside a node when tp <= GPUs per node), and pipeline
-neighbours are furthest apart. Expert-parallel groups are ``ep`` consecutive data ranks.
+neighbours are furthest apart. Expert-parallel groups are ``ep`` consecutive data ranks in
+the runtime's layout, ``etp`` apart when folded (:func:`paratrain.cost.moe_layout.ep_stride`).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from dataclasses import dataclass
 
 from paratrain.config import ModelConfig
 from paratrain.cost.hardware import Hardware
+from paratrain.cost.moe_layout import ep_stride
 from paratrain.cost.stages import rank_blocks, stage_costs
 from paratrain.plan import ParallelPlan
 
@@ -21,7 +23,7 @@ def span(size: int, stride: int) -> int:
 
 
 def strides(plan: ParallelPlan) -> dict[str, int]:
-    return {"tp": 1, "cp": plan.tp, "dp": plan.tp * plan.cp, "ep": plan.tp * plan.cp,
+    return {"tp": 1, "cp": plan.tp, "dp": plan.tp * plan.cp, "ep": ep_stride(plan),
             "pp": plan.tp * plan.cp * plan.dp}
 
 

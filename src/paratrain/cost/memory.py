@@ -9,10 +9,11 @@ BF16 weights (2 bytes) and gradients (2) plus FP32 master weights, Adam m and v 
 
 with d the data-parallel degree (dp x cp: context-parallel ranks hold the same weights).
 Tensor and pipeline parallelism divide the parameters a GPU holds; expert parallelism
-divides the routed experts, whose ZeRO shards are over the d / ep ranks holding the same
-experts (the dense parameters' over d). paratrain's runtime keeps an MoE MLP whole on
-every tp rank; a shape with ``experts_over_tp`` (the catalogue's published MoE models) is
-priced with the MoE MLP split over tp too.
+divides the routed experts, whose ZeRO shards are over the edp ranks holding the same
+experts (:func:`paratrain.cost.moe_layout.expert_data_ranks`; the dense parameters' over
+d). The plan's ``etp`` splits the MoE MLP: etp 1 (paratrain's runtime) keeps it whole on
+every tp rank, etp = tp (Megatron-Core's default, the published MoE runs) splits it over
+tp as the dense MLP is.
 
 Activations per layer: :func:`block_activation_bytes` is the one formula (the runtime's
 prediction, the plan's memory and the pipeline report all call it). For paratrain's own
@@ -54,6 +55,7 @@ from paratrain.cost.activations import (  # noqa: F401 - re-exported
 from paratrain.cost.dp_bytes import sharded_states
 from paratrain.cost.groups import split_batch, stage_layers
 from paratrain.cost.hardware import Hardware
+from paratrain.cost.moe_layout import expert_data_ranks
 from paratrain.cost.ranks import ELEMENT_BYTES, virtual_stages
 from paratrain.cost.shapes import ModelShape, as_shape
 from paratrain.plan import ParallelPlan
@@ -103,14 +105,11 @@ class ParamsPerGPU:
 def params_per_gpu(model: ModelConfig, plan: ParallelPlan) -> ParamsPerGPU:
     """Parameters on the busiest GPU: its pipeline stage's layers (plus the embedding or
     head; with pp > 1 the vocabulary matrix of the first or last stage), over tp; routed
-    experts also over ep. Exact for tp = pp = 1.
-
-    An MoE model as paratrain's runtime holds it (:func:`_runtime_moe_params`), unless its
-    shape says ``experts_over_tp`` (published MoE runs, as Megatron-LM splits them: the
-    MoE MLP over tp too, routed experts over tp x ep)."""
+    experts also over ep. Exact for tp = pp = 1. An MoE model as the plan lays its
+    experts out (:func:`_moe_params`)."""
     m = as_shape(model)
-    if m.is_moe and not m.experts_over_tp:
-        return _runtime_moe_params(m, plan)
+    if m.is_moe:
+        return _moe_params(m, plan)
     share = stage_layers(m.n_layers, plan.pp) / m.n_layers
     emb = m.embedding_params() if plan.pp == 1 else _stage_embedding(m)
     expert = m.routed_expert_params() * share
@@ -124,25 +123,27 @@ def _stage_embedding(m: ModelShape) -> int:
     return m.vocab_size * m.d_model + (m.context * m.d_model if m.learned_positions else 0)
 
 
-def _runtime_moe_params(m: ModelShape, plan: ParallelPlan) -> ParamsPerGPU:
-    """paratrain's runtime (:mod:`paratrain.parallel.expert`, :mod:`paratrain.cost.layout`):
-    each ep rank keeps E / ep routed experts of every MoE layer; the router and shared
-    experts are dense parameters; the whole MoE MLP is replicated over tp (attention,
-    dense MLPs and the vocabulary are split as in a dense model)."""
+def _moe_params(m: ModelShape, plan: ParallelPlan) -> ParamsPerGPU:
+    """Each rank keeps E / ep routed experts of every MoE layer, each split over etp; the
+    router and shared experts are dense parameters, split over etp too (attention, dense
+    MLPs and the vocabulary over tp as in a dense model). etp 1 is paratrain's runtime
+    (:mod:`paratrain.parallel.expert`, :mod:`paratrain.cost.layout`: the whole MoE MLP
+    replicated over tp), etp = tp Megatron-Core's default."""
     share = stage_layers(m.n_layers, plan.pp) / m.n_layers
     emb = m.embedding_params() if plan.pp == 1 else _stage_embedding(m)
     moe = m.moe_layers * share
     routed = moe * m.experts * m.expert_params()
     whole = moe * (m.moe_mlp_params() - m.experts * m.expert_params())  # router, shared
-    dense = (m.num_layer_params() * share - routed - whole + emb) / plan.tp + whole
+    dense = (m.num_layer_params() * share - routed - whole + emb) / plan.tp + whole / plan.etp
 
     def block(i: int) -> float:  # block i's parameters on one rank (ZeRO-3's gather)
         if not m.is_moe_layer(i):
             return m.layer_params(i) / plan.tp
         mlp = m.moe_mlp_params() - m.experts * m.expert_params() * (1 - 1 / plan.ep)
-        return (m.layer_params(i) - m.moe_mlp_params()) / plan.tp + mlp
+        return (m.layer_params(i) - m.moe_mlp_params()) / plan.tp + mlp / plan.etp
 
-    return ParamsPerGPU(dense, routed / plan.ep, max(map(block, range(m.n_layers))))
+    return ParamsPerGPU(dense, routed / (plan.ep * plan.etp),
+                        max(map(block, range(m.n_layers))))
 
 
 @dataclass(frozen=True)
@@ -174,7 +175,8 @@ def model_states(model: ModelConfig, plan: ParallelPlan,
     p = params_per_gpu(model, plan)
     d = plan.dp * plan.cp // plan.dp_replicate
     a = _sharded(p.dense, d, plan.zero, prec, plan.pp > 1)
-    b = _sharded(p.expert, d / plan.ep, plan.zero, prec, plan.pp > 1)
+    b = _sharded(p.expert, max(1.0, expert_data_ranks(plan) / plan.dp_replicate), plan.zero,
+                 prec, plan.pp > 1)
     return ModelStates(a.weights_bytes + b.weights_bytes, a.grads_bytes + b.grads_bytes,
                        a.optimizer_bytes + b.optimizer_bytes)
 
@@ -226,14 +228,14 @@ def activation_bytes(model: ModelConfig, plan: ParallelPlan, tokens_per_step: in
     (embedding ids, final norm, head input, the loss's logits), the RoPE tables, the
     runtime's block split and the micro-batches in flight read off the schedule."""
     m = as_shape(model)
-    if runtime and is_paratrain_block(m):
+    if runtime and is_paratrain_block(m, plan.etp):
         return max(rank_activation_peaks(model, plan, tokens_per_step, seq_len, attention,
                                          element_bytes))
     batch = split_batch(tokens_per_step, seq_len, plan)
     per_layer = batch.micro_batch * block_activation_bytes(
         m, batch.local_seq, tp=plan.tp, sp=plan.sp, recompute=plan.recompute,
         attention=attention, element_bytes=element_bytes, cp=plan.cp,
-        cp_algorithm=plan.cp_algorithm, ep=plan.ep)
+        cp_algorithm=plan.cp_algorithm, ep=plan.ep, etp=plan.etp)
     layers = stage_layers(m.n_layers, plan.pp)
     inflight = micro_batches_in_flight(plan.schedule, plan.pp, plan.micro_batches,
                                        virtual_stages(plan))

@@ -73,7 +73,7 @@ def block_figures(mcfg: ModelConfig, plan: ParallelPlan, tcfg: TrainConfig,
     per_seq = block_activation_bytes(
         mcfg, t, tp=plan.tp, sp=plan.sp, recompute=plan.recompute,
         attention=_attention(mcfg), element_bytes=e, cp=plan.cp,
-        cp_algorithm=plan.cp_algorithm, ep=plan.ep)
+        cp_algorithm=plan.cp_algorithm, ep=plan.ep, etp=plan.etp)
     out = {"activation_bytes_per_layer_per_microbatch": per_seq * seqs_mb,
            "busiest_rank_activation_bytes": predicted_activations(mcfg, plan, tcfg)}
     if plan.tp > 1:

@@ -3,8 +3,8 @@
 ``ModelShape`` extends :class:`paratrain.config.ModelConfig` (LLaMA-style by default, so
 the runtime's model is priced as it is built) with: a GELU (two-matrix) MLP and biases
 (GPT-3), learned positions, a head size other than d_model / n_heads (PaLM), dense first
-layers in a mixture-of-experts model (DeepSeek-V3: Dai et al. 2024), the expert layout of
-published MoE runs, and multi-head latent attention (DeepSeek-V2/V3, arXiv:2405.04434).
+layers in a mixture-of-experts model (DeepSeek-V3: Dai et al. 2024), and multi-head
+latent attention (DeepSeek-V2/V3, arXiv:2405.04434).
 Mixture of experts uses ModelConfig's names (``experts``, ``top_k``, ``moe_ffn``,
 ``shared_experts``, ``moe_every``; Fedus et al. 2021), so ``as_shape(cfg)`` counts what
 the runtime builds from ``cfg``. Counts are exact: parameters are summed matrix by matrix
@@ -35,11 +35,9 @@ class ModelShape(ModelConfig):
     head_size: int | None = None  # None = d_model // n_heads
     norms_per_layer: int = 2
     # mixture of experts beyond ModelConfig: the first layers keep a dense MLP of width
-    # d_ff (DeepSeek-V3's first 3); routed and shared experts and the router split over
-    # tp as well as ep, as Megatron-LM runs published MoE models (False: paratrain's
-    # runtime keeps an MoE MLP whole on every tp rank, paratrain.parallel.tensor)
+    # d_ff (DeepSeek-V3's first 3); how the experts split over ranks is the plan's (ep,
+    # etp: paratrain.cost.moe_layout), not the shape's
     first_dense_layers: int = 0
-    experts_over_tp: bool = False
     # multi-head latent attention (kv_lora_rank 0 = ordinary attention)
     q_lora_rank: int = 0
     kv_lora_rank: int = 0

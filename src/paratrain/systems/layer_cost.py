@@ -11,8 +11,8 @@ qkv             M x d by d x (H + 2 G) hd / tp              G kv heads (GQA)
 attention       causal flash attention, H / tp heads        FLOPs / (peak x attn_eff)
 out             M x H hd / tp by H hd / tp x d
 mlp             up: M x d by d x (2|1) f / tp; down back    SwiGLU has two up matrices
-router          M x d by d x E                              MoE only
-experts         E / ep grouped GEMMs of M k ep / E tokens   x expected imbalance
+router          t x d by d x E, t the tokens it routes      MoE only
+experts         E / ep GEMMs of u k ep / E rows, f / etp     :mod:`.moe_step`
 ==============  ==========================================  ============================
 
 Backward is the input-gradient and weight-gradient GEMMs (twice the forward FLOPs);
@@ -32,13 +32,13 @@ fixed launch cost (``KERNELS_FWD`` per block forward, twice that backward).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from functools import lru_cache
 
 from paratrain.cost.hardware import Hardware
 from paratrain.cost.shapes import ModelShape
 from paratrain.systems.gemm import Chip, train_gemm_s
+from paratrain.systems.moe_step import expert_imbalance, moe_mlp  # noqa: F401 (re-export)
 
 KERNELS_FWD = 14  # norms, GEMMs, RoPE, attention, adds, activation, TP collectives
 # eager attention, forward, per score element beyond what its two batched GEMMs move
@@ -93,19 +93,13 @@ class BlockCost:
         return self.fwd_s + self.bwd_s
 
 
-def expert_imbalance(tokens_per_expert: float, experts: int) -> float:
-    """Expected busiest expert over the mean: the largest of E counts of mean mu,
-    mu + sqrt(2 mu ln E) (Gaussian extreme, a balanced router's spread)."""
-    if experts <= 1 or tokens_per_expert <= 0:
-        return 1.0
-    return 1.0 + math.sqrt(2.0 * math.log(experts) / tokens_per_expert)
-
-
 @lru_cache(maxsize=8192)
 def block_cost(m: ModelShape, M: int, seq_len: int, tp: int, cp: int, sp: bool, ep: int,
                hw: Hardware, chip: Chip, r: Rates, moe: bool,
-               attention: str = "flash") -> BlockCost:
-    """One block (MoE if ``moe``) for a micro-batch of M tokens on one rank (cached: the
+               attention: str = "flash", etp: int = 1,
+               dispatcher: str = "alltoall") -> BlockCost:
+    """One block (MoE if ``moe``: ``etp`` the plan's expert tensor parallelism,
+    ``dispatcher`` the engine's) for a micro-batch of M tokens on one rank (cached: the
     search asks for the same few shapes again and again)."""
     d, hd, H, G = m.d_model, m.head_dim, m.n_heads, m.kv_heads
     ge, he = r.gemm_eff, r.hbm_eff
@@ -142,21 +136,8 @@ def block_cost(m: ModelShape, M: int, seq_len: int, tp: int, cp: int, sp: bool, 
         scores = b_seqs * heads * s_q * seq_len * EAGER_BYTES_PER_SCORE
     up = 2 if m.mlp == "swiglu" else 1
     f_act = 0.0
-    if moe:
-        E, k, fe = m.experts, m.top_k, m.expert_ffn
-        # published MoE runs split the experts over tp too; paratrain's runtime keeps the
-        # whole MoE MLP on every tp rank (docs/expert-parallel.md)
-        etp = tp if m.experts_over_tp else 1
-        lin("router", E, d)
-        per_expert = M * k * ep / E
-        imb = expert_imbalance(per_expert, E)
-        rows = max(1, round(per_expert * imb))
-        lin("experts", up * fe // etp, d, rows, E // ep)
-        lin("experts", d, fe // etp, rows, E // ep)
-        if m.shared_experts:
-            lin("mlp", up * m.shared_experts * fe // etp, d)
-            lin("mlp", d, m.shared_experts * fe // etp)
-        f_act = (up + 1) * fe / etp * k * imb + 4 * d * k  # activation + permute copies
+    if moe:  # the plan's expert layout and the engine's dispatcher (systems.moe_step)
+        f_act = moe_mlp(m, M, tp, sp, ep, etp, lin, dispatcher)
     else:
         lin("mlp", up * m.d_ff // tp, d)
         lin("mlp", d, m.d_ff // tp)

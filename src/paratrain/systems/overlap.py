@@ -52,6 +52,11 @@ kernels, each reading and writing the activations).
 op-level selective checkpointing saves every other matmul's output and recomputes the rest
 of the forward: half its GEMMs and all its element-wise work.
 
+``dispatcher`` is how an engine moves an MoE layer's tokens to its experts
+(:mod:`paratrain.systems.moe_step`): Megatron-LM's ``--moe-token-dispatcher-type``
+defaults to ``allgather``; NeMo's MoE recipes, DeepSeek's HAI-LLM, DeepSpeed-MoE,
+torchtitan and the others (paratrain's runtime too) run ``alltoall``.
+
 ``gather`` is how a ZeRO-3/FSDP engine gathers weights: ``bucket`` (whole-stage buckets
 on NCCL rings), ``unit`` (one collective per block), ``param`` (DeepSpeed ZeRO-3 gathers each
 submodule's parameters with its own coalesced all-gather: attention's projections, its
@@ -81,10 +86,12 @@ class Engine:
     selective: float = 0.0  # share of the forward's GEMMs "selective" recompute reruns
     flops_count: str = "matmul"  # how its reports count model FLOPs (models.FLOP_COUNTS)
     p2p_split: bool = True  # pipeline sends split over the TP ranks (scatter/gather)
+    dispatcher: str = "alltoall"  # MoE token dispatch (systems.moe_step.DISPATCHERS)
 
 
 ENGINES = {
-    "megatron": Engine("megatron", 0.0, 0.0, 1.0, 1.0, 0.0, "bucket", "flash"),
+    "megatron": Engine("megatron", 0.0, 0.0, 1.0, 1.0, 0.0, "bucket", "flash",
+                       dispatcher="allgather"),
     "nemo": Engine("nemo", 0.8, 1.0, 1.0, 1.0, 0.5, "bucket", "flash3"),
     "megascale": Engine("megascale", 0.8, 1.0, 1.0, 1.0, 0.5, "bucket", "flash"),
     "deepspeed": Engine("deepspeed", 0.0, 0.0, 1.0, 0.5, 0.0, "param", "eager", 1.5,

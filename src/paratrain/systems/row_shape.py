@@ -41,8 +41,6 @@ def _moe_fields(row: dict, n_layers: int) -> dict:
     moe_layers = _num(row, "moe_layers", int)
     if moe_layers is not None:
         out["first_dense_layers"] = n_layers - moe_layers
-    if out.get("experts"):
-        out["experts_over_tp"] = True  # a published run: experts split over tp too
     return out
 
 

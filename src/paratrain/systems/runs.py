@@ -30,6 +30,7 @@ from pathlib import Path
 
 from paratrain.cost.groups import split_batch
 from paratrain.cost.hardware import Hardware, load_hardware
+from paratrain.cost.moe_layout import default_etp
 from paratrain.cost.shapes import FLOP_COUNTS, ModelShape
 from paratrain.plan import ParallelPlan
 from paratrain.systems.row_engine import case_engine, row_engine
@@ -219,8 +220,14 @@ def row_to_case(row: dict) -> Case:
         out.append(("zero_or_fsdp", "ZeRO-0", f"{sharding!r} names no ZeRO stage: states "
                                               "replicated over DP" if sharding else
                     "blank: states replicated over DP"))
+    etp = _num(row, "ETP", int)
+    if etp is None and ep > 1:
+        etp = default_etp(dp, cp, tp, ep)
+        out.append(("ETP", etp, "blank: Megatron-Core's default, etp = tp where ep*tp "
+                                "divides dp*cp*tp (cost.moe_layout)"))
     try:
-        plan = ParallelPlan(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep if dp % ep == 0 else 1,
+        # expert parallelism as given, folded over dp*cp*tp (plan.py)
+        plan = ParallelPlan(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, etp=etp or 1,
                             zero=_zero(row.get("zero_or_fsdp") or ""), sp=tp > 1,
                             micro_batches=m, schedule=sched, virtual_stages=v,
                             recompute=_recompute(row.get("recompute") or ""))

@@ -4,14 +4,14 @@ the rest by predicted step time.
 Axes: tp (powers of two up to one node, dividing the heads), cp (powers of two up to 16, at
 least 1024 tokens per rank; ring or all-to-all when the heads divide over cp x tp), pp
 (divisors of what is left, at most the layers), dp (the rest, dividing the batch), ep (MoE:
-powers of two dividing dp and the experts), micro-batch size (divisors of the per-replica
-batch, so accumulation or pipeline micro-batches follow), schedule (GPipe, 1F1B, interleaved
-with v in VIRTUAL_STAGES, ZB-H1, and with 2 chunks per rank ZB-V and DualPipeV when 2 pp
-stages fit the layers, DualPipeV only with m >= 2 pp), ZeRO stage 0-3, recomputation
-none/selective/full. Only layouts `paratrain train` accepts are ranked (:func:`runs`: the
-launcher's checks). Sequence parallelism is always on when tp > 1: it moves the same bytes
-as tensor parallelism alone (all-gather + reduce-scatter = all-reduce) and divides the
-remaining activations by tp, so it dominates.
+powers of two dividing the experts and dp x cp x tp / etp, etp 1 or tp), micro-batch size
+(divisors of the per-replica batch, so accumulation or pipeline micro-batches follow),
+schedule (GPipe, 1F1B, interleaved with v in VIRTUAL_STAGES, ZB-H1, and with 2 chunks per
+rank ZB-V and DualPipeV when 2 pp stages fit the layers, DualPipeV only with m >= 2 pp),
+ZeRO stage 0-3, recomputation none/selective/full. Only layouts `paratrain train` accepts
+are ranked (:func:`runs`: the launcher's checks). Sequence parallelism is always on when tp
+> 1: it moves the same bytes as tensor parallelism alone (all-gather + reduce-scatter =
+all-reduce) and divides the remaining activations by tp, so it dominates.
 
 Layouts are priced by the step model (:func:`paratrain.systems.step_model.predict_step`:
 per-GEMM efficiency, so thin micro-batches and narrow shards cost what they cost; kernel
@@ -113,8 +113,7 @@ def enumerate_plans(model: ModelConfig, hw: Hardware, gpus: int, sequences: int,
                 if sequences % dp:
                     continue
                 per_replica = sequences // dp
-                eps = [e for e in _pow2_upto(min(dp, m.experts)) if dp % e == 0 and
-                       m.experts % e == 0] if m.is_moe else [1]
+                eps = _expert_layouts(m, dp, cp, tp)
                 for b in _divisors(per_replica):
                     if b > max_micro_batch:
                         break
@@ -130,18 +129,31 @@ def enumerate_plans(model: ModelConfig, hw: Hardware, gpus: int, sequences: int,
                         m.n_heads % (cp * tp) == 0 and m.kv_heads % (cp * tp) == 0
                         ) else ("ring",)
                     for sched, v in scheds:
-                        for ep in eps:
+                        for ep, etp in eps:
                             for algo in algos:
                                 for zero, r in _zero_replicas(zero_stages, replicas,
                                                               dp, cp, ep):
                                     for rc in recomputes:
                                         plan = ParallelPlan(
-                                            dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=zero,
+                                            dp=dp, tp=tp, pp=pp, cp=cp, ep=ep,
+                                            etp=etp, zero=zero,
                                             dp_replicate=r, sp=tp > 1, micro_batches=mb,
                                             schedule=sched, virtual_stages=v,
                                             recompute=rc, cp_algorithm=algo)
                                         if runs(plan, m, gpus, sequences):
                                             yield plan, b
+
+
+def _expert_layouts(m, dp: int, cp: int, tp: int) -> list[tuple[int, int]]:
+    """(ep, etp) pairs of an MoE model: etp 1 or tp, ep a power of two dividing the experts
+    and dp x cp x tp / etp (Megatron-Core's folding); :func:`runs` keeps those the
+    runtime runs."""
+    if not m.is_moe:
+        return [(1, 1)]
+    folded = dp * cp * tp
+    return [(e, etp) for etp in sorted({1, tp})
+            for e in _pow2_upto(min(folded // etp, m.experts))
+            if folded // etp % e == 0 and m.experts % e == 0]
 
 
 def _zero_replicas(zero_stages, replicas, dp: int, cp: int, ep: int
@@ -281,13 +293,15 @@ def explain(result: SearchResult, model: ModelConfig, hw: Hardware) -> list[str]
             lines.append(f"best with {axis}={getattr(alt.plan, axis)} instead: "
                          f"{100 * (alt.step_s / c.step_s - 1):+.1f}% step time")
     if m.is_moe and p.ep > 1:
-        lines.append(f"expert parallel {p.ep}: each rank keeps {m.experts // p.ep} experts")
+        lines.append(f"expert parallel {p.ep}: each rank keeps {m.experts // p.ep} experts"
+                     + (f", each split over {p.etp} ranks" if p.etp > 1 else ""))
     return lines
 
 
 def candidate_record(c: Candidate) -> dict:
     p = c.plan
-    return {"dp": p.dp, "tp": p.tp, "pp": p.pp, "cp": p.cp, "ep": p.ep, "zero": p.zero,
+    return {"dp": p.dp, "tp": p.tp, "pp": p.pp, "cp": p.cp, "ep": p.ep, "etp": p.etp,
+            "zero": p.zero,
             "dp_replicate": p.dp_replicate, "sp": p.sp, "micro_batches": p.micro_batches,
             "micro_batch_seqs": c.micro_batch,
             "schedule": p.schedule, "virtual_stages": p.virtual_stages,

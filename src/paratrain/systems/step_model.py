@@ -29,6 +29,7 @@ from functools import lru_cache
 from paratrain.cost.groups import split_batch
 from paratrain.cost.hardware import Hardware
 from paratrain.cost.memory import params_per_gpu
+from paratrain.cost.moe_layout import expert_data_ranks
 from paratrain.cost.ranks import virtual_stages
 from paratrain.cost.schedule import V_SHAPED, bubble_over_compute
 from paratrain.cost.shapes import as_shape
@@ -37,6 +38,7 @@ from paratrain.plan import ParallelPlan
 from paratrain.systems import comm_time as ct
 from paratrain.systems.gemm import chip_of
 from paratrain.systems.layer_cost import GEMM_CLASSES, block_cost, head_cost
+from paratrain.systems.moe_step import moe_comm_s
 from paratrain.systems.overlap import COLLECTIVES_PER_BLOCK, Engine, engine
 from paratrain.systems.step_params import StepParams
 from paratrain.systems.step_time import recompute_flops_per_token
@@ -122,13 +124,14 @@ class Breakdown:
 
 
 @lru_cache(maxsize=4096)
-def _params_per_gpu(m, tp: int, pp: int, ep: int):
-    return params_per_gpu(m, ParallelPlan(dp=ep, tp=tp, pp=pp, ep=ep))
+def _params_per_gpu(m, tp: int, pp: int, ep: int, etp: int = 1):
+    return params_per_gpu(m, ParallelPlan(dp=ep, tp=tp, pp=pp, ep=ep, etp=etp))
 
 
 @lru_cache(maxsize=8192)
 def _block_summary(m, M: int, seq_len: int, tp: int, cp: int, sp: bool, ep: int, hw, chip,
-                   rates, kernel: str, recompute: str, selective: float = 0.0) -> dict:
+                   rates, kernel: str, recompute: str, selective: float = 0.0,
+                   etp: int = 1, dispatcher: str = "alltoall") -> dict:
     """One average block (dense and MoE blocks weighted by their counts) for a
     micro-batch: forward and backward seconds (recomputation in backward), per GEMM class,
     memory-bound and launch seconds, and the attention core's forward. ``selective``: the
@@ -136,7 +139,8 @@ def _block_summary(m, M: int, seq_len: int, tp: int, cp: int, sp: bool, ep: int,
     recomputation reruns (the engine's)."""
     args = (M, seq_len, tp, cp, sp, ep, hw, chip, rates)
     dense = block_cost(m, *args, moe=False, attention=kernel)
-    moe = block_cost(m, *args, moe=True, attention=kernel) if m.is_moe else None
+    moe = block_cost(m, *args, moe=True, attention=kernel, etp=etp,
+                     dispatcher=dispatcher) if m.is_moe else None
     frac = m.moe_layers / m.n_layers if m.is_moe else 0.0
 
     def avg(get) -> float:
@@ -257,7 +261,7 @@ def predict_step(model, plan: ParallelPlan, hw: Hardware, tokens_per_step: int,
         rates = dataclasses.replace(rates, gemm_eff=rates.gemm_eff * hw.peak_flops_fp8
                                     / hw.peak_flops)
     blk = _block_summary(m, M, seq_len, plan.tp, plan.cp, plan.sp, plan.ep, hw, chip, rates,
-                         kernel, plan.recompute, eng.selective)
+                         kernel, plan.recompute, eng.selective, plan.etp, eng.dispatcher)
     blk_f, blk_b = blk["fwd"], blk["bwd"]
     L = m.n_layers
     frac_moe = m.moe_layers / L if m.is_moe else 0.0
@@ -276,10 +280,7 @@ def predict_step(model, plan: ParallelPlan, hw: Hardware, tokens_per_step: int,
     if plan.recompute != "none":
         cp_b += cp_f
     cp_x = ct.cp_exposed_s(cp_f, cp_b, blk["attn_f"], plan.cp_algorithm, eng.cp)
-    ep_t = 0.0
-    if m.is_moe and plan.ep > 1:
-        n_a2a = 4 + (2 if plan.recompute == "full" else 0)
-        ep_t = frac_moe * n_a2a * ct.ep_s(plan, act * m.top_k, hw, sp.nvlink_eff, sp.net_eff)
+    ep_t = frac_moe * moe_comm_s(m, plan, M, hw, sp.nvlink_eff, sp.net_eff, eng.dispatcher)
 
     def per_step(x: float) -> float:
         return mb * blocks * x
@@ -301,9 +302,9 @@ def predict_step(model, plan: ParallelPlan, hw: Hardware, tokens_per_step: int,
     comm["pp"] = 2 * mb * virtual_stages(plan) * send
     exposed["pp"] = comm["pp"] * (1 - eng.pp)
 
-    p = _params_per_gpu(m, plan.tp, plan.pp, plan.ep)
+    p = _params_per_gpu(m, plan.tp, plan.pp, plan.ep, plan.etp)
     grad = 2.0
-    d_dense, d_exp = plan.dp * plan.cp, plan.dp * plan.cp // plan.ep
+    d_dense, d_exp = plan.dp * plan.cp, expert_data_ranks(plan)
     sg = shard_group or d_dense // plan.dp_replicate  # HSDP: the plan's replica size
     if d_dense % sg:
         raise ValueError(f"shard_group={sg} does not divide dp*cp={d_dense}; pick a divisor")

@@ -45,6 +45,7 @@ from paratrain.cost.groups import group_link, span, split_batch, stage_layers
 from paratrain.cost.hardware import Hardware
 from paratrain.cost.layout import zero_wire_factor
 from paratrain.cost.memory import Precision, params_per_gpu, recipe
+from paratrain.cost.moe_layout import expert_data_ranks
 from paratrain.cost.ranks import virtual_stages
 from paratrain.cost.schedule import bubble_formula, bubble_over_compute
 from paratrain.cost.shapes import as_shape
@@ -215,11 +216,11 @@ def _dp_sync(m: ModelConfig, plan: ParallelPlan, hw: Hardware, prec: Precision,
              compute_mb: float, overlap_fraction: float, dp_algorithm: str
              ) -> tuple[float, float, float]:
     """(seconds, exposed seconds, wire bytes) of the data-parallel sync per step: the
-    dense parameters over dp*cp, the routed experts over dp*cp/ep."""
+    dense parameters over dp*cp, the routed experts over their edp ranks."""
     p = params_per_gpu(m, plan)
     dp_comm = dp_exposed = dp_wire = 0.0
     groups = ((p.dense, plan.dp * plan.cp, plan.tp),
-              (p.expert, plan.dp * plan.cp // plan.ep, plan.tp * plan.ep))
+              (p.expert, expert_data_ranks(plan), plan.tp * plan.ep))
     for params, d, stride in groups:
         if d == 1 or params == 0:
             continue

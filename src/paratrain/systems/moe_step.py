@@ -1,0 +1,156 @@
+"""One MoE layer on one rank as the engines run it: expert GEMMs, permutation, dispatch.
+
+The layout is the plan's (:mod:`paratrain.cost.moe_layout`): E / ep experts per rank,
+each split over etp ranks, fed the tokens of its etp group. For a micro-batch of M
+tokens on a rank (T / cp of each sequence), t = M / tp routed by this rank with SP (M
+without), u = t etp with SP (t without) seen by an expert shard, k = top_k, h = d_model,
+f the expert width, e the element size:
+
+=================  =======================================================  ============
+part               what it does                                             priced as
+=================  =======================================================  ============
+router             t x h by h x E                                           a GEMM
+experts            E / ep GEMMs of mu = u k ep / E rows each, x the         the GEMM
+                   expected busiest expert 1 + sqrt(2 ln E / mu)            model on the
+                   (:func:`expert_imbalance`):                              per-expert
+                   the grouped GEMM of many small experts runs at each      shape
+                   expert's (small) shape's efficiency
+shared experts     u x h by h x S f / etp (and back)                        a GEMM
+permutation        the routed rows gathered into expert order and back      4 h k rows
+                   (read and written): t k rows, u k with all-gather        at HBM speed
+dispatch/combine   alltoall: the t k routed rows (x the busiest rank's      alpha-beta
+                   excess) over the ep group, then (SP, etp > 1) an         (cost.
+                   all-gather / reduce-scatter of the u k rows over etp;    collectives)
+                   allgather: all tokens of the ep x etp group gathered
+                   (t h each), each rank keeping its experts' rows, and
+                   the outputs reduce-scattered back
+=================  =======================================================  ============
+
+The dispatcher is the engine's (:class:`paratrain.systems.overlap.Engine.dispatcher`,
+Megatron-Core's ``moe_token_dispatcher_type``): ``allgather`` moves about ep etp / k times
+the alltoall's bytes, so it wins only on small groups (ep etp <= k; it is what Megatron-LM
+runs by default);
+``alltoall`` is what the MoE recipes of NeMo, DeepSeek and torchtitan (and paratrain's
+runtime) run. Each is four collectives a layer (dispatch and combine, forward and
+backward), six with full recompute. An all-to-all that leaves the node is priced at the
+rank's own NIC for its off-node share (:func:`all_to_all_s`).
+"""
+
+from __future__ import annotations
+
+import math
+
+from paratrain.cost import moe_layout
+from paratrain.cost.groups import span
+from paratrain.cost.hardware import Hardware
+from paratrain.cost.shapes import ModelShape
+from paratrain.plan import ParallelPlan
+from paratrain.systems import comm_time as ct
+
+DISPATCHERS = ("alltoall", "allgather")
+# elements per routed row and hidden unit through HBM: the permutation reads and writes
+# each row (h), and so does the un-permutation after the combine
+PERMUTE_ELEMS_PER_ROW = 4
+
+
+def expert_imbalance(tokens_per_expert: float, experts: int) -> float:
+    """Expected busiest expert over the mean: the largest of E counts of mean mu,
+    mu + sqrt(2 mu ln E) (Gaussian extreme, a balanced router's spread)."""
+    if experts <= 1 or tokens_per_expert <= 0:
+        return 1.0
+    return 1.0 + math.sqrt(2.0 * math.log(experts) / tokens_per_expert)
+
+
+def check_dispatcher(name: str) -> str:
+    """``name`` if it is a dispatcher, else one ValueError line naming the choices."""
+    if name not in DISPATCHERS:
+        raise ValueError(f"dispatcher {name!r} is unknown; choose one of "
+                         f"{', '.join(DISPATCHERS)}")
+    return name
+
+
+def moe_mlp(m: ModelShape, M: int, tp: int, sp: bool, ep: int, etp: int, lin,
+            dispatcher: str = "alltoall") -> float:
+    """Price one MoE MLP's GEMMs through ``lin(class, N, K, rows, count)`` (the block's
+    GEMM accumulator) and return its element-wise elements (expert activation and
+    permutation) per token of the micro-batch's M."""
+    E, k, fe, d = m.experts, m.top_k, m.expert_ffn, m.d_model
+    up = 2 if m.mlp == "swiglu" else 1
+    t = moe_layout.routed_tokens(M, tp, sp)
+    u = moe_layout.expert_group_tokens(M, tp, sp, etp)
+    lin("router", E, d, max(1, round(t)))
+    per_expert = u * k * ep / E
+    imb = expert_imbalance(per_expert, E)
+    rows = max(1, round(per_expert * imb))
+    lin("experts", up * fe // etp, d, rows, E // ep)
+    lin("experts", d, fe // etp, rows, E // ep)
+    if m.shared_experts:
+        lin("mlp", up * m.shared_experts * fe // etp, d, max(1, round(u)))
+        lin("mlp", d, m.shared_experts * fe // etp, max(1, round(u)))
+    act = (up + 1) * fe / etp * u * k * imb  # the experts' activation, over its rows
+    moved = u if dispatcher == "allgather" else t
+    return (act + PERMUTE_ELEMS_PER_ROW * d * k * moved) / M
+
+
+def dispatch_payloads(m: ModelShape, plan: ParallelPlan, M: int, dispatcher: str,
+                      elem: float = 2.0) -> dict:
+    """Bytes of one dispatch (the combine moves the same) per rank, by collective:
+    ``all_to_all`` (what each rank holds before the ep group's exchange: its t k rows,
+    x the busiest rank's expected excess), ``etp_all_gather`` (the full u k rows of the
+    etp group, SP only) or ``all_gather`` (allgather: the full vector of the ep x etp
+    group's tokens)."""
+    check_dispatcher(dispatcher)
+    t = moe_layout.routed_tokens(M, plan.tp, plan.sp)
+    u = moe_layout.expert_group_tokens(M, plan.tp, plan.sp, plan.etp)
+    h, k = m.d_model, m.top_k
+    if dispatcher == "allgather":
+        return {"all_gather": plan.ep * plan.etp * t * h * elem}
+    a2a = t * k * h * elem * expert_imbalance(t * k, plan.ep) if plan.ep > 1 else 0.0
+    out = {"all_to_all": a2a}
+    if plan.sp and plan.etp > 1:
+        out["etp_all_gather"] = u * k * h * elem
+    return out
+
+
+def all_to_all_s(plan: ParallelPlan, payload: float, hw: Hardware, nvlink_eff: float,
+                 net_eff: float) -> float:
+    """One all-to-all over the ep group of the ``payload`` each rank holds (it keeps
+    1 / ep). Inside a node: pairwise over NVLink (:func:`paratrain.systems.comm_time.
+    ep_s`). Across nodes every GPU of a node is in some ep group at once, so a rank's
+    off-node share, (ep - g) / ep with g members per node, leaves through its own NIC
+    (not g NICs, as a ring's would), while the rest crosses NVLink beside it."""
+    if plan.ep == 1:
+        return 0.0
+    stride, p = moe_layout.ep_stride(plan), plan.ep
+    if span(p, stride) <= hw.gpus_per_node:
+        return ct.ep_s(plan, payload, hw, nvlink_eff, net_eff)
+    g = max(1, min(p, hw.gpus_per_node // stride))
+    off = payload * (p - g) / p / (hw.inter_bw * net_eff)
+    on = payload * (g - 1) / p / (hw.intra_bw * nvlink_eff)
+    return (p - 1) * hw.inter_alpha + max(off, on)
+
+
+def dispatch_s(m: ModelShape, plan: ParallelPlan, M: int, hw: Hardware, nvlink_eff: float,
+               net_eff: float, dispatcher: str) -> float:
+    """Seconds of one dispatch (or combine) on a rank, from :func:`dispatch_payloads`."""
+    pay = dispatch_payloads(m, plan, M, dispatcher)
+    s = all_to_all_s(plan, pay.get("all_to_all", 0.0), hw, nvlink_eff, net_eff)
+    if "etp_all_gather" in pay:  # etp innermost: consecutive ranks
+        a, bw = ct.strided_bw(1, plan.etp, hw, nvlink_eff, net_eff)
+        s += ct.ring_s("all_gather", plan.etp, pay["etp_all_gather"], a, bw)
+    if "all_gather" in pay:
+        size = plan.ep * plan.etp
+        stride = moe_layout.ep_stride(plan) if plan.etp == 1 else 1
+        a, bw = ct.strided_bw(stride, size, hw, nvlink_eff, net_eff)
+        s += ct.ring_s("all_gather", size, pay["all_gather"], a, bw)
+    return s
+
+
+def moe_comm_s(m: ModelShape, plan: ParallelPlan, M: int, hw: Hardware, nvlink_eff: float,
+               net_eff: float, dispatcher: str) -> float:
+    """Seconds of an MoE layer's dispatches and combines for one micro-batch: four
+    (forward and backward), six with full recompute; none when nothing leaves the rank."""
+    if not m.is_moe or plan.ep * plan.etp == 1:
+        return 0.0
+    n = 4 + (2 if plan.recompute == "full" else 0)
+    return n * dispatch_s(m, plan, M, hw, nvlink_eff, net_eff, dispatcher)

@@ -1,0 +1,177 @@
+"""The systems model's MoE pricing (paratrain.systems.moe_step): the plan's expert layout
+(ep folded over dp x cp x tp, etp), the engine's dispatcher, hand-computed cases."""
+
+from __future__ import annotations
+
+import pytest
+
+from paratrain.config import ModelConfig
+from paratrain.cost import moe_layout
+from paratrain.cost.hardware import load_hardware
+from paratrain.cost.shapes import as_shape, load_model
+from paratrain.plan import ParallelPlan
+from paratrain.systems import moe_step
+from paratrain.systems.moe_step import expert_imbalance
+from paratrain.systems.overlap import engine
+from paratrain.systems.runs import row_to_case
+from paratrain.systems.step_model import predict_step
+from paratrain.systems.step_params import StepParams
+
+H100 = load_hardware("h100")
+MOE = as_shape(ModelConfig(d_model=256, n_heads=4, d_ff=1024, experts=16, top_k=2,
+                           moe_ffn=512, shared_experts=1, context=1024))
+
+
+def _shapes(M: int, tp: int, sp: bool, ep: int, etp: int, dispatcher: str = "alltoall"):
+    """Every GEMM the MoE MLP prices, as (class, N, K, rows, count), and its elements."""
+    seen = []
+    elems = moe_step.moe_mlp(MOE, M, tp, sp, ep, etp,
+                             lambda c, N, K, rows=M, count=1: seen.append((c, N, K, rows,
+                                                                           count)),
+                             dispatcher)
+    return seen, elems
+
+
+def test_expert_gemm_shapes_follow_the_plans_etp():
+    """etp 1: each expert whole (N = 2 f), fed the rank's own tokens; etp = tp under SP:
+    N = 2 f / etp, fed the etp group's gathered tokens (etp x t), so the rows per expert
+    stay those of the whole micro-batch."""
+    M, E, k, f = 4096, 16, 2, 512
+    whole, _ = _shapes(M, tp=2, sp=False, ep=4, etp=1)
+    mu = M * k * 4 / E  # tokens per local expert
+    rows = round(mu * expert_imbalance(mu, E))
+    assert ("experts", 2 * f, 256, rows, E // 4) in whole
+    assert ("experts", 256, f, rows, E // 4) in whole
+    assert ("router", E, 256, M, 1) in whole
+    split, _ = _shapes(M, tp=2, sp=True, ep=4, etp=2)
+    assert ("experts", 2 * f // 2, 256, rows, E // 4) in split  # u = (M / 2) x 2 = M
+    assert ("router", E, 256, M // 2, 1) in split  # SP: the rank routes its own half
+    assert ("mlp", 2 * f // 2, 256, M, 1) in split  # shared expert split over etp
+    # etp 1 under SP: the rank's own M / tp tokens, whole experts
+    own, _ = _shapes(M, tp=2, sp=True, ep=4, etp=1)
+    mu2 = M / 2 * k * 4 / E
+    assert ("experts", 2 * f, 256, round(mu2 * expert_imbalance(mu2, E)), E // 4) in own
+
+
+def test_dispatch_bytes_alltoall_vs_allgather():
+    """alltoall: each rank holds its t k routed rows (x the busiest rank's excess), plus
+    the etp all-gather of the group's u k rows under SP; allgather: the full vector of the
+    ep x etp group's tokens (t h each)."""
+    M, h, k = 8192, MOE.d_model, MOE.top_k
+    plan = ParallelPlan(dp=4, tp=2, ep=4, etp=2, sp=True)
+    t = M / 2
+    a2a = moe_step.dispatch_payloads(MOE, plan, M, "alltoall")
+    assert a2a["all_to_all"] == pytest.approx(t * k * h * 2 * expert_imbalance(t * k, 4))
+    assert a2a["etp_all_gather"] == pytest.approx(2 * t * k * h * 2)
+    ag = moe_step.dispatch_payloads(MOE, plan, M, "allgather")
+    assert ag == {"all_gather": pytest.approx(4 * 2 * t * h * 2)}
+    # the gather moves ep etp / k times the rows: slower at ep x etp = 8 > k = 2
+    s = {d: moe_step.dispatch_s(MOE, plan, M, H100, 0.8, 0.8, d) for d in
+         moe_step.DISPATCHERS}
+    assert s["allgather"] > s["alltoall"] > 0
+    with pytest.raises(ValueError, match="dispatcher 'ring' is unknown"):
+        moe_step.dispatch_payloads(MOE, plan, M, "ring")
+
+
+def test_engines_dispatch_as_they_run():
+    assert engine("megatron").dispatcher == "allgather"  # Megatron-LM's default
+    assert {engine(n).dispatcher for n in ("nemo", "dualpipe", "torchtitan")} == {"alltoall"}
+
+
+def test_layouts_runtime_and_folded():
+    """ep dividing dp with whole experts: the runtime's groups of consecutive data ranks;
+    anything else folds etp innermost, then ep."""
+    run = ParallelPlan(dp=4, tp=2, cp=2, ep=2)
+    assert moe_layout.runtime_layout(run)
+    assert moe_layout.ep_stride(run) == 4 and moe_layout.expert_data_ranks(run) == 4
+    fold = ParallelPlan(dp=2, tp=2, cp=2, ep=8, etp=1, sp=True)
+    assert not moe_layout.runtime_layout(fold)
+    assert moe_layout.ep_stride(fold) == 1 and moe_layout.expert_data_ranks(fold) == 1
+    mega = ParallelPlan(dp=8, tp=4, cp=2, ep=8, etp=4, sp=True)
+    assert moe_layout.ep_stride(mega) == 4 and moe_layout.expert_data_ranks(mega) == 2
+
+
+def _row(**over) -> dict:
+    row = {"id": "fold_test", "model_key": "mixtral-8x7b", "seq_len": "4096",
+           "global_batch_seqs": "16", "accelerator": "H100-SXM5-80GB", "num_accel": "8",
+           "TP": "1", "PP": "1", "DP": "2", "CP": "4", "EP": "8", "microbatch": "1",
+           "zero_or_fsdp": "distributed optimizer", "recompute": "none", "engine": "NeMo",
+           "tokens_per_s_per_accel": "1000", "metric": "tokens", "source": "test",
+           "confirmed": "yes", "split": "fit"}
+    return {**row, **over}
+
+
+def test_a_row_with_ep_not_dividing_dp_is_priced_with_its_all_to_all():
+    """EP 8 over DP 2 x CP 4 (folded): priced as given, one all-to-all group of 8
+    consecutive GPUs (one node), equal to the alpha-beta formula by hand."""
+    case = row_to_case(_row())
+    assert (case.plan.ep, case.plan.etp) == (8, 1)
+    p = StepParams()
+    bd = predict_step(case.model, case.plan, case.hw, case.tokens, case.seq_len, p, "nemo")
+    m = case.model
+    M = 4096 // 4  # one sequence a micro-batch, T / cp on this rank
+    rows = M * m.top_k
+    payload = rows * m.d_model * 2 * expert_imbalance(rows, 8)
+    one = 7 * H100.intra_alpha + 7 / 8 * payload / (H100.intra_bw * p.nvlink_eff)
+    per_mb = 4 * one * m.moe_layers / m.n_layers  # dispatch + combine, fwd + bwd
+    assert bd.comm["ep"] > 0
+    assert bd.comm["ep"] == pytest.approx(case.plan.micro_batches * bd.blocks * per_mb)
+    # Megatron-Core's default expert TP: etp = tp unless the row says otherwise
+    assert row_to_case(_row(TP="2", DP="1", EP="4")).plan.etp == 2
+    assert row_to_case(_row(TP="2", DP="1", EP="8", ETP="1")).plan.etp == 1
+    # EP 8 over DP 1 x CP 4 x TP 2 leaves no room for etp 2: folded over tp, etp 1
+    assert row_to_case(_row(TP="2", DP="1", EP="8")).plan.etp == 1
+    assert moe_layout.default_etp(dp=4, cp=1, tp=8, ep=8) == 4
+
+
+def test_runtime_plans_price_as_before():
+    """A runtime plan (ep | dp, etp 1, no SP) prices the experts whole on every tp rank:
+    the same expert GEMMs at tp 1 and tp 2, and the same all-to-all bytes as M k h."""
+    m = load_model("mixtral-8x7b")
+    base = ParallelPlan(dp=8, ep=8, micro_batches=2)
+    tp2 = ParallelPlan(dp=8, tp=2, ep=8, micro_batches=2)
+    a = predict_step(m, base, H100, 16 * 4096, 4096, StepParams(), "nemo")
+    b = predict_step(m, tp2, H100, 16 * 4096, 4096, StepParams(), "nemo")
+    assert a.gemm["experts"] == pytest.approx(b.gemm["experts"])
+    pay = moe_step.dispatch_payloads(m, tp2, 4096, "alltoall")["all_to_all"]
+    assert pay == pytest.approx(4096 * 2 * m.d_model * 2 * expert_imbalance(4096 * 2, 8))
+
+
+def test_an_all_to_all_across_nodes_leaves_through_the_ranks_own_nic():
+    """EP 64 over 8 nodes (8 members a node): 56/64 of the payload over one NIC, 7/64
+    over NVLink beside it, 63 latencies; inside one node, the pairwise exchange."""
+    plan = ParallelPlan(dp=64, ep=64)
+    n = 1e9
+    s = moe_step.all_to_all_s(plan, n, H100, 0.8, 0.9)
+    off, on = n * 56 / 64 / (H100.inter_bw * 0.9), n * 7 / 64 / (H100.intra_bw * 0.8)
+    assert s == pytest.approx(63 * H100.inter_alpha + max(off, on))
+    node = ParallelPlan(dp=8, ep=8)
+    assert moe_step.all_to_all_s(node, n, H100, 0.8, 0.9) == pytest.approx(
+        7 * H100.intra_alpha + n * 7 / 8 / (H100.intra_bw * 0.8))
+
+
+def test_expert_parameters_split_over_ep_and_etp():
+    """Routed experts per GPU: all of them / (ep etp); the router and shared experts
+    over etp, the rest over tp."""
+    from paratrain.cost.memory import params_per_gpu
+
+    m = load_model("mixtral-8x7b")
+    whole = params_per_gpu(m, ParallelPlan(dp=8, tp=2, ep=8))
+    split = params_per_gpu(m, ParallelPlan(dp=8, tp=2, ep=8, etp=2))
+    assert whole.expert == pytest.approx(m.routed_expert_params() / 8)
+    assert split.expert == pytest.approx(m.routed_expert_params() / 16)
+    router = m.moe_layers * m.d_model * m.experts
+    assert whole.dense - split.dense == pytest.approx(router / 2)
+
+
+def test_a_folded_plan_prices_in_both_models():
+    """EP 8 over DP 4 x TP 2 (etp 1): the step model and the reference model price it,
+    the experts' gradients reduced over their edp = 1 group (nothing to sync)."""
+    from paratrain.systems.step_time import step_time
+
+    m = load_model("mixtral-8x7b")
+    plan = ParallelPlan(dp=4, tp=2, pp=8, ep=8, sp=True, micro_batches=8)
+    assert moe_layout.expert_data_ranks(plan) == 1
+    bd = predict_step(m, plan, H100, 256 * 4096, 4096, StepParams(), "nemo")
+    assert bd.comm["ep"] > 0 and bd.step_s > 0
+    assert step_time(m, plan, H100, 256 * 4096, 4096).step_s > 0
