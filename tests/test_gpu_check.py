@@ -75,7 +75,7 @@ def test_budget_gives_each_part_its_share_of_what_is_left():
     clock.t += 5.0  # the curve ended early: its 20 s go to the parts still to run
     assert b.start("parity") == pytest.approx(1005.0 + 95.0 * 2 / 3)
     clock.t = 1090.0
-    assert b.start("step") == 1100.0 and b.left(1100.0) == 10.0
+    assert b.start("step") == 1100.0 and b.shares() == {}
 
 
 def test_a_part_out_of_time_skips_its_rows_without_running_them(tmp_path):
