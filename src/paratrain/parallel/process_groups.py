@@ -1,7 +1,7 @@
 """Process-group set-up and tear-down: the one place that knows about backends.
 
-- Backend and device are chosen by themselves: NCCL + CUDA when a GPU is visible,
-  gloo + CPU otherwise.
+- Backend and device are chosen by themselves: NCCL + CUDA when a GPU is visible (gloo
+  + CUDA when a node runs more ranks than it has GPUs), gloo + CPU otherwise.
 - Every group gets a timeout, so a broken collective fails instead of hanging.
 - Clean exit: with torch 2.13 and gloo, a process can abort at exit ("terminate called
   without an active exception") while gloo's threads are torn down after
@@ -112,10 +112,17 @@ def timeout_error(e: BaseException, settle_s: float = 2.0) -> CollectiveTimeout:
 
 
 def pick_backend() -> tuple[str, torch.device]:
-    """('nccl', cuda:<local rank>) when CUDA is available, else ('gloo', cpu)."""
+    """('nccl', cuda:<local rank>) when CUDA is available, else ('gloo', cpu).
+
+    More processes on this node (torchrun's LOCAL_WORLD_SIZE) than visible GPUs, e.g.
+    benchmarks/gpu_check.py's 2-4 ranks on one GPU: NCCL refuses two ranks on one device,
+    so gloo carries the CUDA tensors (its all-reduce, broadcast, all-gather and all-to-all
+    stage through pinned host memory; it has no CUDA send/recv, so pipeline and ring
+    context parallelism cannot run that way)."""
     if torch.cuda.is_available():
-        local = int(os.environ.get("LOCAL_RANK", "0"))
-        return "nccl", torch.device("cuda", local % torch.cuda.device_count())
+        local, gpus = int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count()
+        shared = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) > gpus
+        return ("gloo" if shared else "nccl"), torch.device("cuda", local % gpus)
     return "gloo", torch.device("cpu")
 
 
