@@ -12,6 +12,7 @@ from paratrain.cost.hardware import load_hardware
 from paratrain.cost.memory import memory
 from paratrain.cost.schedule import V_SHAPED
 from paratrain.cost.shapes import ModelShape, load_model
+from paratrain.systems.overlap import SEARCH_ENGINE
 from paratrain.systems.search import enumerate_plans, search
 from paratrain.systems.step_model import predict_step
 
@@ -22,12 +23,13 @@ SMALL = ModelShape(name="small", n_layers=8, d_model=1024, n_heads=8, d_ff=2816,
 def test_small_model_in_one_node_is_pure_data_parallel():
     """Everything fits replicated and the node is fast: plain DP, no recomputation.
     (Accumulating costs nothing here while the sync stays hidden, so ties go to the
-    layout with less memory.)"""
+    layout with less memory.) Only the sync's last bucket, ready when the backward ends,
+    and the overlap tax on the rest show: under 2% of the step."""
     hw = load_hardware("h100")
     res = search(SMALL, hw, 8, 64 * 2048, 2048, top=5)
     p = res.top[0].plan
     assert (p.dp, p.tp, p.pp, p.cp, p.recompute) == (8, 1, 1, 1, "none")
-    assert res.top[0].time.dp_exposed_s == 0
+    assert 0 < res.top[0].time.dp_exposed_s < 0.02 * res.top[0].step_s
 
 
 def test_slow_network_puts_the_pipeline_across_nodes():
@@ -46,7 +48,7 @@ def test_best_is_the_minimum_over_all_fitting_layouts():
     tokens, seq = 64 * 4096, 4096
     space = {"zero_stages": (0, 1, 3), "recomputes": ("none", "full")}  # the time budget
     res = search(m, hw, 16, tokens, seq, top=20, **space)
-    brute = min(predict_step(m, p, hw, tokens, seq).step_s
+    brute = min(predict_step(m, p, hw, tokens, seq, engine_name=SEARCH_ENGINE).step_s
                 for p, _ in enumerate_plans(m, hw, 16, 64, seq, **space)
                 if memory(m, p, hw, tokens, seq).fits)
     assert res.top[0].step_s == pytest.approx(brute)

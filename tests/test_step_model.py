@@ -15,7 +15,7 @@ from paratrain.plan import ParallelPlan
 from paratrain.systems import comm_time as ct
 from paratrain.systems.explain import breakdown_rows, explain_lines
 from paratrain.systems.fitting import load_params
-from paratrain.systems.gemm import K_FIXED, chip_of, depth, gemm_s, quantisation
+from paratrain.systems.gemm import chip_of, depth, gemm_s, k_fixed, quantisation
 from paratrain.systems.layer_cost import expert_imbalance
 from paratrain.systems.search import search
 from paratrain.systems.step_model import predict_step
@@ -36,14 +36,18 @@ def test_tile_and_wave_quantisation_by_hand():
     t = gemm_s(16, 8192, 8192, H100, h, 0.8, 1.0)
     assert t == pytest.approx((16 * 8192 * 2 + 8192 * 8192) * 2 / H100.hbm_bw)
     assert chip_of("TPU-v4").sms == 1 and chip_of("A100-SXM4-40GB").generation == "a100"
-    # depth: a tile's prologue and epilogue cost K_FIXED reduction steps on a GPU, so a
-    # K = 256 GEMM runs at half the rate of a very deep one; a TPU streams K
-    M = 128 * 132
-    deep, short = gemm_s(M, 256, 2**20, H100, h, 0.8, 1.0), gemm_s(M, 256, K_FIXED, H100, h,
+    # depth: a tile's prologue and epilogue cost k_fixed reduction steps on a GPU (the
+    # prologue plus the chip's machine balance), so a K = k_fixed GEMM runs at half the
+    # rate of a very deep one; a TPU streams K
+    M, kf = 128 * 132, k_fixed(h, H100)
+    assert kf == pytest.approx(128 + H100.peak_flops / H100.hbm_bw)
+    K = round(kf)
+    deep, short = gemm_s(M, 256, 2**20, H100, h, 0.8, 1.0), gemm_s(M, 256, K, H100, h,
                                                                     0.8, 1.0)
-    assert short == pytest.approx(2 * M * 256 * K_FIXED / (H100.peak_flops * 0.8 * 0.5))
+    assert short == pytest.approx(2 * M * 256 * K / (H100.peak_flops * 0.8 * depth(K, kf)))
     assert deep == pytest.approx(2 * M * 256 * 2**20 / (H100.peak_flops * 0.8), rel=1e-3)
-    assert depth(64, chip_of("TPU-v4")) == 1.0
+    assert k_fixed(chip_of("TPU-v4"), load_hardware("tpu-v4")) == 0.0
+    assert depth(64, 0.0) == 1.0
 
 
 def test_parameters_are_few_and_physical():
@@ -55,13 +59,16 @@ def test_parameters_are_few_and_physical():
             assert lo <= v <= hi, name
     assert BOUNDS["kernel_s"][1] <= 20e-6 and all(
         hi <= 1.0 for k, (_, hi) in BOUNDS.items() if k != "kernel_s")
+    assert 0 < p.overlap_tax <= 0.3  # NCCL's channels' share of the SMs, not fitted
 
 
 @pytest.mark.parametrize("engine", ["deepspeed", "fsdp"])
 def test_zero3_strong_scaling_loses_throughput(engine):
     """Fixed global batch: per-GPU compute shrinks with GPUs, the per-block gathers do not
-    (and their ring latency grows), so throughput per GPU must fall, more for DeepSpeed's
-    per-parameter gathers."""
+    (and their ring latency grows), so throughput per GPU must fall, far more for
+    DeepSpeed's small per-parameter gathers (latency-bound) than for FSDP's block-sized
+    ones, which NCCL's ring keeps bandwidth-bound at 1024 ranks (it pays the network's
+    latency only at node boundaries)."""
     m = load_model("llama2-70b") if engine == "fsdp" else load_model("llama2-13b")
     p = load_params()
     tokens, seq = 1024 * 4096, 4096
@@ -70,7 +77,7 @@ def test_zero3_strong_scaling_loses_throughput(engine):
         plan = ParallelPlan(dp=gpus, zero=3, micro_batches=1024 // gpus, recompute="full")
         tf.append(predict_step(m, plan, H100, tokens, seq, p, engine).tflops_per_gpu)
     assert tf == sorted(tf, reverse=True)
-    assert tf[-1] < 0.8 * tf[0]
+    assert tf[-1] < (0.8 if engine == "deepspeed" else 0.97) * tf[0]
 
 
 def test_moe_prices_active_flops_all_to_all_and_imbalance():

@@ -13,8 +13,8 @@ from paratrain.cost import collectives as coll
 from paratrain.cost.hardware import Hardware, hardware_names, load_hardware
 from paratrain.cost.shapes import load_model, model_names
 
-REQUIRED_HW = ["v100", "a100-40gb", "a100", "h100", "h200", "b200", "mi300x", "tpu-v4",
-               "tpu-v5p"]
+REQUIRED_HW = ["v100", "a100-40gb", "a100", "h100", "h100-pcie", "h100-nvl", "h100-96gb",
+               "h200", "b200", "gb200", "mi300x", "tpu-v4", "tpu-v5p"]
 
 
 def test_importing_systems_does_not_import_torch():
@@ -38,6 +38,36 @@ def test_every_hardware_entry_loads_and_aliases_are_case_insensitive():
         assert isinstance(load_hardware(n), Hardware)
     assert load_hardware("H100") == load_hardware("h100-sxm5") == load_hardware("H100-SXM5-80GB")
     assert load_hardware("h100").peak_flops_fp8 == 1979e12
+
+
+def test_every_hardware_entry_names_its_source():
+    """Each catalogue table opens with a comment block that names where its figures come
+    from (issue 22, item 7)."""
+    from paratrain.cost.catalogue import DATA_DIR
+
+    blocks = (DATA_DIR / "hardware.toml").read_text(encoding="utf-8").split("\n[")[1:]
+    assert len(blocks) == len(hardware_names())
+    for block in blocks:
+        key, _, rest = block.partition("]")
+        comment = " ".join(ln for ln in rest.splitlines() if ln.startswith("#"))
+        assert "Source" in comment, f"hardware entry {key!r} names no source"
+
+
+def test_h100_variants_blackwell_domains_and_tpu_v5p():
+    from paratrain.systems.gemm import chip_of, family
+
+    pcie, nvl, sxm = load_hardware("H100 PCIe"), load_hardware("h100-nvl"), load_hardware("h100")
+    assert pcie.peak_flops < nvl.peak_flops < sxm.peak_flops  # 756 < 835 < 989 TF dense
+    assert nvl.hbm_bytes == 94e9 and nvl.hbm_bw > sxm.hbm_bw  # 94 GB HBM3 at 3.9 TB/s
+    assert chip_of(pcie.name).sms == 114 and chip_of(nvl.name).sms == 132
+    assert family(pcie.name) == family(nvl.name) == "h100"  # one die's fitted efficiencies
+    # the lower-TDP 94/95/96 GB HBM2e part under the names clusters list it by
+    assert load_hardware("h100-95gb") == load_hardware("H100-SXM5-94GB") == \
+        load_hardware("h100-96gb")
+    assert load_hardware("gb200").gpus_per_node == 72  # NVL72: one NVLink domain
+    assert load_hardware("b200").gpus_per_node == 8
+    v5p = load_hardware("tpu-v5p")
+    assert v5p.topology == "torus" and v5p.hbm_bytes == 96e9
 
 
 @pytest.mark.parametrize("name, params", [

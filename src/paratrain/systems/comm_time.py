@@ -4,7 +4,12 @@ Achieved bandwidth of a group (:func:`group_bw`): inside one node, the NVLink/IC
 ``nvlink_eff``. Across nodes NCCL builds its rings over every NIC the group's GPUs own
 (each GPU of a DGX/HGX node has its own NIC), so a group with g members per node moves
 g x the per-GPU network bandwidth x ``net_eff`` across each node boundary, and never more
-than its NVLink hops carry. Times are the alpha-beta forms of
+than its NVLink hops carry. A ring across nodes pays the network's latency only on the hops
+that cross a node boundary (n of its p hops for a group on n nodes) and NVLink's on the
+others (:func:`ring_bw`), as NCCL's own tuning model prices a ring (its ``nInterSteps``:
+about 2 n network steps for an all-reduce, the rest at the intra-node latency): a flat
+ring charging 2 (p - 1) network latencies makes a 1024-rank gradient sync 8x too
+latency-bound. Times are the alpha-beta forms of
 :mod:`paratrain.cost.collectives` (ring steps x latency + bytes / bandwidth); wire
 bytes come from the homes that count them for the runtime
 (:mod:`paratrain.cost.tp_bytes`, :mod:`paratrain.cost.cp_bytes`).
@@ -35,6 +40,19 @@ def strided_bw(stride: int, size: int, hw: Hardware, nvlink_eff: float, net_eff:
     g = max(1, min(size, hw.gpus_per_node // stride))
     bw = min(g * hw.inter_bw * net_eff, hw.intra_bw * nvlink_eff if g > 1 else float("inf"))
     return hw.inter_alpha, bw
+
+
+def ring_bw(stride: int, size: int, hw: Hardware, nvlink_eff: float, net_eff: float
+            ) -> tuple[float, float]:
+    """(per-step alpha_s, achieved bytes/s per rank) of a ring over ``size`` ranks
+    ``stride`` apart (:func:`strided_bw`), its alpha the hop-weighted mean of the two
+    links' latencies: a group with g members per node crosses a node boundary on 1 / g of
+    its hops."""
+    alpha, bw = strided_bw(stride, size, hw, nvlink_eff, net_eff)
+    if alpha == hw.intra_alpha:
+        return alpha, bw
+    g = max(1, min(size, hw.gpus_per_node // stride))
+    return hw.inter_alpha / g + hw.intra_alpha * (1 - 1 / g), bw
 
 
 def ring_s(op: str, p: int, payload: float, alpha: float, bw: float) -> float:

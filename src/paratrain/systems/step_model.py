@@ -14,9 +14,11 @@ the way the step runs on the busiest pipeline rank (docs/systems-model.md):
 3. the pipeline bubble (the schedule's closed form) and its point-to-point sends;
 4. data-parallel sync by the engine's algorithm: bucketed NCCL rings hidden under the
    last micro-batch's backward (and the next forward for the distributed optimizer's
-   all-gather), or ZeRO-3/FSDP gathers block by block, each hidden only under the
-   previous block's compute, so when a micro-batch's compute is short (strong scaling at
-   a fixed global batch) the gathers' latency and bytes show;
+   all-gather) except their last bucket, or ZeRO-3/FSDP gathers block by block, each
+   hidden only under the previous block's compute (the first gather and the last
+   reduce-scatter of each micro-batch under none), so when a micro-batch's compute is
+   short (strong scaling at a fixed global batch) the gathers' latency and bytes show;
+   what hides still costs the overlap tax (NCCL's SMs and HBM share);
 5. the optimizer step (memory-bound over this rank's shard of the states).
 """
 
@@ -184,59 +186,98 @@ def _busiest(m, seq_len: int, pp: int, v: int, block_s: float, head_s: float,
         else (rest, False)
 
 
+def _taxed(total: float, exposed: float, tax: float) -> float:
+    """Exposed seconds of a transfer of ``total`` seconds of which ``exposed`` does not
+    hide, plus ``tax`` of the part that does: overlap is not free, the collective's
+    kernels occupy SMs (one per NCCL channel) and HBM bandwidth the overlapped compute
+    would have used (``StepParams.overlap_tax``)."""
+    return exposed + tax * max(0.0, total - exposed)
+
+
+def _hidden(t: float, window: float, tail: float) -> float:
+    """Seconds of a bucketed sync of ``t`` that a compute ``window`` does not hide: the
+    buckets run under the window, but the last one (the first layers' gradients, ready
+    only when the backward ends; or the first layers' weights, needed before the forward
+    starts) waits for nothing to hide under, so at least ``tail`` is exposed."""
+    return max(t - window, min(t, tail))
+
+
+def _with_tail(op: str, d: int, payload: float, bucket: float, alpha: float, bw: float
+               ) -> tuple[float, float]:
+    """(the bucketed collective over d ranks, its last bucket alone)."""
+    return (ct.ring_s(op, d, payload, alpha, bw),
+            ct.ring_s(op, d, min(bucket, payload), alpha, bw))
+
+
 def _dp_sync(plan: ParallelPlan, payloads, hw: Hardware, sp: StepParams, eng: Engine,
              blk_f: float, blk_b: float, blocks: int, stage_f: float, stage_b: float
              ) -> tuple[float, float]:
     """(total, exposed) data-parallel seconds per step; ``payloads`` is a list of (bytes,
-    group size, sharding group size) for the dense and expert gradients."""
+    group size, sharding group size) for the dense and expert gradients. Every ring is
+    NCCL's hierarchical-latency ring (:func:`paratrain.systems.comm_time.ring_bw`)."""
     total = exposed = 0.0
     m = plan.micro_batches
+    stride = plan.tp * plan.cp
+    bucket = plan.bucket_mb * 1e6
     for payload, d, shard in payloads:
         if d == 1 or payload == 0:
             continue
         if plan.zero >= 1 and shard < d:
             # hybrid sharding: ZeRO over ``shard`` neighbouring ranks, then the gradient
             # shards all-reduced across the d / shard replicas, under the backward
-            a, bw = ct.strided_bw(plan.tp * plan.cp * shard, d // shard, hw, sp.nvlink_eff,
-                                  sp.net_eff)
+            a, bw = ct.ring_bw(stride * shard, d // shard, hw, sp.nvlink_eff, sp.net_eff)
             ar = ct.ring_s("all_reduce", d // shard, payload / shard, a, bw)
+            tail = ct.ring_s("all_reduce", d // shard, min(bucket, payload) / shard, a, bw)
             total += ar
-            exposed += max(0.0, ar - eng.dp * stage_b)
+            exposed += _hidden(ar, eng.dp * stage_b, tail)
             d = shard
             if d == 1:
                 continue
-        a, bw = ct.group_bw(plan, "dp", d, hw, sp.nvlink_eff, sp.net_eff)
+        a, bw = ct.ring_bw(stride, d, hw, sp.nvlink_eff, sp.net_eff)
         if plan.zero == 3:
-            # gather block by block, each under the previous block's compute, for every
-            # micro-batch: the weights stay sharded between them (as the memory model
-            # counts them), pipeline stages included
-            n_coll = COLLECTIVES_PER_BLOCK[eng.gather]
-            if eng.gather == "param" and a == hw.inter_alpha:
-                # small per-submodule gathers run on one or two NCCL channels: one NIC's
-                # bandwidth per node, not the node's aggregate
-                bw = min(bw, hw.inter_bw * sp.net_eff)
-            per = payload / blocks / n_coll
-            ag = n_coll * (ct.ring_s("all_gather", d, per, a, bw) + sp.kernel_s)
-            rs = n_coll * (ct.ring_s("reduce_scatter", d, per, a, bw) + sp.kernel_s)
-            total += m * blocks * (2 * ag + rs)
-            exposed += m * blocks * (max(0.0, ag - eng.dp * blk_f)
-                                     + max(0.0, ag + rs - eng.dp * blk_b))
+            t, x = _zero3_gathers(d, payload, blocks, a, bw, hw, sp, eng, blk_f, blk_b)
+            total, exposed = total + m * t, exposed + m * x
             continue
-        if plan.zero <= 1:
-            ar = ct.ring_s("all_reduce", d, payload, a, bw)
-            if plan.zero == 0:
-                total += ar
-                exposed += max(0.0, ar - eng.dp * stage_b)
-                continue
-        rs = ct.ring_s("reduce_scatter", d, payload, a, bw)
-        ag = ct.ring_s("all_gather", d, payload, a, bw)
-        if plan.zero == 2:  # gradients stay sharded: one reduce-scatter per micro-batch
-            total += m * rs + ag
-            exposed += m * max(0.0, rs - eng.dp * stage_b) + max(0.0, ag - eng.dp * stage_f)
-        else:  # distributed optimizer: reduce-scatter under backward, gather under forward
+        if plan.zero == 0:
+            ar, tail = _with_tail("all_reduce", d, payload, bucket, a, bw)
+            total += ar
+            exposed += _hidden(ar, eng.dp * stage_b, tail)
+            continue
+        rs, rs_tail = _with_tail("reduce_scatter", d, payload, bucket, a, bw)
+        ag, ag_tail = _with_tail("all_gather", d, payload, bucket, a, bw)
+        if plan.zero == 1:  # distributed optimizer: one of each per step
             total += rs + ag
-            exposed += max(0.0, rs - eng.dp * stage_b) + max(0.0, ag - eng.dp * stage_f)
+        else:  # ZeRO-2: gradients stay sharded, one reduce-scatter per micro-batch
+            total += m * rs + ag
+            exposed += (m - 1) * max(0.0, rs - eng.dp * stage_b)
+        # the reduce-scatter under the last backward, the gather under the next forward
+        exposed += _hidden(rs, eng.dp * stage_b, rs_tail) + _hidden(ag, eng.dp * stage_f,
+                                                                    ag_tail)
     return total, exposed
+
+
+def _zero3_gathers(d: int, payload: float, blocks: int, a: float, bw: float, hw: Hardware,
+                   sp: StepParams, eng: Engine, blk_f: float, blk_b: float
+                   ) -> tuple[float, float]:
+    """(total, exposed) seconds of one micro-batch's ZeRO-3/FSDP traffic: each block's
+    weights gathered for the forward and again for the backward, its gradients
+    reduce-scattered; the weights stay sharded between micro-batches (as the memory
+    model counts them), pipeline stages included. Each gather hides under the previous
+    block's compute, each reduce-scatter under the next block's backward, so the first
+    block's forward gather and the last block's reduce-scatter have nothing to hide
+    under: a fixed cost per micro-batch that short micro-batches cannot amortise."""
+    n_coll = COLLECTIVES_PER_BLOCK[eng.gather]
+    if eng.gather == "param" and a > hw.intra_alpha:
+        # small per-submodule gathers run on one or two NCCL channels: one NIC's
+        # bandwidth per node, not the node's aggregate
+        bw = min(bw, hw.inter_bw * sp.net_eff)
+    per = payload / blocks / n_coll
+    ag = n_coll * (ct.ring_s("all_gather", d, per, a, bw) + sp.kernel_s)
+    rs = n_coll * (ct.ring_s("reduce_scatter", d, per, a, bw) + sp.kernel_s)
+    wait_f = blocks * max(0.0, ag - eng.dp * blk_f)  # gathers longer than a block
+    wait_b = blocks * max(0.0, ag + rs - eng.dp * blk_b)
+    first = min(ag, eng.dp * blk_f) + min(rs, eng.dp * blk_b)  # what those could not hide
+    return blocks * (2 * ag + rs), wait_f + wait_b + first
 
 
 def predict_step(model, plan: ParallelPlan, hw: Hardware, tokens_per_step: int,
@@ -279,6 +320,7 @@ def predict_step(model, plan: ParallelPlan, hw: Hardware, tokens_per_step: int,
                          kernel_s=sp.kernel_s)
     if plan.recompute != "none":
         cp_b += cp_f
+    tp_x = tp_t * (1 - eng.tp)
     cp_x = ct.cp_exposed_s(cp_f, cp_b, blk["attn_f"], plan.cp_algorithm, eng.cp)
     ep_t = frac_moe * moe_comm_s(m, plan, M, hw, sp.nvlink_eff, sp.net_eff, eng.dispatcher)
 
@@ -290,10 +332,10 @@ def predict_step(model, plan: ParallelPlan, hw: Hardware, tokens_per_step: int,
     over_s = per_step(blk["overhead"])
     head_s = mb * (head_f + head_b) if has_head else 0.0
     comm = {"tp": per_step(tp_t), "cp": per_step(cp_f + cp_b), "ep": per_step(ep_t)}
-    exposed = {"tp": comm["tp"] * (1 - eng.tp), "cp": per_step(cp_x),
+    exposed = {"tp": per_step(tp_x), "cp": per_step(cp_x),
                "ep": comm["ep"] * (1 - eng.ep)}
     stage_mb = blocks * (blk_f + blk_b) + (head_f + head_b if has_head else 0.0) + \
-        (tp_t * (1 - eng.tp) + cp_x + ep_t * (1 - eng.ep)) * blocks
+        (tp_x + cp_x + ep_t * (1 - eng.ep)) * blocks
     compute_like = mb * stage_mb
     bubble = compute_like * bubble_over_compute(plan.schedule, plan.pp, mb,
                                                 virtual_stages(plan))
@@ -309,8 +351,9 @@ def predict_step(model, plan: ParallelPlan, hw: Hardware, tokens_per_step: int,
     if d_dense % sg:
         raise ValueError(f"shard_group={sg} does not divide dp*cp={d_dense}; pick a divisor")
     payloads = [(p.dense * grad, d_dense, sg), (p.expert * grad, d_exp, min(sg, d_exp))]
-    comm["dp"], exposed["dp"] = _dp_sync(plan, payloads, hw, sp, eng, blk_f, blk_b, blocks,
-                                         blocks * blk_f, blocks * blk_b)
+    comm["dp"], dp_x = _dp_sync(plan, payloads, hw, sp, eng, blk_f, blk_b, blocks,
+                                blocks * blk_f, blocks * blk_b)
+    exposed["dp"] = _taxed(comm["dp"], dp_x, sp.overlap_tax)
     shard = (p.dense / sg + p.expert / min(sg, d_exp) if plan.zero >= 1 else p.total)
     opt_s = shard * OPTIMIZER_BYTES_PER_PARAM / (hw.hbm_bw * sp.hbm_eff)
 
