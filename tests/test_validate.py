@@ -215,7 +215,7 @@ def test_fit_reports_constants_the_rows_do_not_depend_on_as_not_pinned():
     assert not u["params"]["gemm_eff[h100]"]["fitted"] and u["params"]["attn3_eff"]["fitted"]
     assert u["params"]["attn3_eff"]["sigma"] is None
     assert "gemm_eff[a100]" in u["pinned"]
-    assert u["params"]["gemm_eff[a100]"]["value"] == pytest.approx(0.7, abs=1e-6)
+    assert u["params"]["gemm_eff[a100]"]["value"] == pytest.approx(0.7, abs=1e-5)
     assert u["params"]["gemm_eff[a100]"]["sigma"] < 1e-3
 
 
@@ -234,4 +234,4 @@ def test_fit_recovers_parameters_within_its_reported_uncertainty():
         assert key in noisy["pinned"] and 0 < e["sigma"] < 0.03, (key, e)
         assert abs(e["value"] - truth) < 3 * e["sigma"], (key, e)
         assert exact["params"][key]["sigma"] < 1e-3 * e["sigma"]
-        assert exact["params"][key]["value"] == pytest.approx(truth, abs=1e-6)
+        assert exact["params"][key]["value"] == pytest.approx(truth, abs=1e-5)
