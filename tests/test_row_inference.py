@@ -144,7 +144,7 @@ def test_a_blank_recompute_is_the_least_that_fits_and_marked_inferred(rid):
 
 def test_inferred_recompute_is_not_always_the_same():
     modes = {row_to_case({**BY_ID[i], "recompute": "not stated"}).plan.recompute
-             for i in ("megascale_530b_megatronlm_2240", "dgxc_llama31_8b_8")}
+             for i in ("dgxc_nemotron4_340b_128", "dgxc_llama31_8b_8")}
     assert modes == {"full", "none"}
 
 

@@ -68,7 +68,7 @@ def block_activation_bytes(model: ModelConfig, seq: int, *, tp: int = 1, sp: boo
                            recompute: str = "none", attention: str = "flash",
                            element_bytes: float = 2.0, cp: int = 1,
                            cp_algorithm: str = "ring", layer: int | None = None,
-                           ep: int = 1, etp: int = 1) -> float:
+                           ep: int = 1, etp: int = 1, ours: bool = True) -> float:
     """Bytes one layer keeps for backward, per sequence of ``seq`` tokens held by this
     rank (T / cp under context parallelism), on one tensor-parallel rank of ``tp`` (with
     sequence parallelism if ``sp``), at ``element_bytes`` per element. The one
@@ -101,13 +101,19 @@ def block_activation_bytes(model: ModelConfig, seq: int, *, tp: int = 1, sp: boo
     autocast the element size varies by tensor (the norms run in fp32), so the count is
     exact only for float32 / float64 runs.
 
+    ``ours=False`` (a published run, e.g. the runs table's): the count above is what
+    paratrain's runtime keeps, not what another engine keeps (under SP it holds the
+    all-gathered input of the column-parallel linears, where Megatron-Core keeps the
+    shard and gathers it again in the backward, Korthikanti et al. 2022, Sec. 4.2.2), so
+    every shape gets the published figure.
+
     MoE layers keep :func:`mlp_activation_bytes` in place of the SwiGLU row. Other
     shapes: :func:`_published_block_bytes` (Korthikanti et al. 2022).
     """
     _check_kinds(recompute, attention)
     m = as_shape(model)
     ring = cp > 1 and cp_algorithm == "ring"
-    if not is_paratrain_block(m, etp):
+    if not (ours and is_paratrain_block(m, etp)):
         return _published_block_bytes(m, seq, tp, sp, recompute, attention, element_bytes,
                                       cp, ring)
     s, h, t = seq, m.d_model, tp

@@ -218,7 +218,8 @@ class Memory:
 
 def activation_bytes(model: ModelConfig, plan: ParallelPlan, tokens_per_step: int,
                      seq_len: int, attention: str = "eager",
-                     element_bytes: float = 2.0, *, runtime: bool = False) -> float:
+                     element_bytes: float = 2.0, *, runtime: bool = False,
+                     ours: bool = True) -> float:
     """Activations on the busiest GPU: per layer x layers per stage x in-flight
     micro-batches. ``attention`` defaults to Korthikanti's unfused kernel (``eager``);
     ``paratrain plan`` passes ``flash`` unless told otherwise.
@@ -226,7 +227,8 @@ def activation_bytes(model: ModelConfig, plan: ParallelPlan, tokens_per_step: in
     ``runtime=True`` (paratrain's own model as its runtime runs it): the busiest rank of
     :func:`rank_activation_peaks` instead, which adds the terms outside the blocks
     (embedding ids, final norm, head input, the loss's logits), the RoPE tables, the
-    runtime's block split and the micro-batches in flight read off the schedule."""
+    runtime's block split and the micro-batches in flight read off the schedule.
+    ``ours``: :func:`block_activation_bytes`'s (False for a published run)."""
     m = as_shape(model)
     if runtime and is_paratrain_block(m, plan.etp):
         return max(rank_activation_peaks(model, plan, tokens_per_step, seq_len, attention,
@@ -235,7 +237,8 @@ def activation_bytes(model: ModelConfig, plan: ParallelPlan, tokens_per_step: in
     per_layer = batch.micro_batch * block_activation_bytes(
         m, batch.local_seq, tp=plan.tp, sp=plan.sp, recompute=plan.recompute,
         attention=attention, element_bytes=element_bytes, cp=plan.cp,
-        cp_algorithm=plan.cp_algorithm, ep=plan.ep, etp=plan.etp)
+        cp_algorithm=plan.cp_algorithm, ep=plan.ep, etp=plan.etp,
+        ours=ours)
     layers = stage_layers(m.n_layers, plan.pp)
     inflight = micro_batches_in_flight(plan.schedule, plan.pp, plan.micro_batches,
                                        virtual_stages(plan))
@@ -244,12 +247,14 @@ def activation_bytes(model: ModelConfig, plan: ParallelPlan, tokens_per_step: in
 
 def memory(model: ModelConfig, plan: ParallelPlan, hw: Hardware, tokens_per_step: int,
            seq_len: int, precision: str | Precision = "bf16-adam",
-           attention: str = "eager") -> Memory:
-    """Everything the busiest GPU holds at its peak, against ``hw.hbm_bytes``."""
+           attention: str = "eager", *, ours: bool = True) -> Memory:
+    """Everything the busiest GPU holds at its peak, against ``hw.hbm_bytes``
+    (``ours``: :func:`activation_bytes`'s)."""
     m: ModelShape = as_shape(model)
     prec = recipe(precision) if isinstance(precision, str) else precision
     st = model_states(model, plan, prec)
-    act = activation_bytes(m, plan, tokens_per_step, seq_len, attention)
+    act = activation_bytes(m, plan, tokens_per_step, seq_len, attention,
+                           ours=ours)
     batch = split_batch(tokens_per_step, seq_len, plan)
     logits = 4.0 * batch.local_seq * batch.micro_batch * m.vocab_size / plan.tp \
         if plan.pp == 1 else 0.0

@@ -41,7 +41,9 @@ def rank_memory(model: ModelShape, plan: ParallelPlan, hw: Hardware, tokens: int
             plan = dataclasses.replace(plan, dp_replicate=plan.dp // shard_group)
         except ValueError:
             pass  # a layout HSDP does not run with: the states over every DP rank
-    return memory(model, plan, hw, tokens, seq, attention=kernel)
+    # a published engine's block keeps the published figure, not what paratrain's runtime
+    # keeps (cost.activations.block_activation_bytes)
+    return memory(model, plan, hw, tokens, seq, attention=kernel, ours=False)
 
 
 def _gb(x: float) -> str:
