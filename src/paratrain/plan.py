@@ -257,8 +257,8 @@ class ParallelPlan:
         if self.ep > 1 or self.etp > 1:
             _require(
                 self.compress is None,
-                f"--ep {self.ep} --etp {self.etp} works without --compress (expert and dense gradients go to "
-                "two reducers); drop --compress",
+                f"--ep {self.ep} --etp {self.etp} works without --compress (expert and dense "
+                "gradients go to two reducers); drop --compress",
             )
 
     def check_run(self, model: ModelConfig, world_size: int, global_batch: int) -> None:
