@@ -16,9 +16,11 @@ Transforms are applied to the plain, identically seeded model in one documented 
 5. **data / ZeRO** (:mod:`.data_axis`, one reducer chosen by :func:`.data_axis.data_axis`):
    DDP buckets, ZeRO-1/2, FSDP units or top-k
    compression over the dp x cp group (cp ranks hold the same parameters), on whatever
-   parameters steps 1-4 left on this rank. With ep > 1 (:mod:`.expert`) each MoE layer
-   first keeps this ep rank's experts and routes through an all-to-all exchange; then two
-   reducers: dense parameters over dp, expert parameters over edp (dp / ep ranks).
+   parameters steps 1-4 left on this rank. With ep or etp > 1 (:mod:`.expert`, folded
+   over the stage's ranks: :class:`paratrain.cost.ranks.Fold`) each MoE layer first
+   keeps this ep rank's experts (this etp rank's slices of each) and routes through an
+   all-to-all exchange; then the SP gradient hooks (not on experts the fold spreads over
+   tp) and two reducers: dense parameters over dp x cp, expert parameters over edp.
 
 Each step records on every parameter where it now sits (:mod:`.placement`: plain name,
 global box, sharded and replicated mesh axes); the checkpoint, the global norm and the
