@@ -61,6 +61,8 @@ FOUR_SLOW = {
     "dp2 tp2 sp ep2 etp2 zero3 full recompute": (ALL, P(dp=2, tp=2, sp=True, ep=2, etp=2,
                                                         zero=3, recompute="full")),
     "dp2 tp2 ep2 etp2 (no sp) zero2": (ALL, P(dp=2, tp=2, ep=2, etp=2, zero=2)),
+    "etp = tp over dp: dp2 tp2 sp etp2 zero2": (ALL, P(dp=2, tp=2, sp=True, etp=2,
+                                                        zero=2)),
     "pp2 tp2 sp ep2 m4": (ALL, P(pp=2, tp=2, sp=True, ep=2, micro_batches=4)),
     "pp2 tp2 sp etp2 zero1 m2": (MOE, P(pp=2, tp=2, sp=True, etp=2, zero=1,
                                         micro_batches=2)),

@@ -208,13 +208,19 @@ def rank_layout(mcfg: ModelConfig, plan: ParallelPlan, rank: int, part: str = "a
                       S - 1 in stages, tied, tuple(counts))
 
 
+def experts_apart(plan: ParallelPlan) -> bool:
+    """Whether expert parameters have their own reducer (ep or etp > 1): the runtime's
+    choice (:mod:`paratrain.parallel.mesh_engine`) and every count's."""
+    return plan.ep > 1 or plan.etp > 1
+
+
 def reducers(plan: ParallelPlan, rank: int) -> list[tuple[ParallelPlan, int, str, int]]:
     """(plan as the reducer sees it, rank in it, part, ep) of each gradient reducer of
     ``rank``: one, or with ep > 1 or etp > 1 the dense one over dp x cp and the expert
     one over the edp ranks holding the same expert pieces (:class:`Fold`; its plan: dp =
     edp, tp = etp, so a rank's expert pieces are its etp index's;
     :mod:`paratrain.parallel.expert`)."""
-    if plan.ep == 1 and plan.etp == 1:
+    if not experts_apart(plan):
         return [(plan, rank, "all", 1)]
     fold = Fold.of(plan)
     pp_i, edp_i, _, etp_i, _ = fold.coords(rank)

@@ -59,7 +59,7 @@ import torch.distributed as dist
 from torch import nn
 
 from paratrain.config import TrainConfig
-from paratrain.cost.ranks import virtual_stages
+from paratrain.cost.ranks import experts_apart, virtual_stages
 from paratrain.cost.schedule import build_schedule, owner_of
 from paratrain.parallel.context import apply_context_parallel, cp_comm, local_tokens
 from paratrain.parallel.data_axis import data_axis
@@ -128,7 +128,7 @@ class MeshEngine(Engine):
         # with ep or etp > 1 the experts are split over ep x etp and reduced over edp
         # instead; the SP hooks then skip the experts the fold spreads over tp
         self.ep = None
-        if plan.ep > 1 or plan.etp > 1:
+        if experts_apart(plan):
             from paratrain.parallel import expert
 
             self.ep = expert.apply_expert_parallel(chunks, mesh, plan)
