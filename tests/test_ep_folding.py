@@ -26,7 +26,7 @@ from paratrain.config import ModelConfig
 from paratrain.cost.ep_bytes import etp_wire_bytes
 from paratrain.cost.layout import dp_wire_bytes, rank_layout, state_bytes
 from paratrain.cost.ranks import Fold
-from paratrain.parallel.mesh import Mesh, axis_ranks
+from paratrain.parallel.mesh import Mesh, axis_ranks, layout_table
 from paratrain.parallel.process_groups import spawn
 from paratrain.plan import ParallelPlan
 from paratrain.predict.axes import ep_wire_bytes, moe_blocks, routed_tokens
@@ -185,6 +185,7 @@ def test_fold_order_is_megatrons():
     assert axis_ranks(1, "ep", s) == [1, 3] and axis_ranks(2, "etp", s) == [2, 3]
     s = Mesh.from_plan(P(dp=4, tp=2, ep=2), world=8).sizes  # no SP: each tp rank a copy
     assert axis_ranks(0, "ep", s) == [0, 2] and axis_ranks(3, "edp", s) == [3, 7]
+    assert "MoE fold: edp 2 x ep 2 x etp 1, each of the 2 tp ranks a copy" in layout_table(s)
 
 
 @pytest.mark.parametrize("plan,match", [

@@ -136,6 +136,13 @@ def layout_table(sizes: dict[str, int]) -> str:
         R = sizes["dp_replicate"]
         groups = sorted({tuple(axis_ranks(r, "dp_shard", sizes)) for r in range(world)})
         lines.append(f"  HSDP: {R} replicas; ZeRO shard groups {[list(g) for g in groups]}")
+    if "ep" in sizes:
+        fold = fold_of(sizes)
+        copies = (f", each of the {sizes['tp']} tp ranks a copy"
+                  if fold.fold_tp < sizes["tp"] else "")
+        groups = sorted({tuple(axis_ranks(r, "ep", sizes)) for r in range(world)})
+        lines.append(f"  MoE fold: edp {fold.edp} x ep {fold.ep} x etp {fold.etp}{copies}; "
+                     f"ep groups {[list(g) for g in groups]}")
     for r in range(world):
         c = coords_of(r, sizes)
         cpc = f"  cp {c['cp']}" if cp > 1 else ""
