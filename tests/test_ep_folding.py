@@ -69,6 +69,13 @@ FOUR_SLOW = {
     "pp2 dp2 ep2 zero3 m2": (ALL, P(pp=2, dp=2, ep=2, zero=3, micro_batches=2)),
 }
 
+EIGHT_SLOW = {  # the first routes no rows to some rank's experts at some layer
+    "dp2 cp2 tp2 sp ep4 etp2 zero1": (MOE, P(dp=2, cp=2, tp=2, sp=True, ep=4, etp=2,
+                                             zero=1)),
+    "pp2 cp2 tp2 sp ep2 etp2 zero3 m2": (ALL, P(pp=2, cp=2, tp=2, sp=True, ep=2, etp=2,
+                                                zero=3, micro_batches=2)),
+}
+
 
 def _worker(rank: int, world: int, data: str, combos: dict) -> dict:
     out = {}
@@ -139,6 +146,11 @@ def test_fold_over_tp_etp_and_pp_world4(text_file, refs):
     _run(text_file, refs, 4, FOUR_SLOW)
 
 
+@pytest.mark.slow
+def test_fold_over_dp_cp_tp_world8(text_file, refs):
+    _run(text_file, refs, 8, EIGHT_SLOW)
+
+
 # ---- the fold's arithmetic ------------------------------------------------------------
 LAYOUTS = [P(dp=2, cp=2, ep=4), P(dp=4, cp=2, ep=2), P(dp=2, tp=2, sp=True, ep=4),
            P(dp=2, tp=2, sp=True, ep=2, etp=2), P(dp=2, tp=2, ep=2, etp=2),
@@ -203,7 +215,8 @@ def test_runtime_refuses_only_what_it_cannot_run(plan, match):
 
 
 def test_runtime_accepts_every_fold_of_the_issue():
-    for plan in itertools.chain(LAYOUTS, (p for _, p in {**TWO, **FOUR, **FOUR_SLOW}.values())):
+    combos = {**TWO, **FOUR, **FOUR_SLOW, **EIGHT_SLOW}
+    for plan in itertools.chain(LAYOUTS, (p for _, p in combos.values())):
         plan.check_run(MOE, plan.world_size, 8)
     with pytest.raises(ValueError, match="needs a Mixture-of-Experts"):
         P(tp=2, sp=True, etp=2).check_runtime(MOE.replace(experts=0, top_k=1))

@@ -112,7 +112,7 @@ class EtpStage:
         perm = torch.argsort(which, stable=True)
         y_all = moe.run_sorted(x_all[perm], counts.sum(0))[torch.argsort(perm)]
         y_parts = _AllToAll.apply(y_all, mine, n, self.ex)  # my rows' partial sums
-        return y_parts.view(t, n[self.ex.rank], -1).sum(0)
+        return y_parts.view(t, n[self.ex.rank], x_RD.shape[1]).sum(0)  # 0 rows too
 
 
 @torch.no_grad()
