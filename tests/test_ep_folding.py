@@ -41,7 +41,8 @@ P = ParallelPlan
 
 TWO = {
     "etp 1 under tp 2: tp2 sp ep2": (ALL, P(tp=2, sp=True, ep=2)),
-    "etp = tp: tp2 sp etp2 zero1": (ALL, P(tp=2, sp=True, etp=2, zero=1)),
+    "etp = tp: tp2 sp etp2 zero1 ours": (ALL, P(tp=2, sp=True, etp=2, zero=1,
+                                                 collectives="ours")),
     "etp = tp without sp: tp2 etp2": (MOE, P(tp=2, etp=2)),
     "ep over cp: cp2 ep2 zero3": (ALL, P(cp=2, ep=2, zero=3)),
 }

@@ -186,7 +186,8 @@ def apply_expert_parallel(chunks: list[nn.Module], mesh, plan) -> ExpertExchange
     etp, t = mesh.size("etp"), mesh.index("etp")
     mods = [m for c in chunks for m in moe_modules(c)]
     E = mods[0].num_experts if mods else ep
-    ex = ExpertExchange(mesh.group("ep"), ep, j, E, plan.collectives)
+    ex = ExpertExchange(mesh.group("ep"), ep, j, E,  # ep 1 (etp only): nothing to send
+                        plan.collectives if ep > 1 else "native")
     if etp > 1:
         ex.run_local = EtpStage(EtpExchange(mesh.group("etp"), etp, t, plan.collectives,
                                             ex), plan.sp)
