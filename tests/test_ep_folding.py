@@ -36,6 +36,7 @@ from test_moe_cp_sp import _check
 MOE = ModelConfig(n_layers=2, d_model=32, n_heads=4, d_ff=64, context=16, experts=4,
                   top_k=2, z_loss_coef=0.01)
 ALL = MOE.replace(top_k=4)  # every token to every expert: the dispatch's rows are known
+CAPPED = MOE.replace(capacity_factor=1.0)  # drops assignments (places in line over T)
 QUIET = dict(quiet=True, measure_peak=False)
 P = ParallelPlan
 
@@ -68,6 +69,8 @@ FOUR_SLOW = {
     "pp2 tp2 sp etp2 zero1 m2": (MOE, P(pp=2, tp=2, sp=True, etp=2, zero=1,
                                         micro_batches=2)),
     "pp2 dp2 ep2 zero3 m2": (ALL, P(pp=2, dp=2, ep=2, zero=3, micro_batches=2)),
+    "capacity 1.0: dp2 cp2 ep4": (CAPPED, P(dp=2, cp=2, ep=4)),
+    "capacity 1.0: dp2 tp2 sp ep2 etp2": (CAPPED, P(dp=2, tp=2, sp=True, ep=2, etp=2)),
 }
 
 EIGHT_SLOW = {  # the first routes no rows to some rank's experts at some layer
@@ -107,7 +110,8 @@ def dispatch_bytes(mcfg: ModelConfig, plan: ParallelPlan, rank: int, seqs: int) 
 
 @pytest.fixture(scope="module")
 def refs(text_file):
-    return {m: train(m, parity_tcfg(text_file), None, RunOptions(**QUIET)) for m in (MOE, ALL)}
+    return {m: train(m, parity_tcfg(text_file), None, RunOptions(**QUIET))
+            for m in (MOE, ALL, CAPPED)}
 
 
 def _run(text_file, refs, world: int, combos: dict) -> None:
