@@ -274,6 +274,11 @@ def test_plans_refused_with_ep():
     for m in (MOE, CAPPED):  # MoE runs under cp and sp (tests/test_moe_cp_sp.py)
         ParallelPlan(dp=1, cp=2).check_runtime(m)
         ParallelPlan(tp=2, sp=True).check_runtime(m)
+    # folded over the mesh (tests/test_ep_folding.py); without SP the tp ranks are copies
+    ParallelPlan(dp=2, tp=2, ep=2).check_runtime(MOE)
+    ParallelPlan(tp=2, sp=True, ep=2).check_runtime(MOE)
+    with pytest.raises(ValueError, match="pass --sp to fold ep over tp"):
+        ParallelPlan(tp=2, ep=2).check_runtime(MOE)
 
 
 @pytest.mark.parametrize("args, fragment", [

@@ -227,21 +227,38 @@ class ParallelPlan:
             f"of {self.ep}) or use --ep 1",
         )
         _require(
-            self.dp_replicate == 1 or self.ep == 1,
-            f"--dp-replicate {self.dp_replicate} with --ep {self.ep} is not supported (the "
-            "expert reducer has its own data group); use --ep 1 or --dp-replicate 1",
+            self.dp_replicate == 1 or self.ep == self.etp == 1,
+            f"--dp-replicate {self.dp_replicate} with --ep {self.ep} --etp {self.etp} is not "
+            "supported (the expert reducer has its own data group); use --ep 1 --etp 1 or "
+            "--dp-replicate 1",
         )
         _require(
-            self.dp % self.ep == 0 and self.etp == 1,
-            f"--ep {self.ep} --etp {self.etp}: the runtime folds experts over dp only (ep "
-            f"dividing dp={self.dp}, etp 1); the systems model prices the wider folds; use "
-            "--ep dividing --dp and --etp 1",
+            self.etp == 1 or model.experts > 0,
+            f"etp={self.etp} needs a Mixture-of-Experts model; pass --experts E or use "
+            "--etp 1",
         )
-        if self.ep > 1:
+        _require(
+            self.sp or self.etp in (1, self.tp),
+            f"--etp {self.etp} with --tp {self.tp} and no --sp: the tp ranks hold the same "
+            "tokens, so the runtime splits experts over all of them (--etp tp) or none "
+            "(--etp 1); pass --sp or --etp 1",
+        )
+        _require(
+            self.sp or self.etp == self.tp or (self.dp * self.cp) % self.ep == 0,
+            f"--ep {self.ep} with --tp {self.tp} and no --sp must divide dp*cp="
+            f"{self.dp * self.cp} (tp ranks route the same tokens, so the expert groups "
+            "cannot span them); pass --sp to fold ep over tp, or --etp tp",
+        )
+        _require(
+            not model.experts or model.expert_ffn % self.etp == 0,
+            f"etp={self.etp} does not divide the expert width {model.expert_ffn}; choose "
+            "--etp dividing --moe-ffn",
+        )
+        if self.ep > 1 or self.etp > 1:
             _require(
                 self.compress is None,
-                f"--ep {self.ep} works without --compress (expert and dense gradients go to "
-                "two reducers); drop --compress",
+                f"--ep {self.ep} --etp {self.etp} works without --compress (expert and dense "
+                "gradients go to two reducers); drop --compress",
             )
 
     def check_run(self, model: ModelConfig, world_size: int, global_batch: int) -> None:

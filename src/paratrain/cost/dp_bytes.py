@@ -13,7 +13,7 @@ from paratrain.cost.buffers import (
     topk_keep,
 )
 from paratrain.cost.collectives import ring_share, wire_bytes
-from paratrain.cost.ranks import elements, rank_layout
+from paratrain.cost.ranks import elements, experts_apart, rank_layout
 from paratrain.cost.ranks import reducers as _reducers
 from paratrain.plan import ParallelPlan
 
@@ -42,7 +42,7 @@ def state_bytes(mcfg: ModelConfig, plan: ParallelPlan, dtype: str, rank: int,
     precision, the FP32 masters) on ``rank`` as the memory tracker measures them
     (distinct storages: flat buffers with their padding). With ep > 1 the sum over the
     two reducers (:func:`reducers`)."""
-    if plan.ep > 1:
+    if experts_apart(plan):
         parts = [_state_bytes(mcfg, q, dtype, r, reduce_dtype, part, ep)
                  for q, r, part, ep in reducers(plan, rank)]
         return {k: sum(d[k] for d in parts) for k in parts[0]}
@@ -77,7 +77,7 @@ def dp_payload_bytes(mcfg: ModelConfig, plan: ParallelPlan, dtype: str, rank: in
     """Bytes this rank contributes to one dp reduction: its flat buffers with their
     padding in the reduction dtype, or under top-k its kept values and int32 indices; 0
     without a dp axis (with ep > 1: both reducers')."""
-    if plan.ep > 1:
+    if experts_apart(plan):
         w, g, _ = elements(dtype, reduce_dtype)
         return sum(0 if dp_kind(q) == "none" else
                    g * sum(pad(b, q.dp) for b in dp_flats(mcfg, q, w, r, part, ep))
@@ -129,7 +129,7 @@ def dp_calls(mcfg: ModelConfig, plan: ParallelPlan, dtype: str, rank: int,
     """(op, full bytes, calls per step) of a rank's dp sync, one entry per flat buffer
     and op: reductions in the gradient dtype, parameter all-gathers in the working one
     (with ep > 1: the dense reducer's, then the expert reducer's)."""
-    if plan.ep > 1 and part == "all":
+    if experts_apart(plan) and part == "all":
         return [c for q, r, pt, e in reducers(plan, rank)
                 for c in dp_calls(mcfg, q, dtype, r, reduce_dtype, pt, e)]
     plan = reducer_plan(plan)
@@ -187,7 +187,7 @@ def dp_wire_bytes(mcfg: ModelConfig, plan: ParallelPlan, dtype: str, rank: int,
     """Bytes ``rank`` sends per steady step for its dp sync (ring collectives); with
     ep > 1 both reducers' (each over its own group size); under HSDP both sub-axes'
     (:func:`dp_wire_bytes_by_axis`)."""
-    if plan.ep > 1:
+    if experts_apart(plan):
         w, g, _ = elements(dtype, reduce_dtype)
         total = 0.0
         for q, r, part, ep in reducers(plan, rank):

@@ -17,8 +17,9 @@ and the tests count it from the configs here, and the runtime calls the pieces i
   [attn_norm, wq, wk, wv, wo, mlp_norm, w_gate, w_up, w_down], norm and head (last);
   a tied head (pp = 1 only) is the embedding's parameter, counted once. An MoE block's
   MLP is [router, this ep rank's E/ep experts x (gate, up, down), shared (gate, up,
-  down)], not tp-sharded (:func:`block_param_sizes`); with ep > 1 a rank has two
-  reducers, dense over dp and experts over dp / ep ranks (:func:`reducers`).
+  down)], not tp-sharded (:func:`block_param_sizes`; 1/etp of each expert matrix
+  with ``--etp``); with ep or etp > 1 a rank has two reducers, dense over dp and
+  experts over the fold's edp ranks (:func:`reducers`, :class:`.ranks.Fold`).
 - **Tensor shards**: heads and d_ff split t ways; vocabulary rows ceil(V/t) per rank,
   the last rank fewer (:func:`vocab_range`); norm gains replicated.
 - **The dp reducer** (:mod:`.buffers`: :func:`strategy` names the one

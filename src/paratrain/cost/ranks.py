@@ -52,6 +52,57 @@ def rank_of(pp: int, dp: int, tp: int, plan: ParallelPlan, cp: int = 0) -> int:
     return grid_rank(pp, dp, cp, tp, plan.dp, plan.cp, plan.tp)
 
 
+@dataclass(frozen=True)
+class Fold:
+    """The MoE layers' regrouping of one pipeline stage's ranks (Megatron-Core's "MoE
+    parallel folding"): the ``ranks`` = dp x cp x ``fold_tp`` ranks of a stage, in the
+    global order (index f = (dp_i cp + cp_i) fold_tp + tp_i mod fold_tp), are cut as
+    edp x ep x etp, etp innermost, then ep: etp index f mod etp, ep index (f / etp) mod
+    ep, edp index f / (ep etp). ``fold_tp``: the tp ranks inside a fold, all of them with
+    SP (each holds its own tokens) or when the experts are split over the whole tp group
+    (etp = tp); without SP and with etp 1 every tp rank routes the same tokens, so each
+    is a ``copy`` of the fold (copy index tp_i, experts tp-replicated). The one home of
+    the fold: the mesh's ep, etp and edp groups and the per-rank counts read it."""
+
+    dp: int
+    cp: int
+    tp: int
+    ep: int
+    etp: int
+    fold_tp: int
+
+    @classmethod
+    def of(cls, plan: ParallelPlan) -> Fold:
+        ft = plan.tp if plan.sp or plan.etp == plan.tp else 1
+        return cls(plan.dp, plan.cp, plan.tp, plan.ep, plan.etp, ft)
+
+    @property
+    def edp(self) -> int:
+        """Copies of each expert piece whose gradients are summed."""
+        return self.dp * self.cp * self.fold_tp // (self.ep * self.etp)
+
+    def check(self) -> None:
+        n = self.dp * self.cp * self.fold_tp
+        if n % (self.ep * self.etp):
+            raise ValueError(f"ep*etp={self.ep}*{self.etp} does not divide the {n} ranks "
+                             "the experts fold over (dp*cp, times tp with --sp or --etp "
+                             "tp); pass --sp or choose --ep dividing dp*cp")
+
+    def coords(self, rank: int) -> tuple[int, int, int, int, int]:
+        """(pp, edp, ep, etp, copy) indices of a global rank."""
+        pp_i, dp_i, cp_i, tp_i = grid_coords(rank, self.dp, self.cp, self.tp)
+        f = (dp_i * self.cp + cp_i) * self.fold_tp + tp_i % self.fold_tp
+        return (pp_i, f // (self.ep * self.etp), (f // self.etp) % self.ep, f % self.etp,
+                tp_i // self.fold_tp)
+
+    def rank(self, pp_i: int, edp_i: int, ep_i: int, etp_i: int, copy: int) -> int:
+        """Inverse of :meth:`coords`."""
+        dpcp, t = divmod((edp_i * self.ep + ep_i) * self.etp + etp_i, self.fold_tp)
+        dp_i, cp_i = divmod(dpcp, self.cp)
+        return grid_rank(pp_i, dp_i, cp_i, copy * self.fold_tp + t, self.dp, self.cp,
+                         self.tp)
+
+
 def vocab_range(vocab: int, tp: int, rank: int) -> tuple[int, int]:
     """Rows [start, end) of a vocabulary of ``vocab`` owned by ``rank`` of ``tp``:
     ceil(vocab / tp) each, the last rank(s) fewer."""
@@ -70,12 +121,13 @@ def virtual_stages(plan: ParallelPlan) -> int:
 
 
 def block_param_sizes(mcfg: ModelConfig, tp: int = 1, i: int | None = None, ep: int = 1,
-                      part: str = "all") -> list[int]:
+                      part: str = "all", etp: int = 1) -> list[int]:
     """Elements of block ``i``'s parameters on one tp rank, in registration order (``i``
     None: a dense block). An MoE MLP (:class:`paratrain.model.MoE`) is not tp-sharded:
-    router (E x d), this ep rank's E/ep experts (gate, up, down each), the shared
-    experts' three matrices. ``part``: "all", "dense" (all but the routed experts) or
-    "expert" (only those) — the two gradient reducers of expert parallelism."""
+    router (E x d), this ep rank's E/ep experts (gate, up, down each, 1/etp of each
+    under expert tensor parallelism), the shared experts' three matrices. ``part``:
+    "all", "dense" (all but the routed experts) or "expert" (only those) — the two
+    gradient reducers of expert parallelism."""
     d, hd, t = mcfg.d_model, mcfg.head_dim, tp
     q, kv = mcfg.n_heads * hd * d // t, mcfg.kv_heads * hd * d // t
     attn = [d, q, kv, kv, q, d]
@@ -83,7 +135,7 @@ def block_param_sizes(mcfg: ModelConfig, tp: int = 1, i: int | None = None, ep: 
         f = mcfg.d_ff * d // t
         return [] if part == "expert" else attn + [f, f, f]
     fe = mcfg.expert_ffn * d
-    experts = [fe] * (3 * (mcfg.experts // ep))
+    experts = [fe // etp] * (3 * (mcfg.experts // ep))
     shared = [fe * mcfg.shared_experts] * 3 if mcfg.shared_experts else []
     if part == "expert":
         return experts
@@ -141,7 +193,8 @@ def rank_layout(mcfg: ModelConfig, plan: ParallelPlan, rank: int, part: str = "a
         k = stage_of(plan.schedule, plan.pp, pp_i, c)
         a, b = ranges[k]
         sizes = [rows] if k == 0 and edges else []
-        blocks = [block_param_sizes(mcfg, plan.tp, i, ep, part) for i in range(a, b)]
+        blocks = [block_param_sizes(mcfg, plan.tp, i, ep, part, plan.etp)
+                  for i in range(a, b)]
         sizes += [n for blk in blocks for n in blk]
         if k == S - 1 and edges:
             sizes.append(mcfg.d_model)
@@ -155,17 +208,25 @@ def rank_layout(mcfg: ModelConfig, plan: ParallelPlan, rank: int, part: str = "a
                       S - 1 in stages, tied, tuple(counts))
 
 
+def experts_apart(plan: ParallelPlan) -> bool:
+    """Whether expert parameters have their own reducer (ep or etp > 1): the runtime's
+    choice (:mod:`paratrain.parallel.mesh_engine`) and every count's."""
+    return plan.ep > 1 or plan.etp > 1
+
+
 def reducers(plan: ParallelPlan, rank: int) -> list[tuple[ParallelPlan, int, str, int]]:
     """(plan as the reducer sees it, rank in it, part, ep) of each gradient reducer of
-    ``rank``: one, or with ep > 1 the dense one over dp and the expert one over the
-    dp / ep ranks holding the same experts (index dp_i // ep;
+    ``rank``: one, or with ep > 1 or etp > 1 the dense one over dp x cp and the expert
+    one over the edp ranks holding the same expert pieces (:class:`Fold`; its plan: dp =
+    edp, tp = etp, so a rank's expert pieces are its etp index's;
     :mod:`paratrain.parallel.expert`)."""
-    if plan.ep == 1:
+    if not experts_apart(plan):
         return [(plan, rank, "all", 1)]
-    pp_i, dp_i, cp_i, tp_i = mesh_coords(rank, plan)
-    eplan = plan.replace(dp=plan.dp // plan.ep, ep=1)
+    fold = Fold.of(plan)
+    pp_i, edp_i, _, etp_i, _ = fold.coords(rank)
+    eplan = plan.replace(dp=fold.edp, cp=1, tp=plan.etp, sp=False, ep=1, dp_replicate=1)
     return [(plan.replace(ep=1), rank, "dense", plan.ep),
-            (eplan, rank_of(pp_i, dp_i // plan.ep, tp_i, eplan, cp_i), "expert", plan.ep)]
+            (eplan, rank_of(pp_i, edp_i, etp_i, eplan), "expert", plan.ep)]
 
 
 def chunk_param_sizes(mcfg: ModelConfig, plan: ParallelPlan, rank: int

@@ -1,26 +1,30 @@
 """Expert parallelism: an MoE layer's experts split over the mesh's ``ep`` group.
 
-The ep group is ep consecutive data-parallel ranks (:mod:`.mesh`); ep index j keeps
-experts [j E/ep, (j+1) E/ep) of every MoE layer and drops the others. Each rank routes
-its own tokens (the router is a dense parameter, replicated), sorts the assignments by
-expert (:func:`paratrain.model.sort_assignments`) and hands them to
-:class:`ExpertExchange`, which
+The MoE layers fold over the ranks of a pipeline stage (Megatron-Core's "MoE parallel
+folding", :mod:`.mesh`, :class:`paratrain.cost.ranks.Fold`): the dp x cp (x tp with SP)
+ranks are regrouped as edp x ep x etp. The ep group is ep ranks that hold different
+tokens (other sequences, other cp chunks, other SP slices); ep index j keeps experts
+[j E/ep, (j+1) E/ep) of every MoE layer and drops the others. Each rank routes its own
+tokens (the router is a dense parameter, replicated), sorts the assignments by expert
+(:func:`paratrain.model.sort_assignments`) and hands them to :class:`ExpertExchange`,
+which
 
 1. exchanges split sizes: an all-to-all of the (ep, E/ep) counts, so each rank learns
    how many rows each source sends to each of its experts;
 2. sends the rows with ``all_to_all_single`` and variable input / output splits (rows
    for rank r are contiguous: sorted by global expert, rank r's experts are adjacent);
 3. regroups the received rows by local expert (stable, so source order inside an expert),
-   runs every local expert (on zero rows if need be, so each has a gradient);
+   runs every local expert (on zero rows if need be, so each has a gradient), with
+   ``--etp`` each split over the etp group (:mod:`.expert_tp`);
 4. sends the outputs back with the reverse all-to-all, in the order they came; the
    model combines them with the router weights.
 
 Both all-to-alls are one autograd function whose backward is the reverse all-to-all of
-the gradient (:class:`_AllToAll`). Under TP the experts are replicated over the tp ranks
-(:func:`paratrain.parallel.tensor.shard_block` leaves an MoE MLP whole): each tp rank of
-an ep group routes identical tokens and runs the same exchange with its own tp index's
-ep group. The all-to-all is torch's ``all_to_all_single``, or with ``--collectives
-ours`` paratrain's pairwise exchange (p - 1 rounds of isend / irecv,
+the gradient (:class:`_AllToAll`). Without SP and with etp 1 the experts are replicated
+over the tp ranks (:func:`paratrain.parallel.tensor.shard_block` leaves an MoE MLP
+whole): each tp rank routes identical tokens and runs the same exchange with its own tp
+index's ep group. The all-to-all is torch's ``all_to_all_single``, or with
+``--collectives ours`` paratrain's pairwise exchange (p - 1 rounds of isend / irecv,
 :meth:`ExpertExchange._pairwise`); both send the same bytes.
 
 Sharded sequences (cp > 1, or sp: :class:`TokenShards`): each rank routes only the
@@ -30,15 +34,17 @@ sequence's per-expert counts, so :meth:`paratrain.model.MoE.route` sums them ove
 shards (one small all-reduce per layer and micro-batch over cp, then over tp with SP) and
 stays exact (docs/expert-parallel.md, "Context and sequence parallelism").
 
-Gradients: dense parameters are reduced over dp (the usual :class:`.data_axis.DataAxis`),
-expert parameters (tagged ``expert = True``, ``ep`` among their placement's sharded axes:
-:mod:`.placement`) by a second data axis over the ``edp`` group
-of the dp / ep ranks holding the same experts; :class:`SplitDataAxis` drives the two as
-one. Each expert parameter's square enters the global norm once: on edp rank 0 (or its
-ZeRO shard's owner). Under ZeRO-3 both reducers are FSDP: the dense one shards each
-block's other parameters over dp (units as without ep), the expert one shards each MoE
-layer's local experts over edp, one unit per layer (:func:`expert_units`), gathered
-around the experts' own forward and backward, inside the block's.
+Gradients: dense parameters are reduced over dp x cp (the usual :class:`.data_axis.
+DataAxis`), expert parameters (tagged ``expert = True``, ``ep`` among their placement's
+sharded axes, ``etp`` too when split: :mod:`.placement`) by a second data axis over the
+``edp`` group of the ranks holding the same expert pieces; :class:`SplitDataAxis`
+drives the two as one. Where the fold spans tp the experts are no longer tp-replicated
+(their SP gradient hook is not installed: the edp reducer sums them). Each expert
+parameter's square enters the global norm once: on edp rank 0 (or its ZeRO shard's
+owner). Under ZeRO-3 both reducers are FSDP: the dense one shards each block's other
+parameters over dp, the expert one shards each MoE layer's local experts over edp, one
+unit per layer (:func:`expert_units`), gathered around the experts' own forward and
+backward, inside the block's.
 """
 
 from __future__ import annotations
@@ -53,7 +59,7 @@ from torch import nn
 from paratrain.cost.layout import cp_positions
 from paratrain.model import moe_modules
 from paratrain.parallel.ddp import DPCommStats
-from paratrain.parallel.placement import mark
+from paratrain.parallel.placement import mark, unmark
 
 
 class _AllToAll(torch.autograd.Function):
@@ -84,6 +90,7 @@ class ExpertExchange:
             else []
         self.wire_bytes = 0  # rows (and split sizes) sent to other ranks, fwd + bwd
         self.calls = 0
+        self.run_local = None  # (moe, rows, counts) -> outputs; None: moe.run_sorted
         self.seconds = 0.0  # in the exchanges (synchronous: all of it is exposed)
 
     def _pairwise(self, out: torch.Tensor, x: torch.Tensor, out_splits: list[int],
@@ -128,9 +135,16 @@ class ExpertExchange:
         self.calls += 1
         return out
 
+    def _run(self, moe: nn.Module, x_SD: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        if self.run_local is None:
+            return moe.run_sorted(x_SD, counts)
+        return self.run_local(moe, x_SD, counts)
+
     def __call__(self, moe: nn.Module, x_SD: torch.Tensor, counts_E: torch.Tensor
                  ) -> torch.Tensor:
         ep, El = self.size, self.local
+        if ep == 1:  # etp only: every expert is here
+            return self._run(moe, x_SD, counts_E)
         send = counts_E.view(ep, El).contiguous()  # row r: my rows for rank r's experts
         recv = torch.empty_like(send)  # row r: rank r's rows for my experts
         t0 = time.perf_counter()
@@ -145,7 +159,7 @@ class ExpertExchange:
         local = torch.arange(El, device=x_SD.device).repeat(ep)
         which = local.repeat_interleave(recv.flatten())  # local expert of each row
         perm = torch.argsort(which, stable=True)
-        y_sorted = moe.run_sorted(x_RD[perm], recv.sum(0))
+        y_sorted = self._run(moe, x_RD[perm], recv.sum(0))
         y_RD = y_sorted[torch.argsort(perm)]
         return _AllToAll.apply(y_RD, in_splits, out_splits, self)
 
@@ -161,21 +175,33 @@ def expert_units(chunk: nn.Module) -> list[list[nn.Module]]:
     return [list(m.experts) for m in moe_modules(chunk)]
 
 
-def apply_expert_parallel(chunks: list[nn.Module], mesh, collectives: str = "native"
-                          ) -> ExpertExchange:
-    """Keep this ep rank's experts in every MoE layer of ``chunks``, tag their
-    parameters ``expert``, and route through one :class:`ExpertExchange`."""
+def apply_expert_parallel(chunks: list[nn.Module], mesh, plan) -> ExpertExchange:
+    """Keep this ep rank's experts in every MoE layer of ``chunks`` (with etp > 1 this
+    etp rank's slices of each), tag their parameters ``expert``, and route through one
+    :class:`ExpertExchange`. Where the fold spans the tp ranks (``fold_tp`` > 1) the
+    experts are no longer tp-replicated."""
+    from paratrain.parallel.expert_tp import EtpExchange, EtpStage, split_expert
+
     ep, j = mesh.size("ep"), mesh.index("ep")
+    etp, t = mesh.size("etp"), mesh.index("etp")
     mods = [m for c in chunks for m in moe_modules(c)]
     E = mods[0].num_experts if mods else ep
-    ex = ExpertExchange(mesh.group("ep"), ep, j, E, collectives)
+    ex = ExpertExchange(mesh.group("ep"), ep, j, E,  # ep 1 (etp only): nothing to send
+                        plan.collectives if ep > 1 else "native")
+    if etp > 1:
+        ex.run_local = EtpStage(EtpExchange(mesh.group("etp"), etp, t, plan.collectives,
+                                            ex), plan.sp)
     lo, hi = j * ex.local, (j + 1) * ex.local
     for m in mods:
         m.experts = nn.ModuleList(list(m.experts)[lo:hi])
+        for e in m.experts if etp > 1 else ():
+            split_expert(e, etp, t)
         for p in m.experts.parameters():
             p.expert = True
         if all(hasattr(p, "placement") for p in m.experts.parameters()):
             mark(m.experts.parameters(), sharded=("ep",))  # the plain name says which
+            if mesh.sizes.get("fold_tp", 1) > 1:
+                unmark(m.experts.parameters(), replicated="tp")
         m.exchange = ex
     return ex
 

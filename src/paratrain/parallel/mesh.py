@@ -11,15 +11,16 @@ same node, on NVLink, where TP's per-layer all-reduces belong), context-parallel
 (which pass K/V blocks every layer) come next, then data-parallel replicas, and pipeline
 stages — which only exchange one activation per micro-batch — are furthest apart.
 
-Expert parallelism (``ep``, dividing dp) is a sub-axis of dp, not a fifth factor of the
-world (Megatron-LM / DeepSpeed-MoE): consecutive dp indices form an ``ep`` group (dp
-index = g * ep + j; the group holds every expert once, ep index j holds experts
-[j E/ep, (j+1) E/ep)), and the dp ranks with the same j form the expert-data-parallel
-group ``edp`` (size dp / ep, times cp: context-parallel ranks hold the same experts
-too) that holds the same experts and sums their gradients; its rank order is the global
-order (dp outer, cp inner), so a rank's index in it is ``(dp_index // ep) * cp +
-cp_index``.
-Both come from ``dist.new_group`` and exist only when ep > 1 (``sizes["ep"]``).
+Expert parallelism (``ep``, ``etp``) folds the MoE layers over the same ranks
+(Megatron-Core's "MoE parallel folding", :class:`paratrain.cost.ranks.Fold`, the one
+home of the arithmetic): a stage's dp x cp (x tp with SP, or when etp = tp) ranks in the
+global order are regrouped as edp x ep x etp, etp innermost, then ep. The ``etp`` group
+splits each expert's matrices, the ``ep`` group (ep ranks, stride etp) holds every expert
+once (ep index j: experts [j E/ep, (j+1) E/ep)), and ``edp`` holds the same expert
+pieces and sums their gradients. Without SP and with etp 1 every tp rank routes the same
+tokens: each tp index is a copy of a fold over dp x cp (the experts tp-replicated). The
+groups come from ``dist.new_group`` and exist only for axes of more than one rank
+(``sizes["ep"]``, ``sizes["etp"]``, ``sizes["fold_tp"]``).
 
 Besides one group per axis the mesh holds ``dpcp``: the dp x cp ranks of one (pp, tp)
 coordinate. Context-parallel ranks hold the same parameters and different pieces of
@@ -51,11 +52,12 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
-from paratrain.cost.ranks import grid_coords, grid_rank
+from paratrain.cost.ranks import Fold, grid_coords, grid_rank
 from paratrain.plan import ParallelPlan
 
 AXES = ("pp", "dp", "cp", "tp")  # outermost to innermost
 HSDP_AXES = ("dp_shard", "dp_replicate")  # sub-groups of dp x cp under HSDP
+FOLD_AXES = ("edp", "ep", "etp")  # the MoE layers' regrouping (outermost to innermost)
 
 
 def _full(sizes: dict[str, int]) -> dict[str, int]:
@@ -78,6 +80,21 @@ def rank_of(coords: dict[str, int], sizes: dict[str, int]) -> int:
                      f["dp"], f["cp"], f["tp"])
 
 
+def fold_of(sizes: dict[str, int]) -> Fold:
+    """The expert fold of a mesh's ``sizes`` (ep = etp = 1 when it has none)."""
+    f = _full(sizes)
+    return Fold(f["dp"], f["cp"], f["tp"], sizes.get("ep", 1), sizes.get("etp", 1),
+                sizes.get("fold_tp", 1))
+
+
+def _fold_ranks(rank: int, axis: str, sizes: dict[str, int]) -> list[int]:
+    fold = fold_of(sizes)
+    c = list(fold.coords(rank))  # pp, edp, ep, etp, copy
+    k = 1 + FOLD_AXES.index(axis)
+    n = (fold.edp, fold.ep, fold.etp)[k - 1]
+    return [fold.rank(*c[:k], i, *c[k + 1:]) for i in range(n)]
+
+
 def axis_ranks(rank: int, axis: str, sizes: dict[str, int]) -> list[int]:
     """Global ranks of the group along ``axis`` that contains ``rank``, in axis order;
     ``axis="dpcp"``: the dp x cp group (dp outer, cp inner = global order)."""
@@ -91,13 +108,8 @@ def axis_ranks(rank: int, axis: str, sizes: dict[str, int]) -> list[int]:
             return [rank_of({**c, "dp": i * S + s}, sizes) for i in range(R)]
         return [rank_of({**c, "dp": rep * S + d, "cp": k}, sizes)
                 for d in range(S) for k in range(f["cp"])]
-    if axis in ("ep", "edp"):
-        ep = sizes.get("ep", 1)
-        g, j = divmod(c["dp"], ep)
-        if axis == "ep":
-            return [rank_of({**c, "dp": g * ep + i}, sizes) for i in range(ep)]
-        return [rank_of({**c, "dp": i * ep + j, "cp": k}, sizes)
-                for i in range(sizes["dp"] // ep) for k in range(_full(sizes)["cp"])]
+    if axis in FOLD_AXES:
+        return _fold_ranks(rank, axis, sizes)
     if axis == "dpcp":
         f = _full(sizes)
         return [rank_of({**c, "dp": d, "cp": k}, sizes)
@@ -124,6 +136,13 @@ def layout_table(sizes: dict[str, int]) -> str:
         R = sizes["dp_replicate"]
         groups = sorted({tuple(axis_ranks(r, "dp_shard", sizes)) for r in range(world)})
         lines.append(f"  HSDP: {R} replicas; ZeRO shard groups {[list(g) for g in groups]}")
+    if "ep" in sizes:
+        fold = fold_of(sizes)
+        copies = (f", each of the {sizes['tp']} tp ranks a copy"
+                  if fold.fold_tp < sizes["tp"] else "")
+        groups = sorted({tuple(axis_ranks(r, "ep", sizes)) for r in range(world)})
+        lines.append(f"  MoE fold: edp {fold.edp} x ep {fold.ep} x etp {fold.etp}{copies}; "
+                     f"ep groups {[list(g) for g in groups]}")
     for r in range(world):
         c = coords_of(r, sizes)
         cpc = f"  cp {c['cp']}" if cp > 1 else ""
@@ -150,10 +169,10 @@ class Mesh:
         initialized = dist.is_available() and dist.is_initialized()
         world = world if world is not None else (dist.get_world_size() if initialized else 1)
         sizes = {"pp": plan.pp, "dp": plan.dp, "cp": plan.cp, "tp": plan.tp}
-        if plan.ep > 1:
-            if plan.dp % plan.ep:
-                raise ValueError(f"ep={plan.ep} must divide dp={plan.dp}")
-            sizes["ep"] = plan.ep
+        if plan.ep > 1 or plan.etp > 1:
+            fold = Fold.of(plan)
+            fold.check()
+            sizes.update(ep=plan.ep, etp=plan.etp, fold_tp=fold.fold_tp)
         if plan.dp_replicate > 1:
             sizes["dp_replicate"] = plan.dp_replicate
         if world_of(sizes) != world:
@@ -169,10 +188,8 @@ class Mesh:
             groups, source = cls._new_group_groups(sizes, rank), "new_group"
         groups["dpcp"] = groups["dp"] if plan.cp == 1 else cls._new_groups(
             sizes, rank, ("dpcp",))["dpcp"]
-        extra = ()
-        if plan.ep > 1:
-            groups.update(cls._new_groups(sizes, rank, ("ep", "edp")))
-            extra = ("ep", "edp")
+        extra = tuple(a for a in FOLD_AXES if "ep" in sizes and cls._fold_size(sizes, a) > 1)
+        groups.update(cls._new_groups(sizes, rank, extra))
         if plan.dp_replicate > 1:
             groups.update(cls._new_groups(sizes, rank, HSDP_AXES))
             extra += HSDP_AXES
@@ -183,6 +200,11 @@ class Mesh:
                 raise RuntimeError(f"{source} built {axis} group {got}, expected "
                                    f"{axis_ranks(rank, axis, sizes)}")
         return mesh
+
+    @staticmethod
+    def _fold_size(sizes: dict[str, int], axis: str) -> int:
+        fold = fold_of(sizes)
+        return {"edp": fold.edp, "ep": fold.ep, "etp": fold.etp}[axis]
 
     @staticmethod
     def _device_mesh_groups(sizes: dict[str, int], device_type: str) -> dict[str, object]:
@@ -219,9 +241,8 @@ class Mesh:
         if axis in HSDP_AXES:
             R = self.sizes.get("dp_replicate", 1)
             return R if axis == "dp_replicate" else self.sizes["dp"] // R * self.sizes["cp"]
-        if axis in ("ep", "edp"):
-            ep = self.sizes.get("ep", 1)
-            return ep if axis == "ep" else self.sizes["dp"] // ep * self.sizes["cp"]
+        if axis in FOLD_AXES:
+            return self._fold_size(self.sizes, axis)
         return self.sizes[axis]
 
     def index(self, axis: str) -> int:
@@ -232,9 +253,8 @@ class Mesh:
         if axis in HSDP_AXES:
             rep, s = divmod(c["dp"], self.sizes["dp"] // self.sizes.get("dp_replicate", 1))
             return rep if axis == "dp_replicate" else s * self.sizes["cp"] + c["cp"]
-        if axis in ("ep", "edp"):
-            g, j = divmod(c["dp"], self.sizes.get("ep", 1))
-            return j if axis == "ep" else g * self.sizes["cp"] + c["cp"]
+        if axis in FOLD_AXES:
+            return fold_of(self.sizes).coords(self.rank)[1 + FOLD_AXES.index(axis)]
         return c[axis]
 
     def group(self, axis: str):
@@ -244,6 +264,10 @@ class Mesh:
     def peer(self, axis: str, index: int) -> int:
         """Global rank of the member at ``index`` along ``axis`` of this rank's group."""
         return axis_ranks(self.rank, axis, self.sizes)[index]
+
+    def peer_ranks(self, axis: str) -> list[int]:
+        """Global ranks of this rank's group along ``axis``."""
+        return axis_ranks(self.rank, axis, self.sizes)
 
     @property
     def world(self) -> int:

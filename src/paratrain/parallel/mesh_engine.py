@@ -16,9 +16,11 @@ Transforms are applied to the plain, identically seeded model in one documented 
 5. **data / ZeRO** (:mod:`.data_axis`, one reducer chosen by :func:`.data_axis.data_axis`):
    DDP buckets, ZeRO-1/2, FSDP units or top-k
    compression over the dp x cp group (cp ranks hold the same parameters), on whatever
-   parameters steps 1-4 left on this rank. With ep > 1 (:mod:`.expert`) each MoE layer
-   first keeps this ep rank's experts and routes through an all-to-all exchange; then two
-   reducers: dense parameters over dp, expert parameters over edp (dp / ep ranks).
+   parameters steps 1-4 left on this rank. With ep or etp > 1 (:mod:`.expert`, folded
+   over the stage's ranks: :class:`paratrain.cost.ranks.Fold`) each MoE layer first
+   keeps this ep rank's experts (this etp rank's slices of each) and routes through an
+   all-to-all exchange; then the SP gradient hooks (not on experts the fold spreads over
+   tp) and two reducers: dense parameters over dp x cp, expert parameters over edp.
 
 Each step records on every parameter where it now sits (:mod:`.placement`: plain name,
 global box, sharded and replicated mesh axes); the checkpoint, the global norm and the
@@ -57,7 +59,7 @@ import torch.distributed as dist
 from torch import nn
 
 from paratrain.config import TrainConfig
-from paratrain.cost.ranks import virtual_stages
+from paratrain.cost.ranks import experts_apart, virtual_stages
 from paratrain.cost.schedule import build_schedule, owner_of
 from paratrain.parallel.context import apply_context_parallel, cp_comm, local_tokens
 from paratrain.parallel.data_axis import data_axis
@@ -111,8 +113,6 @@ class MeshEngine(Engine):
         if plan.pp > 1:
             mark(nn.ModuleList(chunks).parameters(), sharded=("pp",))
         self.tp_states = [apply_tensor_parallel(c, mesh, plan) for c in chunks]
-        if plan.sp:
-            sum_partial_grads_over_tp(chunks, mesh.group("tp"))
         self.cp = None
         if plan.cp > 1:
             self.cp = cp_comm(mesh, plan.cp_algorithm, plan.collectives)
@@ -125,12 +125,16 @@ class MeshEngine(Engine):
             apply_recompute(c.blocks, plan.recompute)
         self.model = nn.ModuleList(chunks)
         # 5. data / ZeRO on the dp x cp group (mixed precision: parallel/precision.py);
-        # with ep > 1 the experts are split over ep and reduced over edp instead
+        # with ep or etp > 1 the experts are split over ep x etp and reduced over edp
+        # instead; the SP hooks then skip the experts the fold spreads over tp
         self.ep = None
-        if plan.ep > 1:
+        if experts_apart(plan):
             from paratrain.parallel import expert
 
-            self.ep = expert.apply_expert_parallel(chunks, mesh, plan.collectives)
+            self.ep = expert.apply_expert_parallel(chunks, mesh, plan)
+        if plan.sp:
+            sum_partial_grads_over_tp(chunks, mesh.group("tp"))
+        if self.ep is not None:
             self.data = expert.SplitDataAxis(
                 self._data_axis(chunks, "dpcp", select=lambda p: not expert.is_expert(p)),
                 self._data_axis(chunks, "edp", select=expert.is_expert,
@@ -187,11 +191,14 @@ class MeshEngine(Engine):
                          f"cp rank i holds chunks i and {2 * plan.cp - 1}-i of "
                          f"{2 * plan.cp}); gradients reduced over dp x cp")
         if self.ep is not None:
-            lines.append(f"  expert parallel {plan.ep}: ep rank {self.mesh.index('ep')} holds "
-                         f"experts [{self.mesh.index('ep') * self.ep.local}, "
-                         f"{(self.mesh.index('ep') + 1) * self.ep.local}) of {self.ep.experts}"
-                         f" per MoE layer; expert gradients reduced over "
-                         f"{self.mesh.size('edp')} rank(s)")
+            m, j = self.mesh, self.mesh.index("ep")
+            split = (f", each split over etp {plan.etp} (etp rank {m.index('etp')})"
+                     if plan.etp > 1 else "")
+            lines.append(f"  expert parallel {plan.ep}: ep rank {j} holds experts "
+                         f"[{j * self.ep.local}, {(j + 1) * self.ep.local}) of "
+                         f"{self.ep.experts} per MoE layer{split}; ep group "
+                         f"{m.peer_ranks('ep')}, expert gradients reduced over "
+                         f"{m.size('edp')} rank(s) {m.peer_ranks('edp')}")
         lines.append(f"  tensor parallel {plan.tp}, sequence parallel {plan.sp}, "
                      f"recompute {plan.recompute}, zero {plan.zero}, "
                      f"overlap {'on' if plan.overlap else 'off'}")

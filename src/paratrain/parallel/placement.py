@@ -12,7 +12,9 @@ the record as it goes, in the order of docs/design.md:
    ``tp`` to ``sharded`` (:func:`narrowed`), or adds ``tp`` to ``replicated`` (norm gains,
    MoE layers);
 4. expert parallelism adds ``ep`` to an expert's ``sharded`` axes (the plain name, taken
-   before the split, already says which expert it is);
+   before the split, already says which expert it is), ``etp`` where each expert is
+   split (its box narrowed), and drops ``tp`` from ``replicated`` where the fold spans
+   the tp ranks (:func:`unmark`);
 5. the data axis: DDP and top-k add the reducer's axes (``dp``, ``cp`` or ``edp``) to
    ``replicated``; ZeRO-1/2/3 add them to ``sharded`` and set ``flat``, the range of the
    box (row-major) whose optimizer state this rank owns (:func:`record_flat`).
@@ -87,6 +89,15 @@ def mark(params, sharded: tuple[str, ...] = (), replicated: tuple[str, ...] = ()
         if id(p) not in seen:
             seen.add(id(p))
             p.placement = placement_of(p).add(sharded, replicated)
+
+
+def unmark(params, replicated: str) -> None:
+    """``replicated`` is no longer a replicated axis of ``params`` (expert parallelism
+    folded over tp: the tp ranks hold different experts or slices)."""
+    for p in params:
+        pl = placement_of(p)
+        p.placement = replace(pl, replicated=tuple(a for a in pl.replicated
+                                                   if a != replicated))
 
 
 def narrowed(old: nn.Parameter, new: nn.Parameter, dim: int, start: int, axis: str) -> None:
