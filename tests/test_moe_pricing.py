@@ -78,17 +78,24 @@ def test_engines_dispatch_as_they_run():
     assert {engine(n).dispatcher for n in ("nemo", "dualpipe", "torchtitan")} == {"alltoall"}
 
 
-def test_layouts_runtime_and_folded():
-    """ep dividing dp with whole experts: the runtime's groups of consecutive data ranks;
-    anything else folds etp innermost, then ep."""
-    run = ParallelPlan(dp=4, tp=2, cp=2, ep=2)
-    assert moe_layout.runtime_layout(run)
-    assert moe_layout.ep_stride(run) == 4 and moe_layout.expert_data_ranks(run) == 4
-    fold = ParallelPlan(dp=2, tp=2, cp=2, ep=8, etp=1, sp=True)
-    assert not moe_layout.runtime_layout(fold)
-    assert moe_layout.ep_stride(fold) == 1 and moe_layout.expert_data_ranks(fold) == 1
-    mega = ParallelPlan(dp=8, tp=4, cp=2, ep=8, etp=4, sp=True)
-    assert moe_layout.ep_stride(mega) == 4 and moe_layout.expert_data_ranks(mega) == 2
+def test_layouts_follow_the_runtimes_fold():
+    """The pricing's ep stride and edp are the runtime's fold (cost.ranks.Fold): every ep
+    group it builds is evenly spaced by ep_stride, and edp copies hold each expert."""
+    from paratrain.cost.ranks import Fold
+
+    plans = [ParallelPlan(dp=4, tp=2, cp=2, ep=2),  # no SP: tp copies of a dp x cp fold
+             ParallelPlan(dp=2, tp=2, cp=2, ep=8, etp=1, sp=True),
+             ParallelPlan(dp=8, tp=4, cp=2, ep=8, etp=4, sp=True),
+             ParallelPlan(dp=1, tp=4, ep=4)]  # priced only: ep needs the tp ranks
+    for plan in plans:
+        f = Fold.of(plan)
+        group = [f.rank(0, 0, e, 0, 0) for e in range(plan.ep)]
+        gaps = {b - a for a, b in zip(group, group[1:])}
+        assert gaps == {moe_layout.ep_stride(plan)}, plan
+        assert moe_layout.expert_data_ranks(plan) * plan.ep * plan.etp * (
+            plan.tp // f.fold_tp) == plan.dp * plan.cp * plan.tp, plan
+    assert [moe_layout.ep_stride(p) for p in plans] == [2, 1, 4, 1]
+    assert [moe_layout.expert_data_ranks(p) for p in plans] == [4, 1, 2, 1]
 
 
 def _row(**over) -> dict:

@@ -74,14 +74,15 @@ def test_llama3_405b_on_16k_gpus_scores_every_layout():
                  keep_points=False, params=load_params(), top=12)
     assert res.scored > 10_000 and res.elapsed_s > 0
     assert res.top[0].memory.fits
-    # a layout a practitioner would recognise (Llama 3's own: tp 8, pp 16, dp 128), not
-    # 64 two-layer stages with tp 4 and cp 8 (what blocking TP collectives led to)
-    classic = next(c.plan for c in res.top if c.plan.schedule not in V_SHAPED)
-    assert (classic.tp, classic.pp) == (8, 16) and classic.cp <= 4, classic
-    # with the V-shaped zero-bubble schedules (unit-cost bubble (p-1)/(6m) with only two
-    # chunks per rank) the pipeline may go one step deeper: still tp 8 inside a node
+    # a layout a practitioner would recognise: tensor parallelism inside a node (tp 4 or
+    # 8), a few-way context split, stages of several layers; not 64 two-layer stages with
+    # cp 8 (what blocking TP collectives led to). Which of tp 4 and tp 8 wins turns on
+    # kernel_s, which the published runs do not pin (`paratrain validate --fit`): at 5 us
+    # the classic pick is Llama 3's own tp 8, pp 16.
     best = res.top[0].plan
-    assert best.schedule in V_SHAPED and best.tp == 8 and best.cp <= 4 and best.pp <= 32, best
+    assert best.tp in (4, 8) and best.cp <= 4 and best.pp <= 32, best
+    assert load_model("llama3-405b").n_layers // best.pp >= 3, best
+    assert all(c.plan.tp >= 4 for c in res.top), res.top
 
 
 def test_cli_search_json_and_plot(tmp_path, capsys):

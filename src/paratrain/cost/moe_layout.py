@@ -6,14 +6,10 @@ dp x cp x tp ranks as edp x ep x etp (Megatron-Core's "MoE parallel folding", Li
 2025). Nothing about the layout lives in the model's shape, so a catalogue model and a
 run's own model are priced the same way under the same plan.
 
-Two layouts follow from the plan:
-
-- **runtime**: ``etp = 1`` and ``ep`` dividing dp, paratrain's runtime
-  (:mod:`paratrain.parallel.expert`): ep consecutive data ranks (``tp x cp`` apart) form
-  an ep group; each tp rank keeps whole experts and runs its own tp index's ep group,
-  so the edp = dp cp / ep ranks holding the same experts reduce their gradients together.
-- **folded** (everything else): etp innermost, then ep (``etp`` apart), then edp =
-  dp cp tp / (ep etp), Megatron-Core's rank order for the expert layers.
+The rank order is :class:`paratrain.cost.ranks.Fold`'s, the runtime's own (one home):
+etp innermost, then ep, then edp, over dp x cp (x tp with SP, with etp = tp, or when ep x
+etp needs the tp ranks). Without SP and with etp 1 each tp rank is a copy of a fold over
+dp x cp holding whole experts (paratrain's runtime under tp).
 
 Tokens: the MoE MLP reads the residual stream, sequence-sharded under SP, so a rank routes
 T / cp of each sequence, T / (cp tp) with SP (:func:`routed_tokens`). An expert split over
@@ -23,6 +19,7 @@ tokens (etp x), without SP they hold the same ones (:func:`expert_group_tokens`)
 
 from __future__ import annotations
 
+from paratrain.cost.ranks import Fold
 from paratrain.plan import ParallelPlan
 
 
@@ -40,25 +37,17 @@ def expert_group_tokens(tokens: float, tp: int, sp: bool, etp: int) -> float:
     return t * etp if sp else t
 
 
-def runtime_layout(plan: ParallelPlan) -> bool:
-    """Whether the experts sit as paratrain's runtime places them: whole (etp 1) and
-    expert-parallel over data ranks only (ep divides dp)."""
-    return plan.etp == 1 and plan.dp % plan.ep == 0
-
-
 def ep_stride(plan: ParallelPlan) -> int:
-    """Ranks between neighbours of an ep group (rank order tp, cp, dp, pp): tp x cp in the
-    runtime layout (consecutive data ranks), etp when folded (etp innermost, then ep)."""
-    return plan.tp * plan.cp if runtime_layout(plan) else plan.etp
+    """Global ranks between neighbours of an ep group (rank order tp, cp, dp, pp), read
+    off :class:`~paratrain.cost.ranks.Fold`: etp inside a fold that spans tp, etp x tp in
+    one that does not (each tp rank a copy of it)."""
+    return plan.etp if Fold.of(plan).fold_tp == plan.tp else plan.etp * plan.tp
 
 
 def expert_data_ranks(plan: ParallelPlan) -> int:
     """edp: the ranks holding the same expert shard, whose gradients reduce together and
-    over which ZeRO shards the expert states: dp cp / ep in the runtime layout (a tp
-    rank's copy is its own), dp cp tp / (ep etp) folded."""
-    if runtime_layout(plan):
-        return plan.dp * plan.cp // plan.ep
-    return max(1, plan.dp * plan.cp * plan.tp // (plan.ep * plan.etp))
+    over which ZeRO shards the expert states (:attr:`paratrain.cost.ranks.Fold.edp`)."""
+    return max(1, Fold.of(plan).edp)
 
 
 def default_etp(dp: int, cp: int, tp: int, ep: int) -> int:

@@ -73,7 +73,11 @@ class Fold:
 
     @classmethod
     def of(cls, plan: ParallelPlan) -> Fold:
-        ft = plan.tp if plan.sp or plan.etp == plan.tp else 1
+        # a plan whose ep x etp needs more ranks than dp x cp folds over tp too: the
+        # systems model prices it as Megatron-Core runs it (MoE under tp needs SP there),
+        # the runtime refuses it without --sp (ParallelPlan.check_runtime)
+        spans_tp = (plan.dp * plan.cp) % (plan.ep * plan.etp) != 0
+        ft = plan.tp if plan.sp or plan.etp == plan.tp or spans_tp else 1
         return cls(plan.dp, plan.cp, plan.tp, plan.ep, plan.etp, ft)
 
     @property
