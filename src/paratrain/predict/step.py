@@ -19,6 +19,7 @@ from paratrain.cost.run_figures import predicted_activations, predicted_states
 from paratrain.cost.schedule import V_SHAPED
 from paratrain.cost.shapes import as_shape
 from paratrain.plan import ParallelPlan
+from paratrain.predict import sched as S
 from paratrain.predict.axes import (
     cp_block_s,
     cp_calls,
@@ -45,7 +46,7 @@ from paratrain.systems.layer_cost import expert_imbalance
 class Prediction:
     """One step of one run on this machine (seconds, bytes; per rank unless named)."""
 
-    step_s: float  # max(critical path, session CPU work / session cores)
+    step_s: float  # max(critical path, session CPU work / session cores + busy syncs)
     compute_s: float  # matmul FLOPs at eta, summed along the critical path (free cores)
     overhead_s: float  # fixed per-pass and per-step costs along the critical path
     bubble_s: float  # pipeline fill/drain: part of compute + overhead above
@@ -54,7 +55,7 @@ class Prediction:
     dp_comm_s: float  # the data-parallel sync, total
     dp_exposed_s: float  # of which not hidden under backward
     share: float  # fraction of a core per rank
-    critical_path_s: float  # the step if every rank had a core of its own
+    critical_path_s: float  # compute stretched by the shared cores, a wake-up per sync
     session_work_s: float  # CPU seconds all ranks spend per step (compute + copies)
     session_cores: float  # cores the run's session gets (water-filled between sessions)
     cpu_rank0_s: float  # CPU seconds rank 0 spends per step
@@ -66,6 +67,9 @@ class Prediction:
     ep_comm_s: float = 0.0  # MoE all-to-alls along the critical path (all exposed)
     cp_wire_bytes: float = 0.0  # rank 0, per step (paratrain.cost.layout.cp_wire_bytes)
     ep_wire_bytes: float = 0.0  # rank 0, per step, expected under uniform routing
+    oversubscription: float = 1.0  # runnable ranks per core the session gets (sched.py)
+    syncs: float = 0.0  # blocking syncs along the critical path per step
+    sync_s: float = 0.0  # what they add to the step (wake-ups or oversubscribed waits)
     states_bytes_per_rank: list[dict] = field(default_factory=list)
     dp_wire_bytes_per_rank: list[float] = field(default_factory=list)  # per step
     systems_states_bytes: float = 0.0  # the systems model's busiest-rank formula
@@ -182,6 +186,9 @@ def _notes(r: _Run, share: float) -> list[str]:
     if not machine.fitted:
         notes.append("no CPU fit: eta from the profile, fixed costs 0 (run paratrain "
                      "check-model)")
+    if not machine.sched:
+        notes.append("no scheduler calibration: blocking syncs cost their latency only "
+                     "(run `paratrain bench calibrate`)")
     return notes
 
 
@@ -276,42 +283,61 @@ def _rank_cpu(r: _Run, lay: RankLayout, stage: tuple[float, ...]) -> float:
     return c
 
 
+def _syncs(r: _Run, slow: int, dp_s: float, dp_exposed: float) -> float:
+    """Blocking syncs along the critical path per step (:mod:`paratrain.predict.sched`):
+    the stages' micro-batches (the slowest m times, the others' fill) and the step's."""
+    per = [S.stage_syncs(r.mcfg, r.plan, lay, _tp_calls(r.mcfg, r.plan, lay, r.act,
+                                                        r.seqs_mb)) for lay in r.lays]
+    dp_calls = sum(k for _, cs in _dp_groups(r.mcfg, r.plan, r.tcfg, 0) for _, _, k in cs)
+    return pipeline_path(per, slow, r.plan) + S.path_syncs(r.plan, dp_calls,
+                                                           dp_exposed < dp_s)
+
+
 def predict(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan, world: int,
             machine: MachineModel) -> Prediction:
     """Price one step of ``plan`` (any composition of dp, pp, tp/sp, cp, ep) on ``world``
-    one-thread ranks of this machine: max(the critical path, the session's CPU work over
-    the cores it gets); the pipeline's fill is the schedule's own bubble
+    one-thread ranks of this machine: the larger of the critical path (compute stretched
+    where the cores are shared, a wake-up per blocking sync) and the session's CPU work
+    over the cores it gets (plus the oversubscribed syncs), :func:`paratrain.predict.
+    sched.bounds`; the pipeline's fill is the schedule's own bubble
     (:mod:`paratrain.predict.pipeline`)."""
     r = _run(mcfg, tcfg, plan, world, machine)
     share = machine.share(world)
+    o = S.oversubscription(share)
     notes = _notes(r, share)
     stages, cp_tot = _stage_terms(r)
     per_stage = [sum(x) for x in stages]
     slow = slowest_stage(per_stage)
-    flop_s, fixed_path, tp_s, cp_exposed, ep_s = (
-        pipeline_path([st[j] for st in stages], slow, plan) for j in range(5))
-    overhead_s = fixed_path + machine.step_s
+    k = S.stretch(o, plan)
+    flop_s, fixed_path = (pipeline_path([st[j] for st in stages], slow, plan, k)
+                          for j in range(2))
+    tp_s, cp_exposed, ep_s = (pipeline_path([st[j] for st in stages], slow, plan)
+                              for j in range(2, 5))
+    overhead_s = fixed_path + machine.step_s * k[0]
     pp_s, pp_wire = _pp_terms(r)
     dp_s, dp_exposed = _dp_terms(r, stages[0][0])
-    crit = flop_s + overhead_s + tp_s + cp_exposed + ep_s + pp_s + dp_exposed
+    syncs = _syncs(r, slow, dp_s, dp_exposed)
     cpu = [_rank_cpu(r, lay, stages[i]) for i, lay in enumerate(r.lays)]
     work = plan.dp * plan.cp * plan.tp * sum(cpu)
     cores = share * world
-    if work / cores > crit:
+    crit, bound, sync_s = S.bounds(flop_s + overhead_s + tp_s + cp_exposed + ep_s + pp_s
+                                   + dp_exposed, work / cores, syncs, o, machine)
+    if bound > crit:
         notes.append(f"CPU-bound: the session's {work:.3f} CPU s per step on {cores:.2f} "
-                     f"cores take longer than the critical path ({crit:.3f} s)")
+                     f"cores (and {syncs:.0f} syncs) take longer than the critical path "
+                     f"({crit:.3f} s)")
     states = [L.state_bytes(mcfg, plan, tcfg.dtype, q, tcfg.reduce_dtype) for q in range(world)]
     wires = [L.dp_wire_bytes(mcfg, plan, tcfg.dtype, q, tcfg.reduce_dtype) for q in range(world)]
     return Prediction(
-        step_s=max(crit, work / cores), compute_s=flop_s, overhead_s=overhead_s,
+        step_s=max(crit, bound), compute_s=flop_s, overhead_s=overhead_s,
         bubble_s=pipeline_bubble(per_stage, plan), tp_comm_s=tp_s, pp_comm_s=pp_s,
         dp_comm_s=dp_s, dp_exposed_s=dp_exposed, share=share, critical_path_s=crit,
         session_work_s=work, session_cores=cores, cpu_rank0_s=cpu[0],
         dp_wire_bytes=wires[0], tp_wire_bytes=_tp_wire(r), pp_wire_bytes=pp_wire,
         cp_comm_s=pipeline_path(cp_tot, slow, plan), cp_exposed_s=cp_exposed,
         ep_comm_s=ep_s, cp_wire_bytes=_cp_wire(r, r.lays[0]),
-        ep_wire_bytes=_ep_wire(r, r.lays[0]), states_bytes_per_rank=states,
-        dp_wire_bytes_per_rank=wires,
+        ep_wire_bytes=_ep_wire(r, r.lays[0]), oversubscription=o, syncs=syncs,
+        sync_s=sync_s, states_bytes_per_rank=states, dp_wire_bytes_per_rank=wires,
         systems_states_bytes=sum(predicted_states(mcfg, plan, tcfg).values()),
         activations_bytes=predicted_activations(mcfg, plan, tcfg), machine=machine.source,
         notes=notes)
