@@ -58,6 +58,9 @@ class Stability:
     max_repeats: int = 10
 
 
+DEFAULT_RULE = Stability()  # what `paratrain bench calibrate` and `train --plan auto` use
+
+
 class BusyMachine(ValueError):
     """The machine never settled: one line saying so and what to do (the CLI prints it)."""
 
@@ -70,18 +73,23 @@ def variation(xs: Sequence[float]) -> float:
 
 def until_stable(measure: Callable[[], Sequence[float]], what: str,
                  rule: Stability = Stability(),
-                 agree: Callable[[bool], bool] = lambda ok: ok) -> list[float]:
+                 agree: Callable[[bool], bool] = lambda ok: ok,
+                 judged: Callable[[list[float]], Sequence[float]] = lambda xs: xs
+                 ) -> list[float]:
     """Call ``measure`` (one round: a few positive timings) until the last ``rule.k``
-    rounds are stable; return each timing's median over them. ``agree`` lets the ranks
-    of a process group decide together (all stable or none), so they stay in step.
-    Raises :class:`BusyMachine` after ``rule.max_repeats`` unstable rounds."""
+    rounds are stable; return each timing's median over them. ``judged`` maps a round to
+    the figures whose stability counts (default: all; a sweep judges the alpha and beta
+    it fits, not each size's latency). ``agree`` lets the ranks of a process group
+    decide together (all stable or none), so they stay in step. Raises
+    :class:`BusyMachine` after ``rule.max_repeats`` unstable rounds."""
     rounds: list[list[float]] = []
     worst = float("inf")
     for _ in range(rule.max_repeats):
         rounds.append([float(x) for x in measure()])
         window = rounds[-rule.k:]
         if len(window) == rule.k:
-            worst = max(variation(col) for col in zip(*window, strict=True))
+            figs = [judged(r) for r in window]
+            worst = max(variation(col) for col in zip(*figs, strict=True))
         if agree(len(window) == rule.k and worst <= rule.cv):
             return [statistics.median(col) for col in zip(*window, strict=True)]
     raise BusyMachine(
@@ -136,9 +144,19 @@ def calibrate_worker(rank: int, world: int, sizes: list[int], iters: int,
         pp = measure.ping_pong(rank, sizes, iters)  # every rank joins its barriers
         return [*(pp if rank < 2 else [1.0] * n), *_native_sweep(sizes, iters)]
 
+    def fitted(xs: list[float]) -> list[float]:
+        """The latency and per-byte time the profile takes from a round (fit_two_regimes):
+        one size's latency alone flips between a wake-up and none."""
+        from paratrain.bench.measure import fit_two_regimes
+
+        fs = [float(x) for x in sizes]
+        (a_pp, b_pp), (a_ar, b_ar) = fit_two_regimes(fs, xs[:n]), fit_two_regimes(fs, xs[n:])
+        # without a size of 1 MiB or more the slope is the small sizes' noise: not judged
+        return [a_pp, a_ar] + ([b_pp, b_ar] if max(sizes) >= 1 << 20 else [])
+
     try:
         vals = until_stable(one_round, "the gloo ping-pong and all-reduce sweep", rule,
-                            _agree_all)
+                            _agree_all, fitted)
     except BusyMachine as e:
         return {"busy": str(e)}
     ours = {a: [] for a in algorithms}
@@ -266,9 +284,11 @@ def write_toml(values: dict, path: Path) -> Path:
 
 
 def run(nproc: int, sizes: list[int], iters: int, out: Path,
-        algorithms: list[str], rule: Stability = Stability()) -> tuple[dict, str]:
-    """Measure (each measurement until stable, :func:`until_stable`), write the profile
-    and the scheduler's constants beside it, and return (profile, report text)."""
+        algorithms: list[str], rule: Stability | None = None) -> tuple[dict, str]:
+    """Measure (each measurement until stable under ``rule``, default
+    :data:`DEFAULT_RULE`: :func:`until_stable`), write the profile and the scheduler's
+    constants beside it, and return (profile, report text)."""
+    rule = rule or DEFAULT_RULE
     from paratrain.bench import measure
     from paratrain.comm.algorithms import build
     from paratrain.comm.api import SEGMENT_BYTES
