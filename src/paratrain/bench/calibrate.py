@@ -74,14 +74,15 @@ def variation(xs: Sequence[float]) -> float:
 def until_stable(measure: Callable[[], Sequence[float]], what: str,
                  rule: Stability = Stability(),
                  agree: Callable[[bool], bool] = lambda ok: ok,
-                 judged: Callable[[list[float]], Sequence[float]] = lambda xs: xs
-                 ) -> list[float]:
+                 judged: Callable[[list[float]], Sequence[float]] = lambda xs: xs,
+                 command: str = "paratrain bench calibrate") -> list[float]:
     """Call ``measure`` (one round: a few positive timings) until the last ``rule.k``
     rounds are stable; return each timing's median over them. ``judged`` maps a round to
     the figures whose stability counts (default: all; a sweep judges the alpha and beta
     it fits, not each size's latency). ``agree`` lets the ranks of a process group
     decide together (all stable or none), so they stay in step. Raises
-    :class:`BusyMachine` after ``rule.max_repeats`` unstable rounds."""
+    :class:`BusyMachine` (naming ``command`` to run again) after ``rule.max_repeats``
+    unstable rounds."""
     rounds: list[list[float]] = []
     worst = float("inf")
     for _ in range(rule.max_repeats):
@@ -95,7 +96,7 @@ def until_stable(measure: Callable[[], Sequence[float]], what: str,
     raise BusyMachine(
         f"the machine was too busy to calibrate: {what} still varied by {worst:.0%} over "
         f"the last {rule.k} of {rule.max_repeats} rounds (at most {rule.cv:.0%} counts as "
-        "stable); run `paratrain bench calibrate` again when fewer jobs run (see `uptime`)")
+        f"stable); run `{command}` again when fewer jobs run (see `uptime`)")
 
 
 def _agree_all(ok: bool) -> bool:

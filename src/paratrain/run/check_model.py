@@ -182,19 +182,27 @@ def fit_machine(mcfg: ModelConfig, tcfg: TrainConfig, profile: str | None,
                 save: bool = True, log=print):
     """Fit eta and the fixed costs from three one-process runs (batch B and B/4 with one
     micro-batch, B with four), on CPU time, against one thread's matmul peak; measure the
-    CPU a collective costs (:func:`collective_cpu`)."""
+    CPU a collective costs (:func:`collective_cpu`). The peak and each run are repeated
+    until stable, or refused on a busy machine
+    (:func:`paratrain.bench.calibrate.until_stable`)."""
+    from paratrain.bench.calibrate import DEFAULT_RULE, until_stable
     from paratrain.predict import fit_from_runs, load_machine, save_fit
 
     machine = load_machine(profile)
     if machine is None:
         raise ValueError("no hardware profile of this machine; run `paratrain bench "
                          "calibrate` first (or pass --profile PATH)")
-    peak = _thread_peak()
+    again = "paratrain check-model"
+    (peak,) = until_stable(lambda: [_thread_peak()], "one thread's matmul peak",
+                           DEFAULT_RULE, command=again)
     B = tcfg.global_batch
     runs = []
     for gb, m in ((B, 1), (max(1, B // 4), 1), (B, 4)):
-        t = _one_process(mcfg, TrainConfig(**{**asdict(tcfg), "global_batch": gb}),
-                         ParallelPlan(micro_batches=m))
+        t_cfg = TrainConfig(**{**asdict(tcfg), "global_batch": gb})
+        (t,) = until_stable(lambda t_cfg=t_cfg, m=m: [_one_process(
+            mcfg, t_cfg, ParallelPlan(micro_batches=m))],
+            f"the fit run's CPU s per step (batch {gb}, {m} micro-batches)", DEFAULT_RULE,
+            command=again)
         runs.append((gb, m, t))
         log(f"fit run: batch {gb}, micro-batches {m}: {t:.4f} CPU s/step")
     step_cpu, byte_cpu = collective_cpu(log)
