@@ -44,17 +44,18 @@ def test_free_cores_add_a_wake_up_per_blocking_sync():
 
 def test_oversubscribed_cores_stretch_compute_and_price_each_sync():
     """dp4 on 2 free cores: 2 ranks per core. The critical path computes at half speed;
-    the CPU bound is the work over 2 cores plus busy_sync_s per sync (the one DDP bucket,
-    the loss and the gradient norm)."""
+    the CPU bound is the work over 2 cores plus busy_sync_s per sync: the one DDP bucket
+    and the loss and gradient norm, all-reduces over 4 ranks, 6 blocking rounds each,
+    3 calibrated 2-round syncs."""
     plan = ParallelPlan(dp=4)
     free = predict(TINY, TC, plan, 4, _machine(4))
     p = predict(TINY, TC, plan, 4, _machine(2, wake=1e-4, busy=2e-3))
     assert p.share == 0.5 and p.oversubscription == 2.0
     assert p.compute_s == pytest.approx(2 * free.compute_s)
     assert p.overhead_s == pytest.approx(2 * free.overhead_s)
-    assert p.syncs == 1 + 2
+    assert p.syncs == 3 + 2 * 3
     assert p.session_work_s == pytest.approx(free.session_work_s)
-    assert p.step_s == pytest.approx(max(p.critical_path_s, p.session_work_s / 2 + 3 * 2e-3))
+    assert p.step_s == pytest.approx(max(p.critical_path_s, p.session_work_s / 2 + 9 * 2e-3))
 
 
 def test_pipeline_fill_stretches_only_with_the_ranks_that_run():
@@ -69,26 +70,30 @@ def test_pipeline_fill_stretches_only_with_the_ranks_that_run():
         2 * (free.compute_s + free.overhead_s - fill) + fill, rel=1e-3)
 
 
-@pytest.mark.parametrize(("plan", "per_mb"), [
-    (ParallelPlan(cp=2), 2 * (3 * 1 + 2)),  # ring: 3(cp-1) + cp receives a block
-    (ParallelPlan(cp=2, cp_algorithm="all-to-all"), 2 * 8),
-    (ParallelPlan(cp=2, tp=2), 2 * 5 + 2 * 4 + 2 + 3),
+@pytest.mark.parametrize(("plan", "per_mb", "loss"), [
+    (ParallelPlan(cp=2), 2 * (3 * 1 + 2) / 2, 2),  # ring: 3(cp-1) + cp receives a block
+    (ParallelPlan(cp=2, cp_algorithm="all-to-all"), 2 * 8 / 2, 2),  # 8 of 1 round
+    (ParallelPlan(cp=2, tp=2), 2 * 5 / 2 + 2 * 4 + 2 + 3, 6),  # TP: 2-round all-reduces
 ])
-def test_cp_syncs_by_hand(plan, per_mb):
+def test_cp_syncs_by_hand(plan, per_mb, loss):
+    """In calibrated syncs (a 2-round all-reduce): a receive is 1/2; the dp x cp
+    reducer's one bucket on 2 ranks 1; the loss and gradient norm over the world."""
     p = predict(TINY, TrainConfig(global_batch=2), plan, plan.world_size, _machine(8))
-    assert p.syncs == per_mb + 1 + 2  # the dp x cp reducer's one bucket, loss, grad norm
+    assert p.syncs == per_mb + 1 + loss
 
 
 def test_ep_syncs_and_pipeline_sends_by_hand():
-    """dp2 x ep2: 4 all-to-alls and the split sizes per MoE block; pp2 m4: 2 (m + 1)
-    sends along the path, no data-parallel reducer."""
+    """dp2 x ep2: 4 all-to-alls and the split sizes per MoE block (1 round of 2 each);
+    pp2 m4: 2 (m + 1) receives along the path, no data-parallel reducer."""
     p = predict(MOE, TC, ParallelPlan(dp=2, ep=2), 2, _machine(4))
-    dp_calls = p.syncs - 2 * 5 - 2
-    assert dp_calls >= 1  # the dense and the experts' reducers
+    assert p.syncs - 2 * 5 / 2 - 2 >= 1  # and the dense and the experts' reducers
     q = predict(TINY, TC, ParallelPlan(pp=2, micro_batches=4), 2, _machine(4))
-    assert q.syncs == 2 * (4 + 1) + 2
-    assert S.path_syncs(ParallelPlan(dp=2), 3, dp_hidden=True) == 1 + 2
-    assert S.path_syncs(ParallelPlan(dp=2), 3, dp_hidden=False) == 3 + 2
+    assert q.syncs == 2 * (4 + 1) / 2 + 2
+    groups = [(2, [("all_reduce", 100.0, 1), ("all_reduce", 50.0, 2)]),
+              (4, [("reduce_scatter", 10.0, 1)])]
+    assert S.path_syncs(ParallelPlan(dp=2), groups, True, 2) == 3 / 2 + 2
+    assert S.path_syncs(ParallelPlan(dp=2), groups, False, 8) == 1 + 2 + 3 / 2 + 14
+    assert S.sync_units("all_to_all", 4, 2) == 3 and S.sync_units("p2p", 2) == 0.5
 
 
 def test_bounds_pick_the_larger_and_say_what_syncs_add():

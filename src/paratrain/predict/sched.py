@@ -22,7 +22,9 @@ change, and none of them is a per-plan factor:
   calibrate` (:func:`paratrain.bench.calibrate.sync_costs`: pairs of ranks that compute,
   then all-reduce 4 bytes, on ``cores`` and on 2 x ``cores`` ranks) and multiply the
   blocking syncs along the critical path, counted from the same calls the bytes are
-  (:func:`stage_syncs`, :func:`path_syncs`).
+  (:func:`stage_syncs`, :func:`path_syncs`) in units of the calibrated one: every
+  sequential round of a collective is a blocking receive (:func:`sync_units`), so an
+  all-reduce over 8 ranks waits 7 times as often as one over 2.
 
 The step is then the larger of two bounds (:func:`bounds`): the critical path with its
 compute stretched and a wake-up per sync, and the session's CPU work over its cores plus
@@ -33,6 +35,7 @@ the group computes, so the work bound cannot hide it).
 from __future__ import annotations
 
 from paratrain.config import ModelConfig
+from paratrain.cost import collectives as coll
 from paratrain.cost.layout import RankLayout
 from paratrain.cost.ranks import virtual_stages
 from paratrain.plan import ParallelPlan
@@ -40,6 +43,19 @@ from paratrain.predict.axes import moe_blocks
 from paratrain.predict.machine import MachineModel
 
 CP_A2A_CALLS = 8  # per block: Q, K, V and the output forward, their gradients backward
+CALIBRATED_STEPS = 2  # the calibration's sync is a 2-rank all-reduce: 2 blocking receives
+
+
+def sync_units(op: str, p: int, k: float = 1.0) -> float:
+    """``k`` blocking calls of ``op`` on ``p`` ranks in units of the calibrated sync:
+    every sequential round is a blocking receive (ring all-reduce 2(p - 1), gather and
+    scatter p - 1, all-to-all p - 1: :func:`paratrain.cost.collectives.steps`; a
+    point-to-point receive 1), over the 2 of the 2-rank all-reduce the calibration times."""
+    if op == "p2p":
+        rounds = 1
+    else:
+        rounds = coll.steps(op, "naive" if op == "all_to_all" else "ring", p)
+    return k * rounds / CALIBRATED_STEPS
 
 
 def oversubscription(share: float) -> float:
@@ -55,27 +71,36 @@ def stretch(o: float, plan: ParallelPlan) -> tuple[float, float]:
 
 def stage_syncs(mcfg: ModelConfig, plan: ParallelPlan, lay: RankLayout,
                 tp_calls: list[tuple[str, float, int]]) -> float:
-    """Blocking syncs of one micro-batch's forward + backward on a rank of ``lay``'s
-    stage: its TP collectives (``tp_calls``, per step, :func:`paratrain.predict.calls.
-    tp_calls`), the CP exchange's hops per block (ring: 3(cp - 1) + cp receives, as
-    :func:`paratrain.predict.axes.cp_calls` counts them; all-to-all: 8 calls) and per MoE
-    block the 4 all-to-alls and the split sizes' exchange (6 and 2 with full recompute)."""
-    n = sum(k for _, _, k in tp_calls) / plan.micro_batches
+    """Blocking syncs (:func:`sync_units`) of one micro-batch's forward + backward on a
+    rank of ``lay``'s stage: its TP collectives (``tp_calls``, per step,
+    :func:`paratrain.predict.calls.tp_calls`), the CP exchange per block (ring: 3(cp - 1)
+    + cp receives, as :func:`paratrain.predict.axes.cp_calls` counts them; all-to-all: 8
+    calls) and per MoE block the 4 all-to-alls and the split sizes' exchange (6 and 2
+    with full recompute)."""
+    n = sum(sync_units(op, plan.tp, k) for op, _, k in tp_calls) / plan.micro_batches
     if plan.cp > 1:
-        per = 3 * (plan.cp - 1) + plan.cp if plan.cp_algorithm == "ring" else CP_A2A_CALLS
-        n += lay.blocks * per
+        n += lay.blocks * (sync_units("p2p", 2, 3 * (plan.cp - 1) + plan.cp)
+                           if plan.cp_algorithm == "ring" else
+                           sync_units("all_to_all", plan.cp, CP_A2A_CALLS))
     if plan.ep > 1:
-        n += moe_blocks(mcfg, lay) * (8 if plan.recompute == "full" else 5)
+        n += moe_blocks(mcfg, lay) * sync_units("all_to_all", plan.ep,
+                                                8 if plan.recompute == "full" else 5)
     return float(n)
 
 
-def path_syncs(plan: ParallelPlan, dp_calls: int, dp_hidden: bool) -> float:
-    """Blocking syncs of a step outside the stages' micro-batches: the pipeline's sends
-    along the critical path (2 (m + pp - 1) v), the data-parallel sync's calls (only the
-    last when the others hide under backward) and the loss and gradient-norm all-reduces."""
+def path_syncs(plan: ParallelPlan, dp_groups: list[tuple[int, list[tuple[str, float, int]]]],
+               dp_hidden: bool, world: int) -> float:
+    """Blocking syncs (:func:`sync_units`) of a step outside the stages' micro-batches:
+    the pipeline's receives along the critical path (2 (m + pp - 1) v), the
+    data-parallel reducers' calls (``dp_groups``: :func:`paratrain.predict.calls.
+    dp_groups`; only the last call when the others hide under backward) and the loss and
+    gradient-norm all-reduces over the ``world``."""
     pp = 2 * (plan.micro_batches + plan.pp - 1) * virtual_stages(plan) if plan.pp > 1 else 0
-    dp = min(dp_calls, 1) if dp_hidden else dp_calls
-    return float(pp + dp + 2)
+    calls = [(p, op, k) for p, cs in dp_groups for op, _, k in cs]
+    if dp_hidden and calls:
+        calls = [(*calls[-1][:2], 1)]
+    dp = sum(sync_units(op, p, k) for p, op, k in calls)
+    return sync_units("p2p", 2, pp) + dp + sync_units("all_reduce", world, 2)
 
 
 def bounds(crit: float, work_over_cores: float, syncs: float, o: float,

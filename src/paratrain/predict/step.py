@@ -288,9 +288,9 @@ def _syncs(r: _Run, slow: int, dp_s: float, dp_exposed: float) -> float:
     the stages' micro-batches (the slowest m times, the others' fill) and the step's."""
     per = [S.stage_syncs(r.mcfg, r.plan, lay, _tp_calls(r.mcfg, r.plan, lay, r.act,
                                                         r.seqs_mb)) for lay in r.lays]
-    dp_calls = sum(k for _, cs in _dp_groups(r.mcfg, r.plan, r.tcfg, 0) for _, _, k in cs)
-    return pipeline_path(per, slow, r.plan) + S.path_syncs(r.plan, dp_calls,
-                                                           dp_exposed < dp_s)
+    groups = _dp_groups(r.mcfg, r.plan, r.tcfg, 0)
+    return pipeline_path(per, slow, r.plan) + S.path_syncs(r.plan, groups,
+                                                           dp_exposed < dp_s, r.world)
 
 
 def predict(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan, world: int,

@@ -306,6 +306,7 @@ def _record(name: str, plan: ParallelPlan, model: ModelConfig, tcfg: TrainConfig
     cpu = statistics.median(s["cpu_times"][1:])
     return {"plan": name, "nproc": plan.world_size, "moe": bool(model.experts),
             "other_sessions": machine.other_sessions, "other_threads": machine.other_threads,
+            "others_samples": [list(o) for o in machine.others],
             "share": pred.share, "predicted_s": pred.step_s, "measured_s": measured,
             "error": pred.step_s / measured - 1, "measured_mean_s": s["step_s"],
             "cpu_share_rank0": s["cpu_share_rank0"],
