@@ -65,14 +65,20 @@ def _fake_spawn(results: dict[int, list]):
 def test_sync_costs_from_injected_timings():
     """2 cores: free (2 ranks) compute 1 ms, compute + sync 1.5 ms, sync alone 0.2 ms:
     a wake-up of 0.3 ms; 4 ranks: time-shared compute 2 ms, with the sync 3.2 ms: the
-    oversubscribed sync costs 1.2 ms."""
+    oversubscribed sync costs 1.2 ms. A segment alone takes 0.8 ms: core speed 0.8.
+    A segment alone that never settles is refused."""
     free = [[1e-3, 1.5e-3, 2e-4], [1e-3, 1.5e-3, 2e-4]]
     busy = [[2e-3, 3.2e-3, 5e-4]] * 4
-    got = sync_costs(2, spawn_fn=_fake_spawn({2: free, 4: busy}))
+    got = sync_costs(2, spawn_fn=_fake_spawn({2: free, 4: busy}), alone_fn=lambda: 8e-4)
     assert got["wake_s"] == pytest.approx(3e-4) and got["busy_sync_s"] == pytest.approx(1.2e-3)
+    assert got["core_speed"] == pytest.approx(0.8)  # 0.8 ms alone, 1 ms beside the other
     with pytest.raises(BusyMachine, match="too busy"):
         sync_costs(2, spawn_fn=_fake_spawn({2: free, 4: ["the machine was too busy to "
-                                                         "calibrate: x", *busy[1:]]}))
+                                                         "calibrate: x", *busy[1:]]}),
+                   alone_fn=lambda: 8e-4)
+    alone = itertools.cycle([1e-3, 3e-3])
+    with pytest.raises(BusyMachine, match="one compute segment alone"):
+        sync_costs(2, spawn_fn=_fake_spawn({2: free, 4: busy}), alone_fn=lambda: next(alone))
 
 
 def test_bench_calibrate_refuses_on_a_busy_machine(monkeypatch, tmp_path, capsys):

@@ -119,3 +119,19 @@ def test_sched_constants_travel_from_the_calibration_file(tmp_path):
     p = predict(TINY, TC, ParallelPlan(dp=2), 2, m)
     assert not any("no scheduler calibration" in n for n in p.notes)
     assert dataclasses.asdict(m.replace(others=((1,),)))["wake_s"] == 3e-4
+
+
+def test_cores_computing_at_once_compute_slower():
+    """core_speed 0.5: dp2 on 2 cores computes and works at half speed; one rank alone
+    on the box does not; with 3 cores and 2 busy ranks the slowdown is half-way."""
+    m = dataclasses.replace(_machine(2), core_speed=0.5)
+    free = predict(TINY, TC, ParallelPlan(dp=2), 2, _machine(2))
+    p = predict(TINY, TC, ParallelPlan(dp=2), 2, m)
+    assert p.compute_s == pytest.approx(2 * free.compute_s)
+    one = predict(TINY, TC, ParallelPlan(), 1, m)
+    assert one.compute_s == predict(TINY, TC, ParallelPlan(), 1, _machine(2)).compute_s
+    assert S.contention(m, 2) == 2.0 and S.contention(m, 1) == 1.0
+    m3 = dataclasses.replace(_machine(3), core_speed=0.5)
+    assert S.contention(m3, 2) == pytest.approx(1 / 0.75)
+    cpu_free = free.session_work_s
+    assert p.session_work_s > 1.9 * cpu_free - 1e-3  # the compute part doubles

@@ -180,6 +180,35 @@ def calibrate_worker(rank: int, world: int, sizes: list[int], iters: int,
 SYNC_SEGMENT = 4  # 256^3 matmuls between two syncs: about a TP block region's compute
 
 
+def _segment(torch):
+    """The compute between two syncs: SYNC_SEGMENT one-thread 256^3 matmuls."""
+    a = torch.randn(256, 256)
+
+    def seg() -> None:
+        for _ in range(SYNC_SEGMENT):
+            a @ a
+
+    return seg
+
+
+def segment_alone_s(iters: int = 50) -> float:
+    """Seconds of one compute segment in this process on one thread, alone (the
+    reference :func:`sync_costs` divides the ranks' concurrent segment by)."""
+    import torch
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        seg = _segment(torch)
+        seg()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            seg()
+        return (time.perf_counter() - t0) / iters
+    finally:
+        torch.set_num_threads(old)
+
+
 def sync_worker(rank: int, world: int, iters: int, rule: Stability = Stability()
                 ) -> list[float] | str:
     """Seconds per iteration of (compute only, compute then a 4-byte all-reduce in the
@@ -191,11 +220,7 @@ def sync_worker(rank: int, world: int, iters: int, rule: Stability = Stability()
 
     torch.set_num_threads(1)
     groups = [dist.new_group([2 * i, 2 * i + 1]) for i in range(world // 2)]
-    g, x, a = groups[rank // 2], torch.zeros(1), torch.randn(256, 256)
-
-    def seg() -> None:
-        for _ in range(SYNC_SEGMENT):
-            a @ a
+    g, x, seg = groups[rank // 2], torch.zeros(1), _segment(torch)
 
     def timed(body: Callable[[], None], n: int) -> float:
         dist.barrier()
@@ -224,15 +249,19 @@ def sync_worker(rank: int, world: int, iters: int, rule: Stability = Stability()
 
 
 def sync_costs(cores: int, iters: int = 50, rule: Stability = Stability(),
-               spawn_fn: Callable | None = None) -> dict[str, float]:
+               spawn_fn: Callable | None = None,
+               alone_fn: Callable[[], float] = segment_alone_s) -> dict[str, float]:
     """The scheduler's constants (:mod:`paratrain.predict.sched`): ``wake_s``, what a
     blocking sync costs on free cores beyond the compute around it and the call's own
-    latency (``cores`` ranks, at least 2), and ``busy_sync_s``, its whole wall cost
-    beyond the time-shared compute when ranks outnumber cores (2 x cores ranks, up to
-    16; more cores than 8: the free-core figure). ``spawn_fn`` is injectable for tests."""
+    latency (``cores`` ranks, at least 2); ``busy_sync_s``, its whole wall cost beyond
+    the time-shared compute when ranks outnumber cores (2 x cores ranks, up to 16; more
+    cores than 8: the free-core figure); ``core_speed``, a core's compute speed while
+    ``cores`` ranks compute at once over its speed alone (at most 1). ``spawn_fn`` and
+    ``alone_fn`` (the segment alone) are injectable for tests."""
     from paratrain.parallel.process_groups import spawn
 
     run = spawn_fn or spawn
+    (alone_seg,) = until_stable(lambda: [alone_fn()], "one compute segment alone", rule)
 
     def measured(world: int) -> list[float]:
         res = run(sync_worker, world, iters, rule, timeout_s=600)
@@ -242,11 +271,12 @@ def sync_costs(cores: int, iters: int = 50, rule: Stability = Stability(),
         return [statistics.fmean(r[i] for r in res) for i in range(3)]
 
     comp, synced, alone = measured(max(2, cores - cores % 2))
-    wake = max(0.0, synced - comp - alone)
+    out = {"wake_s": max(0.0, synced - comp - alone), "cores": cores,
+           "core_speed": min(1.0, alone_seg / comp) if cores > 1 else 1.0}
     if 2 * cores > 16:
-        return {"wake_s": wake, "busy_sync_s": wake + alone, "cores": cores}
+        return {**out, "busy_sync_s": out["wake_s"] + alone}
     comp2, synced2, _ = measured(2 * cores)
-    return {"wake_s": wake, "busy_sync_s": max(0.0, synced2 - comp2), "cores": cores}
+    return {**out, "busy_sync_s": max(0.0, synced2 - comp2)}
 
 
 def fit(sizes: list[int], per_rank: list[dict], p: int) -> dict:
@@ -322,7 +352,8 @@ def run(nproc: int, sizes: list[int], iters: int, out: Path,
         f"wrote {path} and {sched_path}",
         f"a blocking sync beyond its compute: {sched['wake_s'] * 1e6:.0f} us more than its "
         f"own latency on free cores; {sched['busy_sync_s'] * 1e6:.0f} us with "
-        f"{2 * cores} ranks on {cores} cores",
+        f"{2 * cores} ranks on {cores} cores; a core computes at "
+        f"{sched['core_speed']:.2f} of its speed alone while every core computes",
         f"ping-pong (ranks 0<->1): alpha {f['alpha_pp'] * 1e6:.1f} us, "
         f"bw {f['bw_pp'] / 1e9:.3f} GB/s",
         f"native all-reduce sweep (p={nproc}): alpha {f['alpha_ar'] * 1e6:.1f} us per step, "

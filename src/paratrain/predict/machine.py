@@ -35,6 +35,7 @@ class MachineModel:
     coll_byte_cpu_s: float = 0.0  # CPU per byte it sends (0: priced as bytes / intra_bw)
     wake_s: float = 0.0  # a blocking sync on free cores, beyond its latency (sched.py)
     busy_sync_s: float = 0.0  # a blocking sync's wall cost when ranks outnumber cores
+    core_speed: float = 1.0  # a core's compute speed with every core computing, vs alone
     sched: str = ""  # where wake_s and busy_sync_s come from ("": not calibrated)
     fitted: bool = False
     source: str = "profile"
@@ -145,7 +146,7 @@ def _sched(path: Path) -> dict:
     if not {"wake_s", "busy_sync_s"} <= set(got):
         return {}
     return {"wake_s": got["wake_s"], "busy_sync_s": got["busy_sync_s"],
-            "sched": f"{sp} ({got.get('date', '?')})"}
+            "core_speed": got.get("core_speed", 1.0), "sched": f"{sp} ({got.get('date', '?')})"}
 
 
 def load_machine(profile: str | Path | None = None) -> MachineModel | None:

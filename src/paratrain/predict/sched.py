@@ -9,7 +9,10 @@ change, and none of them is a per-plan factor:
 - **Compute time-shares the cores.** The session's ranks get ``share`` of a core each,
   so a rank's compute stretches by ``o = 1 / share`` -- but only while the others also
   compute: in a pipeline's fill and drain only some stages run, and there the stretch is
-  ``o / pp`` (at least 1): :func:`stretch`.
+  ``o / pp`` (at least 1): :func:`stretch`. And a core computes slower while the others
+  compute too (shared caches and memory bandwidth; a VM's cores may share physical ones):
+  ``core_speed``, measured once (one core's speed with every core computing, over its
+  speed alone), :func:`contention`; it also inflates the CPU work.
 - **gloo's progress threads need CPU too**: every collective step and byte costs CPU
   (measured by `paratrain check-model`, :func:`paratrain.predict.calls.comm_cpu`), which
   the session's CPU work over its cores counts.
@@ -63,10 +66,29 @@ def oversubscription(share: float) -> float:
     return 1.0 / share if 0 < share < 1 else 1.0
 
 
-def stretch(o: float, plan: ParallelPlan) -> tuple[float, float]:
+def contention(machine: MachineModel, busy: float) -> float:
+    """How much slower a core computes while ``busy`` threads (ours and the other
+    sessions') compute at once than alone: 1 / ``core_speed`` once every core computes
+    (the cores share caches, memory bandwidth and, on a VM, physical cores), linear in
+    the busy cores from 1 (one core busy) to there."""
+    c = machine.cores
+    if c <= 1 or machine.core_speed >= 1:
+        return 1.0
+    frac = min(1.0, max(0.0, (min(busy, c) - 1) / (c - 1)))
+    return 1.0 / (1.0 - (1.0 - machine.core_speed) * frac)
+
+
+def stretch(o: float, plan: ParallelPlan, machine: MachineModel | None = None,
+            world: int = 1) -> tuple[float, float]:
     """(steady, fill) factors on a rank's compute: every stage computes in the steady
-    state (o), one stage's ranks of pp on average in the fill and drain (o / pp)."""
-    return o, max(1.0, o / plan.pp)
+    state (o), one stage's ranks of pp on average in the fill and drain (o / pp); each
+    times the cores' :func:`contention` with that many of the ``world`` ranks busy."""
+    steady, fill = o, max(1.0, o / plan.pp)
+    if machine is not None:
+        others = machine.other_threads
+        steady *= contention(machine, world + others)
+        fill *= contention(machine, world / plan.pp + others)
+    return steady, fill
 
 
 def stage_syncs(mcfg: ModelConfig, plan: ParallelPlan, lay: RankLayout,

@@ -267,12 +267,13 @@ def _dp_terms(r: _Run, first_flop_s: float) -> tuple[float, float]:
     return dp_s, dp_s - hidden
 
 
-def _rank_cpu(r: _Run, lay: RankLayout, stage: tuple[float, ...]) -> float:
+def _rank_cpu(r: _Run, lay: RankLayout, stage: tuple[float, ...], slow: float) -> float:
     """CPU seconds one rank of ``lay``'s stage spends per step: its compute and fixed
-    costs, and the CPU its collectives and sends cost (per ring step and per byte sent,
+    costs (``slow`` x, the cores' contention: :func:`paratrain.predict.sched.contention`),
+    and the CPU its collectives and sends cost (per ring step and per byte sent,
     measured)."""
     mcfg, plan, machine, m = r.mcfg, r.plan, r.machine, r.m
-    c = m * (stage[0] + stage[1]) + machine.step_s
+    c = (m * (stage[0] + stage[1]) + machine.step_s) * slow
     c += _comm_cpu(machine, plan.tp, _tp_calls(mcfg, plan, lay, r.act, r.seqs_mb))
     c += _comm_cpu(machine, plan.pp, _pp_calls(plan, lay, r.act, virtual_stages(plan)))
     c += _comm_cpu(machine, plan.cp, cp_calls(plan, _cp_wire(r, lay), lay.blocks))
@@ -308,7 +309,7 @@ def predict(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan, world: int
     stages, cp_tot = _stage_terms(r)
     per_stage = [sum(x) for x in stages]
     slow = slowest_stage(per_stage)
-    k = S.stretch(o, plan)
+    k = S.stretch(o, plan, machine, world)
     flop_s, fixed_path = (pipeline_path([st[j] for st in stages], slow, plan, k)
                           for j in range(2))
     tp_s, cp_exposed, ep_s = (pipeline_path([st[j] for st in stages], slow, plan)
@@ -317,7 +318,8 @@ def predict(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan, world: int
     pp_s, pp_wire = _pp_terms(r)
     dp_s, dp_exposed = _dp_terms(r, stages[0][0])
     syncs = _syncs(r, slow, dp_s, dp_exposed)
-    cpu = [_rank_cpu(r, lay, stages[i]) for i, lay in enumerate(r.lays)]
+    slowdown = S.contention(machine, world + machine.other_threads)
+    cpu = [_rank_cpu(r, lay, stages[i], slowdown) for i, lay in enumerate(r.lays)]
     work = plan.dp * plan.cp * plan.tp * sum(cpu)
     cores = share * world
     crit, bound, sync_s = S.bounds(flop_s + overhead_s + tp_s + cp_exposed + ep_s + pp_s
