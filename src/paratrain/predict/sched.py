@@ -21,9 +21,10 @@ change, and none of them is a per-plan factor:
   has run the late peer to the call and then the sleeper again. On free cores that is a
   wake-up (``wake_s``, beyond the call's own latency); with the cores taken it is the
   wait for the slowest peer plus a scheduling quantum (``busy_sync_s``, the sync's whole
-  wall cost beyond the time-shared compute). Both are measured once by `paratrain bench
-  calibrate` (:func:`paratrain.bench.calibrate.sync_costs`: pairs of ranks that compute,
-  then all-reduce 4 bytes, on ``cores`` and on 2 x ``cores`` ranks) and multiply the
+  wall cost beyond the time-shared compute). Both, and ``core_speed``, are measured once
+  by `paratrain bench calibrate` (:func:`paratrain.bench.calibrate.sync_costs`: pairs of
+  ranks that compute, then all-reduce 4 bytes, on ``cores`` and on 2 x ``cores`` ranks;
+  the same compute alone in one process) and the two sync costs multiply the
   blocking syncs along the critical path, counted from the same calls the bytes are
   (:func:`stage_syncs`, :func:`path_syncs`) in units of the calibrated one: every
   sequential round of a collective is a blocking receive (:func:`sync_units`), so an
