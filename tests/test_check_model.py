@@ -50,3 +50,31 @@ def test_refusals(profile, capsys, tmp_path):
     assert "unknown plan" in capsys.readouterr().err
     assert main(["check-model", "--plans", "dp2", "--profile", str(tmp_path / "none.toml")]) == 2
     assert "paratrain bench calibrate" in capsys.readouterr().err
+
+
+def test_fit_on_a_busy_machine_is_refused(profile, capsys, monkeypatch):
+    """Injected fit timings that never settle (1 s, 2 s, 1 s, ...): one line, exit 2,
+    naming the command to run again; nothing is trained."""
+    import itertools
+
+    from paratrain.run import check_model as cm
+
+    times = itertools.cycle([1.0, 2.0])
+    monkeypatch.setattr(cm, "_thread_peak", lambda: 1e10)
+    monkeypatch.setattr(cm, "_one_process", lambda *a: next(times))
+    assert main(["check-model", "--plans", "dp2", "--profile", profile]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: the machine was too busy to calibrate: the fit run's CPU")
+    assert "`paratrain check-model` again" in err and "\n" not in err
+
+
+def test_every_grid_plan_passes_the_runtime_checks():
+    """CP (ring, all-to-all) and EP join the grid; the EP plan trains a small MoE."""
+    from paratrain.run.check_model import GRID, GRID_BATCH, GRID_MODEL, plan_model
+
+    assert {"cp2 ring", "cp2 all-to-all", "dp2 x ep2"} <= set(GRID)
+    for name, plan in GRID.items():
+        model = plan_model(plan, GRID_MODEL)
+        assert bool(model.experts) == (plan.ep > 1), name
+        plan.check_run(model, plan.world_size, GRID_BATCH)
+    assert {p.cp_algorithm for p in GRID.values() if p.cp > 1} == {"ring", "all-to-all"}

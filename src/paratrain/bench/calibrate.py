@@ -8,6 +8,18 @@ FLOP/s on one thread and on all. The profile holds exactly the keys
 ``paratrain.cost.hardware.load_hardware`` reads; ``peak_flops`` is the measured matmul
 rate, so ``eta`` is 1.0. Then every all-reduce algorithm is timed and set beside the
 alpha-beta price of its schedule (:func:`paratrain.comm.cost.time_s`), size by size.
+
+Why every measurement is repeated until it is stable: a calibration taken while other
+jobs run is wrong for as long as the profile is used (one run was then +720% off). Each
+measurement is repeated in rounds until the last ``k`` rounds agree (coefficient of
+variation of every timing at most ``cv``, :class:`Stability`), and its median over them is
+kept; a machine that never settles within ``max_repeats`` rounds is refused with one line
+(:class:`BusyMachine`) instead of writing a profile that misleads every later prediction.
+
+Also measured, for the oversubscribed CPU (:mod:`paratrain.predict.sched`): what a
+blocking sync costs beyond the compute around it, on free cores and with twice as many
+ranks as cores (:func:`sync_worker`), written beside the profile
+(:func:`paratrain.predict.machine.save_sched`).
 """
 
 from __future__ import annotations
@@ -16,6 +28,8 @@ import os
 import socket
 import statistics
 import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from paratrain.cost.collectives import ring_factor, steps
@@ -34,33 +48,235 @@ def _ram_bytes() -> int:
     return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 
+@dataclass(frozen=True)
+class Stability:
+    """When a measurement counts as stable: the last ``k`` of at most ``max_repeats``
+    rounds agree, every timing's coefficient of variation over them at most ``cv``."""
+
+    k: int = 3
+    cv: float = 0.15
+    max_repeats: int = 10
+
+
+DEFAULT_RULE = Stability()  # what `paratrain bench calibrate` and `train --plan auto` use
+
+
+class BusyMachine(ValueError):
+    """The machine never settled: one line saying so and what to do (the CLI prints it)."""
+
+
+def variation(xs: Sequence[float]) -> float:
+    """Coefficient of variation (population standard deviation over the mean)."""
+    mean = statistics.fmean(xs)
+    return statistics.pstdev(xs) / mean if mean > 0 else float("inf")
+
+
+def until_stable(measure: Callable[[], Sequence[float]], what: str,
+                 rule: Stability = Stability(),
+                 agree: Callable[[bool], bool] = lambda ok: ok,
+                 judged: Callable[[list[float]], Sequence[float]] = lambda xs: xs,
+                 command: str = "paratrain bench calibrate") -> list[float]:
+    """Call ``measure`` (one round: a few positive timings) until the last ``rule.k``
+    rounds are stable; return each timing's median over them. ``judged`` maps a round to
+    the figures whose stability counts (default: all; a sweep judges the alpha and beta
+    it fits, not each size's latency). ``agree`` lets the ranks of a process group
+    decide together (all stable or none), so they stay in step. Raises
+    :class:`BusyMachine` (naming ``command`` to run again) after ``rule.max_repeats``
+    unstable rounds."""
+    rounds: list[list[float]] = []
+    worst = float("inf")
+    for _ in range(rule.max_repeats):
+        rounds.append([float(x) for x in measure()])
+        window = rounds[-rule.k:]
+        if len(window) == rule.k:
+            figs = [judged(r) for r in window]
+            worst = max(variation(col) for col in zip(*figs, strict=True))
+        if agree(len(window) == rule.k and worst <= rule.cv):
+            return [statistics.median(col) for col in zip(*window, strict=True)]
+    raise BusyMachine(
+        f"the machine was too busy to calibrate: {what} still varied by {worst:.0%} over "
+        f"the last {rule.k} of {rule.max_repeats} rounds (at most {rule.cv:.0%} counts as "
+        f"stable); run `{command}` again when fewer jobs run (see `uptime`)")
+
+
+def _agree_all(ok: bool) -> bool:
+    """True on every rank only when it is true on every rank (an all-reduce MIN)."""
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([1.0 if ok else 0.0])
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return bool(t.item())
+
+
+def _native_sweep(sizes: list[int], iters: int) -> list[float]:
+    """Median seconds of a native gloo all-reduce at each size."""
+    import torch
+    import torch.distributed as dist
+
+    out = []
+    for nbytes in sizes:
+        buf = torch.zeros(max(1, nbytes // 4))
+        for _ in range(3):
+            dist.all_reduce(buf)
+        dist.barrier()
+        ts = []
+        for _ in range(iters):
+            t = time.perf_counter()
+            dist.all_reduce(buf)
+            ts.append(time.perf_counter() - t)
+        out.append(statistics.median(ts))
+    return out
+
+
 def calibrate_worker(rank: int, world: int, sizes: list[int], iters: int,
-                     algorithms: list[str]) -> dict:
-    """Ping-pong, native all-reduce sweep and our algorithms: per-size seconds."""
+                     algorithms: list[str], rule: Stability = Stability()) -> dict:
+    """Ping-pong and native all-reduce sweep, repeated until stable (the ranks agree),
+    then our algorithms once (for the report): per-size seconds. Unstable: {"busy": line}."""
     import torch
     import torch.distributed as dist
 
     from paratrain.bench import measure
     from paratrain.comm import api
 
-    pp = measure.ping_pong(rank, sizes, iters)
-    native, ours = [], {a: [] for a in algorithms}
+    n = len(sizes)
+
+    def one_round() -> list[float]:
+        pp = measure.ping_pong(rank, sizes, iters)  # every rank joins its barriers
+        return [*(pp if rank < 2 else [1.0] * n), *_native_sweep(sizes, iters)]
+
+    def fitted(xs: list[float]) -> list[float]:
+        """The latency and per-byte time the profile takes from a round (fit_two_regimes):
+        one size's latency alone flips between a wake-up and none."""
+        from paratrain.bench.measure import fit_two_regimes
+
+        fs = [float(x) for x in sizes]
+        (a_pp, b_pp), (a_ar, b_ar) = fit_two_regimes(fs, xs[:n]), fit_two_regimes(fs, xs[n:])
+        # without a size of 1 MiB or more the slope is the small sizes' noise: not judged
+        return [a_pp, a_ar] + ([b_pp, b_ar] if max(sizes) >= 1 << 20 else [])
+
+    try:
+        vals = until_stable(one_round, "the gloo ping-pong and all-reduce sweep", rule,
+                            _agree_all, fitted)
+    except BusyMachine as e:
+        return {"busy": str(e)}
+    ours = {a: [] for a in algorithms}
     for nbytes in sizes:
         bufs = [torch.zeros(max(1, nbytes // 4)) for _ in range(2)]
-        calls = [("native", lambda b: dist.all_reduce(b))] + [
-            (a, lambda b, a=a: api.all_reduce(b, algorithm=a)) for a in algorithms]
-        for name, fn in calls:
+        for a in algorithms:
             for i in range(3):
-                fn(bufs[i % 2])
+                api.all_reduce(bufs[i % 2], algorithm=a)
             dist.barrier()
             ts = []
             for i in range(iters):
                 t = time.perf_counter()
-                fn(bufs[i % 2])
+                api.all_reduce(bufs[i % 2], algorithm=a)
                 ts.append(time.perf_counter() - t)
-            # median: robust to the odd iteration where another process took the core
-            (native if name == "native" else ours[name]).append(statistics.median(ts))
-    return {"ping_pong": pp, "native": native, "ours": ours}
+            ours[a].append(statistics.median(ts))
+    return {"ping_pong": vals[:n] if rank < 2 else [0.0] * n, "native": vals[n:],
+            "ours": ours}
+
+
+SYNC_SEGMENT = 4  # 256^3 matmuls between two syncs: about a TP block region's compute
+
+
+def _segment(torch):
+    """The compute between two syncs: SYNC_SEGMENT one-thread 256^3 matmuls."""
+    a = torch.randn(256, 256)
+
+    def seg() -> None:
+        for _ in range(SYNC_SEGMENT):
+            a @ a
+
+    return seg
+
+
+def segment_alone_s(iters: int = 50) -> float:
+    """Seconds of one compute segment in this process on one thread, alone (the
+    reference :func:`sync_costs` divides the ranks' concurrent segment by)."""
+    import torch
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        seg = _segment(torch)
+        seg()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            seg()
+        return (time.perf_counter() - t0) / iters
+    finally:
+        torch.set_num_threads(old)
+
+
+def sync_worker(rank: int, world: int, iters: int, rule: Stability = Stability()
+                ) -> list[float] | str:
+    """Seconds per iteration of (compute only, compute then a 4-byte all-reduce in the
+    rank's pair, the all-reduce alone), ranks paired (0, 1), (2, 3), ...: what a blocking
+    sync costs beyond the compute around it, when the peer may not be running. Repeated
+    until stable (the ranks agree); unstable: the :class:`BusyMachine` line."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    groups = [dist.new_group([2 * i, 2 * i + 1]) for i in range(world // 2)]
+    g, x, seg = groups[rank // 2], torch.zeros(1), _segment(torch)
+
+    def timed(body: Callable[[], None], n: int) -> float:
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            body()
+        return time.perf_counter() - t0
+
+    bodies = (seg, lambda: (seg(), dist.all_reduce(x, group=g)),
+              lambda: dist.all_reduce(x, group=g))
+
+    def one_round() -> list[float]:
+        # the three loops interleaved in blocks of 10, so a drift of the load between
+        # them does not masquerade as a cost of the sync
+        tot = [0.0, 0.0, 0.0]
+        for _ in range(max(1, iters // 10)):
+            tot = [t + timed(b, 10) for t, b in zip(tot, bodies, strict=True)]
+        return [t / (10 * max(1, iters // 10)) for t in tot]
+
+    one_round()  # warm-up: the pairs' connections, the allocator
+    try:
+        return until_stable(one_round, f"a blocking sync among {world} ranks", rule,
+                            _agree_all)
+    except BusyMachine as e:
+        return str(e)
+
+
+def sync_costs(cores: int, iters: int = 50, rule: Stability = Stability(),
+               spawn_fn: Callable | None = None,
+               alone_fn: Callable[[], float] = segment_alone_s) -> dict[str, float]:
+    """The scheduler's constants (:mod:`paratrain.predict.sched`): ``wake_s``, what a
+    blocking sync costs on free cores beyond the compute around it and the call's own
+    latency (``cores`` ranks, at least 2); ``busy_sync_s``, its whole wall cost beyond
+    the time-shared compute when ranks outnumber cores (2 x cores ranks, up to 16; more
+    cores than 8: the free-core figure); ``core_speed``, a core's compute speed while
+    ``cores`` ranks compute at once over its speed alone (at most 1). ``spawn_fn`` and
+    ``alone_fn`` (the segment alone) are injectable for tests."""
+    from paratrain.parallel.process_groups import spawn
+
+    run = spawn_fn or spawn
+    (alone_seg,) = until_stable(lambda: [alone_fn()], "one compute segment alone", rule)
+
+    def measured(world: int) -> list[float]:
+        res = run(sync_worker, world, iters, rule, timeout_s=600)
+        busy = next((r for r in res if isinstance(r, str)), None)
+        if busy is not None:
+            raise BusyMachine(busy)
+        return [statistics.fmean(r[i] for r in res) for i in range(3)]
+
+    comp, synced, alone = measured(max(2, cores - cores % 2))
+    out = {"wake_s": max(0.0, synced - comp - alone), "cores": cores,
+           "core_speed": min(1.0, alone_seg / comp) if cores > 1 else 1.0}
+    if 2 * cores > 16:
+        return {**out, "busy_sync_s": out["wake_s"] + alone}
+    comp2, synced2, _ = measured(2 * cores)
+    return {**out, "busy_sync_s": max(0.0, synced2 - comp2)}
 
 
 def fit(sizes: list[int], per_rank: list[dict], p: int) -> dict:
@@ -99,30 +315,45 @@ def write_toml(values: dict, path: Path) -> Path:
 
 
 def run(nproc: int, sizes: list[int], iters: int, out: Path,
-        algorithms: list[str]) -> tuple[dict, str]:
-    """Measure, write the profile, and return (profile, report text)."""
+        algorithms: list[str], rule: Stability | None = None) -> tuple[dict, str]:
+    """Measure (each measurement until stable under ``rule``, default
+    :data:`DEFAULT_RULE`: :func:`until_stable`), write the profile and the scheduler's
+    constants beside it, and return (profile, report text)."""
+    rule = rule or DEFAULT_RULE
     from paratrain.bench import measure
     from paratrain.comm.algorithms import build
     from paratrain.comm.api import SEGMENT_BYTES
     from paratrain.comm.cost import time_s
     from paratrain.parallel.process_groups import spawn
+    from paratrain.predict.machine import save_sched
 
     if nproc < 2:
         raise ValueError(f"--nproc {nproc}: calibration needs at least 2 ranks")
-    per_rank = spawn(calibrate_worker, nproc, sizes, iters, algorithms, timeout_s=3600)
+    per_rank = spawn(calibrate_worker, nproc, sizes, iters, algorithms, rule, timeout_s=3600)
+    busy = next((r["busy"] for r in per_rank if "busy" in r), None)
+    if busy is not None:
+        raise BusyMachine(busy)
     f = fit(sizes, per_rank, nproc)
-    memcpy = measure.memcpy_bw()
-    f1 = measure.matmul_flops(threads=1)
-    fall = measure.matmul_flops(threads=os.cpu_count() or 1)
+    cores = os.cpu_count() or 1
+    (memcpy,) = until_stable(lambda: [measure.memcpy_bw()], "memcpy bandwidth", rule)
+    (f1,) = until_stable(lambda: [measure.matmul_flops(threads=1)], "one-thread matmul",
+                         rule)
+    (fall,) = until_stable(lambda: [measure.matmul_flops(threads=cores)], "matmul", rule)
+    sched = sync_costs(cores, rule=rule)
     # The profile takes alpha and bw fitted to the native all-reduce: what a collective
     # step really costs here (both directions, the reduction, the shared memory bus),
     # which is what the systems model's ring formula multiplies. Ping-pong is printed.
     alpha, bw = f["alpha_ar"], f["bw_ar"]
     prof = profile(f"calibrated-{socket.gethostname()}", max(f1, fall), memcpy, alpha, bw,
-                   os.cpu_count() or 1)
+                   cores)
     path = write_toml(prof, out)
+    sched_path = save_sched(sched, out)
     lines = [
-        f"wrote {path}",
+        f"wrote {path} and {sched_path}",
+        f"a blocking sync beyond its compute: {sched['wake_s'] * 1e6:.0f} us more than its "
+        f"own latency on free cores; {sched['busy_sync_s'] * 1e6:.0f} us with "
+        f"{2 * cores} ranks on {cores} cores; a core computes at "
+        f"{sched['core_speed']:.2f} of its speed alone while every core computes",
         f"ping-pong (ranks 0<->1): alpha {f['alpha_pp'] * 1e6:.1f} us, "
         f"bw {f['bw_pp'] / 1e9:.3f} GB/s",
         f"native all-reduce sweep (p={nproc}): alpha {f['alpha_ar'] * 1e6:.1f} us per step, "

@@ -9,7 +9,10 @@ Modules: :mod:`.machine` (the profile, the CPU fit on disk, the cores' water-fil
 between sessions), :mod:`.model` (:class:`Prediction`, :func:`predict`,
 :func:`fit_from_runs`), :mod:`.report` (:func:`compare`, :func:`summary_prediction`,
 :func:`format_prediction`, :func:`summary_row`), :mod:`.axes` (the context- and
-expert-parallel terms :func:`predict` adds per stage; docs/train-prediction.md).
+expert-parallel terms :func:`predict` adds per stage; docs/train-prediction.md),
+:mod:`.calls` (the calls each rank makes per step), :mod:`.sched` (the oversubscribed
+CPU: compute time-sharing the cores, blocking syncs waiting for peers the scheduler has
+not run).
 
 What is special here, and how it is priced:
 
@@ -47,7 +50,11 @@ the data-parallel sync is exposed except for buckets that finish while backward 
 runs (a model that fits one bucket hides nothing). And the session's CPU work per step
 (every rank's compute, fixed costs and loopback copies) over the cores it gets: when
 ranks outnumber those cores, a rank waiting in a collective or a pipeline bubble hands its
-core to another, so waits are hidden and the work sets the pace.
+core to another, so waits are hidden and the work sets the pace -- except the blocking
+syncs, where no rank of the group computes: :mod:`.sched` stretches the critical path's
+compute by the ranks per core, adds a measured wake-up per sync on free cores and the
+measured oversubscribed sync's cost to the work bound (``bench calibrate`` measures both,
+``cpu_sched.json`` beside the profile).
 
 Bytes are counted exactly, per rank, by :mod:`paratrain.cost.layout`: the stage split, tensor
 shards (heads, SwiGLU units, vocabulary rows ``ceil(V/t)``; norms replicated), and the dp

@@ -13,6 +13,7 @@ from paratrain.cost.hardware import Hardware, load_hardware
 
 DEFAULT_PROFILE = Path("~/.cache/paratrain/hardware.toml")
 FIT_NAME = "cpu_fit.json"  # written next to the profile by `paratrain check-model`
+SCHED_NAME = "cpu_sched.json"  # written next to the profile by `paratrain bench calibrate`
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,10 @@ class MachineModel:
     others: tuple[tuple[int, ...], ...] = ()
     coll_step_cpu_s: float = 0.0  # CPU a rank spends per collective step (gloo, loopback)
     coll_byte_cpu_s: float = 0.0  # CPU per byte it sends (0: priced as bytes / intra_bw)
+    wake_s: float = 0.0  # a blocking sync on free cores, beyond its latency (sched.py)
+    busy_sync_s: float = 0.0  # a blocking sync's wall cost when ranks outnumber cores
+    core_speed: float = 1.0  # a core's compute speed with every core computing, vs alone
+    sched: str = ""  # where wake_s and busy_sync_s come from ("": not calibrated)
     fitted: bool = False
     source: str = "profile"
 
@@ -120,23 +125,49 @@ def fit_path(profile: Path) -> Path:
     return profile.expanduser().with_name(FIT_NAME)
 
 
+def sched_path(profile: Path) -> Path:
+    return profile.expanduser().with_name(SCHED_NAME)
+
+
+def save_sched(values: dict, profile: str | Path | None) -> Path:
+    """The scheduler's constants (:func:`paratrain.bench.calibrate.sync_costs`) beside
+    the profile, with the date they were measured."""
+    path = sched_path(Path(profile or DEFAULT_PROFILE))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({**values, "date": time.strftime("%Y-%m-%d %H:%M:%S")},
+                               indent=1))
+    return path
+
+
+def _sched(path: Path) -> dict:
+    """wake_s and busy_sync_s from the file beside ``path`` (none there: {})."""
+    sp = sched_path(path)
+    got = json.loads(sp.read_text()) if sp.is_file() else {}
+    if not {"wake_s", "busy_sync_s"} <= set(got):
+        return {}
+    return {"wake_s": got["wake_s"], "busy_sync_s": got["busy_sync_s"],
+            "core_speed": got.get("core_speed", 1.0), "sched": f"{sp} ({got.get('date', '?')})"}
+
+
 def load_machine(profile: str | Path | None = None) -> MachineModel | None:
     """The profile (default ``~/.cache/paratrain/hardware.toml``) and, if present, the CPU
-    fit beside it; ``None`` when this machine has not been calibrated."""
+    fit and the scheduler's constants beside it; ``None`` when this machine has not been
+    calibrated."""
     path = Path(profile or DEFAULT_PROFILE).expanduser()
     if not path.is_file():
         return None
     hw = load_hardware(str(path))
     fp = fit_path(path)
     fit = json.loads(fp.read_text()) if fp.is_file() else {}
+    sched = _sched(path)
     if {"eta", "thread_peak", "pass_s", "step_s"} <= set(fit):  # else none or stale: ignored
         return MachineModel(hw, fit["eta"], fit["thread_peak"], fit["pass_s"], fit["step_s"],
                             coll_step_cpu_s=fit.get("coll_step_cpu_s", 0.0),
                             coll_byte_cpu_s=fit.get("coll_byte_cpu_s", 0.0), fitted=True,
-                            source=f"fit {fp} ({fit.get('fitted_on', '?')})")
+                            source=f"fit {fp} ({fit.get('fitted_on', '?')})", **sched)
     return MachineModel(hw, hw.eta, hw.peak_flops / hw.gpus_per_node,
                         source=f"profile {path} (eta {hw.eta:g}, no CPU fit: run "
-                               "`paratrain check-model` to fit one)")
+                               "`paratrain check-model` to fit one)", **sched)
 
 
 def save_fit(m: MachineModel, profile: str | Path | None, fitted_on: str) -> Path:

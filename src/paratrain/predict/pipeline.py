@@ -30,11 +30,15 @@ def _fill_per_stage(plan: ParallelPlan) -> float:
     return over * m / (plan.pp - 1)
 
 
-def pipeline_path(xs: list[float], slow: int, plan: ParallelPlan) -> float:
+def pipeline_path(xs: list[float], slow: int, plan: ParallelPlan,
+                  stretch: tuple[float, float] = (1.0, 1.0)) -> float:
     """Seconds of ``xs`` (per stage, one micro-batch) along the critical path: m x the
-    slowest stage's plus the others' share of the schedule's fill (:func:`_fill_per_stage`)."""
+    slowest stage's plus the others' share of the schedule's fill (:func:`_fill_per_stage`),
+    each times its ``stretch`` (steady state, fill) where the cores are shared
+    (:func:`paratrain.predict.sched.stretch`)."""
     others = sum(x for i, x in enumerate(xs) if i != slow)
-    return plan.micro_batches * xs[slow] + _fill_per_stage(plan) * others
+    return (plan.micro_batches * xs[slow] * stretch[0]
+            + _fill_per_stage(plan) * others * stretch[1])
 
 
 def pipeline_bubble(per_stage: list[float], plan: ParallelPlan) -> float:

@@ -144,6 +144,9 @@ def format_prediction(rep: dict | None) -> str:
         f"  bounds      critical path {p['critical_path_s']:.4f} s; session CPU work "
         f"{p['session_work_s']:.4f} s on {p['session_cores']:.2f} cores = "
         f"{p['session_work_s'] / p['session_cores']:.4f} s; rank 0 CPU {p['cpu_rank0_s']:.4f} s",
+        f"  syncs       {p.get('syncs', 0):.0f} blocking syncs on the critical path add "
+        f"{p.get('sync_s', 0):.4f} s ({p.get('oversubscription', 1):.2f} runnable ranks per "
+        "core)",
         f"  compute s   predicted {c['compute_s']['predicted']:.4f} (FLOPs "
         f"{p['compute_s']:.4f}, fixed {p['overhead_s']:.4f}, bubble {p['bubble_s']:.4f}, "
         f"TP {p['tp_comm_s']:.4f}, PP {p['pp_comm_s']:.4f}{_axes_s(p)})  measured "

@@ -16,10 +16,10 @@ from paratrain.cost.hardware import Hardware
 from paratrain.cost.layout import ELEMENT_BYTES, RankLayout
 from paratrain.cost.ranks import virtual_stages
 from paratrain.cost.run_figures import predicted_activations, predicted_states
-from paratrain.cost.schedule import COMMS, V_SHAPED, build_schedule
+from paratrain.cost.schedule import V_SHAPED
 from paratrain.cost.shapes import as_shape
-from paratrain.cost.tp_bytes import tp_forward_backward
 from paratrain.plan import ParallelPlan
+from paratrain.predict import sched as S
 from paratrain.predict.axes import (
     cp_block_s,
     cp_calls,
@@ -31,6 +31,12 @@ from paratrain.predict.axes import (
     moe_extra_flops,
     one_host,
 )
+from paratrain.predict.calls import comm_cpu as _comm_cpu
+from paratrain.predict.calls import dp_groups as _dp_groups
+from paratrain.predict.calls import pp_calls as _pp_calls
+from paratrain.predict.calls import tp_block_calls as _tp_block_calls
+from paratrain.predict.calls import tp_calls as _tp_calls
+from paratrain.predict.calls import v_p2p as _v_p2p
 from paratrain.predict.machine import MachineModel
 from paratrain.predict.pipeline import pipeline_bubble, pipeline_path, slowest_stage
 from paratrain.systems.layer_cost import expert_imbalance
@@ -40,7 +46,7 @@ from paratrain.systems.layer_cost import expert_imbalance
 class Prediction:
     """One step of one run on this machine (seconds, bytes; per rank unless named)."""
 
-    step_s: float  # max(critical path, session CPU work / session cores)
+    step_s: float  # max(critical path, session CPU work / session cores + busy syncs)
     compute_s: float  # matmul FLOPs at eta, summed along the critical path (free cores)
     overhead_s: float  # fixed per-pass and per-step costs along the critical path
     bubble_s: float  # pipeline fill/drain: part of compute + overhead above
@@ -49,7 +55,7 @@ class Prediction:
     dp_comm_s: float  # the data-parallel sync, total
     dp_exposed_s: float  # of which not hidden under backward
     share: float  # fraction of a core per rank
-    critical_path_s: float  # the step if every rank had a core of its own
+    critical_path_s: float  # compute stretched by the shared cores, a wake-up per sync
     session_work_s: float  # CPU seconds all ranks spend per step (compute + copies)
     session_cores: float  # cores the run's session gets (water-filled between sessions)
     cpu_rank0_s: float  # CPU seconds rank 0 spends per step
@@ -61,6 +67,9 @@ class Prediction:
     ep_comm_s: float = 0.0  # MoE all-to-alls along the critical path (all exposed)
     cp_wire_bytes: float = 0.0  # rank 0, per step (paratrain.cost.layout.cp_wire_bytes)
     ep_wire_bytes: float = 0.0  # rank 0, per step, expected under uniform routing
+    oversubscription: float = 1.0  # runnable ranks per core the session gets (sched.py)
+    syncs: float = 0.0  # blocking syncs along the critical path per step
+    sync_s: float = 0.0  # what they add to the step (wake-ups or oversubscribed waits)
     states_bytes_per_rank: list[dict] = field(default_factory=list)
     dp_wire_bytes_per_rank: list[float] = field(default_factory=list)  # per step
     systems_states_bytes: float = 0.0  # the systems model's busiest-rank formula
@@ -122,87 +131,6 @@ def _stage_mb_time(mcfg: ModelConfig, plan: ParallelPlan, lay: RankLayout, token
     return f / rate, passes * pass_s
 
 
-def _tp_block_calls(mcfg: ModelConfig, plan: ParallelPlan, lay: RankLayout, act: float
-                    ) -> tuple[float, int]:
-    """(bytes, all-reduce-sized calls) of the blocks' TP collectives per micro-batch:
-    :func:`paratrain.cost.tp_bytes.tp_forward_backward` per dense block (the same
-    steps and bytes under SP's all-gather + reduce-scatter); an MoE block has one
-    forward and one backward fewer (its MLP is whole on every tp rank: no entry, no exit)."""
-    n_fwd, n_bwd = tp_forward_backward(plan.recompute)
-    moe = moe_blocks(mcfg, lay)
-    return act, (n_fwd + n_bwd) * lay.blocks - 2 * moe
-
-
-def _tp_calls(mcfg: ModelConfig, plan: ParallelPlan, lay: RankLayout, act: float,
-              seqs_mb: float) -> list[tuple[str, float, int]]:
-    """TP collectives per step: the blocks' (:func:`_tp_block_calls`), 1 at the
-    embedding, 1 + 3 small at the head, per micro-batch."""
-    if plan.tp == 1:
-        return []
-    m = plan.micro_batches
-    n, k = _tp_block_calls(mcfg, plan, lay, act)
-    out = [("all_reduce", n, m * k),
-           ("all_reduce", act, m * (int(lay.first) + int(lay.last)))]
-    if lay.last:
-        out.append(("all_reduce", seqs_mb * mcfg.context / plan.cp * 4, 3 * m))
-    return out
-
-
-def _pp_calls(plan: ParallelPlan, lay: RankLayout, act: float, v: int
-              ) -> list[tuple[str, float, int]]:
-    """Point-to-point operations per step: each micro-batch sends (and receives) an
-    activation forward and a gradient back at every inner stage boundary."""
-    if plan.pp == 1:
-        return []
-    hop = act / (plan.tp if plan.sp else 1)
-    if plan.schedule in V_SHAPED:
-        return [("p2p", hop, sum(_v_p2p(plan, lay.pp)))]
-    ends = (0 if lay.last else 1) + (0 if lay.first else 1)
-    return [("p2p", hop, 2 * plan.micro_batches * v * ends)]
-
-
-def _v_p2p(plan: ParallelPlan, pp_rank: int) -> tuple[int, int]:
-    """(sends, receives) of ``pp_rank`` per step under a V-shaped schedule, read off its
-    action lists: there rank 0 holds both ends of the model and still talks to rank 1 for
-    each, and rank p-1's middle hand-off is no message, so counting stage boundaries
-    would be wrong (docs/pipeline-schedules.md)."""
-    acts = build_schedule(plan.schedule, plan.pp, plan.micro_batches, 2).actions[pp_rank]
-    sends = sum(a.kind.startswith("SEND") for a in acts)
-    return sends, sum(a.kind in COMMS for a in acts) - sends
-
-
-def _dp_groups(mcfg: ModelConfig, plan: ParallelPlan, tcfg: TrainConfig, rank: int
-               ) -> list[tuple[int, list[tuple[str, float, int]]]]:
-    """(group size, calls) of each gradient reducer of ``rank``: one over dp x cp
-    (:func:`paratrain.cost.layout.reducer_plan`), or with ep > 1 the dense one and the
-    experts' (:func:`paratrain.cost.layout.reducers`)."""
-    parts = [(plan, rank, "all", None)] if plan.ep == 1 else L.reducers(plan, rank)
-    out = []
-    for q, r, part, e in parts:
-        p = L.shard_group(q)  # HSDP: ZeRO within a replica, then the replicas' all-reduce
-        if L.reducer_plan(q).dp > 1:
-            out.append((p, L.dp_calls(mcfg, q, tcfg.dtype, r, tcfg.reduce_dtype, part, e)))
-    if plan.dp_replicate > 1:
-        out.append((plan.dp_replicate, L.dp_replicate_calls(mcfg, plan, tcfg.dtype, rank,
-                                                            tcfg.reduce_dtype)))
-    return out
-
-
-def _comm_cpu(machine: MachineModel, p: int, calls: list[tuple[str, float, int]]) -> float:
-    """CPU seconds a rank spends in ``calls`` on a group of ``p``: ring steps x the
-    measured CPU per step plus the bytes it sends x the CPU per byte (or bytes / the
-    transport's bandwidth)."""
-    per_byte = machine.coll_byte_cpu_s or 1.0 / machine.hw.intra_bw
-    total = 0.0
-    for op, n, k in calls:
-        if op == "p2p":
-            steps, wire = 1, n
-        else:
-            steps, wire = coll.steps(op, "ring", p), coll.wire_bytes(op, "ring", p, n)
-        total += k * (steps * machine.coll_step_cpu_s + wire * per_byte)
-    return total
-
-
 @dataclass(frozen=True)
 class _Run:
     """What every term of one prediction shares: the run, this machine and one
@@ -258,6 +186,9 @@ def _notes(r: _Run, share: float) -> list[str]:
     if not machine.fitted:
         notes.append("no CPU fit: eta from the profile, fixed costs 0 (run paratrain "
                      "check-model)")
+    if not machine.sched:
+        notes.append("no scheduler calibration: blocking syncs cost their latency only "
+                     "(run `paratrain bench calibrate`)")
     return notes
 
 
@@ -336,12 +267,13 @@ def _dp_terms(r: _Run, first_flop_s: float) -> tuple[float, float]:
     return dp_s, dp_s - hidden
 
 
-def _rank_cpu(r: _Run, lay: RankLayout, stage: tuple[float, ...]) -> float:
+def _rank_cpu(r: _Run, lay: RankLayout, stage: tuple[float, ...], slow: float) -> float:
     """CPU seconds one rank of ``lay``'s stage spends per step: its compute and fixed
-    costs, and the CPU its collectives and sends cost (per ring step and per byte sent,
+    costs (``slow`` x, the cores' contention: :func:`paratrain.predict.sched.contention`),
+    and the CPU its collectives and sends cost (per ring step and per byte sent,
     measured)."""
     mcfg, plan, machine, m = r.mcfg, r.plan, r.machine, r.m
-    c = m * (stage[0] + stage[1]) + machine.step_s
+    c = (m * (stage[0] + stage[1]) + machine.step_s) * slow
     c += _comm_cpu(machine, plan.tp, _tp_calls(mcfg, plan, lay, r.act, r.seqs_mb))
     c += _comm_cpu(machine, plan.pp, _pp_calls(plan, lay, r.act, virtual_stages(plan)))
     c += _comm_cpu(machine, plan.cp, cp_calls(plan, _cp_wire(r, lay), lay.blocks))
@@ -352,42 +284,62 @@ def _rank_cpu(r: _Run, lay: RankLayout, stage: tuple[float, ...]) -> float:
     return c
 
 
+def _syncs(r: _Run, slow: int, dp_s: float, dp_exposed: float) -> float:
+    """Blocking syncs along the critical path per step (:mod:`paratrain.predict.sched`):
+    the stages' micro-batches (the slowest m times, the others' fill) and the step's."""
+    per = [S.stage_syncs(r.mcfg, r.plan, lay, _tp_calls(r.mcfg, r.plan, lay, r.act,
+                                                        r.seqs_mb)) for lay in r.lays]
+    groups = _dp_groups(r.mcfg, r.plan, r.tcfg, 0)
+    return pipeline_path(per, slow, r.plan) + S.path_syncs(r.plan, groups,
+                                                           dp_exposed < dp_s, r.world)
+
+
 def predict(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan, world: int,
             machine: MachineModel) -> Prediction:
     """Price one step of ``plan`` (any composition of dp, pp, tp/sp, cp, ep) on ``world``
-    one-thread ranks of this machine: max(the critical path, the session's CPU work over
-    the cores it gets); the pipeline's fill is the schedule's own bubble
+    one-thread ranks of this machine: the larger of the critical path (compute stretched
+    where the cores are shared, a wake-up per blocking sync) and the session's CPU work
+    over the cores it gets (plus the oversubscribed syncs), :func:`paratrain.predict.
+    sched.bounds`; the pipeline's fill is the schedule's own bubble
     (:mod:`paratrain.predict.pipeline`)."""
     r = _run(mcfg, tcfg, plan, world, machine)
     share = machine.share(world)
+    o = S.oversubscription(share)
     notes = _notes(r, share)
     stages, cp_tot = _stage_terms(r)
     per_stage = [sum(x) for x in stages]
     slow = slowest_stage(per_stage)
-    flop_s, fixed_path, tp_s, cp_exposed, ep_s = (
-        pipeline_path([st[j] for st in stages], slow, plan) for j in range(5))
-    overhead_s = fixed_path + machine.step_s
+    k = S.stretch(o, plan, machine, world)
+    flop_s, fixed_path = (pipeline_path([st[j] for st in stages], slow, plan, k)
+                          for j in range(2))
+    tp_s, cp_exposed, ep_s = (pipeline_path([st[j] for st in stages], slow, plan)
+                              for j in range(2, 5))
+    overhead_s = fixed_path + machine.step_s * k[0]
     pp_s, pp_wire = _pp_terms(r)
     dp_s, dp_exposed = _dp_terms(r, stages[0][0])
-    crit = flop_s + overhead_s + tp_s + cp_exposed + ep_s + pp_s + dp_exposed
-    cpu = [_rank_cpu(r, lay, stages[i]) for i, lay in enumerate(r.lays)]
+    syncs = _syncs(r, slow, dp_s, dp_exposed)
+    slowdown = S.contention(machine, world + machine.other_threads)
+    cpu = [_rank_cpu(r, lay, stages[i], slowdown) for i, lay in enumerate(r.lays)]
     work = plan.dp * plan.cp * plan.tp * sum(cpu)
     cores = share * world
-    if work / cores > crit:
+    crit, bound, sync_s = S.bounds(flop_s + overhead_s + tp_s + cp_exposed + ep_s + pp_s
+                                   + dp_exposed, work / cores, syncs, o, machine)
+    if bound > crit:
         notes.append(f"CPU-bound: the session's {work:.3f} CPU s per step on {cores:.2f} "
-                     f"cores take longer than the critical path ({crit:.3f} s)")
+                     f"cores (and {syncs:.0f} syncs) take longer than the critical path "
+                     f"({crit:.3f} s)")
     states = [L.state_bytes(mcfg, plan, tcfg.dtype, q, tcfg.reduce_dtype) for q in range(world)]
     wires = [L.dp_wire_bytes(mcfg, plan, tcfg.dtype, q, tcfg.reduce_dtype) for q in range(world)]
     return Prediction(
-        step_s=max(crit, work / cores), compute_s=flop_s, overhead_s=overhead_s,
+        step_s=max(crit, bound), compute_s=flop_s, overhead_s=overhead_s,
         bubble_s=pipeline_bubble(per_stage, plan), tp_comm_s=tp_s, pp_comm_s=pp_s,
         dp_comm_s=dp_s, dp_exposed_s=dp_exposed, share=share, critical_path_s=crit,
         session_work_s=work, session_cores=cores, cpu_rank0_s=cpu[0],
         dp_wire_bytes=wires[0], tp_wire_bytes=_tp_wire(r), pp_wire_bytes=pp_wire,
         cp_comm_s=pipeline_path(cp_tot, slow, plan), cp_exposed_s=cp_exposed,
         ep_comm_s=ep_s, cp_wire_bytes=_cp_wire(r, r.lays[0]),
-        ep_wire_bytes=_ep_wire(r, r.lays[0]), states_bytes_per_rank=states,
-        dp_wire_bytes_per_rank=wires,
+        ep_wire_bytes=_ep_wire(r, r.lays[0]), oversubscription=o, syncs=syncs,
+        sync_s=sync_s, states_bytes_per_rank=states, dp_wire_bytes_per_rank=wires,
         systems_states_bytes=sum(predicted_states(mcfg, plan, tcfg).values()),
         activations_bytes=predicted_activations(mcfg, plan, tcfg), machine=machine.source,
         notes=notes)

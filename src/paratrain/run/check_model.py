@@ -18,7 +18,14 @@ plan of the grid for a few steps in fresh gloo processes and compares, per plan:
 While each run trains, a thread samples the other sessions' runnable threads
 (:func:`paratrain.predict.sample_other_sessions`): on a shared box the cores this run gets
 are part of the machine's state, and the prediction uses them through the scheduler's
-fair split between sessions (the same physics for every plan; never a per-plan factor).
+fair split between sessions and the oversubscribed CPU's physics
+(:mod:`paratrain.predict.sched`: the same for every plan; never a per-plan factor). The
+table says the load each plan ran under.
+
+The grid covers DP, ZeRO-1/2/3, TP, PP (1F1B, interleaved), CP (ring and all-to-all) and
+EP, alone and composed, on 2-8 ranks; the EP plan trains the grid's model with a small
+MoE MLP (:func:`plan_model`). Every plan passes :meth:`ParallelPlan.check_run` before any
+run starts. The whole grid takes about 5 minutes on 2 quiet cores.
 
 Importing this module does not import torch (the CLI must start instantly).
 """
@@ -57,8 +64,23 @@ GRID: dict[str, ParallelPlan] = {
     "dp2 x pp2 interleaved v2 m4": ParallelPlan(dp=2, pp=2, micro_batches=4,
                                                 schedule="interleaved", virtual_stages=2),
     "dp8": ParallelPlan(dp=8),
+    "cp2 ring": ParallelPlan(cp=2),
+    "cp2 all-to-all": ParallelPlan(cp=2, cp_algorithm="all-to-all"),
+    "dp2 x cp2 ring": ParallelPlan(dp=2, cp=2),
+    "dp2 x ep2": ParallelPlan(dp=2, ep=2),
 }
 MINI = ("dp2", "dp2 zero1")
+# The EP plan needs experts: the grid's model with a small MoE MLP in every block (4
+# experts of half the width, top-2), so its FLOPs stay near the dense model's.
+MOE = {"experts": 4, "top_k": 2}
+
+
+def plan_model(plan: ParallelPlan, mcfg: ModelConfig) -> ModelConfig:
+    """The model a grid plan trains: ``mcfg``, made MoE (:data:`MOE`, experts of half
+    the FFN width) for an expert-parallel plan when it is dense."""
+    if plan.ep > 1 and not mcfg.experts:
+        return mcfg.replace(**MOE, moe_ffn=max(1, mcfg.d_ff // 2))
+    return mcfg
 
 
 def _train_worker(rank: int, world: int, mcfg: dict, tcfg: dict, plan: dict,
@@ -160,24 +182,33 @@ def fit_machine(mcfg: ModelConfig, tcfg: TrainConfig, profile: str | None,
                 save: bool = True, log=print):
     """Fit eta and the fixed costs from three one-process runs (batch B and B/4 with one
     micro-batch, B with four), on CPU time, against one thread's matmul peak; measure the
-    CPU a collective costs (:func:`collective_cpu`)."""
+    CPU a collective costs (:func:`collective_cpu`). The peak and each run are repeated
+    until stable, or refused on a busy machine
+    (:func:`paratrain.bench.calibrate.until_stable`)."""
+    from paratrain.bench.calibrate import DEFAULT_RULE, until_stable
     from paratrain.predict import fit_from_runs, load_machine, save_fit
 
     machine = load_machine(profile)
     if machine is None:
         raise ValueError("no hardware profile of this machine; run `paratrain bench "
                          "calibrate` first (or pass --profile PATH)")
-    peak = _thread_peak()
+    again = "paratrain check-model"
+    (peak,) = until_stable(lambda: [_thread_peak()], "one thread's matmul peak",
+                           DEFAULT_RULE, command=again)
     B = tcfg.global_batch
     runs = []
     for gb, m in ((B, 1), (max(1, B // 4), 1), (B, 4)):
-        t = _one_process(mcfg, TrainConfig(**{**asdict(tcfg), "global_batch": gb}),
-                         ParallelPlan(micro_batches=m))
+        t_cfg = TrainConfig(**{**asdict(tcfg), "global_batch": gb})
+        (t,) = until_stable(lambda t_cfg=t_cfg, m=m: [_one_process(
+            mcfg, t_cfg, ParallelPlan(micro_batches=m))],
+            f"the fit run's CPU s per step (batch {gb}, {m} micro-batches)", DEFAULT_RULE,
+            command=again)
         runs.append((gb, m, t))
         log(f"fit run: batch {gb}, micro-batches {m}: {t:.4f} CPU s/step")
     step_cpu, byte_cpu = collective_cpu(log)
     fitted = fit_from_runs(mcfg, runs, machine.hw, peak).replace(
-        coll_step_cpu_s=step_cpu, coll_byte_cpu_s=byte_cpu)
+        coll_step_cpu_s=step_cpu, coll_byte_cpu_s=byte_cpu, wake_s=machine.wake_s,
+        busy_sync_s=machine.busy_sync_s, sched=machine.sched)
     shape = f"{mcfg.n_layers}x{mcfg.d_model}, ff {mcfg.d_ff}, T {mcfg.context}"
     if save:
         path = save_fit(fitted, profile, shape)
@@ -220,7 +251,7 @@ def run_grid(names: list[str] | None = None, *, profile: str | None = None, step
     """Run the grid (or ``names`` of it); return {"records": [...], "median_abs_error",
     "machine": {...}}."""
     from paratrain.parallel.process_groups import spawn
-    from paratrain.predict import compare, load_machine, predict
+    from paratrain.predict import load_machine
 
     names = list(GRID) if names is None else names
     unknown = [n for n in names if n not in GRID]
@@ -234,89 +265,113 @@ def run_grid(names: list[str] | None = None, *, profile: str | None = None, step
     if machine is None:
         raise ValueError("no hardware profile of this machine; run `paratrain bench "
                          "calibrate` first (or pass --profile PATH)")
+    plans = {name: (GRID[name], plan_model(GRID[name], mcfg)) for name in names}
+    for plan, model in plans.values():
+        plan.check_run(model, plan.world_size, global_batch)
     records = []
-    for name in names:
-        plan = GRID[name]
-        plan.check(mcfg, plan.world_size, global_batch)
+    for name, (plan, model) in plans.items():
         with tempfile.TemporaryDirectory(prefix="paratrain-check-") as d, _Sampler() as smp:
-            s = spawn(_train_worker, plan.world_size, asdict(mcfg), asdict(tcfg), asdict(plan),
-                      d, timeout_s=600)[0]
-        others = tuple(smp.samples)
-        pred = predict(mcfg, tcfg, plan, plan.world_size, machine.replace(others=others))
-        cmp = compare(pred, s, plan)
-        measured = statistics.median(s["step_times"][1:])
-        m_now = machine.replace(others=others)
-        rec = {"plan": name, "nproc": plan.world_size, "other_sessions": m_now.other_sessions,
-               "other_threads": m_now.other_threads, "share": pred.share,
-               "predicted_s": pred.step_s, "measured_s": measured,
-               "error": pred.step_s / measured - 1,
-               "measured_mean_s": s["step_s"], "cpu_share_rank0": s["cpu_share_rank0"],
-               "cpu_rank0_s": {"predicted": pred.cpu_rank0_s,
-                               "measured": statistics.median(s["cpu_times"][1:]),
-                               "error": pred.cpu_rank0_s
-                               / statistics.median(s["cpu_times"][1:]) - 1},
-               "critical_path_s": pred.critical_path_s,
-               "session_bound_s": pred.session_work_s / pred.session_cores,
-               "predicted": pred.to_dict(), "compare": cmp,
-               "wire_exact": _wire_exact(cmp), "states_exact": cmp["states_bytes"]["exact"]}
+            s = spawn(_train_worker, plan.world_size, asdict(model), asdict(tcfg),
+                      asdict(plan), d, timeout_s=600)[0]
+        rec = _record(name, plan, model, tcfg, machine.replace(others=tuple(smp.samples)), s)
         records.append(rec)
-        log(f"{name:<18} predicted {pred.step_s:.4f} s  measured {measured:.4f} s  "
-            f"{100 * rec['error']:+.0f}%  wire {_yes(rec['wire_exact'])}  "
-            f"states {_yes(rec['states_exact'])}  (core per rank: predicted {pred.share:.2f}, "
-            f"rank 0 got {s['cpu_share_rank0']:.2f}; rank 0 CPU s/step predicted "
-            f"{pred.cpu_rank0_s:.3f}, measured {rec['cpu_rank0_s']['measured']:.3f})")
+        log(f"{name:<18} predicted {rec['predicted_s']:.4f} s  measured "
+            f"{rec['measured_s']:.4f} s  {100 * rec['error']:+.0f}%  wire "
+            f"{_yes(rec['wire_exact'])}  states {_yes(rec['states_exact'])}  (core per rank: "
+            f"predicted {rec['share']:.2f}, rank 0 got {s['cpu_share_rank0']:.2f}; "
+            f"{rec['other_threads']:.1f} other runnable threads)")
     errs = [abs(r["error"]) for r in records]
     cpu_errs = [abs(r["cpu_rank0_s"]["error"]) for r in records]
     return {"records": records, "median_abs_error": statistics.median(errs) if errs else None,
+            "max_abs_error": max(errs, default=None),
             "median_abs_cpu_error": statistics.median(cpu_errs) if cpu_errs else None,
             "machine": {"eta": machine.eta, "pass_s": machine.pass_s,
                         "step_s": machine.step_s, "cores": machine.cores,
                         "thread_peak_flops": machine.thread_peak, "alpha_s": machine.hw.intra_alpha,
-                        "bw_bytes_per_s": machine.hw.intra_bw, "source": machine.source},
+                        "bw_bytes_per_s": machine.hw.intra_bw, "wake_s": machine.wake_s,
+                        "busy_sync_s": machine.busy_sync_s, "sched": machine.sched,
+                        "source": machine.source},
             "model": asdict(mcfg), "global_batch": global_batch, "steps": steps}
 
 
+def _record(name: str, plan: ParallelPlan, model: ModelConfig, tcfg: TrainConfig,
+            machine, s: dict) -> dict:
+    """One plan's record: the prediction (with the load sampled while it ran) beside
+    rank 0's summary ``s``."""
+    from paratrain.predict import compare, predict
+
+    pred = predict(model, tcfg, plan, plan.world_size, machine)
+    cmp = compare(pred, s, plan, 0, model, tcfg)
+    measured = statistics.median(s["step_times"][1:])
+    cpu = statistics.median(s["cpu_times"][1:])
+    return {"plan": name, "nproc": plan.world_size, "moe": bool(model.experts),
+            "other_sessions": machine.other_sessions, "other_threads": machine.other_threads,
+            "others_samples": [list(o) for o in machine.others],
+            "share": pred.share, "predicted_s": pred.step_s, "measured_s": measured,
+            "error": pred.step_s / measured - 1, "measured_mean_s": s["step_s"],
+            "cpu_share_rank0": s["cpu_share_rank0"],
+            "cpu_rank0_s": {"predicted": pred.cpu_rank0_s, "measured": cpu,
+                            "error": pred.cpu_rank0_s / cpu - 1},
+            "critical_path_s": pred.critical_path_s,
+            "session_bound_s": pred.session_work_s / pred.session_cores,
+            "syncs": pred.syncs, "sync_s": pred.sync_s,
+            "predicted": pred.to_dict(), "compare": cmp,
+            "wire_exact": _wire_exact(cmp), "states_exact": cmp["states_bytes"]["exact"]}
+
+
 def _wire_exact(cmp: dict) -> bool:
+    """DP and TP bytes equal the runtime's count; CP too, and EP's the count from the
+    run's own routing (:func:`paratrain.predict.compare`), where the run has them."""
     dp = cmp["dp_wire_bytes"]
     ok = round(dp["predicted"]) == round(dp["measured"])
-    tp = cmp["tp_wire_bytes"]
-    if tp["measured"] is not None:
-        ok = ok and round(tp["predicted"]) == round(tp["measured"])
-    return ok
+    for axis in ("tp_wire_bytes", "cp_wire_bytes"):
+        c = cmp[axis]
+        if c["measured"] is not None:
+            ok = ok and round(c["predicted"]) == round(c["measured"])
+    return ok and cmp["ep_wire_bytes"]["exact"] is not False
 
 
 def _yes(b: bool) -> str:
     return "exact" if b else "DIFFERENT"
 
 
+def _wire_measured(c: dict) -> float:
+    """Bytes rank 0 sent per step, as the runtime counted them (DP, TP, CP, EP)."""
+    return sum(c[k]["measured"] or 0.0 for k in ("dp_wire_bytes", "tp_wire_bytes",
+                                                  "cp_wire_bytes", "ep_wire_bytes"))
+
+
 def format_table(result: dict) -> str:
-    """Predicted vs measured per plan, the median absolute error, the exactness columns."""
+    """Predicted vs measured per plan, the median and worst absolute error, the load the
+    plans ran under (other sessions' runnable threads), the exactness columns."""
     m = result["machine"]
     lines = [
         f"machine: {m['cores']} cores, {m['thread_peak_flops'] / 1e9:.1f} GFLOP/s one-thread peak, "
         f"eta {m['eta']:.3f}, block pass {m['pass_s'] * 1e3:.3f} ms, step "
         f"{m['step_s'] * 1e3:.2f} ms, gloo alpha {m['alpha_s'] * 1e6:.0f} us, "
-        f"{m['bw_bytes_per_s'] / 1e9:.2f} GB/s",
-        f"{'plan':<18} {'procs':>5} {'core':>5} {'predicted s':>11} {'measured s':>10} "
-        f"{'error':>7} {'CPU s r0':>14} {'error':>7} {'wire B/rank (DP+TP)':>20} {'wire':>9} "
-        f"{'states':>9}",
+        f"{m['bw_bytes_per_s'] / 1e9:.2f} GB/s, sync wake {m.get('wake_s', 0) * 1e6:.0f} us, "
+        f"oversubscribed sync {m.get('busy_sync_s', 0) * 1e6:.0f} us",
+        f"{'plan':<27} {'procs':>5} {'others':>6} {'core':>5} {'predicted s':>11} "
+        f"{'measured s':>10} {'error':>7} {'CPU s r0':>14} {'error':>7} {'wire B/rank':>12} "
+        f"{'wire':>9} {'states':>9}",
     ]
     for r in result["records"]:
-        c = r["compare"]
-        wire = c["dp_wire_bytes"]["measured"] + (c["tp_wire_bytes"]["measured"] or 0.0)
         cpu = r["cpu_rank0_s"]
-        lines.append(f"{r['plan']:<18} {r['nproc']:>5} {r['share']:>5.2f} "
-                     f"{r['predicted_s']:>11.4f} {r['measured_s']:>10.4f} "
+        lines.append(f"{r['plan']:<27} {r['nproc']:>5} {r['other_threads']:>6.1f} "
+                     f"{r['share']:>5.2f} {r['predicted_s']:>11.4f} {r['measured_s']:>10.4f} "
                      f"{100 * r['error']:>+6.0f}% {cpu['predicted']:>6.3f}/{cpu['measured']:<7.3f}"
-                     f"{100 * cpu['error']:>+6.0f}% {wire:>20,.0f} {_yes(r['wire_exact']):>9} "
-                     f"{_yes(r['states_exact']):>9}")
-    mae = result["median_abs_error"]
-    n_w = sum(r["wire_exact"] for r in result["records"])
-    n_s = sum(r["states_exact"] for r in result["records"])
-    k = len(result["records"])
-    lines.append(f"median absolute error of step time: {100 * mae:.1f}% over {k} plans; "
-                 f"wire bytes exact {n_w}/{k}; model states exact on every rank {n_s}/{k}")
+                     f"{100 * cpu['error']:>+6.0f}% {_wire_measured(r['compare']):>12,.0f} "
+                     f"{_yes(r['wire_exact']):>9} {_yes(r['states_exact']):>9}")
+    recs = result["records"]
+    n_w = sum(r["wire_exact"] for r in recs)
+    n_s = sum(r["states_exact"] for r in recs)
+    k = len(recs)
+    load = statistics.fmean(r["other_threads"] for r in recs) if recs else 0.0
+    lines.append(f"median absolute error of step time: {100 * result['median_abs_error']:.1f}% "
+                 f"over {k} plans, worst {100 * result['max_abs_error']:.1f}%; wire bytes exact "
+                 f"{n_w}/{k}; model states exact on every rank {n_s}/{k}")
     lines.append(f"median absolute error of rank 0's CPU s per step (the work, whatever the "
                  f"other sessions take): {100 * result['median_abs_cpu_error']:.1f}%; 'core' is "
-                 "the predicted core share per rank")
+                 f"the predicted core share per rank; 'others' the other sessions' runnable "
+                 f"threads sampled while the plan ran (mean {load:.1f})")
     return "\n".join(lines)

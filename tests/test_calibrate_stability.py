@@ -1,0 +1,108 @@
+"""A calibration on a busy machine is detected (paratrain.bench.calibrate): each
+measurement is repeated until its last k rounds agree, or refused with one line saying the
+machine was too busy and what to do. Every timing here is injected (a scripted
+measurement, a fake spawn); no real load, no wall clock."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from paratrain.bench import calibrate as cal
+from paratrain.bench.calibrate import BusyMachine, Stability, sync_costs, until_stable
+from paratrain.cli import main
+
+
+def _scripted(values):
+    it = iter(values)
+    calls = []
+
+    def measure():
+        calls.append(1)
+        return next(it)
+
+    return measure, calls
+
+
+def test_repeats_until_the_last_k_rounds_agree():
+    """Two disturbed rounds, then three within 15%: the median of those three."""
+    measure, calls = _scripted([[1.0, 5.0], [3.0, 5.0], [1.0, 5.0], [1.05, 5.1], [0.98, 4.9],
+                                [9.0, 9.0]])
+    got = until_stable(measure, "test timing", Stability(k=3, cv=0.15, max_repeats=10))
+    assert got == [1.0, 5.0] and len(calls) == 5
+
+
+def test_a_machine_that_never_settles_is_refused_with_one_line():
+    """Alternating 1 s and 2 s rounds (33% variation) never pass a 15% threshold."""
+    measure, calls = _scripted(itertools.cycle([[1.0], [2.0]]))
+    with pytest.raises(BusyMachine) as e:
+        until_stable(measure, "the matmul", Stability(k=3, cv=0.15, max_repeats=7))
+    msg = str(e.value)
+    assert len(calls) == 7 and "\n" not in msg
+    assert msg.startswith("the machine was too busy to calibrate: the matmul still varied by")
+    assert "paratrain bench calibrate" in msg and "again" in msg
+    assert isinstance(e.value, ValueError)  # the CLI prints it as one `error:` line
+
+
+def test_the_ranks_decide_together():
+    """A rank whose own rounds are stable keeps measuring while a peer's are not."""
+    votes = iter([False, False, True])
+    measure, calls = _scripted(itertools.repeat([1.0]))
+    got = until_stable(measure, "t", Stability(k=1, cv=0.1, max_repeats=5),
+                       agree=lambda ok: ok and next(votes))
+    assert got == [1.0] and len(calls) == 3
+
+
+def _fake_spawn(results: dict[int, list]):
+    """spawn(fn, world, ...) -> the scripted per-rank results for that world size."""
+    def spawn(fn, world, *args, timeout_s=0):
+        assert fn is cal.sync_worker
+        return results[world]
+    return spawn
+
+
+def test_sync_costs_from_injected_timings():
+    """2 cores: free (2 ranks) compute 1 ms, compute + sync 1.5 ms, sync alone 0.2 ms:
+    a wake-up of 0.3 ms; 4 ranks: time-shared compute 2 ms, with the sync 3.2 ms: the
+    oversubscribed sync costs 1.2 ms. A segment alone takes 0.8 ms: core speed 0.8.
+    A segment alone that never settles is refused."""
+    free = [[1e-3, 1.5e-3, 2e-4], [1e-3, 1.5e-3, 2e-4]]
+    busy = [[2e-3, 3.2e-3, 5e-4]] * 4
+    got = sync_costs(2, spawn_fn=_fake_spawn({2: free, 4: busy}), alone_fn=lambda: 8e-4)
+    assert got["wake_s"] == pytest.approx(3e-4) and got["busy_sync_s"] == pytest.approx(1.2e-3)
+    assert got["core_speed"] == pytest.approx(0.8)  # 0.8 ms alone, 1 ms beside the other
+    with pytest.raises(BusyMachine, match="too busy"):
+        sync_costs(2, spawn_fn=_fake_spawn({2: free, 4: ["the machine was too busy to "
+                                                         "calibrate: x", *busy[1:]]}),
+                   alone_fn=lambda: 8e-4)
+    alone = itertools.cycle([1e-3, 3e-3])
+    with pytest.raises(BusyMachine, match="one compute segment alone"):
+        sync_costs(2, spawn_fn=_fake_spawn({2: free, 4: busy}), alone_fn=lambda: next(alone))
+
+
+def test_bench_calibrate_refuses_on_a_busy_machine(monkeypatch, tmp_path, capsys):
+    """The CLI: the sweep's ranks report that they never settled; exit 2, one line, and
+    no profile written."""
+    import paratrain.parallel.process_groups as pg
+
+    line = ("the machine was too busy to calibrate: the gloo ping-pong and all-reduce sweep "
+            "still varied by 40% ...; run `paratrain bench calibrate` again when fewer jobs run")
+    monkeypatch.setattr(pg, "spawn", lambda fn, world, *a, **k: [{"busy": line}] * world)
+    out = tmp_path / "hw.toml"
+    assert main(["bench", "calibrate", "--out", str(out), "--algorithms", "ring"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: the machine was too busy to calibrate") and "\n" not in err
+    assert not out.exists()
+
+
+def test_a_sweep_is_judged_by_what_it_fits_not_by_each_size():
+    """One size's latency flips between rounds (a wake-up or none), the fitted latency
+    (the median of the small sizes) does not: stable after k rounds."""
+    rounds = [[1e-4, 3e-4, 1e-4], [3e-4, 1e-4, 1e-4], [1e-4, 1e-4, 3e-4]]
+    measure, calls = _scripted(rounds)
+    got = until_stable(measure, "sweep", Stability(k=3, cv=0.15, max_repeats=3),
+                       judged=lambda xs: [sorted(xs)[1]])
+    assert got == [1e-4, 1e-4, 1e-4] and len(calls) == 3
+    with pytest.raises(BusyMachine):
+        until_stable(_scripted(rounds)[0], "sweep", Stability(k=3, cv=0.15, max_repeats=3))
