@@ -90,7 +90,7 @@ def test_layouts_follow_the_runtimes_fold():
     for plan in plans:
         f = Fold.of(plan)
         group = [f.rank(0, 0, e, 0, 0) for e in range(plan.ep)]
-        gaps = {b - a for a, b in zip(group, group[1:])}
+        gaps = {b - a for a, b in zip(group[:-1], group[1:], strict=True)}
         assert gaps == {moe_layout.ep_stride(plan)}, plan
         assert moe_layout.expert_data_ranks(plan) * plan.ep * plan.etp * (
             plan.tp // f.fold_tp) == plan.dp * plan.cp * plan.tp, plan
