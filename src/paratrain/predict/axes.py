@@ -15,6 +15,7 @@ import dataclasses
 from paratrain.config import ModelConfig
 from paratrain.cost import collectives as coll
 from paratrain.cost import layout as L
+from paratrain.cost import moe_layout
 from paratrain.cost.hardware import Hardware
 from paratrain.cost.shapes import as_shape
 from paratrain.plan import ParallelPlan
@@ -36,11 +37,9 @@ def moe_blocks(mcfg: ModelConfig, lay: L.RankLayout) -> int:
 
 
 def routed_tokens(plan: ParallelPlan, tokens: float) -> float:
-    """Of a rank's ``tokens`` (T/cp of each sequence), those its MoE MLP routes: with
-    SP the MLP reads the sequence-sharded residual, 1/tp of them (each tp rank routes
-    its own, :class:`paratrain.parallel.expert.TokenShards`); without SP every tp rank
-    routes all of them (identical tokens)."""
-    return tokens / plan.tp if plan.sp else tokens
+    """Of a rank's ``tokens`` (T/cp of each sequence), those its MoE MLP routes
+    (:func:`paratrain.cost.moe_layout.routed_tokens`, the one home)."""
+    return moe_layout.routed_tokens(tokens, plan.tp, plan.sp)
 
 
 def moe_extra_flops(mcfg: ModelConfig, plan: ParallelPlan, tokens: float) -> float:

@@ -10,6 +10,7 @@ from paratrain.config import ModelConfig, TrainConfig
 from paratrain.cost import collectives as coll
 from paratrain.cost import layout as L
 from paratrain.cost.layout import RankLayout
+from paratrain.cost.ranks import experts_apart
 from paratrain.cost.schedule import COMMS, V_SHAPED, build_schedule
 from paratrain.cost.tp_bytes import tp_forward_backward
 from paratrain.plan import ParallelPlan
@@ -69,9 +70,9 @@ def v_p2p(plan: ParallelPlan, pp_rank: int) -> tuple[int, int]:
 def dp_groups(mcfg: ModelConfig, plan: ParallelPlan, tcfg: TrainConfig, rank: int
              ) -> list[tuple[int, list[tuple[str, float, int]]]]:
     """(group size, calls) of each gradient reducer of ``rank``: one over dp x cp
-    (:func:`paratrain.cost.layout.reducer_plan`), or with ep > 1 the dense one and the
+    (:func:`paratrain.cost.layout.reducer_plan`), or with ep or etp > 1 the dense one and the
     experts' (:func:`paratrain.cost.layout.reducers`)."""
-    parts = [(plan, rank, "all", None)] if plan.ep == 1 else L.reducers(plan, rank)
+    parts = L.reducers(plan, rank) if experts_apart(plan) else [(plan, rank, "all", None)]
     out = []
     for q, r, part, e in parts:
         p = L.shard_group(q)  # HSDP: ZeRO within a replica, then the replicas' all-reduce
