@@ -4,9 +4,17 @@ against torch's ``all_to_all_single`` on real gloo groups of 2, 3 and 4 ranks: u
 splits with zero-sized pieces (a rank that sends nothing, one that receives nothing, empty
 local pieces), several calls in a row with different splits (messages of successive calls
 must not cross), rows of several columns, a sub-group whose ranks are not the world's;
-the bytes the exchange counts equal the bytes it sent and the splits' own sum."""
+the bytes the exchange counts equal the bytes it sent and the splits' own sum. And
+``benchmarks/expert_parallel.py`` prints its alternating ratio table (structure only:
+the ratio itself depends on the machine's load)."""
 
 from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -75,3 +83,29 @@ def test_partners_meet_every_peer_once_and_rounds_match(p):
             [q for q in range(p) if q != r]
         for s, (dst, src) in enumerate(rounds):  # what r sends in round s, dst receives
             assert partners(p, dst)[s][1] == r and partners(p, src)[s][0] == r
+
+
+BENCH = Path(__file__).parents[1] / "benchmarks" / "expert_parallel.py"
+
+
+def test_benchmark_prints_the_alternating_ratio_table(tmp_path):
+    out = tmp_path / "a2a.json"
+    cmd = [sys.executable, str(BENCH), "--skip-moe", "--skip-steps", "--a2a-ranks", "2",
+           "--mib", "0.01,0.02", "--runs", "2", "--reps", "2", "--json", str(out)]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=280)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert run.stdout.startswith("command: python ") and "--runs 2" in run.stdout
+    assert "median ours/torch busbw, p = 2: 0.01 MiB " in run.stdout
+    records = json.loads(out.read_text())["a2a"]
+    assert set(records) == {"p2_0.01MiB", "p2_0.02MiB"}
+    for r in records.values():
+        assert len(r["runs"]) == 2 and all(x["ours"] > 0 and x["torch"] > 0 for x in r["runs"])
+        assert r["median_ratio"] == statistics.median(x["ratio"] for x in r["runs"])
+
+
+@pytest.mark.parametrize("flags", [["--mib", "1,x"], ["--a2a-ranks", "1"], ["--runs", "0"]])
+def test_benchmark_bad_flags_are_one_error_line(flags):
+    run = subprocess.run([sys.executable, str(BENCH), *flags], capture_output=True,
+                         text=True, timeout=60)
+    assert run.returncode == 2 and run.stderr.startswith("error: ")
+    assert len(run.stderr.strip().splitlines()) == 1
