@@ -13,18 +13,23 @@ each rank posts them in call order. What the order does decide is which transfer
 event loops start first:
 
 - Partners (:func:`partners`): for power-of-two p, round s pairs r with r xor s, so both
-  ends of a pair post their two transfers in the same round (the recursive-exchange
-  pairing of Thakur, Rabenseifner and Gropp, "Optimization of Collective Communication
+  ends of a pair post their two transfers in the same round (the pairwise exchange's xor
+  pairing in Thakur, Rabenseifner and Gropp, "Optimization of Collective Communication
   Operations in MPICH"); otherwise r sends to r + s and receives from r - s (mod p),
-  send first, the order of gloo's own ``alltoallv`` (gloo/alltoallv.cc). Within an xor
-  pair the lower rank posts its receive first, the higher its send: gloo's TCP transport
-  sends a message only once the receiver has announced the receive, and this way the
-  announcement leaves before the matching send is posted.
+  send first, the order of gloo's own ``alltoallv`` (which also posts every round before
+  waiting, from its C++ worker thread). Within an xor pair the lower rank posts its
+  receive first, the higher its send: gloo's TCP transport sends a message only once the
+  receiver has announced the receive, and this way the announcement leaves first.
 - Every round is posted before any is waited, so the p - 1 rounds overlap on the wire
   (waiting round by round ran at 0.3-0.5x gloo's own at p 2 and 4).
 - No staging: sends are contiguous row views of the input (``split``), receives land in
   the output's own row slices; the local piece is copied after posting, while the
   transfers fly. Empty pieces are not sent (both ends know the sizes).
+
+Speed: 0.6-0.9x gloo's ``all_to_all_single`` at 1-4 MiB per rank on the shared 2-core
+machine (docs/expert-parallel.md, "Expert-parallel exchange vs PyTorch"): the same
+messages, posted from Python instead of C++; the orders above measured within the noise
+of each other.
 """
 
 from __future__ import annotations
