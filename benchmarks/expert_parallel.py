@@ -1,16 +1,24 @@
 """Expert parallelism: paratrain's token exchange against a plain PyTorch one.
 
     python benchmarks/expert_parallel.py [--ranks 2,4] [--reps 10] [--json out.json]
+    python benchmarks/expert_parallel.py --skip-moe --skip-steps --a2a-ranks 2,4,8 \
+        --mib 1,4 --runs 3 --reps 30          # the all-to-all ratio table only
 
 Two measurements, each in fresh gloo processes (one thread each), the two
 implementations called alternately in the same processes (ours, torch, ours, torch,
 ...; a barrier before each call) so that load drifting on a shared machine hits both:
 
-1. **All-to-all** of ``--mb`` MB per rank, equal pieces: paratrain's pairwise exchange
-   (``--collectives ours``: p - 1 rounds of isend / irecv,
-   :meth:`paratrain.parallel.expert.ExpertExchange._pairwise`) against torch's
-   ``all_to_all_single``. Bus bandwidth = bytes a rank sends to others ((p-1)/p of its
-   buffer) / time; the ratio ours / torch.
+1. **All-to-all** of ``--mib`` MiB per rank (a list), equal pieces, at each p of
+   ``--a2a-ranks``: paratrain's pairwise exchange over isend / irecv (``--collectives
+   ours``: :func:`paratrain.comm.all_to_all.all_to_all`, through
+   :meth:`paratrain.parallel.expert.ExpertExchange.all_to_all`) against torch's
+   ``all_to_all_single``, the two taking turns in the same processes (the first of each
+   turn alternates too). Bus bandwidth = bytes a rank sends to others ((p-1)/p of its
+   buffer) / time; the ratio ours / torch from the slower rank's medians. ``--runs``
+   fresh process groups per (p, size), each its own alternating run: the table prints
+   every run's ratio, their median, and the load average when the run started (other
+   sessions' work moves single runs by 2x on a shared machine; the medians of the
+   alternating ratios are the figures to quote).
 2. **One MoE layer, forward + backward, at ep = p** (every rank holds E / p experts):
    paratrain's :class:`paratrain.model.MoE` under
    :func:`paratrain.parallel.expert.apply_expert_parallel` (native all-to-all) against
@@ -45,7 +53,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import sys
 import time
 import warnings
 
@@ -60,10 +70,12 @@ from paratrain.predict import CALIBRATE_HINT, load_machine, predict, sample_othe
 
 
 def _alternating(calls: dict, reps: int) -> dict[str, list[float]]:
-    """Seconds of each call, ``reps`` times, alternating; a barrier before each."""
+    """Seconds of each call, ``reps`` times, alternating (the first of each turn
+    alternates too, so neither always follows the other); a barrier before each."""
     out: dict[str, list[float]] = {k: [] for k in calls}
-    for _ in range(reps):
-        for name, fn in calls.items():
+    for i in range(reps):
+        for name in list(calls)[::1 if i % 2 == 0 else -1]:
+            fn = calls[name]
             dist.barrier()
             t0 = time.perf_counter()
             fn()
@@ -78,11 +90,11 @@ def _slowest_median(times: list[float]) -> float:
     return statistics.median(t.tolist())
 
 
-def _a2a_worker(rank: int, world: int, mb: float, reps: int) -> dict:
+def _a2a_worker(rank: int, world: int, mib: float, reps: int) -> dict:
     from paratrain.parallel.expert import ExpertExchange
 
     ours = ExpertExchange(dist.group.WORLD, world, rank, world, "ours")
-    n = int(mb * 1e6 / 4) // world * world
+    n = int(mib * 2**20 / 4) // world * world
     x = torch.randn(n)
     splits = [n // world] * world
 
@@ -90,9 +102,50 @@ def _a2a_worker(rank: int, world: int, mb: float, reps: int) -> dict:
         out = torch.empty_like(x)
         dist.all_to_all_single(out, x, splits, splits)
 
-    times = _alternating({"ours": lambda: ours.all_to_all(x, splits, splits),
-                          "torch": native}, reps)
+    calls = {"ours": lambda: ours.all_to_all(x, splits, splits), "torch": native}
+    _alternating(calls, 2)  # untimed: first-use costs (allocator, sockets' buffers)
+    times = _alternating(calls, reps)
     return {k: _slowest_median(v) for k, v in times.items()} | {"bytes": 4 * n}
+
+
+def _a2a_table(a, records: dict) -> None:
+    """Section 1: every (p, size) ``--runs`` times, each run alternating ours and torch's
+    (module docstring); prints each run's ratio and their median, per p and size."""
+    print(f"all-to-all, {a.reps} alternating reps per run (slower rank's median), "
+          f"{a.runs} runs per row; ratio = ours/torch busbw\n{'p':>3} {'MiB':>5} "
+          f"{'ours s':>9} {'torch s':>9} {'ours GB/s':>10} {'torch GB/s':>10} "
+          f"{'median ratio':>12}  runs' ratios (load average at each start)")
+    for p in a.a2a_ranks:
+        for mib in a.mib:
+            runs = []
+            for _ in range(a.runs):
+                load = os.getloadavg()[0]
+                r = spawn(_a2a_worker, p, mib, a.reps, timeout_s=a.timeout)[0]
+                runs.append(r | {"ratio": r["torch"] / r["ours"], "load": load})
+            ours, torch_s = (statistics.median(r[k] for r in runs) for k in ("ours", "torch"))
+            moved = runs[0]["bytes"] * (p - 1) / p
+            ratio = statistics.median(r["ratio"] for r in runs)
+            records[f"p{p}_{mib:g}MiB"] = {"p": p, "mib": mib, "median_ratio": ratio,
+                                           "runs": runs}
+            each = " ".join(f"{r['ratio']:.2f} ({r['load']:.0f})" for r in runs)
+            print(f"{p:>3} {mib:>5g} {ours:9.5f} {torch_s:9.5f} {moved / ours / 1e9:10.3f} "
+                  f"{moved / torch_s / 1e9:10.3f} {ratio:12.2f}  {each}", flush=True)
+    for p in a.a2a_ranks:
+        row = ", ".join(f"{mib:g} MiB {records[f'p{p}_{mib:g}MiB']['median_ratio']:.2f}"
+                        for mib in a.mib)
+        print(f"median ours/torch busbw, p = {p}: {row}")
+
+
+def _numbers(text: str, kind, flag: str) -> list:
+    try:
+        return [kind(v) for v in text.split(",")]
+    except ValueError:
+        _fail(f"{flag} {text!r}: give a comma-separated list of numbers, e.g. {flag} 2,4")
+
+
+def _fail(msg: str) -> None:
+    print(f"error: {msg}", file=sys.stderr)
+    sys.exit(2)
 
 
 class _TorchMoE:
@@ -258,7 +311,10 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ranks", default="2,4")
     ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--mb", type=float, default=4.0, help="all-to-all MB per rank")
+    ap.add_argument("--a2a-ranks", default="2,4,8", help="p of the all-to-all table")
+    ap.add_argument("--mib", default="1,4", help="all-to-all MiB per rank (a list)")
+    ap.add_argument("--runs", type=int, default=3,
+                    help="fresh alternating runs per (p, size) of the all-to-all")
     ap.add_argument("--experts", type=int, default=8)
     ap.add_argument("--top-k", type=int, default=2)
     ap.add_argument("--d-model", type=int, default=128)
@@ -275,20 +331,18 @@ def main(argv: list[str] | None = None) -> None:
                     help="machine profile (default ~/.cache/paratrain/hardware.toml)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
-    ranks = [int(p) for p in a.ranks.split(",")]
+    ranks = _numbers(a.ranks, int, "--ranks")
+    a.a2a_ranks, a.mib = _numbers(a.a2a_ranks, int, "--a2a-ranks"), _numbers(a.mib, float, "--mib")
+    if a.runs < 1 or a.reps < 1 or min(a.a2a_ranks) < 2 or min(a.mib) <= 0:
+        _fail(f"--runs {a.runs}, --reps {a.reps}, --a2a-ranks {a.a2a_ranks}, --mib {a.mib}: "
+              "runs and reps >= 1, every p >= 2 and every size > 0")
+    print("command: python " + " ".join(sys.argv[:1] + (sys.argv[1:] if argv is None
+                                                        else list(argv))))
     cfg = ModelConfig(n_layers=1, d_model=a.d_model, n_heads=4, d_ff=a.moe_ffn,
                       context=a.context, experts=a.experts, top_k=a.top_k,
                       aux_loss_coef=0.0)
     records = {"a2a": {}, "moe": {}}
-    print(f"all-to-all, {a.mb} MB per rank, {a.reps} alternating reps (slower rank's "
-          f"median)\n{'p':>3} {'ours s':>9} {'torch s':>9} {'ours GB/s':>10} "
-          f"{'torch GB/s':>10} {'ours/torch busbw':>17}")
-    for p in ranks:
-        r = spawn(_a2a_worker, p, a.mb, a.reps, timeout_s=a.timeout)[0]
-        moved = r["bytes"] * (p - 1) / p
-        records["a2a"][p] = r
-        print(f"{p:>3} {r['ours']:9.5f} {r['torch']:9.5f} {moved / r['ours'] / 1e9:10.3f} "
-              f"{moved / r['torch'] / 1e9:10.3f} {r['torch'] / r['ours']:17.3f}", flush=True)
+    _a2a_table(a, records["a2a"])
     if a.skip_moe:
         ranks = []
     tokens = a.seqs * a.context

@@ -56,6 +56,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from paratrain.comm.all_to_all import all_to_all
 from paratrain.cost.layout import cp_positions
 from paratrain.model import moe_modules
 from paratrain.parallel.ddp import DPCommStats
@@ -95,30 +96,10 @@ class ExpertExchange:
 
     def _pairwise(self, out: torch.Tensor, x: torch.Tensor, out_splits: list[int],
                   in_splits: list[int]) -> None:
-        """paratrain's all-to-all (``--collectives ours``): the pairwise exchange, in
-        round s rank r sends its piece for r + s and receives the piece of r - s (mod p).
-        No round reads what another writes, so every receive is posted first, then every
-        send, then all are waited: the p - 1 rounds overlap on the wire instead of each
-        waiting for the last (waiting round by round ran at 0.3-0.5x gloo's own). Posting
-        in round order keeps each pair's messages in the order both ends expect; empty
-        pieces are not sent (both ends know the sizes)."""
-        p, r = self.size, self.rank
-        o_in = [sum(in_splits[:i]) for i in range(p)]
-        o_out = [sum(out_splits[:i]) for i in range(p)]
-        works = []
-        for step in range(1, p):
-            src = (r - step) % p
-            if out_splits[src]:
-                buf = out[o_out[src]:o_out[src] + out_splits[src]]
-                works.append(dist.irecv(buf, src=self.peers[src], group=self.group))
-        for step in range(1, p):
-            dst = (r + step) % p
-            if in_splits[dst]:
-                works.append(dist.isend(x[o_in[dst]:o_in[dst] + in_splits[dst]],
-                                        dst=self.peers[dst], group=self.group))
-        out[o_out[r]:o_out[r] + out_splits[r]] = x[o_in[r]:o_in[r] + in_splits[r]]
-        for w in works:
-            w.wait()
+        """paratrain's all-to-all (``--collectives ours``): the pairwise exchange over
+        isend / irecv, every round posted before any is waited, straight into ``out``'s
+        slices (:func:`paratrain.comm.all_to_all.all_to_all`)."""
+        all_to_all(out, x, out_splits, in_splits, self.rank, self.peers, self.group)
 
     def all_to_all(self, x: torch.Tensor, out_splits: list[int], in_splits: list[int]
                    ) -> torch.Tensor:
