@@ -16,10 +16,11 @@ event loops start first:
   ends of a pair post their two transfers in the same round (the pairwise exchange's xor
   pairing in Thakur, Rabenseifner and Gropp, "Optimization of Collective Communication
   Operations in MPICH"); otherwise r sends to r + s and receives from r - s (mod p),
-  send first, the order of gloo's own ``alltoallv`` (which also posts every round before
-  waiting, from its C++ worker thread). Within an xor pair the lower rank posts its
-  receive first, the higher its send: gloo's TCP transport sends a message only once the
-  receiver has announced the receive, and this way the announcement leaves first.
+  the order of gloo's own ``alltoallv`` (which also posts every round before waiting,
+  from its C++ worker thread). Every rank posts its send before its receive in each
+  round: letting the lower rank of an xor pair post its receive first (so that the
+  receive's announcement, which gloo's TCP transport waits for, leaves first) measured
+  1.65-1.75 ms against 1.10-1.13 ms at p 4, 1 MiB, on the quiet 2-core machine.
 - Every round is posted before any is waited, so the p - 1 rounds overlap on the wire
   (waiting round by round ran at 0.3-0.5x gloo's own at p 2 and 4).
 - No staging: sends are contiguous row views of the input (``split``), receives land in
@@ -54,10 +55,7 @@ def all_to_all(out: torch.Tensor, x: torch.Tensor, out_splits: list[int],
     sends, recvs = x.split(in_splits), out.split(out_splits)
     works, sent = [], 0
     for dst, src in partners(len(peers), rank):
-        pair = [(dist.isend, sends[dst], dst), (dist.irecv, recvs[src], src)]
-        if dst == src and rank < dst:
-            pair.reverse()
-        for post, buf, peer in pair:
+        for post, buf, peer in ((dist.isend, sends[dst], dst), (dist.irecv, recvs[src], src)):
             if buf.numel():
                 works.append(post(buf, peers[peer], group=group))
                 sent += buf.nbytes if post is dist.isend else 0
