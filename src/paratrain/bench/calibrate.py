@@ -51,10 +51,11 @@ def _ram_bytes() -> int:
 @dataclass(frozen=True)
 class Stability:
     """When a measurement counts as stable: the last ``k`` of at most ``max_repeats``
-    rounds agree, every timing's coefficient of variation over them at most ``cv``."""
+    rounds agree, every timing's coefficient of variation over them at most ``cv``
+    (docs/train-prediction.md says why 30%)."""
 
     k: int = 3
-    cv: float = 0.15
+    cv: float = 0.30
     max_repeats: int = 10
 
 
@@ -242,8 +243,11 @@ def sync_worker(rank: int, world: int, iters: int, rule: Stability = Stability()
 
     one_round()  # warm-up: the pairs' connections, the allocator
     try:
+        # judged on the two loops the constants are differences of; the all-reduce
+        # alone is a few microseconds whose scheduling jitter on shared cores says
+        # nothing about them (its median over the stable rounds is still what is used)
         return until_stable(one_round, f"a blocking sync among {world} ranks", rule,
-                            _agree_all)
+                            _agree_all, judged=lambda r: r[:2])
     except BusyMachine as e:
         return str(e)
 
