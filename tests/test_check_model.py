@@ -53,13 +53,14 @@ def test_refusals(profile, capsys, tmp_path):
 
 
 def test_fit_on_a_busy_machine_is_refused(profile, capsys, monkeypatch):
-    """Injected fit timings that never settle (1 s, 2 s, 1 s, ...): one line, exit 2,
-    naming the command to run again; nothing is trained."""
+    """Injected fit timings that never settle (1 s, 3 s, 1 s, ...: a busy machine misses
+    by multiples): one line, exit 2, naming the command to run again; nothing is
+    trained."""
     import itertools
 
     from paratrain.run import check_model as cm
 
-    times = itertools.cycle([1.0, 2.0])
+    times = itertools.cycle([1.0, 3.0])
     monkeypatch.setattr(cm, "_thread_peak", lambda: 1e10)
     monkeypatch.setattr(cm, "_one_process", lambda *a: next(times))
     assert main(["check-model", "--plans", "dp2", "--profile", profile]) == 2

@@ -121,10 +121,11 @@ def test_default_plan_says_what_it_is_and_which_figure_to_trust(monkeypatch, cap
     assert "unsharded on purpose" in text
     m = re.search(r"`paratrain plan (--zero \d --micro-batches \d)` does", text)
     assert m, "the note names a layout that fits"
-    assert "prediction: the step model" in text and "1.62 s" in text
+    # the figures move with the fitted parameters (data/fitted.toml): their form is checked
+    assert re.search(r"prediction: the step model .* predicts a step of \d\.\d\d s", text)
     assert "Step time, reference model" in text
     sync = text.split("data-parallel sync on the wire:", 1)[1][:300]
-    assert "0.533 s in the table" in sync and "110 ms in the step model" in sync
+    assert "0.533 s in the table" in sync and re.search(r"\d+ ms in the step model", sync)
     assert "exposed after overlap" in sync
     # the layout the note says fits does fit, and no longer opens with the note
     fits = _run(["plan", *m.group(1).split()], monkeypatch, capsys)

@@ -19,11 +19,12 @@ kept; a machine that never settles within ``max_repeats`` rounds is refused with
 Also measured, for the oversubscribed CPU (:mod:`paratrain.predict.sched`): what a
 blocking sync costs beyond the compute around it, on free cores and with twice as many
 ranks as cores (:func:`sync_worker`), written beside the profile
-(:func:`paratrain.predict.machine.save_sched`).
+(:func:`save_sched`).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import statistics
@@ -35,6 +36,7 @@ from pathlib import Path
 from paratrain.cost.collectives import ring_factor, steps
 
 DEFAULT_PROFILE = Path("~/.cache/paratrain/hardware.toml")
+SCHED_NAME = "cpu_sched.json"  # written next to the profile by `paratrain bench calibrate`
 
 
 def _ram_bytes() -> int:
@@ -283,6 +285,21 @@ def sync_costs(cores: int, iters: int = 50, rule: Stability = Stability(),
     return {**out, "busy_sync_s": max(0.0, synced2 - comp2)}
 
 
+def sched_path(profile: Path) -> Path:
+    """The scheduler's constants' file beside ``profile``."""
+    return profile.expanduser().with_name(SCHED_NAME)
+
+
+def save_sched(values: dict, profile: str | Path | None) -> Path:
+    """The scheduler's constants (:func:`paratrain.bench.calibrate.sync_costs`) beside
+    the profile, with the date they were measured."""
+    path = sched_path(Path(profile or DEFAULT_PROFILE))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({**values, "date": time.strftime("%Y-%m-%d %H:%M:%S")},
+                               indent=1))
+    return path
+
+
 def fit(sizes: list[int], per_rank: list[dict], p: int) -> dict:
     """alpha and bandwidth from the ping-pong and from the native all-reduce sweep."""
     from paratrain.bench.measure import fit_two_regimes
@@ -329,7 +346,6 @@ def run(nproc: int, sizes: list[int], iters: int, out: Path,
     from paratrain.comm.api import SEGMENT_BYTES
     from paratrain.comm.cost import time_s
     from paratrain.parallel.process_groups import spawn
-    from paratrain.predict.machine import save_sched
 
     if nproc < 2:
         raise ValueError(f"--nproc {nproc}: calibration needs at least 2 ranks")

@@ -9,11 +9,15 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from paratrain.bench.calibrate import (  # noqa: F401 - the profile's files, re-exported
+    DEFAULT_PROFILE,
+    SCHED_NAME,
+    save_sched,
+    sched_path,
+)
 from paratrain.cost.hardware import Hardware, load_hardware
 
-DEFAULT_PROFILE = Path("~/.cache/paratrain/hardware.toml")
 FIT_NAME = "cpu_fit.json"  # written next to the profile by `paratrain check-model`
-SCHED_NAME = "cpu_sched.json"  # written next to the profile by `paratrain bench calibrate`
 
 
 @dataclass(frozen=True)
@@ -123,20 +127,6 @@ def sample_other_sessions(samples: int = 10, interval_s: float = 0.02
 
 def fit_path(profile: Path) -> Path:
     return profile.expanduser().with_name(FIT_NAME)
-
-
-def sched_path(profile: Path) -> Path:
-    return profile.expanduser().with_name(SCHED_NAME)
-
-
-def save_sched(values: dict, profile: str | Path | None) -> Path:
-    """The scheduler's constants (:func:`paratrain.bench.calibrate.sync_costs`) beside
-    the profile, with the date they were measured."""
-    path = sched_path(Path(profile or DEFAULT_PROFILE))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({**values, "date": time.strftime("%Y-%m-%d %H:%M:%S")},
-                               indent=1))
-    return path
 
 
 def _sched(path: Path) -> dict:

@@ -53,7 +53,7 @@ op-level selective checkpointing saves every other matmul's output and recompute
 of the forward: half its GEMMs and all its element-wise work.
 
 ``dispatcher`` is how an engine moves an MoE layer's tokens to its experts
-(:mod:`paratrain.systems.moe_step`): Megatron-LM's ``--moe-token-dispatcher-type``
+(:mod:`paratrain.systems.moe_step`): Megatron-LM's ``moe_token_dispatcher_type`` setting
 defaults to ``allgather``; NeMo's MoE recipes, DeepSeek's HAI-LLM, DeepSpeed-MoE,
 torchtitan and the others (paratrain's runtime too) run ``alltoall``.
 
