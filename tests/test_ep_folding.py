@@ -24,14 +24,14 @@ import pytest
 from conftest import parity_tcfg
 from paratrain.config import ModelConfig
 from paratrain.cost.ep_bytes import etp_wire_bytes
-from paratrain.cost.layout import dp_wire_bytes, rank_layout, state_bytes
+from paratrain.cost.layout import rank_layout
 from paratrain.cost.ranks import Fold
 from paratrain.parallel.mesh import Mesh, axis_ranks, layout_table
 from paratrain.parallel.process_groups import spawn
 from paratrain.plan import ParallelPlan
 from paratrain.predict.axes import ep_wire_bytes, moe_blocks, routed_tokens
 from paratrain.run.loop import RunOptions, train
-from test_moe_cp_sp import _check
+from test_moe_cp_sp import _check, _worker
 
 MOE = ModelConfig(n_layers=2, d_model=32, n_heads=4, d_ff=64, context=16, experts=4,
                   top_k=2, z_loss_coef=0.01)
@@ -79,18 +79,6 @@ EIGHT_SLOW = {  # the first routes no rows to some rank's experts at some layer
     "pp2 cp2 tp2 sp ep2 etp2 zero3 m2": (ALL, P(pp=2, cp=2, tp=2, sp=True, ep=2, etp=2,
                                                 zero=3, micro_batches=2)),
 }
-
-
-def _worker(rank: int, world: int, data: str, combos: dict) -> dict:
-    out = {}
-    for name, (model, plan) in combos.items():
-        s = train(model, parity_tcfg(data), plan, RunOptions(**QUIET))
-        out[name] = (s["losses"], s["val_loss"], s["moe_steps"],
-                     (s["wire_bytes_per_step"], dp_wire_bytes(model, plan, "float64", rank)),
-                     (s["memory"]["measured_per_rank"][rank],
-                      state_bytes(model, plan, "float64", rank)),
-                     [m["ep_wire_bytes"] for m in s["moe_steps"]])
-    return out
 
 
 def dispatch_bytes(mcfg: ModelConfig, plan: ParallelPlan, rank: int, seqs: int) -> float:

@@ -58,7 +58,8 @@ def _worker(rank: int, world: int, data: str, combos: dict) -> dict:
         out[name] = (s["losses"], s["val_loss"], s["moe_steps"],
                      (s["wire_bytes_per_step"], dp_wire_bytes(model, plan, "float64", rank)),
                      (s["memory"]["measured_per_rank"][rank],
-                      state_bytes(model, plan, "float64", rank)))
+                      state_bytes(model, plan, "float64", rank)),
+                     [m.get("ep_wire_bytes") for m in s["moe_steps"]])
     return out
 
 

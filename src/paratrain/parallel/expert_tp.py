@@ -32,6 +32,7 @@ from torch import nn
 from paratrain.cost.collectives import ring_share
 from paratrain.parallel.expert import ExpertExchange, _AllToAll
 from paratrain.parallel.placement import narrowed
+from paratrain.parallel.sequence import CopyToRegion, ReduceFromRegion
 
 
 class EtpExchange(ExpertExchange):
@@ -64,31 +65,6 @@ class EtpExchange(ExpertExchange):
         self.owner.calls += 1
 
 
-class _Copy(torch.autograd.Function):
-    """Identity forward; the input gradient summed over etp (the slices' parts)."""
-
-    @staticmethod
-    def forward(ctx, x, ex):
-        ctx.ex = ex
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        return ctx.ex.all_reduce(g.contiguous().clone()), None
-
-
-class _Reduce(torch.autograd.Function):
-    """The partial outputs summed over etp forward; identity backward."""
-
-    @staticmethod
-    def forward(ctx, y, ex):
-        return ex.all_reduce(y.contiguous().clone())
-
-    @staticmethod
-    def backward(ctx, g):
-        return g, None
-
-
 class EtpStage:
     """Runs a layer's local experts on rows sorted by local expert (``counts_El`` rows
     each), their matrices split over etp (module docstring): a drop-in for
@@ -100,8 +76,8 @@ class EtpStage:
     def __call__(self, moe: nn.Module, x_RD: torch.Tensor, counts_El: torch.Tensor
                  ) -> torch.Tensor:
         if not self.sp:
-            y = moe.run_sorted(_Copy.apply(x_RD, self.ex), counts_El)
-            return _Reduce.apply(y, self.ex)
+            y = moe.run_sorted(CopyToRegion.apply(x_RD, self.ex), counts_El)
+            return ReduceFromRegion.apply(y, self.ex)
         t, El = self.ex.size, counts_El.numel()
         counts = self.ex.all_to_all(counts_El.repeat(t), [El] * t, [El] * t).view(t, El)
         n = counts.sum(1).tolist()  # rows of each etp rank

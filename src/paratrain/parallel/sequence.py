@@ -97,8 +97,10 @@ class TPComm:
         return x_BTD.chunk(self.size, dim=1)[self.rank]
 
 
-class _CopyToRegion(torch.autograd.Function):
-    """f without SP: identity forward, all-reduce of the input gradient backward."""
+class CopyToRegion(torch.autograd.Function):
+    """f without SP: identity forward, all-reduce of the input gradient backward (over
+    any ``comm`` with ``all_reduce``: the tp group's, or the etp group's in
+    :mod:`paratrain.parallel.expert_tp`)."""
 
     @staticmethod
     def forward(ctx, x, comm):
@@ -110,7 +112,7 @@ class _CopyToRegion(torch.autograd.Function):
         return ctx.comm.all_reduce(g.contiguous().clone()), None
 
 
-class _ReduceFromRegion(torch.autograd.Function):
+class ReduceFromRegion(torch.autograd.Function):
     """g without SP: all-reduce forward, identity backward."""
 
     @staticmethod
@@ -152,11 +154,11 @@ def enter_region(x_BTD: torch.Tensor, comm: TPComm) -> torch.Tensor:
     """Replicated (or, with SP, sequence-sharded) -> the full input of column-parallel."""
     if comm.size == 1:
         return x_BTD
-    return _GatherFromSeq.apply(x_BTD, comm) if comm.sp else _CopyToRegion.apply(x_BTD, comm)
+    return _GatherFromSeq.apply(x_BTD, comm) if comm.sp else CopyToRegion.apply(x_BTD, comm)
 
 
 def exit_region(y_BTD: torch.Tensor, comm: TPComm) -> torch.Tensor:
     """Partial sums of row-parallel -> the sum (replicated, or with SP sharded along T)."""
     if comm.size == 1:
         return y_BTD
-    return _ScatterToSeq.apply(y_BTD, comm) if comm.sp else _ReduceFromRegion.apply(y_BTD, comm)
+    return _ScatterToSeq.apply(y_BTD, comm) if comm.sp else ReduceFromRegion.apply(y_BTD, comm)
