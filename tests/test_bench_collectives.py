@@ -50,10 +50,7 @@ def test_bench_calibrate_writes_a_loadable_profile(tmp_path, capsys, monkeypatch
     """The profile's writing, not the stability rule (tests/test_calibrate_stability.py
     checks that with injected timings): any round counts, so the machine's load cannot
     fail it."""
-    from paratrain.bench import calibrate
-
-    monkeypatch.setattr(calibrate, "DEFAULT_RULE",
-                        calibrate.Stability(k=1, cv=float("inf"), max_repeats=1))
+    monkeypatch.setenv("PARATRAIN_STABLE_CV", "inf")
     path = tmp_path / "hw.toml"
     rc = main(["bench", "calibrate", "--nproc", "2", "--min-bytes", "4", "--max-bytes", "4K",
                "--factor", "32", "--iters", "2", "--algorithms", "ring,tree", "--out", str(path)])

@@ -106,3 +106,18 @@ def test_a_sweep_is_judged_by_what_it_fits_not_by_each_size():
     assert got == [1e-4, 1e-4, 1e-4] and len(calls) == 3
     with pytest.raises(BusyMachine):
         until_stable(_scripted(rounds)[0], "sweep", Stability(k=3, cv=0.15, max_repeats=3))
+
+
+def test_the_threshold_comes_from_the_environment_when_set(monkeypatch, capsys, tmp_path):
+    """PARATRAIN_STABLE_CV sets the variation allowed; a value that is no positive number
+    is one line naming it, exit 2, before anything is measured."""
+    monkeypatch.delenv("PARATRAIN_STABLE_CV", raising=False)
+    assert cal.default_rule() == Stability()
+    monkeypatch.setenv("PARATRAIN_STABLE_CV", "0.5")
+    assert cal.default_rule() == Stability(cv=0.5)
+    for bad in ("abc", "0", "-1", "nan"):
+        monkeypatch.setenv("PARATRAIN_STABLE_CV", bad)
+        assert main(["bench", "calibrate", "--out", str(tmp_path / "hw.toml")]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("error: PARATRAIN_STABLE_CV=") and "\n" not in err, err
+    assert not (tmp_path / "hw.toml").exists()

@@ -61,7 +61,25 @@ class Stability:
     max_repeats: int = 10
 
 
-DEFAULT_RULE = Stability()  # what `paratrain bench calibrate` and `train --plan auto` use
+STABLE_CV_ENV = "PARATRAIN_STABLE_CV"  # a noisier machine's own threshold, e.g. 0.5
+
+
+def default_rule() -> Stability:
+    """What `paratrain bench calibrate`, `check-model`'s fit and `train --plan auto` use:
+    :class:`Stability`'s defaults, with the variation allowed from ``PARATRAIN_STABLE_CV``
+    when set (a user who knows the machine is noisy, or a test of the flow that is not
+    a test of the machine). A value that is no positive number is one ValueError."""
+    raw = os.environ.get(STABLE_CV_ENV)
+    if raw is None:
+        return Stability()
+    try:
+        cv = float(raw)
+    except ValueError:
+        cv = -1.0
+    if not cv > 0:
+        raise ValueError(f"{STABLE_CV_ENV}={raw!r} is not a positive number; set it to "
+                         "e.g. 0.5 or unset it")
+    return Stability(cv=cv)
 
 
 class BusyMachine(ValueError):
@@ -338,9 +356,9 @@ def write_toml(values: dict, path: Path) -> Path:
 def run(nproc: int, sizes: list[int], iters: int, out: Path,
         algorithms: list[str], rule: Stability | None = None) -> tuple[dict, str]:
     """Measure (each measurement until stable under ``rule``, default
-    :data:`DEFAULT_RULE`: :func:`until_stable`), write the profile and the scheduler's
+    :func:`default_rule`: :func:`until_stable`), write the profile and the scheduler's
     constants beside it, and return (profile, report text)."""
-    rule = rule or DEFAULT_RULE
+    rule = rule or default_rule()
     from paratrain.bench import measure
     from paratrain.comm.algorithms import build
     from paratrain.comm.api import SEGMENT_BYTES

@@ -185,7 +185,7 @@ def fit_machine(mcfg: ModelConfig, tcfg: TrainConfig, profile: str | None,
     CPU a collective costs (:func:`collective_cpu`). The peak and each run are repeated
     until stable, or refused on a busy machine
     (:func:`paratrain.bench.calibrate.until_stable`)."""
-    from paratrain.bench.calibrate import DEFAULT_RULE, until_stable
+    from paratrain.bench.calibrate import default_rule, until_stable
     from paratrain.predict import fit_from_runs, load_machine, save_fit
 
     machine = load_machine(profile)
@@ -194,14 +194,14 @@ def fit_machine(mcfg: ModelConfig, tcfg: TrainConfig, profile: str | None,
                          "calibrate` first (or pass --profile PATH)")
     again = "paratrain check-model"
     (peak,) = until_stable(lambda: [_thread_peak()], "one thread's matmul peak",
-                           DEFAULT_RULE, command=again)
+                           default_rule(), command=again)
     B = tcfg.global_batch
     runs = []
     for gb, m in ((B, 1), (max(1, B // 4), 1), (B, 4)):
         t_cfg = TrainConfig(**{**asdict(tcfg), "global_batch": gb})
         (t,) = until_stable(lambda t_cfg=t_cfg, m=m: [_one_process(
             mcfg, t_cfg, ParallelPlan(micro_batches=m))],
-            f"the fit run's CPU s per step (batch {gb}, {m} micro-batches)", DEFAULT_RULE,
+            f"the fit run's CPU s per step (batch {gb}, {m} micro-batches)", default_rule(),
             command=again)
         runs.append((gb, m, t))
         log(f"fit run: batch {gb}, micro-batches {m}: {t:.4f} CPU s/step")
