@@ -29,10 +29,18 @@ import os
 import socket
 import statistics
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 
+from paratrain.bench.stability import (  # noqa: F401 - re-exported
+    STABLE_CV_ENV,
+    BusyMachine,
+    Stability,
+    _agree_all,
+    default_rule,
+    until_stable,
+    variation,
+)
 from paratrain.cost.collectives import ring_factor, steps
 
 DEFAULT_PROFILE = Path("~/.cache/paratrain/hardware.toml")
@@ -48,86 +56,6 @@ def _ram_bytes() -> int:
     except OSError:
         pass
     return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-
-
-@dataclass(frozen=True)
-class Stability:
-    """When a measurement counts as stable: the last ``k`` of at most ``max_repeats``
-    rounds agree, every timing's coefficient of variation over them at most ``cv``
-    (docs/train-prediction.md says why 30%)."""
-
-    k: int = 3
-    cv: float = 0.30
-    max_repeats: int = 10
-
-
-STABLE_CV_ENV = "PARATRAIN_STABLE_CV"  # a noisier machine's own threshold, e.g. 0.5
-
-
-def default_rule() -> Stability:
-    """What `paratrain bench calibrate`, `check-model`'s fit and `train --plan auto` use:
-    :class:`Stability`'s defaults, with the variation allowed from ``PARATRAIN_STABLE_CV``
-    when set (a user who knows the machine is noisy, or a test of the flow that is not
-    a test of the machine). A value that is no positive number is one ValueError."""
-    raw = os.environ.get(STABLE_CV_ENV)
-    if raw is None:
-        return Stability()
-    try:
-        cv = float(raw)
-    except ValueError:
-        cv = -1.0
-    if not cv > 0:
-        raise ValueError(f"{STABLE_CV_ENV}={raw!r} is not a positive number; set it to "
-                         "e.g. 0.5 or unset it")
-    return Stability(cv=cv)
-
-
-class BusyMachine(ValueError):
-    """The machine never settled: one line saying so and what to do (the CLI prints it)."""
-
-
-def variation(xs: Sequence[float]) -> float:
-    """Coefficient of variation (population standard deviation over the mean)."""
-    mean = statistics.fmean(xs)
-    return statistics.pstdev(xs) / mean if mean > 0 else float("inf")
-
-
-def until_stable(measure: Callable[[], Sequence[float]], what: str,
-                 rule: Stability = Stability(),
-                 agree: Callable[[bool], bool] = lambda ok: ok,
-                 judged: Callable[[list[float]], Sequence[float]] = lambda xs: xs,
-                 command: str = "paratrain bench calibrate") -> list[float]:
-    """Call ``measure`` (one round: a few positive timings) until the last ``rule.k``
-    rounds are stable; return each timing's median over them. ``judged`` maps a round to
-    the figures whose stability counts (default: all; a sweep judges the alpha and beta
-    it fits, not each size's latency). ``agree`` lets the ranks of a process group
-    decide together (all stable or none), so they stay in step. Raises
-    :class:`BusyMachine` (naming ``command`` to run again) after ``rule.max_repeats``
-    unstable rounds."""
-    rounds: list[list[float]] = []
-    worst = float("inf")
-    for _ in range(rule.max_repeats):
-        rounds.append([float(x) for x in measure()])
-        window = rounds[-rule.k:]
-        if len(window) == rule.k:
-            figs = [judged(r) for r in window]
-            worst = max(variation(col) for col in zip(*figs, strict=True))
-        if agree(len(window) == rule.k and worst <= rule.cv):
-            return [statistics.median(col) for col in zip(*window, strict=True)]
-    raise BusyMachine(
-        f"the machine was too busy to calibrate: {what} still varied by {worst:.0%} over "
-        f"the last {rule.k} of {rule.max_repeats} rounds (at most {rule.cv:.0%} counts as "
-        f"stable); run `{command}` again when fewer jobs run (see `uptime`)")
-
-
-def _agree_all(ok: bool) -> bool:
-    """True on every rank only when it is true on every rank (an all-reduce MIN)."""
-    import torch
-    import torch.distributed as dist
-
-    t = torch.tensor([1.0 if ok else 0.0])
-    dist.all_reduce(t, op=dist.ReduceOp.MIN)
-    return bool(t.item())
 
 
 def _native_sweep(sizes: list[int], iters: int) -> list[float]:
