@@ -206,3 +206,12 @@ def test_recompute_words():
         assert recompute_stated(stated), stated
     for unstated in ("", "not stated (recipe default)", "not stated", "not recorded"):
         assert not recompute_stated(unstated)  # inferred from memory by row_to_case
+
+
+@pytest.mark.parametrize("cell,key", [
+    ("NVIDIA GB200 NVL72", "gb200"), ("NVIDIA H100 PCIe", "h100-pcie"), ("H100 NVL", "h100-nvl"),
+    ("H100-SXM5-80GB", "h100"), ("TPU v4 (pod)", "tpu-v4"), ("A100-SXM4-40GB", "a100-40gb")])
+def test_an_accelerator_cell_names_the_longest_catalogue_entry_it_contains(cell, key):
+    from paratrain.systems.runs import _hardware
+
+    assert _hardware(cell)[0] == key

@@ -140,23 +140,25 @@ def source_key(row: dict) -> str:
 
 
 def _hardware(name: str) -> tuple[str, Hardware]:
-    from paratrain.cost.catalogue import lookup
+    """The catalogue entry an accelerator cell names: the whole cell or its text before a
+    parenthesis as a key or alias, else the longest key or alias the cell contains (so
+    "NVIDIA GB200 NVL72" is gb200, not b200, and "H100 PCIe" is h100-pcie, not h100)."""
+    from paratrain.cost.catalogue import _norm, lookup, read_catalogue
 
-    candidates = [name, name.split("(")[0].strip()]
-    low = name.lower()
-    for key in ("a100", "h100", "h800", "h200", "b200", "v100", "mi300x", "tpu v3", "tpu v4",
-                "tpu v5p", "tpu v5e"):
-        if key in low:
-            candidates.append(key.replace(" ", "-"))
-    for c in candidates:
-        if not c:
-            continue
+    for c in filter(None, (name, name.split("(")[0].strip())):
         try:
-            key, _ = lookup(c, "hardware.toml", "hardware")
+            key = lookup(c, "hardware.toml", "hardware")[0]
         except ValueError:
             continue
         return key, load_hardware(key)
-    raise Skip(f"accelerator {name!r} is not in the hardware catalogue")
+    text = f"-{_norm(name)}-"
+    named = [(len(n), key) for key, e in read_catalogue("hardware.toml").items()
+             for n in (key, *e.get("aliases", ())) if f"-{_norm(n)}-" in text
+             or _norm(n).replace("-", " ") in name.lower()]
+    if not named:
+        raise Skip(f"accelerator {name!r} is not in the hardware catalogue")
+    key = max(named)[1]
+    return key, load_hardware(key)
 
 
 def _zero(text: str) -> int:
