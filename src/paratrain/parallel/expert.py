@@ -87,8 +87,6 @@ class ExpertExchange:
         self.group, self.size, self.rank, self.experts = group, size, rank, experts
         self.local = experts // size
         self.ours = collectives == "ours"
-        self.peers = [dist.get_global_rank(group, i) for i in range(size)] if self.ours \
-            else []
         self.wire_bytes = 0  # rows (and split sizes) sent to other ranks, fwd + bwd
         self.calls = 0
         self.run_local = None  # (moe, rows, counts) -> outputs; None: moe.run_sorted
@@ -99,7 +97,7 @@ class ExpertExchange:
         """paratrain's all-to-all (``--collectives ours``): the pairwise exchange over
         isend / irecv, every round posted before any is waited, straight into ``out``'s
         slices (:func:`paratrain.comm.all_to_all.all_to_all`)."""
-        all_to_all(out, x, out_splits, in_splits, self.rank, self.peers, self.group)
+        all_to_all(out, x, out_splits, in_splits, self.rank, self.group)
 
     def all_to_all(self, x: torch.Tensor, out_splits: list[int], in_splits: list[int]
                    ) -> torch.Tensor:
