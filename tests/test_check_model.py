@@ -5,6 +5,7 @@ accuracy itself is a benchmark's business (benchmarks/check_model.py), not a tes
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -79,3 +80,84 @@ def test_every_grid_plan_passes_the_runtime_checks():
         assert bool(model.experts) == (plan.ep > 1), name
         plan.check_run(model, plan.world_size, GRID_BATCH)
     assert {p.cp_algorithm for p in GRID.values() if p.cp > 1} == {"ring", "all-to-all"}
+
+
+def test_collective_costs_are_solved_from_two_sizes_and_two_group_sizes():
+    """Per-call CPU made of a per-call, a per-ring-step and a per-byte part (and wall of a
+    per-step latency and a bandwidth) is taken apart exactly from the three measurements
+    the fit makes; the 2-rank call keeps its CPU at either clamp (4 ranks costing less
+    than 2: all per call; far more: all per step)."""
+    from paratrain.cost import collectives as coll
+    from paratrain.run.check_model import COLL_LARGE, COLL_SMALL, solve_collective_costs
+
+    call, step, byte, alpha, bw = 300e-6, 250e-6, 0.6e-9, 700e-6, 1.3e9
+
+    def cpu(p, n):
+        return call + coll.steps("all_reduce", "ring", p) * step + \
+            coll.wire_bytes("all_reduce", "ring", p, n) * byte
+
+    def wall(n):
+        return 2 * alpha + coll.wire_bytes("all_reduce", "ring", 2, n) / bw
+
+    got = solve_collective_costs(cpu(2, COLL_SMALL), cpu(2, COLL_LARGE), cpu(4, COLL_SMALL),
+                                 wall(COLL_SMALL), wall(COLL_LARGE))
+    assert got == pytest.approx((call, step, byte, alpha, bw), rel=1e-9)
+    c2, c2l, w = cpu(2, COLL_SMALL), cpu(2, COLL_LARGE), (wall(COLL_SMALL), wall(COLL_LARGE))
+    small = c2 - coll.wire_bytes("all_reduce", "ring", 2, COLL_SMALL) * byte
+    flat = solve_collective_costs(c2, c2l, c2 * 0.9, *w)
+    assert flat[:2] == pytest.approx((small, 0.0), abs=1e-12)
+    steep = solve_collective_costs(c2, c2l, c2 * 10, *w)
+    assert steep[:2] == pytest.approx((0.0, small / 2), abs=1e-12)
+
+
+def test_route_cost_is_what_the_moe_run_took_beyond_its_price(profile):
+    """The MoE run priced with a known cost per routed assignment gives that cost back;
+    a run no dearer than its FLOPs gives 0."""
+    from paratrain.config import TrainConfig
+    from paratrain.plan import ParallelPlan
+    from paratrain.predict import load_machine, predict
+    from paratrain.run.check_model import GRID_MODEL, plan_model, route_cost
+
+    machine = load_machine(profile).replace(pass_s=1e-3, step_s=2e-3)
+    moe = plan_model(ParallelPlan(dp=2, ep=2), GRID_MODEL)
+    tcfg = TrainConfig(global_batch=16)
+    r0 = 3e-6
+    t = predict(moe, tcfg, ParallelPlan(), 1, machine.replace(route_s=r0)).cpu_rank0_s
+    assert route_cost((moe, tcfg, t), machine) == pytest.approx(r0, rel=1e-9)
+    bare = predict(moe, tcfg, ParallelPlan(), 1, machine).cpu_rank0_s
+    assert route_cost((moe, tcfg, 0.9 * bare), machine) == 0.0
+    dense = predict(GRID_MODEL, tcfg, ParallelPlan(), 1, machine.replace(route_s=r0))
+    assert dense.cpu_rank0_s == predict(GRID_MODEL, tcfg, ParallelPlan(), 1,
+                                        machine).cpu_rank0_s  # no MoE block, no routing
+
+
+def test_the_fit_saves_and_loads_the_collectives_it_measured(profile):
+    """The fit's collective latency and bandwidth replace the profile's for the step (its
+    calls as a step pays them), with the CPU per call, the cores' shared speed and the
+    routing cost; the profile itself is left as calibrated."""
+    from paratrain.predict import load_machine, save_fit
+
+    base = load_machine(profile)
+    fitted = base.replace(hw=base.hw.replace(intra_alpha=7e-4, intra_bw=1.5e9), eta=0.5,
+                          thread_peak=1e11, pass_s=1e-3, step_s=2e-3, coll_call_cpu_s=3e-4,
+                          coll_step_cpu_s=2e-4, coll_byte_cpu_s=5e-10, core_speed=0.8,
+                          route_s=3e-6, fitted=True)
+    save_fit(fitted, profile, "test")
+    got = load_machine(profile)
+    assert (got.hw.intra_alpha, got.hw.intra_bw) == (7e-4, 1.5e9)
+    assert (got.coll_call_cpu_s, got.coll_step_cpu_s, got.coll_byte_cpu_s) == (3e-4, 2e-4, 5e-10)
+    assert (got.core_speed, got.route_s, got.fitted) == (0.8, 3e-6, True)
+    assert "intra_alpha = 1e-4" in Path(profile).read_text()
+
+
+def test_collective_cpu_pays_a_hand_off_per_collective_call_not_per_send(profile):
+    from paratrain.predict import load_machine
+    from paratrain.predict.calls import comm_cpu
+
+    m = load_machine(profile).replace(coll_call_cpu_s=3e-4, coll_step_cpu_s=2e-4,
+                                      coll_byte_cpu_s=1e-9)
+    assert comm_cpu(m, 4, [("all_reduce", 4000.0, 2)]) == pytest.approx(
+        2 * (3e-4 + 6 * 2e-4 + 6000 * 1e-9))
+    assert comm_cpu(m, 4, [("all_to_all", 4000.0, 1)]) == pytest.approx(
+        3e-4 + 3 * 2e-4 + 3000 * 1e-9)
+    assert comm_cpu(m, 2, [("p2p", 1000.0, 3)]) == pytest.approx(3 * (2e-4 + 1000 * 1e-9))

@@ -58,6 +58,22 @@ def test_oversubscribed_cores_stretch_compute_and_price_each_sync():
     assert p.step_s == pytest.approx(max(p.critical_path_s, p.session_work_s / 2 + 9 * 2e-3))
 
 
+def test_an_oversubscribed_sync_does_not_pay_its_own_cpu_twice():
+    """The calibration's busy sync (2 ranks per core, pairs all-reducing 4 bytes) holds
+    that all-reduce's CPU, which the work bound already counts through the fitted
+    collective CPU: each sync adds only what is left (never below 0; more than 8 cores:
+    no oversubscribed sync was timed, nothing is taken off)."""
+    m = _machine(2, wake=1e-4, busy=2e-3).replace(coll_call_cpu_s=3e-4, coll_step_cpu_s=2e-4)
+    assert S.busy_wait_s(m) == pytest.approx(2e-3 - 2 * (3e-4 + 2 * 2e-4))
+    assert S.busy_wait_s(m.replace(coll_call_cpu_s=3e-3)) == 0.0
+    assert S.busy_wait_s(_machine(2, busy=2e-3)) == 2e-3  # no collective CPU fitted
+    assert S.busy_wait_s(_machine(16, busy=2e-3).replace(coll_call_cpu_s=3e-4)) == 2e-3
+    plan = ParallelPlan(dp=4)
+    p = predict(TINY, TC, plan, 4, m)
+    assert p.step_s == pytest.approx(max(p.critical_path_s,
+                                         p.session_work_s / 2 + p.syncs * S.busy_wait_s(m)))
+
+
 def test_pipeline_fill_stretches_only_with_the_ranks_that_run():
     """dp2 x pp2 on 2 cores: o = 2 in the steady state, o / pp = 1 in the fill."""
     plan = ParallelPlan(dp=2, pp=2, micro_batches=4)

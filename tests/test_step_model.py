@@ -8,7 +8,7 @@ import re
 import pytest
 
 from paratrain.cli import main
-from paratrain.cost.cp_bytes import cp_bytes_per_sequence_layer
+from paratrain.cost.cp_bytes import A2A_EXCHANGES, cp_bytes_per_sequence_layer
 from paratrain.cost.hardware import load_hardware
 from paratrain.cost.shapes import load_model
 from paratrain.plan import ParallelPlan
@@ -103,8 +103,11 @@ def test_context_parallel_time_uses_the_runtime_bytes(algo):
     f, b = ct.cp_s(m, plan, seq, mb, H100, 0.8, 0.8)
     fb, bb = cp_bytes_per_sequence_layer(m.replace(context=seq), plan, 2)
     bw = H100.intra_bw * 0.8
-    assert f == pytest.approx(H100.intra_alpha + mb * fb / bw)
-    assert b == pytest.approx(2 * H100.intra_alpha + mb * bb / bw)
+    # a latency per ring hop (backward: out and home), or per peer of each of the
+    # all-to-all's four exchanges (q, k, v, output) in each direction
+    lat_f, lat_b = (1, 2) if algo == "ring" else (A2A_EXCHANGES, A2A_EXCHANGES)
+    assert f == pytest.approx(lat_f * H100.intra_alpha + mb * fb / bw)
+    assert b == pytest.approx(lat_b * H100.intra_alpha + mb * bb / bw)
     bd = predict_step(m, plan, H100, 32 * seq, seq, StepParams())
     assert bd.comm["cp"] > 0
     if algo == "all-to-all":  # nothing hides an all-to-all

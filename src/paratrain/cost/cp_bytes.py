@@ -63,6 +63,9 @@ def attention_pairs_per_rank(T: int, cp: int, balanced: bool = True) -> list[int
                 for _, blocks in sched(cp, i) for _, _, k in blocks) for i in range(cp)]
 
 
+A2A_EXCHANGES = 4  # all-to-all CP, per block and direction: q, k, v and the output
+
+
 def cp_bytes_per_sequence_layer(mcfg: ModelConfig, plan: ParallelPlan, elem: int
                                 ) -> tuple[int, int]:
     """(forward, backward) bytes one cp rank sends per layer and per sequence:

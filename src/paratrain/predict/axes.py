@@ -16,6 +16,7 @@ from paratrain.config import ModelConfig
 from paratrain.cost import collectives as coll
 from paratrain.cost import layout as L
 from paratrain.cost import moe_layout
+from paratrain.cost.cp_bytes import A2A_EXCHANGES
 from paratrain.cost.hardware import Hardware
 from paratrain.cost.shapes import as_shape
 from paratrain.plan import ParallelPlan
@@ -78,14 +79,18 @@ def cp_block_s(mcfg: ModelConfig, plan: ParallelPlan, seqs_mb: float, tokens_mb:
 
 
 def cp_calls(plan: ParallelPlan, wire: float, blocks: int) -> list[tuple[str, float, int]]:
-    """The CP transfers of a step as point-to-point sends, for their CPU cost: per block
-    and micro-batch, the ring sends K/V out and back and the gradients home (3(cp-1) +
-    cp hops), all-to-all 8 exchanges of cp - 1 pieces."""
+    """The CP transfers of a step, for their CPU cost: per block and micro-batch, the ring
+    sends K/V out and back and the gradients home (3(cp-1) + cp point-to-point hops);
+    all-to-all is 2 x :data:`paratrain.cost.cp_bytes.A2A_EXCHANGES` collective calls
+    (q, k, v and the output, forward and backward), each of its payload's share."""
     if plan.cp == 1 or not wire:
         return []
-    per = 3 * (plan.cp - 1) + plan.cp if plan.cp_algorithm == "ring" else 8 * (plan.cp - 1)
-    n = plan.micro_batches * blocks * per
-    return [("p2p", wire / n, n)]
+    m = plan.micro_batches * blocks
+    if plan.cp_algorithm == "ring":
+        n = m * (3 * (plan.cp - 1) + plan.cp)
+        return [("p2p", wire / n, n)]
+    n = m * 2 * A2A_EXCHANGES
+    return [("all_to_all", wire / n * plan.cp / (plan.cp - 1), n)]
 
 
 def ep_rows_uniform(mcfg: ModelConfig, plan: ParallelPlan, tokens_mb: float) -> float:
@@ -124,21 +129,35 @@ def ep_wire_bytes(mcfg: ModelConfig, plan: ParallelPlan, elem: int, sent: float,
     return (sent + recv) * mcfg.d_model * elem * (runs + 1) + layer_passes * runs * counts
 
 
+def ep_exchanges(plan: ParallelPlan) -> tuple[int, int]:
+    """(row all-to-alls, split-size all-to-alls) of one MoE layer and micro-batch: the
+    dispatch and combine forward and their gradients backward (4), with full recompute
+    the forward's two again (6); the split sizes once per forward (1, or 2)."""
+    runs = 2 if plan.recompute == "full" else 1
+    return 2 * runs + 2, runs
+
+
 def ep_block_s(mcfg: ModelConfig, plan: ParallelPlan, tokens_mb: float, hw: Hardware,
                elem: int) -> float:
-    """Seconds of one MoE layer's all-to-alls for one micro-batch (4, or 6 with full
-    recompute), exposed: the experts wait for the dispatch, the residual for the combine."""
+    """Seconds of one MoE layer's all-to-alls for one micro-batch (:func:`ep_exchanges`:
+    the rows' and the split sizes'), exposed: the experts wait for the dispatch, the
+    residual for the combine."""
     if plan.ep == 1:
         return 0.0
-    n = 6 if plan.recompute == "full" else 4
     rows = routed_tokens(plan, tokens_mb) * mcfg.top_k
-    return n * ct.ep_s(plan, rows * mcfg.d_model * elem, hw, 1.0, 1.0)
+    row_calls, count_calls = ep_exchanges(plan)
+    counts = mcfg.experts * COUNT_BYTES
+    return (row_calls * ct.ep_s(plan, rows * mcfg.d_model * elem, hw, 1.0, 1.0)
+            + count_calls * ct.ep_s(plan, counts, hw, 1.0, 1.0))
 
 
 def ep_calls(plan: ParallelPlan, wire: float, layer_passes: int
              ) -> list[tuple[str, float, int]]:
-    """The EP all-to-alls of a step as point-to-point sends (ep - 1 peers each)."""
+    """The EP all-to-alls of a step (:func:`ep_exchanges` per layer pass), collective
+    calls for their CPU cost: the rows' (``wire``: the bytes they send, spread evenly)
+    and the split sizes' (bytes too few to count)."""
     if plan.ep == 1 or not wire:
         return []
-    n = layer_passes * (6 if plan.recompute == "full" else 4) * (plan.ep - 1)
-    return [("p2p", wire / n, n)]
+    rows, counts = (k * layer_passes for k in ep_exchanges(plan))
+    return [("all_to_all", wire / rows * plan.ep / (plan.ep - 1), rows),
+            ("all_to_all", 0.0, counts)]

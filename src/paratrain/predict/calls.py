@@ -85,15 +85,17 @@ def dp_groups(mcfg: ModelConfig, plan: ParallelPlan, tcfg: TrainConfig, rank: in
 
 
 def comm_cpu(machine: MachineModel, p: int, calls: list[tuple[str, float, int]]) -> float:
-    """CPU seconds a rank spends in ``calls`` on a group of ``p``: ring steps x the
-    measured CPU per step plus the bytes it sends x the CPU per byte (or bytes / the
-    transport's bandwidth)."""
+    """CPU seconds a rank spends in ``calls`` on a group of ``p``: per collective call the
+    measured hand-off to gloo's worker thread, ring steps x the CPU per step and the bytes
+    it sends x the CPU per byte (or bytes / the transport's bandwidth); a point-to-point
+    operation, posted by the rank's own thread, one step and its bytes."""
     per_byte = machine.coll_byte_cpu_s or 1.0 / machine.hw.intra_bw
     total = 0.0
     for op, n, k in calls:
         if op == "p2p":
-            steps, wire = 1, n
+            call, steps, wire = 0.0, 1, n
         else:
-            steps, wire = coll.steps(op, "ring", p), coll.wire_bytes(op, "ring", p, n)
-        total += k * (steps * machine.coll_step_cpu_s + wire * per_byte)
+            call, alg = machine.coll_call_cpu_s, "naive" if op == "all_to_all" else "ring"
+            steps, wire = coll.steps(op, alg, p), coll.wire_bytes(op, alg, p, n)
+        total += k * (call + steps * machine.coll_step_cpu_s + wire * per_byte)
     return total

@@ -35,8 +35,10 @@ class MachineModel:
     pass_s: float = 0.0
     step_s: float = 0.0
     others: tuple[tuple[int, ...], ...] = ()
+    coll_call_cpu_s: float = 0.0  # CPU a rank spends per collective call (gloo's hand-off)
     coll_step_cpu_s: float = 0.0  # CPU a rank spends per collective step (gloo, loopback)
     coll_byte_cpu_s: float = 0.0  # CPU per byte it sends (0: priced as bytes / intra_bw)
+    route_s: float = 0.0  # CPU per routed assignment of an MoE block, fwd + bwd (fit)
     wake_s: float = 0.0  # a blocking sync on free cores, beyond its latency (sched.py)
     busy_sync_s: float = 0.0  # a blocking sync's wall cost when ranks outnumber cores
     core_speed: float = 1.0  # a core's compute speed with every core computing, vs alone
@@ -151,9 +153,15 @@ def load_machine(profile: str | Path | None = None) -> MachineModel | None:
     fit = json.loads(fp.read_text()) if fp.is_file() else {}
     sched = _sched(path)
     if {"eta", "thread_peak", "pass_s", "step_s"} <= set(fit):  # else none or stale: ignored
+        if fit.get("coll_alpha_s") and fit.get("coll_bw"):  # the step's own collectives
+            hw = hw.replace(intra_alpha=fit["coll_alpha_s"], intra_bw=fit["coll_bw"])
+        if "core_speed" in fit:  # measured on the fit run itself, every core running it
+            sched = {**sched, "core_speed": fit["core_speed"]}
         return MachineModel(hw, fit["eta"], fit["thread_peak"], fit["pass_s"], fit["step_s"],
+                            coll_call_cpu_s=fit.get("coll_call_cpu_s", 0.0),
                             coll_step_cpu_s=fit.get("coll_step_cpu_s", 0.0),
-                            coll_byte_cpu_s=fit.get("coll_byte_cpu_s", 0.0), fitted=True,
+                            coll_byte_cpu_s=fit.get("coll_byte_cpu_s", 0.0),
+                            route_s=fit.get("route_s", 0.0), fitted=True,
                             source=f"fit {fp} ({fit.get('fitted_on', '?')})", **sched)
     return MachineModel(hw, hw.eta, hw.peak_flops / hw.gpus_per_node,
                         source=f"profile {path} (eta {hw.eta:g}, no CPU fit: run "
@@ -164,7 +172,11 @@ def save_fit(m: MachineModel, profile: str | Path | None, fitted_on: str) -> Pat
     path = fit_path(Path(profile or DEFAULT_PROFILE))
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"eta": m.eta, "thread_peak": m.thread_peak, "pass_s": m.pass_s,
-                                "step_s": m.step_s, "coll_step_cpu_s": m.coll_step_cpu_s,
-                                "coll_byte_cpu_s": m.coll_byte_cpu_s, "fitted_on": fitted_on,
+                                "step_s": m.step_s, "coll_call_cpu_s": m.coll_call_cpu_s,
+                                "coll_step_cpu_s": m.coll_step_cpu_s,
+                                "coll_byte_cpu_s": m.coll_byte_cpu_s,
+                                "coll_alpha_s": m.hw.intra_alpha, "coll_bw": m.hw.intra_bw,
+                                "core_speed": m.core_speed, "route_s": m.route_s,
+                                "fitted_on": fitted_on,
                                 "date": time.strftime("%Y-%m-%d %H:%M:%S")}, indent=1))
     return path

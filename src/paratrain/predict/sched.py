@@ -31,22 +31,23 @@ change, and none of them is a per-plan factor:
   all-reduce over 8 ranks waits 7 times as often as one over 2.
 
 The step is then the larger of two bounds (:func:`bounds`): the critical path with its
-compute stretched and a wake-up per sync, and the session's CPU work over its cores plus
-``busy_sync_s`` per sync when the cores are oversubscribed (a sync is a moment no rank of
-the group computes, so the work bound cannot hide it).
+compute stretched and a wake-up per sync, and the session's CPU work over its cores plus,
+per sync when the cores are oversubscribed, ``busy_sync_s`` less the CPU of the
+calibration's own all-reduce that the work already holds (:func:`busy_wait_s`; a sync is
+a moment no rank of the group computes, so the work bound cannot hide it).
 """
 
 from __future__ import annotations
 
 from paratrain.config import ModelConfig
 from paratrain.cost import collectives as coll
+from paratrain.cost.cp_bytes import A2A_EXCHANGES
 from paratrain.cost.layout import RankLayout
 from paratrain.cost.ranks import virtual_stages
 from paratrain.plan import ParallelPlan
-from paratrain.predict.axes import moe_blocks
+from paratrain.predict.axes import ep_exchanges, moe_blocks
 from paratrain.predict.machine import MachineModel
 
-CP_A2A_CALLS = 8  # per block: Q, K, V and the output forward, their gradients backward
 CALIBRATED_STEPS = 2  # the calibration's sync is a 2-rank all-reduce: 2 blocking receives
 
 
@@ -104,10 +105,9 @@ def stage_syncs(mcfg: ModelConfig, plan: ParallelPlan, lay: RankLayout,
     if plan.cp > 1:
         n += lay.blocks * (sync_units("p2p", 2, 3 * (plan.cp - 1) + plan.cp)
                            if plan.cp_algorithm == "ring" else
-                           sync_units("all_to_all", plan.cp, CP_A2A_CALLS))
+                           sync_units("all_to_all", plan.cp, 2 * A2A_EXCHANGES))
     if plan.ep > 1:
-        n += moe_blocks(mcfg, lay) * sync_units("all_to_all", plan.ep,
-                                                8 if plan.recompute == "full" else 5)
+        n += moe_blocks(mcfg, lay) * sync_units("all_to_all", plan.ep, sum(ep_exchanges(plan)))
     return float(n)
 
 
@@ -126,11 +126,25 @@ def path_syncs(plan: ParallelPlan, dp_groups: list[tuple[int, list[tuple[str, fl
     return sync_units("p2p", 2, pp) + dp + sync_units("all_reduce", world, 2)
 
 
+def busy_wait_s(machine: MachineModel) -> float:
+    """What an oversubscribed sync adds to the CPU-work bound: ``busy_sync_s`` less the
+    CPU of the calibration's own sync, which the work bound already holds (each rank's
+    collectives' CPU, :func:`paratrain.predict.calls.comm_cpu`). The calibration runs 2
+    ranks per core, each pair all-reducing 4 bytes (:func:`paratrain.bench.calibrate.
+    sync_costs`), so its sync's CPU is 2 x (a call's hand-off + 2 ring steps) of wall;
+    above 8 cores it times no oversubscribed sync and nothing is taken off."""
+    if 2 * machine.cores > 16:
+        return machine.busy_sync_s
+    own = machine.coll_call_cpu_s + CALIBRATED_STEPS * machine.coll_step_cpu_s
+    return max(0.0, machine.busy_sync_s - 2 * own)
+
+
 def bounds(crit: float, work_over_cores: float, syncs: float, o: float,
            machine: MachineModel) -> tuple[float, float, float]:
     """(critical path with a wake-up per sync, CPU work bound with the oversubscribed
-    syncs, seconds the syncs add to the larger): the step is the larger bound."""
+    syncs (:func:`busy_wait_s` each), seconds the syncs add to the larger): the step is
+    the larger bound."""
     path = crit + syncs * machine.wake_s
-    busy = syncs * machine.busy_sync_s if o > 1 else 0.0
+    busy = syncs * busy_wait_s(machine) if o > 1 else 0.0
     work = work_over_cores + busy
     return path, work, syncs * machine.wake_s if path >= work else busy

@@ -30,6 +30,7 @@ from paratrain.predict.axes import (
     moe_blocks,
     moe_extra_flops,
     one_host,
+    routed_tokens,
 )
 from paratrain.predict.calls import comm_cpu as _comm_cpu
 from paratrain.predict.calls import dp_groups as _dp_groups
@@ -119,16 +120,19 @@ def _flops_block(mcfg: ModelConfig, tokens: float, tp: int, recompute: str = "no
 
 
 def _stage_mb_time(mcfg: ModelConfig, plan: ParallelPlan, lay: RankLayout, tokens_mb: float,
-                   rate: float, pass_s: float) -> tuple[float, float]:
+                   rate: float, pass_s: float, route_s: float = 0.0) -> tuple[float, float]:
     """(FLOP seconds, fixed seconds) of one micro-batch's forward + backward on a rank
     (``tokens_mb``: the rank's tokens, T/cp of each sequence); MoE blocks add their
-    experts (:func:`paratrain.predict.axes.moe_extra_flops`)."""
+    experts (:func:`paratrain.predict.axes.moe_extra_flops`) and ``route_s`` per routed
+    assignment (top-k of each routed token: the sort, gathers and scatter-adds around
+    the experts, :attr:`paratrain.predict.machine.MachineModel.route_s`)."""
     f = lay.blocks * _flops_block(mcfg, tokens_mb, plan.tp, plan.recompute)
     f += moe_blocks(mcfg, lay) * moe_extra_flops(mcfg, plan, tokens_mb)
     if lay.last:
         f += tokens_mb * as_shape(mcfg).head_flops_per_token() / plan.tp  # the head
     passes = lay.blocks + (1 if (lay.first or lay.last) else 0)
-    return f / rate, passes * pass_s
+    routed = moe_blocks(mcfg, lay) * routed_tokens(plan, tokens_mb) * mcfg.top_k
+    return f / rate, passes * pass_s + routed * route_s
 
 
 @dataclass(frozen=True)
@@ -201,7 +205,8 @@ def _stage_terms(r: _Run) -> tuple[list[tuple[float, ...]], list[float]]:
     ep_blk = ep_block_s(mcfg, plan, r.tokens_mb, r.hw, r.e)
     stages, cp_tot = [], []
     for lay in r.lays:
-        f, fx = _stage_mb_time(mcfg, plan, lay, r.tokens_mb, r.rate, r.machine.pass_s)
+        f, fx = _stage_mb_time(mcfg, plan, lay, r.tokens_mb, r.rate, r.machine.pass_s,
+                               r.machine.route_s)
         tp_t = sum(k * coll.time_s(op, "ring", plan.tp, n, a, bw)
                    for op, n, k in _tp_calls(mcfg, plan, lay, r.act, r.seqs_mb)) / r.m
         stages.append((f, fx, tp_t, lay.blocks * cp_exp_blk, moe_blocks(mcfg, lay) * ep_blk))

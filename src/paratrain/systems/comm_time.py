@@ -18,7 +18,7 @@ bytes come from the homes that count them for the runtime
 from __future__ import annotations
 
 from paratrain.cost import collectives as coll
-from paratrain.cost.cp_bytes import cp_bytes_per_sequence_layer
+from paratrain.cost.cp_bytes import A2A_EXCHANGES, cp_bytes_per_sequence_layer
 from paratrain.cost.groups import span, strides
 from paratrain.cost.hardware import Hardware
 from paratrain.cost.shapes import ModelShape
@@ -90,14 +90,18 @@ def cp_s(m: ModelShape, plan: ParallelPlan, seq_len: int, micro_batch: int, hw: 
          ) -> tuple[float, float]:
     """(forward, backward) seconds of one block's context-parallel exchange for a
     micro-batch: the runtime's bytes (:func:`cp_bytes_per_sequence_layer`, ring or
-    all-to-all), plus one latency and one launch per ring hop or all-to-all peer (each
-    ring step also launches its block's attention kernel: two launches a hop)."""
+    all-to-all), plus one latency and one launch per ring hop (each ring step also
+    launches its block's attention kernel: two launches a hop) or, all-to-all, per peer
+    of each of the :data:`A2A_EXCHANGES` exchanges a direction makes."""
     if plan.cp == 1:
         return 0.0, 0.0
     shaped = m if m.context == seq_len else m.replace(context=seq_len)
     fwd, bwd = cp_bytes_per_sequence_layer(shaped, plan, elem)
     a, bw = group_bw(plan, "cp", plan.cp, hw, nvlink_eff, net_eff)
     hops = plan.cp - 1
+    if plan.cp_algorithm != "ring":
+        lat = A2A_EXCHANGES * hops * (a + kernel_s)
+        return lat + micro_batch * fwd / bw, lat + micro_batch * bwd / bw
     step = a + 2 * kernel_s
     return hops * step + micro_batch * fwd / bw, 2 * hops * step + micro_batch * bwd / bw
 
