@@ -59,7 +59,7 @@ def test_fit_on_a_busy_machine_is_refused(profile, capsys, monkeypatch):
     trained."""
     import itertools
 
-    from paratrain.run import check_model as cm
+    from paratrain.run import cpu_fit as cm
 
     times = itertools.cycle([1.0, 3.0])
     monkeypatch.setattr(cm, "_thread_peak", lambda: 1e10)

@@ -1,10 +1,11 @@
 """Close the loop on this machine: run a grid of plans, set the prediction beside each.
 
 Why: a model that is never checked is an opinion (issue 7). ``paratrain check-model``
-first fits this machine's CPU constants once from single-process runs of the grid's model
-(:func:`paratrain.predict.fit_from_runs`: eta of small one-thread matmuls, the fixed cost
-of a block pass and of a step), saves them beside the hardware profile, then trains every
-plan of the grid for a few steps in fresh gloo processes and compares, per plan:
+measures this machine's CPU constants from single-process runs of the grid's model and
+bare collectives (:mod:`paratrain.run.cpu_fit`), then trains every
+plan of the grid for a few steps in fresh gloo processes (one more fit run before each, so
+the fit, made at the end and saved beside the profile, spans the grid) and compares, per
+plan:
 
 - step time: predicted vs the median measured step (steps after the first: warm-up),
   with the error; the median absolute error over the grid is the headline figure;
@@ -41,6 +42,19 @@ from pathlib import Path
 
 from paratrain.config import ModelConfig, TrainConfig
 from paratrain.plan import ParallelPlan
+from paratrain.run.cpu_fit import (  # noqa: F401 - the fit's names, re-exported
+    COLL_LARGE,
+    COLL_SMALL,
+    MOE,
+    fit_machine,
+    fit_runs,
+    fitted_machine,
+    measure_fit,
+    one_fit_run,
+    plan_model,
+    route_cost,
+    solve_collective_costs,
+)
 
 # Small enough for 8 processes on 2 cores, big enough that matmuls dominate the noise.
 GRID_MODEL = ModelConfig(n_layers=4, d_model=128, n_heads=4, d_ff=384, context=128)
@@ -70,19 +84,6 @@ GRID: dict[str, ParallelPlan] = {
     "dp2 x ep2": ParallelPlan(dp=2, ep=2),
 }
 MINI = ("dp2", "dp2 zero1")
-# The EP plan needs experts: the grid's model with a small MoE MLP in every block (4
-# experts of half the width, top-2), so its FLOPs stay near the dense model's.
-MOE = {"experts": 4, "top_k": 2}
-
-
-def plan_model(plan: ParallelPlan, mcfg: ModelConfig) -> ModelConfig:
-    """The model a grid plan trains: ``mcfg``, made MoE (:data:`MOE`, experts of half
-    the FFN width) for an expert-parallel plan when it is dense."""
-    if plan.ep > 1 and not mcfg.experts:
-        return mcfg.replace(**MOE, moe_ffn=max(1, mcfg.d_ff // 2))
-    return mcfg
-
-
 def _train_worker(rank: int, world: int, mcfg: dict, tcfg: dict, plan: dict,
                   run_dir: str) -> dict:
     """One rank of one grid run (spawned). Rank 0 returns its summary and step times."""
@@ -101,276 +102,6 @@ def _train_worker(rank: int, world: int, mcfg: dict, tcfg: dict, plan: dict,
     s["step_times"] = [r["step_s"] for r in recs]
     s["cpu_times"] = [r.get("cpu_s", float("nan")) for r in recs]
     return json.loads(json.dumps(s))  # plain containers for torch.load(weights_only)
-
-
-def _one_process(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan) -> float:
-    """Seconds per step of a one-process, one-thread run on a whole core: the median CPU
-    time of a step (after the first), so the other sessions' load does not leak in."""
-    import torch
-
-    from paratrain.run.loop import RunOptions, train
-
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with tempfile.TemporaryDirectory() as d:
-            train(mcfg, tcfg, plan, RunOptions(run_dir=d, quiet=True, measure_peak=False))
-            with open(Path(d) / "metrics.jsonl") as f:
-                cpu = [json.loads(line)["cpu_s"] for line in f]
-    finally:
-        torch.set_num_threads(old)
-    return statistics.median(cpu[1:] or cpu)
-
-
-def _thread_peak(n: int = 512, reps: int = 8) -> float:
-    """One thread's fp32 matmul FLOP/s on CPU time (best of 3 bursts), so that other
-    sessions' load, which steals wall time, does not lower it."""
-    import torch
-
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        a, b = torch.randn(n, n), torch.randn(n, n)
-        a @ b
-        best = 0.0
-        for _ in range(3):
-            c0 = time.process_time()
-            for _ in range(reps):
-                a @ b
-            best = max(best, reps * 2 * n**3 / max(time.process_time() - c0, 1e-9))
-        return best
-    finally:
-        torch.set_num_threads(old)
-
-
-COLL_CPU_BUFFERS = 32  # distinct vectors per size, taken in turn: 32 MiB at 1 MiB, more
-# than the caches hold, so every call reads memory the others have evicted
-COLL_CPU_BLOCKS = 7  # timed blocks per size; their median is kept
-
-
-def _coll_cost_worker(rank: int, world: int, sizes: list[int]) -> list[tuple[float, float]]:
-    """(CPU s, wall s) per all-reduce call of this rank at each size: the median over
-    :data:`COLL_CPU_BLOCKS` blocks of the block's mean, each call on the next of
-    :data:`COLL_CPU_BUFFERS` vectors. A training step sends activations and gradients that
-    its compute has just pushed out of the caches, never the same hot buffer again: one
-    buffer reduced over and over measured 0.71-1.07 ns per byte, 32 in turn 1.15-1.34
-    (1 MiB, two runs each on the quiet 2-core box). A step pays every call, its
-    scheduler hiccups included, so each block keeps the mean of its calls (a 4 KiB
-    all-reduce's median call took 0.70 ms on one box, the mean 1.73 ms); the blocks vary
-    with where the scheduler puts the ranks and their progress threads, so the median of
-    the blocks, not the best."""
-    import torch
-    import torch.distributed as dist
-
-    out = []
-    for nbytes in sizes:
-        iters = 96 if nbytes < 1 << 16 else 32
-        xs = [torch.zeros(nbytes // 4) for _ in range(COLL_CPU_BUFFERS)]
-        for x in xs:  # untimed: every buffer's pages touched once
-            dist.all_reduce(x)
-        blocks = []
-        for _ in range(COLL_CPU_BLOCKS):
-            dist.barrier()
-            c0, w0 = time.process_time(), time.perf_counter()
-            for i in range(iters):
-                dist.all_reduce(xs[i % COLL_CPU_BUFFERS])
-            blocks.append(((time.process_time() - c0) / iters,
-                           (time.perf_counter() - w0) / iters))
-        out.append((statistics.median(b[0] for b in blocks),
-                    statistics.median(b[1] for b in blocks)))
-    return out
-
-
-COLL_SMALL, COLL_LARGE = 4096, 1 << 20  # bytes of the two all-reduce sizes measured
-
-
-def collective_costs(log=print) -> tuple[float, float, float, float, float]:
-    """What a gloo all-reduce costs a training step on this machine: (CPU s per call, CPU
-    s per ring step, CPU s per byte sent, wall s per ring step, wall bytes per s), from
-    blocks of calls (:func:`_coll_cost_worker`) on 2 ranks at 4 KiB and 1 MiB and on 4
-    ranks at 4 KiB. CPU per call = per call + ring steps x per step + bytes sent x per
-    byte (2 ranks: 2 steps, 4 ranks: 6): the per-call part (handing the call to gloo's
-    worker thread and back) does not grow with the group, the per-step part does, so
-    the two group sizes tell them apart. Wall, on 2 ranks (free cores): the ring's
-    latency per step and its bandwidth, as the critical path prices a call; with ranks
-    beyond the cores the oversubscribed sync (:mod:`paratrain.predict.sched`) prices the
-    wait instead."""
-    from paratrain.parallel.process_groups import spawn
-
-    def mean_over_ranks(p: int, sizes: list[int]) -> list[tuple[float, float]]:
-        res = spawn(_coll_cost_worker, p, sizes)
-        return [tuple(sum(r[i][j] for r in res) / p for j in range(2)) for i in range(len(sizes))]
-
-    (c0, w0), (c1, w1) = mean_over_ranks(2, [COLL_SMALL, COLL_LARGE])
-    ((c4, _),) = mean_over_ranks(4, [COLL_SMALL])
-    per_call, per_step, per_byte, alpha, bw = solve_collective_costs(c0, c1, c4, w0, w1)
-    log(f"gloo all-reduce: CPU {per_call * 1e6:.1f} us per call, {per_step * 1e6:.1f} us per "
-        f"ring step, {per_byte * 1e9:.3f} ns per byte; wall {alpha * 1e6:.1f} us per ring "
-        f"step, {bw / 1e9:.3f} GB/s")
-    return per_call, per_step, per_byte, alpha, bw
-
-
-def solve_collective_costs(c2_small: float, c2_large: float, c4_small: float,
-                           w2_small: float, w2_large: float
-                           ) -> tuple[float, float, float, float, float]:
-    """(CPU per call, per ring step, per byte sent; wall per ring step, bytes per s) from
-    the per-call CPU of 2 ranks at :data:`COLL_SMALL` and :data:`COLL_LARGE` bytes and of
-    4 ranks at the small size, and the wall of the two 2-rank sizes
-    (:func:`collective_costs`). Each is clamped at 0, so that the 2-rank call keeps its
-    measured CPU: 4 ranks costing no more than 2 put all of it per call, 4 ranks costing
-    more than the steps can explain put all of it per step."""
-    from paratrain.cost import collectives as coll
-
-    def wire(p: int, n: int) -> float:
-        return coll.wire_bytes("all_reduce", "ring", p, n)
-
-    def steps(p: int) -> int:
-        return coll.steps("all_reduce", "ring", p)
-
-    per_byte = max(0.0, (c2_large - c2_small) / (wire(2, COLL_LARGE) - wire(2, COLL_SMALL)))
-    small = [c - wire(p, COLL_SMALL) * per_byte for p, c in ((2, c2_small), (4, c4_small))]
-    per_step = max(0.0, (small[1] - small[0]) / (steps(4) - steps(2)))
-    per_call = max(0.0, small[0] - steps(2) * per_step)
-    if per_call == 0.0:
-        per_step = max(0.0, small[0] / steps(2))
-    beta = max(1e-12, (w2_large - w2_small) / (wire(2, COLL_LARGE) - wire(2, COLL_SMALL)))
-    alpha = max(0.0, (w2_small - wire(2, COLL_SMALL) * beta) / steps(2))
-    return per_call, per_step, per_byte, alpha, 1.0 / beta
-
-
-def fit_runs(global_batch: int) -> tuple[tuple[int, int], ...]:
-    """(batch, micro-batches) of the one-process fit runs: the batch B and B/4 with one
-    micro-batch, B with four, B/2 with two. Four runs for the three constants, so the
-    least squares averages a noisy run instead of following it."""
-    B = global_batch
-    return ((B, 1), (max(1, B // 4), 1), (B, 4), (max(1, B // 2), 2))
-
-
-def one_fit_run(mcfg: ModelConfig, tcfg: TrainConfig, gb: int, m: int) -> float:
-    """CPU s per step of the one-process fit run of batch ``gb`` and ``m`` micro-batches."""
-    t_cfg = TrainConfig(**{**asdict(tcfg), "global_batch": gb})
-    return _one_process(mcfg, t_cfg, ParallelPlan(micro_batches=m))
-
-
-def _fit_run_child(job: tuple[dict, dict, int, int]) -> float:
-    mcfg, tcfg, gb, m = job
-    return one_fit_run(ModelConfig(**mcfg), TrainConfig(**tcfg), gb, m)
-
-
-def busy_core_speed(mcfg: ModelConfig, tcfg: TrainConfig, gb: int, m: int, alone: float,
-                    cores: int) -> float:
-    """A core's speed on the fit run while every core runs one (``cores`` processes at
-    once), over its speed alone (``alone`` CPU s per step): what a training step's own
-    mix of matmuls and memory-bound work loses to the cores it shares caches, memory
-    bandwidth and (on a VM) physical cores with. The calibration's figure times small
-    matmuls only, which lose less (0.88 against 0.8 on one box)."""
-    import multiprocessing as mp
-
-    if cores <= 1:
-        return 1.0
-    job = (asdict(mcfg), asdict(tcfg), gb, m)
-    with mp.get_context("spawn").Pool(cores) as pool:
-        times = pool.map(_fit_run_child, [job] * cores)
-    return min(1.0, alone / statistics.median(times))
-
-
-def measure_fit(mcfg: ModelConfig, tcfg: TrainConfig, profile: str | None, log=print
-                ) -> dict:
-    """What the CPU fit is made of: the profile's machine, one thread's matmul peak, the
-    one-process runs (:func:`fit_runs`: (batch, micro-batches, CPU s per step)) and the
-    CPU and wall a collective costs (:func:`collective_costs`). The peak, each run and
-    the collective costs (judged on the CPU per byte, which sets most of a large call)
-    are repeated until stable, or refused on a busy machine
-    (:func:`paratrain.bench.calibrate.until_stable`)."""
-    from paratrain.bench.calibrate import default_rule, until_stable
-    from paratrain.predict import load_machine
-
-    machine = load_machine(profile)
-    if machine is None:
-        raise ValueError("no hardware profile of this machine; run `paratrain bench "
-                         "calibrate` first (or pass --profile PATH)")
-    again = "paratrain check-model"
-    (peak,) = until_stable(lambda: [_thread_peak()], "one thread's matmul peak",
-                           default_rule(), command=again)
-    runs = []
-    for gb, m in fit_runs(tcfg.global_batch):
-        (t,) = until_stable(lambda gb=gb, m=m: [one_fit_run(mcfg, tcfg, gb, m)],
-                            f"the fit run's CPU s per step (batch {gb}, {m} micro-batches)",
-                            default_rule(), command=again)
-        runs.append((gb, m, t))
-        log(f"fit run: batch {gb}, micro-batches {m}: {t:.4f} CPU s/step")
-    moe = plan_model(ParallelPlan(dp=2, ep=2), mcfg)
-    (moe_t,) = until_stable(lambda: [one_fit_run(moe, tcfg, tcfg.global_batch, 1)],
-                            "the MoE fit run's CPU s per step", default_rule(), command=again)
-    log(f"MoE fit run (the EP plans' model, one process): {moe_t:.4f} CPU s/step")
-    gb, m, alone = runs[0]
-    (speed,) = until_stable(lambda: [busy_core_speed(mcfg, tcfg, gb, m, alone,
-                                                     machine.cores)],
-                            "a core's speed with every core running the fit run",
-                            default_rule(), command=again)
-    log(f"a core runs the fit run at {speed:.2f} of its speed alone while every core runs "
-        f"one (the calibration's matmuls: {machine.core_speed:.2f})")
-    coll = until_stable(lambda: collective_costs(log=lambda *_: None),
-                        "gloo's CPU per byte sent", default_rule(), judged=lambda r: r[2:3],
-                        command=again)
-    call_cpu, step_cpu, byte_cpu, alpha, bw = coll
-    log(f"gloo all-reduce: CPU {call_cpu * 1e6:.1f} us per call, {step_cpu * 1e6:.1f} us per "
-        f"ring step, {byte_cpu * 1e9:.3f} ns per byte; wall {alpha * 1e6:.1f} us per ring "
-        f"step, {bw / 1e9:.3f} GB/s (the profile's: {machine.hw.intra_alpha * 1e6:.1f} us, "
-        f"{machine.hw.intra_bw / 1e9:.3f} GB/s)")
-    return {"machine": machine, "peak": peak, "runs": runs, "coll": coll,
-            "core_speed": speed, "moe": (moe, tcfg, moe_t)}
-
-
-def fitted_machine(mcfg: ModelConfig, inputs: dict, profile: str | None, save: bool = True,
-                   log=print):
-    """The machine model from :func:`measure_fit`'s ``inputs``: eta and the fixed costs by
-    least squares over every one-process run (:func:`paratrain.predict.fit_from_runs`),
-    the collectives' CPU, and their wall latency and bandwidth in place of the profile's
-    (the profile's sweep times the median call on one hot buffer; a step pays the mean
-    call on buffers its compute has just evicted). Saved beside the profile."""
-    from paratrain.predict import fit_from_runs, save_fit
-
-    machine, peak = inputs["machine"], inputs["peak"]
-    call_cpu, step_cpu, byte_cpu, alpha, bw = inputs["coll"]
-    fitted = fit_from_runs(mcfg, inputs["runs"], machine.hw, peak).replace(
-        hw=machine.hw.replace(intra_alpha=alpha, intra_bw=bw), coll_call_cpu_s=call_cpu,
-        coll_step_cpu_s=step_cpu, coll_byte_cpu_s=byte_cpu, wake_s=machine.wake_s,
-        busy_sync_s=machine.busy_sync_s, core_speed=inputs["core_speed"], sched=machine.sched)
-    fitted = fitted.replace(route_s=route_cost(inputs["moe"], fitted))
-    shape = f"{mcfg.n_layers}x{mcfg.d_model}, ff {mcfg.d_ff}, T {mcfg.context}"
-    if save:
-        path = save_fit(fitted, profile, shape)
-        fitted = fitted.replace(source=f"fit {path}")
-        log(f"saved the CPU fit to {path}")
-    log(f"fit over {len(inputs['runs'])} one-process runs: eta {fitted.eta:.3f} of "
-        f"{peak / 1e9:.1f} GFLOP/s (one thread), block pass {fitted.pass_s * 1e3:.3f} ms, "
-        f"step {fitted.step_s * 1e3:.2f} ms, {fitted.route_s * 1e9:.0f} ns per routed "
-        f"assignment")
-    return fitted
-
-
-def route_cost(moe_run: tuple[ModelConfig, TrainConfig, float], machine) -> float:
-    """CPU s per routed assignment of an MoE block (forward + backward): what the
-    one-process MoE run (``moe_run``: its model, settings and CPU s per step) took beyond
-    the price of its FLOPs and fixed costs on ``machine``, over its MoE blocks'
-    assignments (tokens x top-k each). The dense fit cannot see it: the router's top-k,
-    the sort by expert and the gathers and scatter-adds around the experts are
-    memory-bound work that scales with the assignments, not with FLOPs."""
-    from paratrain.predict import predict
-
-    mcfg, tcfg, t = moe_run
-    priced = predict(mcfg, tcfg, ParallelPlan(), 1, machine.replace(route_s=0.0)).cpu_rank0_s
-    moe_layers = sum(mcfg.is_moe_layer(i) for i in range(mcfg.n_layers))
-    assignments = moe_layers * tcfg.global_batch * mcfg.context * mcfg.top_k
-    return max(0.0, (t - priced) / assignments)
-
-
-def fit_machine(mcfg: ModelConfig, tcfg: TrainConfig, profile: str | None,
-                save: bool = True, log=print):
-    """Measure the fit's inputs (:func:`measure_fit`) and fit them
-    (:func:`fitted_machine`) at once."""
-    return fitted_machine(mcfg, measure_fit(mcfg, tcfg, profile, log), profile, save, log)
 
 
 class _Sampler:
