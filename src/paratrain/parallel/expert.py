@@ -95,8 +95,8 @@ class ExpertExchange:
     def _pairwise(self, out: torch.Tensor, x: torch.Tensor, out_splits: list[int],
                   in_splits: list[int]) -> None:
         """paratrain's all-to-all (``--collectives ours``): the pairwise exchange over
-        isend / irecv, every round posted before any is waited, straight into ``out``'s
-        slices (:func:`paratrain.comm.all_to_all.all_to_all`)."""
+        the group's point-to-point send / recv, every round posted before any is
+        waited, straight into ``out``'s slices (:func:`paratrain.comm.all_to_all.all_to_all`)."""
         all_to_all(out, x, out_splits, in_splits, self.rank, self.group)
 
     def all_to_all(self, x: torch.Tensor, out_splits: list[int], in_splits: list[int]

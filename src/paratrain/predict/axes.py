@@ -89,8 +89,8 @@ def cp_calls(plan: ParallelPlan, wire: float, blocks: int) -> list[tuple[str, fl
     if plan.cp_algorithm == "ring":
         n = m * (3 * (plan.cp - 1) + plan.cp)
         return [("p2p", wire / n, n)]
-    n = m * 2 * A2A_EXCHANGES
-    return [("all_to_all", wire / n * plan.cp / (plan.cp - 1), n)]
+    n = m * 2 * A2A_EXCHANGES  # each call's payload: what it sends over the share it sends
+    return [("all_to_all", wire / n / coll.wire_bytes("all_to_all", "naive", plan.cp, 1.0), n)]
 
 
 def ep_rows_uniform(mcfg: ModelConfig, plan: ParallelPlan, tokens_mb: float) -> float:
@@ -159,5 +159,6 @@ def ep_calls(plan: ParallelPlan, wire: float, layer_passes: int
     if plan.ep == 1 or not wire:
         return []
     rows, counts = (k * layer_passes for k in ep_exchanges(plan))
-    return [("all_to_all", wire / rows * plan.ep / (plan.ep - 1), rows),
+    payload = wire / rows / coll.wire_bytes("all_to_all", "naive", plan.ep, 1.0)
+    return [("all_to_all", payload, rows),
             ("all_to_all", 0.0, counts)]

@@ -52,6 +52,7 @@ from paratrain.run.cpu_fit import (  # noqa: F401 - the fit's names, re-exported
     measure_fit,
     one_fit_run,
     plan_model,
+    profile_machine,
     route_cost,
     solve_collective_costs,
 )
@@ -136,7 +137,6 @@ def run_grid(names: list[str] | None = None, *, profile: str | None = None, step
     """Run the grid (or ``names`` of it); return {"records": [...], "median_abs_error",
     "machine": {...}}."""
     from paratrain.parallel.process_groups import spawn
-    from paratrain.predict import load_machine
 
     names = list(GRID) if names is None else names
     unknown = [n for n in names if n not in GRID]
@@ -147,10 +147,7 @@ def run_grid(names: list[str] | None = None, *, profile: str | None = None, step
     tcfg = TrainConfig(steps=steps, global_batch=global_batch, lr=1e-3, warmup_steps=1,
                        eval_every=0, eval_batches=1, data=data)
     inputs = measure_fit(mcfg, tcfg, profile, log) if fit else None
-    machine = None if fit else load_machine(profile)
-    if not fit and machine is None:
-        raise ValueError("no hardware profile of this machine; run `paratrain bench "
-                         "calibrate` first (or pass --profile PATH)")
+    machine = None if fit else profile_machine(profile)
     plans = {name: (GRID[name], plan_model(GRID[name], mcfg)) for name in names}
     for plan, model in plans.values():
         plan.check_run(model, plan.world_size, global_batch)

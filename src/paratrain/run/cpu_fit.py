@@ -111,7 +111,7 @@ def _coll_cost_worker(rank: int, world: int, sizes: list[int]) -> list[tuple[flo
 COLL_SMALL, COLL_LARGE = 4096, 1 << 20  # bytes of the two all-reduce sizes measured
 
 
-def collective_costs(log=print) -> tuple[float, float, float, float, float]:
+def collective_costs() -> tuple[float, float, float, float, float]:
     """What a gloo all-reduce costs a training step on this machine: (CPU s per call, CPU
     s per ring step, CPU s per byte sent, wall s per ring step, wall bytes per s), from
     blocks of calls (:func:`_coll_cost_worker`) on 2 ranks at 4 KiB and 1 MiB and on 4
@@ -130,11 +130,7 @@ def collective_costs(log=print) -> tuple[float, float, float, float, float]:
 
     (c0, w0), (c1, w1) = mean_over_ranks(2, [COLL_SMALL, COLL_LARGE])
     ((c4, _),) = mean_over_ranks(4, [COLL_SMALL])
-    per_call, per_step, per_byte, alpha, bw = solve_collective_costs(c0, c1, c4, w0, w1)
-    log(f"gloo all-reduce: CPU {per_call * 1e6:.1f} us per call, {per_step * 1e6:.1f} us per "
-        f"ring step, {per_byte * 1e9:.3f} ns per byte; wall {alpha * 1e6:.1f} us per ring "
-        f"step, {bw / 1e9:.3f} GB/s")
-    return per_call, per_step, per_byte, alpha, bw
+    return solve_collective_costs(c0, c1, c4, w0, w1)
 
 
 def solve_collective_costs(c2_small: float, c2_large: float, c4_small: float,
@@ -190,7 +186,7 @@ def busy_core_speed(mcfg: ModelConfig, tcfg: TrainConfig, gb: int, m: int, alone
     once), over its speed alone (``alone`` CPU s per step): what a training step's own
     mix of matmuls and memory-bound work loses to the cores it shares caches, memory
     bandwidth and (on a VM) physical cores with. The calibration's figure times small
-    matmuls only, which lose less (0.88 against 0.8 on one box)."""
+    matmuls only (0.88 on one box, where the fit run gave 0.86-1.0)."""
     import multiprocessing as mp
 
     if cores <= 1:
@@ -199,6 +195,18 @@ def busy_core_speed(mcfg: ModelConfig, tcfg: TrainConfig, gb: int, m: int, alone
     with mp.get_context("spawn").Pool(cores) as pool:
         times = pool.map(_fit_run_child, [job] * cores)
     return min(1.0, alone / statistics.median(times))
+
+
+def profile_machine(profile: str | None):
+    """The machine as the profile (and any saved fit) describes it; refused with the
+    command to run when this machine has not been calibrated."""
+    from paratrain.predict import load_machine
+
+    machine = load_machine(profile)
+    if machine is None:
+        raise ValueError("no hardware profile of this machine; run `paratrain bench "
+                         "calibrate` first (or pass --profile PATH)")
+    return machine
 
 
 def measure_fit(mcfg: ModelConfig, tcfg: TrainConfig, profile: str | None, log=print
@@ -210,12 +218,8 @@ def measure_fit(mcfg: ModelConfig, tcfg: TrainConfig, profile: str | None, log=p
     are repeated until stable, or refused on a busy machine
     (:func:`paratrain.bench.calibrate.until_stable`)."""
     from paratrain.bench.calibrate import default_rule, until_stable
-    from paratrain.predict import load_machine
 
-    machine = load_machine(profile)
-    if machine is None:
-        raise ValueError("no hardware profile of this machine; run `paratrain bench "
-                         "calibrate` first (or pass --profile PATH)")
+    machine = profile_machine(profile)
     again = "paratrain check-model"
     (peak,) = until_stable(lambda: [_thread_peak()], "one thread's matmul peak",
                            default_rule(), command=again)
@@ -237,7 +241,7 @@ def measure_fit(mcfg: ModelConfig, tcfg: TrainConfig, profile: str | None, log=p
                             default_rule(), command=again)
     log(f"a core runs the fit run at {speed:.2f} of its speed alone while every core runs "
         f"one (the calibration's matmuls: {machine.core_speed:.2f})")
-    coll = until_stable(lambda: collective_costs(log=lambda *_: None),
+    coll = until_stable(collective_costs,
                         "gloo's CPU per byte sent", default_rule(), judged=lambda r: r[2:3],
                         command=again)
     call_cpu, step_cpu, byte_cpu, alpha, bw = coll
@@ -288,8 +292,7 @@ def route_cost(moe_run: tuple[ModelConfig, TrainConfig, float], machine) -> floa
 
     mcfg, tcfg, t = moe_run
     priced = predict(mcfg, tcfg, ParallelPlan(), 1, machine.replace(route_s=0.0)).cpu_rank0_s
-    moe_layers = sum(mcfg.is_moe_layer(i) for i in range(mcfg.n_layers))
-    assignments = moe_layers * tcfg.global_batch * mcfg.context * mcfg.top_k
+    assignments = mcfg.moe_layers * tcfg.global_batch * mcfg.context * mcfg.top_k
     return max(0.0, (t - priced) / assignments)
 
 
