@@ -18,7 +18,11 @@ implementations called alternately in the same processes (ours, torch, ours, tor
    fresh process groups per (p, size), each its own alternating run: the table prints
    every run's ratio, their median, and the load average when the run started (other
    sessions' work moves single runs by 2x on a shared machine; the medians of the
-   alternating ratios are the figures to quote).
+   alternating ratios are the figures to quote). Each run also times the two back to
+   back (``b2b``: alternating blocks of 10 calls with no barrier between them, the time
+   per call of a block, nccl-tests' way): the per-call figure includes each call's
+   start-up after a barrier, which on 2 shared cores is mostly the scheduler's; the
+   back-to-back one is the throughput a training step's successive exchanges see.
 2. **One MoE layer, forward + backward, at ep = p** (every rank holds E / p experts):
    paratrain's :class:`paratrain.model.MoE` under
    :func:`paratrain.parallel.expert.apply_expert_parallel` (native all-to-all) against
@@ -83,6 +87,28 @@ def _alternating(calls: dict, reps: int) -> dict[str, list[float]]:
     return out
 
 
+BURST = 10  # calls per timed block of the back-to-back measurement
+
+
+def _bursts(calls: dict, blocks: int, burst: int) -> dict[str, list[float]]:
+    """Seconds per call of each, from ``blocks`` alternating blocks of ``burst`` calls
+    back to back (nccl-tests' way: no barrier between the calls of a block, so a rank
+    that finishes early posts its next call while the slow ones finish theirs, as the
+    exchanges of a training step do), a block timed from a barrier to the barrier after
+    it (every rank's last call done: the same on every rank)."""
+    out: dict[str, list[float]] = {k: [] for k in calls}
+    for i in range(blocks):
+        for name in list(calls)[::1 if i % 2 == 0 else -1]:
+            fn = calls[name]
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(burst):
+                fn()
+            dist.barrier()
+            out[name].append((time.perf_counter() - t0) / burst)
+    return out
+
+
 def _slowest_median(times: list[float]) -> float:
     """The slower rank's median (every rank's list is all-reduced with MAX first)."""
     t = torch.tensor(times, dtype=torch.float64)
@@ -105,33 +131,43 @@ def _a2a_worker(rank: int, world: int, mib: float, reps: int) -> dict:
     calls = {"ours": lambda: ours.all_to_all(x, splits, splits), "torch": native}
     _alternating(calls, 2)  # untimed: first-use costs (allocator, sockets' buffers)
     times = _alternating(calls, reps)
-    return {k: _slowest_median(v) for k, v in times.items()} | {"bytes": 4 * n}
+    out = {k: _slowest_median(v) for k, v in times.items()} | {"bytes": 4 * n}
+    burst = _bursts(calls, max(2, reps // 3), BURST)
+    return out | {f"{k}_burst": statistics.median(v) for k, v in burst.items()}
 
 
 def _a2a_table(a, records: dict) -> None:
     """Section 1: every (p, size) ``--runs`` times, each run alternating ours and torch's
     (module docstring); prints each run's ratio and their median, per p and size."""
-    print(f"all-to-all, {a.reps} alternating reps per run (slower rank's median), "
+    print(f"all-to-all, {a.reps} alternating reps per run (slower rank's median), and "
+          f"{max(2, a.reps // 3)} alternating blocks of {BURST} calls back to back (b2b), "
           f"{a.runs} runs per row; ratio = ours/torch busbw\n{'p':>3} {'MiB':>5} "
           f"{'ours s':>9} {'torch s':>9} {'ours GB/s':>10} {'torch GB/s':>10} "
-          f"{'median ratio':>12}  runs' ratios (load average at each start)")
+          f"{'median ratio':>12} {'b2b ratio':>9}  runs' ratios per call/back to back "
+          f"(load average at each start)")
     for p in a.a2a_ranks:
         for mib in a.mib:
             runs = []
             for _ in range(a.runs):
                 load = os.getloadavg()[0]
                 r = spawn(_a2a_worker, p, mib, a.reps, timeout_s=a.timeout)[0]
-                runs.append(r | {"ratio": r["torch"] / r["ours"], "load": load})
+                runs.append(r | {"ratio": r["torch"] / r["ours"],
+                                 "burst_ratio": r["torch_burst"] / r["ours_burst"],
+                                 "load": load})
             ours, torch_s = (statistics.median(r[k] for r in runs) for k in ("ours", "torch"))
             moved = runs[0]["bytes"] * (p - 1) / p
             ratio = statistics.median(r["ratio"] for r in runs)
+            burst = statistics.median(r["burst_ratio"] for r in runs)
             records[f"p{p}_{mib:g}MiB"] = {"p": p, "mib": mib, "median_ratio": ratio,
-                                           "runs": runs}
-            each = " ".join(f"{r['ratio']:.2f} ({r['load']:.0f})" for r in runs)
+                                           "median_burst_ratio": burst, "runs": runs}
+            each = " ".join(f"{r['ratio']:.2f}/{r['burst_ratio']:.2f} ({r['load']:.0f})"
+                            for r in runs)
             print(f"{p:>3} {mib:>5g} {ours:9.5f} {torch_s:9.5f} {moved / ours / 1e9:10.3f} "
-                  f"{moved / torch_s / 1e9:10.3f} {ratio:12.2f}  {each}", flush=True)
+                  f"{moved / torch_s / 1e9:10.3f} {ratio:12.2f} {burst:9.2f}  {each}",
+                  flush=True)
     for p in a.a2a_ranks:
-        row = ", ".join(f"{mib:g} MiB {records[f'p{p}_{mib:g}MiB']['median_ratio']:.2f}"
+        row = ", ".join(f"{mib:g} MiB {records[f'p{p}_{mib:g}MiB']['median_ratio']:.2f} "
+                        f"(back to back {records[f'p{p}_{mib:g}MiB']['median_burst_ratio']:.2f})"
                         for mib in a.mib)
         print(f"median ours/torch busbw, p = {p}: {row}")
 

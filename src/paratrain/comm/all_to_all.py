@@ -34,8 +34,9 @@ event loops start first:
   than the message's own posting, and on 2 shared cores every microsecond of a rank's CPU
   is a microsecond its peers' transfers wait for a core.
 
-Speed: 0.8-1.1x gloo's ``all_to_all_single`` at 1-4 MiB per rank for p 2, 4, 8 on the
-shared 2-core machine (docs/expert-parallel.md, "Expert-parallel exchange vs PyTorch"):
+Speed: 0.8-1.0x gloo's ``all_to_all_single`` per call and 0.85-1.2x back to back at 1-4
+MiB per rank for p 2, 4, 8 on the 2-core machine (docs/expert-parallel.md,
+"Expert-parallel exchange vs PyTorch"):
 the same messages, posted from Python instead of gloo's C++ worker thread, which costs
 each rank about 14 us more CPU per message at p 8 (process CPU time per call, 1.15 against
 0.95 ms at 1 MiB).
