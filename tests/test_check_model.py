@@ -11,6 +11,7 @@ import pytest
 
 from conftest import tiny_flags
 from paratrain.cli import main
+from paratrain.config import ModelConfig
 from paratrain.run.check_model import format_table
 
 TINY_FLAGS = [*tiny_flags(), "--global-batch", "8", "--steps", "3"]
@@ -161,3 +162,68 @@ def test_collective_cpu_pays_a_hand_off_per_collective_call_not_per_send(profile
     assert comm_cpu(m, 4, [("all_to_all", 4000.0, 1)]) == pytest.approx(
         3e-4 + 3 * 2e-4 + 3000 * 1e-9)
     assert comm_cpu(m, 2, [("p2p", 1000.0, 3)]) == pytest.approx(3 * (2e-4 + 1000 * 1e-9))
+
+
+def test_each_plan_is_priced_at_the_pace_of_the_fit_runs_around_it(profile):
+    """A fit run that took 25% longer than its price ran at pace 0.8; a machine at pace
+    p does every CPU cost of a one-process step 1/p as long (the wall-only latency and
+    bandwidth have no part in a one-process step)."""
+    from paratrain.config import TrainConfig
+    from paratrain.plan import ParallelPlan
+    from paratrain.predict import load_machine, predict
+    from paratrain.run.check_model import GRID_MODEL, run_paces
+
+    machine = load_machine(profile).replace(pass_s=1e-3, step_s=2e-3, route_s=1e-6,
+                                            coll_call_cpu_s=1e-4, coll_byte_cpu_s=1e-9)
+    tcfg = TrainConfig(global_batch=16)
+
+    def price(gb: int, m: int, mach=machine) -> float:
+        return predict(GRID_MODEL, TrainConfig(global_batch=gb), ParallelPlan(micro_batches=m),
+                       1, mach).cpu_rank0_s
+
+    runs = [(16, 1, price(16, 1)), (4, 1, 1.25 * price(4, 1)), (16, 4, price(16, 4) / 1.1)]
+    assert run_paces(GRID_MODEL, tcfg, runs, machine) == pytest.approx([1.0, 0.8, 1.1])
+    assert price(16, 4, machine.at_pace(0.8)) == pytest.approx(price(16, 4) / 0.8, rel=1e-12)
+    slow = machine.at_pace(0.5)
+    assert (slow.hw, slow.wake_s, slow.busy_sync_s) == (machine.hw, machine.wake_s,
+                                                        machine.busy_sync_s)
+    assert slow.route_s == 2 * machine.route_s and slow.coll_byte_cpu_s == 2e-9
+
+
+@pytest.mark.slow
+def test_the_fit_runs_bracket_every_plan_and_set_its_pace(profile, text_file, capsys,
+                                                         monkeypatch):
+    """One plan trained for real between two injected fit runs that took twice what the
+    first four (and the fit's linear cost) say: the plan is priced at the pace of those
+    two, slower than the fit's average, and the record keeps both predictions."""
+    from paratrain.config import TrainConfig
+    from paratrain.predict import load_machine
+    from paratrain.run import cpu_fit as cf
+
+    slow = {"on": False}
+
+    def one_process(mcfg, tcfg, plan):  # a linear cost: per sequence, per pass, per step
+        t = 1e-3 * tcfg.global_batch + 2e-4 * plan.micro_batches + 3e-3
+        return (2.0 if mcfg.experts else 1.0) * t * (2.0 if slow["on"] else 1.0)
+
+    def core_speed(*a):
+        slow["on"] = True  # the last measurement before the grid: the plans' fit runs
+        return 1.0
+
+    monkeypatch.setattr(cf, "_thread_peak", lambda: 1e10)
+    monkeypatch.setattr(cf, "_one_process", one_process)
+    monkeypatch.setattr(cf, "busy_core_speed", core_speed)
+    monkeypatch.setattr(cf, "collective_costs", lambda: (1e-4, 1e-5, 1e-9, 1e-4, 1e9))
+    assert main(["check-model", "--plans", "dp2", "--profile", profile, "--data", text_file,
+                 "--json", *TINY_FLAGS]) == 0
+    out = json.loads(capsys.readouterr().out)
+    (rec,) = out["records"]
+    mcfg = ModelConfig(**out["model"])
+    tcfg = TrainConfig(global_batch=8, steps=3)  # the fit runs (batch B, then B/4: fit_runs)
+    bracket = [(8, 1, 2 * (1e-3 * 8 + 2e-4 + 3e-3)), (2, 1, 2 * (1e-3 * 2 + 2e-4 + 3e-3))]
+    want = sum(cf.run_paces(mcfg, tcfg, bracket, load_machine(profile))) / 2
+    assert rec["pace"] == pytest.approx(want, rel=1e-9) and rec["pace"] < 1
+    assert rec["predicted_s"] > rec["predicted_at_fit_pace_s"]
+    assert rec["error_at_fit_pace"] == pytest.approx(
+        rec["predicted_at_fit_pace_s"] / rec["measured_s"] - 1)
+    assert "at the fit's average pace" in format_table(out)

@@ -65,6 +65,17 @@ class MachineModel:
         samples = self.others or ((),)
         return sum(waterfill(self.cores, nproc, o) for o in samples) / len(samples)
 
+    def at_pace(self, pace: float) -> MachineModel:
+        """This machine with its CPU work done ``pace`` times as fast as the fit measured
+        it (a VM whose host is busier a while later runs the same step 10-25% slower): the
+        matmul peak times ``pace``, every fixed and per-call CPU cost over it. Wall
+        latency and bandwidth, the core share and the sync costs are left as measured."""
+        return self.replace(
+            thread_peak=self.thread_peak * pace, pass_s=self.pass_s / pace,
+            step_s=self.step_s / pace, coll_call_cpu_s=self.coll_call_cpu_s / pace,
+            coll_step_cpu_s=self.coll_step_cpu_s / pace,
+            coll_byte_cpu_s=self.coll_byte_cpu_s / pace, route_s=self.route_s / pace)
+
     def replace(self, **changes) -> MachineModel:
         d = {f: getattr(self, f) for f in self.__dataclass_fields__}
         d.update(changes)

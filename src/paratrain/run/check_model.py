@@ -3,9 +3,9 @@
 Why: a model that is never checked is an opinion (issue 7). ``paratrain check-model``
 measures this machine's CPU constants from single-process runs of the grid's model and
 bare collectives (:mod:`paratrain.run.cpu_fit`), then trains every
-plan of the grid for a few steps in fresh gloo processes (one more fit run before each, so
-the fit, made at the end and saved beside the profile, spans the grid) and compares, per
-plan:
+plan of the grid for a few steps in fresh gloo processes (one more fit run before each
+and one after the last, so the fit, made at the end and saved beside the profile, spans
+the grid) and compares, per plan:
 
 - step time: predicted vs the median measured step (steps after the first: warm-up),
   with the error; the median absolute error over the grid is the headline figure;
@@ -22,6 +22,14 @@ are part of the machine's state, and the prediction uses them through the schedu
 fair split between sessions and the oversubscribed CPU's physics
 (:mod:`paratrain.predict.sched`: the same for every plan; never a per-plan factor). The
 table says the load each plan ran under.
+
+A VM's speed drifts: the same one-process step took 0.21, 0.23 and 0.28 s within an hour
+on the 2-core box, while the grid takes 5 minutes. So each plan is priced at the pace of
+the two fit runs just before and just after it (their price on the fitted machine over
+what they measured, :func:`paratrain.run.cpu_fit.run_paces`): the same workload on one
+process seconds away, never the plan's own measurement. The record keeps the prediction
+at the fit's average pace beside it (``error_at_fit_pace``), and the table gives both
+medians.
 
 The grid covers DP, ZeRO-1/2/3, TP, PP (1F1B, interleaved), CP (ring and all-to-all) and
 EP, alone and composed, on 2-8 ranks; the EP plan trains the grid's model with a small
@@ -54,6 +62,7 @@ from paratrain.run.cpu_fit import (  # noqa: F401 - the fit's names, re-exported
     plan_model,
     profile_machine,
     route_cost,
+    run_paces,
     solve_collective_costs,
 )
 
@@ -153,21 +162,30 @@ def run_grid(names: list[str] | None = None, *, profile: str | None = None, step
         plan.check_run(model, plan.world_size, global_batch)
     runs = []
     order = fit_runs(global_batch)
+    first = len(inputs["runs"]) if inputs is not None else 0
+
+    def fit_run(i: int) -> None:  # one before each plan and one after the last
+        gb, m = order[i % len(order)]
+        inputs["runs"].append((gb, m, one_fit_run(mcfg, tcfg, gb, m)))
+
     for i, (name, (plan, model)) in enumerate(plans.items()):
-        if inputs is not None:  # one more fit run before each plan: the fit spans the grid
-            gb, m = order[i % len(order)]
-            inputs["runs"].append((gb, m, one_fit_run(mcfg, tcfg, gb, m)))
+        if inputs is not None:
+            fit_run(i)
         with tempfile.TemporaryDirectory(prefix="paratrain-check-") as d, _Sampler() as smp:
             s = spawn(_train_worker, plan.world_size, asdict(model), asdict(tcfg),
                       asdict(plan), d, timeout_s=600)[0]
         runs.append((name, plan, model, tuple(smp.samples), s))
         log(f"{name:<18} measured {statistics.median(s['step_times'][1:]):.4f} s "
             f"(rank 0 got {s['cpu_share_rank0']:.2f} of a core)")
+    paces = [1.0] * (len(runs) + 1)
     if inputs is not None:
+        fit_run(len(runs))
         machine = fitted_machine(mcfg, inputs, profile, log=log)
+        paces = run_paces(mcfg, tcfg, inputs["runs"][first:], machine)
     records = []
-    for name, plan, model, others, s in runs:
-        rec = _record(name, plan, model, tcfg, machine.replace(others=others), s)
+    for i, (name, plan, model, others, s) in enumerate(runs):
+        pace = (paces[i] + paces[i + 1]) / 2  # the fit runs just before and just after
+        rec = _record(name, plan, model, tcfg, machine.replace(others=others), s, pace)
         records.append(rec)
         log(f"{name:<18} predicted {rec['predicted_s']:.4f} s  measured "
             f"{rec['measured_s']:.4f} s  {100 * rec['error']:+.0f}%  wire "
@@ -175,8 +193,11 @@ def run_grid(names: list[str] | None = None, *, profile: str | None = None, step
             f"predicted {rec['share']:.2f}; {rec['other_threads']:.1f} other runnable threads)")
     errs = [abs(r["error"]) for r in records]
     cpu_errs = [abs(r["cpu_rank0_s"]["error"]) for r in records]
+    flat = [abs(r["error_at_fit_pace"]) for r in records]
     return {"records": records, "median_abs_error": statistics.median(errs) if errs else None,
             "max_abs_error": max(errs, default=None),
+            "median_abs_error_at_fit_pace": statistics.median(flat) if flat else None,
+            "max_abs_error_at_fit_pace": max(flat, default=None),
             "median_abs_cpu_error": statistics.median(cpu_errs) if cpu_errs else None,
             "machine": {"eta": machine.eta, "pass_s": machine.pass_s,
                         "step_s": machine.step_s, "cores": machine.cores,
@@ -188,12 +209,14 @@ def run_grid(names: list[str] | None = None, *, profile: str | None = None, step
 
 
 def _record(name: str, plan: ParallelPlan, model: ModelConfig, tcfg: TrainConfig,
-            machine, s: dict) -> dict:
-    """One plan's record: the prediction (with the load sampled while it ran) beside
-    rank 0's summary ``s``."""
+            machine, s: dict, pace: float = 1.0) -> dict:
+    """One plan's record: the prediction (with the load sampled while it ran, at the
+    ``pace`` the fit runs around it measured) beside rank 0's summary ``s``; the
+    prediction at the fit's average pace is kept beside it."""
     from paratrain.predict import compare, predict
 
-    pred = predict(model, tcfg, plan, plan.world_size, machine)
+    flat = predict(model, tcfg, plan, plan.world_size, machine)
+    pred = predict(model, tcfg, plan, plan.world_size, machine.at_pace(pace))
     cmp = compare(pred, s, plan, 0, model, tcfg)
     measured = statistics.median(s["step_times"][1:])
     cpu = statistics.median(s["cpu_times"][1:])
@@ -202,6 +225,8 @@ def _record(name: str, plan: ParallelPlan, model: ModelConfig, tcfg: TrainConfig
             "others_samples": [list(o) for o in machine.others],
             "share": pred.share, "predicted_s": pred.step_s, "measured_s": measured,
             "error": pred.step_s / measured - 1, "measured_mean_s": s["step_s"],
+            "pace": pace, "predicted_at_fit_pace_s": flat.step_s,
+            "error_at_fit_pace": flat.step_s / measured - 1,
             "cpu_share_rank0": s["cpu_share_rank0"],
             "cpu_rank0_s": {"predicted": pred.cpu_rank0_s, "measured": cpu,
                             "error": pred.cpu_rank0_s / cpu - 1},
@@ -244,14 +269,15 @@ def format_table(result: dict) -> str:
         f"{m['step_s'] * 1e3:.2f} ms, gloo alpha {m['alpha_s'] * 1e6:.0f} us, "
         f"{m['bw_bytes_per_s'] / 1e9:.2f} GB/s, sync wake {m.get('wake_s', 0) * 1e6:.0f} us, "
         f"oversubscribed sync {m.get('busy_sync_s', 0) * 1e6:.0f} us",
-        f"{'plan':<27} {'procs':>5} {'others':>6} {'core':>5} {'predicted s':>11} "
+        f"{'plan':<27} {'procs':>5} {'others':>6} {'core':>5} {'pace':>5} {'predicted s':>11} "
         f"{'measured s':>10} {'error':>7} {'CPU s r0':>14} {'error':>7} {'wire B/rank':>12} "
         f"{'wire':>9} {'states':>9}",
     ]
     for r in result["records"]:
         cpu = r["cpu_rank0_s"]
         lines.append(f"{r['plan']:<27} {r['nproc']:>5} {r['other_threads']:>6.1f} "
-                     f"{r['share']:>5.2f} {r['predicted_s']:>11.4f} {r['measured_s']:>10.4f} "
+                     f"{r['share']:>5.2f} {r.get('pace', 1.0):>5.2f} {r['predicted_s']:>11.4f} "
+                     f"{r['measured_s']:>10.4f} "
                      f"{100 * r['error']:>+6.0f}% {cpu['predicted']:>6.3f}/{cpu['measured']:<7.3f}"
                      f"{100 * cpu['error']:>+6.0f}% {_wire_measured(r['compare']):>12,.0f} "
                      f"{_yes(r['wire_exact']):>9} {_yes(r['states_exact']):>9}")
@@ -263,6 +289,11 @@ def format_table(result: dict) -> str:
     lines.append(f"median absolute error of step time: {100 * result['median_abs_error']:.1f}% "
                  f"over {k} plans, worst {100 * result['max_abs_error']:.1f}%; wire bytes exact "
                  f"{n_w}/{k}; model states exact on every rank {n_s}/{k}")
+    if result.get("median_abs_error_at_fit_pace") is not None:
+        lines.append(f"at the fit's average pace instead of each plan's ('pace': the fit runs "
+                     f"just before and after it): median "
+                     f"{100 * result['median_abs_error_at_fit_pace']:.1f}%, worst "
+                     f"{100 * result['max_abs_error_at_fit_pace']:.1f}%")
     lines.append(f"median absolute error of rank 0's CPU s per step (the work, whatever the "
                  f"other sessions take): {100 * result['median_abs_cpu_error']:.1f}%; 'core' is "
                  f"the predicted core share per rank; 'others' the other sessions' runnable "

@@ -281,6 +281,21 @@ def fitted_machine(mcfg: ModelConfig, inputs: dict, profile: str | None, save: b
     return fitted
 
 
+def run_paces(mcfg: ModelConfig, tcfg: TrainConfig, runs: list[tuple[int, int, float]],
+              machine) -> list[float]:
+    """Each one-process fit run's pace: its price on the fitted ``machine`` over the CPU
+    s per step it measured (1: the fit's average; 0.8: the machine ran 25% slower than
+    the fit's average while that run trained). `paratrain check-model` runs one before
+    and one after every plan and prices the plan at the two's mean
+    (:meth:`paratrain.predict.MachineModel.at_pace`): the same workload on one process
+    a few seconds away, never the plan's own measurement."""
+    from paratrain.predict import predict
+
+    return [predict(mcfg, TrainConfig(**{**asdict(tcfg), "global_batch": gb}),
+                    ParallelPlan(micro_batches=m), 1, machine).cpu_rank0_s / t
+            for gb, m, t in runs]
+
+
 def route_cost(moe_run: tuple[ModelConfig, TrainConfig, float], machine) -> float:
     """CPU s per routed assignment of an MoE block (forward + backward): what the
     one-process MoE run (``moe_run``: its model, settings and CPU s per step) took beyond
