@@ -72,40 +72,27 @@ from paratrain.parallel.process_groups import spawn
 from paratrain.plan import ParallelPlan
 from paratrain.predict import CALIBRATE_HINT, load_machine, predict, sample_other_sessions
 
+BURST = 10  # calls per timed block of the back-to-back measurement
 
-def _alternating(calls: dict, reps: int) -> dict[str, list[float]]:
-    """Seconds of each call, ``reps`` times, alternating (the first of each turn
-    alternates too, so neither always follows the other); a barrier before each."""
+
+def _alternating(calls: dict, reps: int, burst: int = 0) -> dict[str, list[float]]:
+    """Seconds per call of each, ``reps`` times, alternating (the first of each turn
+    alternates too, so neither always follows the other); a barrier before each. With
+    ``burst`` > 0 each turn is that many calls back to back (nccl-tests' way: no barrier
+    between them, so a rank that finishes early posts its next call while the slow ones
+    finish theirs, as the exchanges of a training step do), timed to the barrier after
+    the last (every rank's last call done: the same on every rank)."""
     out: dict[str, list[float]] = {k: [] for k in calls}
     for i in range(reps):
         for name in list(calls)[::1 if i % 2 == 0 else -1]:
             fn = calls[name]
             dist.barrier()
             t0 = time.perf_counter()
-            fn()
-            out[name].append(time.perf_counter() - t0)
-    return out
-
-
-BURST = 10  # calls per timed block of the back-to-back measurement
-
-
-def _bursts(calls: dict, blocks: int, burst: int) -> dict[str, list[float]]:
-    """Seconds per call of each, from ``blocks`` alternating blocks of ``burst`` calls
-    back to back (nccl-tests' way: no barrier between the calls of a block, so a rank
-    that finishes early posts its next call while the slow ones finish theirs, as the
-    exchanges of a training step do), a block timed from a barrier to the barrier after
-    it (every rank's last call done: the same on every rank)."""
-    out: dict[str, list[float]] = {k: [] for k in calls}
-    for i in range(blocks):
-        for name in list(calls)[::1 if i % 2 == 0 else -1]:
-            fn = calls[name]
-            dist.barrier()
-            t0 = time.perf_counter()
-            for _ in range(burst):
+            for _ in range(max(1, burst)):
                 fn()
-            dist.barrier()
-            out[name].append((time.perf_counter() - t0) / burst)
+            if burst:
+                dist.barrier()
+            out[name].append((time.perf_counter() - t0) / max(1, burst))
     return out
 
 
@@ -132,7 +119,7 @@ def _a2a_worker(rank: int, world: int, mib: float, reps: int) -> dict:
     _alternating(calls, 2)  # untimed: first-use costs (allocator, sockets' buffers)
     times = _alternating(calls, reps)
     out = {k: _slowest_median(v) for k, v in times.items()} | {"bytes": 4 * n}
-    burst = _bursts(calls, max(2, reps // 3), BURST)
+    burst = _alternating(calls, max(2, reps // 3), BURST)
     return out | {f"{k}_burst": statistics.median(v) for k, v in burst.items()}
 
 
