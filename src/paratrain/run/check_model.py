@@ -276,7 +276,7 @@ def format_table(result: dict) -> str:
     for r in result["records"]:
         cpu = r["cpu_rank0_s"]
         lines.append(f"{r['plan']:<27} {r['nproc']:>5} {r['other_threads']:>6.1f} "
-                     f"{r['share']:>5.2f} {r.get('pace', 1.0):>5.2f} {r['predicted_s']:>11.4f} "
+                     f"{r['share']:>5.2f} {r['pace']:>5.2f} {r['predicted_s']:>11.4f} "
                      f"{r['measured_s']:>10.4f} "
                      f"{100 * r['error']:>+6.0f}% {cpu['predicted']:>6.3f}/{cpu['measured']:<7.3f}"
                      f"{100 * cpu['error']:>+6.0f}% {_wire_measured(r['compare']):>12,.0f} "
@@ -289,7 +289,7 @@ def format_table(result: dict) -> str:
     lines.append(f"median absolute error of step time: {100 * result['median_abs_error']:.1f}% "
                  f"over {k} plans, worst {100 * result['max_abs_error']:.1f}%; wire bytes exact "
                  f"{n_w}/{k}; model states exact on every rank {n_s}/{k}")
-    if result.get("median_abs_error_at_fit_pace") is not None:
+    if result["median_abs_error_at_fit_pace"] is not None:
         lines.append(f"at the fit's average pace instead of each plan's ('pace': the fit runs "
                      f"just before and after it): median "
                      f"{100 * result['median_abs_error_at_fit_pace']:.1f}%, worst "

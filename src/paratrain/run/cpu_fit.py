@@ -169,10 +169,14 @@ def fit_runs(global_batch: int) -> tuple[tuple[int, int], ...]:
     return ((B, 1), (max(1, B // 4), 1), (B, 4), (max(1, B // 2), 2))
 
 
+def _at_batch(tcfg: TrainConfig, gb: int) -> TrainConfig:
+    """``tcfg`` with the global batch of a fit run."""
+    return TrainConfig(**{**asdict(tcfg), "global_batch": gb})
+
+
 def one_fit_run(mcfg: ModelConfig, tcfg: TrainConfig, gb: int, m: int) -> float:
     """CPU s per step of the one-process fit run of batch ``gb`` and ``m`` micro-batches."""
-    t_cfg = TrainConfig(**{**asdict(tcfg), "global_batch": gb})
-    return _one_process(mcfg, t_cfg, ParallelPlan(micro_batches=m))
+    return _one_process(mcfg, _at_batch(tcfg, gb), ParallelPlan(micro_batches=m))
 
 
 def _fit_run_child(job: tuple[dict, dict, int, int]) -> float:
@@ -291,9 +295,8 @@ def run_paces(mcfg: ModelConfig, tcfg: TrainConfig, runs: list[tuple[int, int, f
     a few seconds away, never the plan's own measurement."""
     from paratrain.predict import predict
 
-    return [predict(mcfg, TrainConfig(**{**asdict(tcfg), "global_batch": gb}),
-                    ParallelPlan(micro_batches=m), 1, machine).cpu_rank0_s / t
-            for gb, m, t in runs]
+    return [predict(mcfg, _at_batch(tcfg, gb), ParallelPlan(micro_batches=m), 1,
+                    machine).cpu_rank0_s / t for gb, m, t in runs]
 
 
 def route_cost(moe_run: tuple[ModelConfig, TrainConfig, float], machine) -> float:
