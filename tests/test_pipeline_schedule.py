@@ -205,12 +205,12 @@ def test_v_schedules_are_pytorchs_compute_orders():
 def test_run_prediction_counts_the_v_messages_off_the_lists():
     """Under a V rank 0 holds both ends of the model and still sends for each (2m hops
     a step, 1F1B's rank 0 m); rank p-1's middle hand-off is no message."""
-    from paratrain.predict.step import _v_p2p
+    from paratrain.predict.calls import pp_messages
 
     p, m = 4, 8
     for name in V_SHAPED:
         plan = ParallelPlan(pp=p, micro_batches=m, schedule=name, virtual_stages=2)
-        assert [_v_p2p(plan, r) for r in range(p)] == [(2 * m, 2 * m)] + [
+        assert [pp_messages(plan, r) for r in range(p)] == [(2 * m, 2 * m)] + [
             (4 * m, 4 * m)] * (p - 2) + [(2 * m, 2 * m)]
 
 

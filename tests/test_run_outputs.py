@@ -202,6 +202,29 @@ def test_pp_bytes_predicted_as_the_runtime_sends_them(v, sends):
     assert p.pp_wire_bytes == 4 * sends * 16 * 32 * 4
 
 
+@pytest.mark.parametrize("v,sends", [(1, 1), (2, 3), (4, 7)])
+def test_pp_messages_cost_rank_cpu_both_ways(v, sends):
+    """The CPU rank 0's pipeline messages cost is priced on the same count as their
+    bytes: each send and each receive one step of point-to-point CPU (an interleaved
+    rank's middle chunks both ways; the stage-boundary count priced 2 per micro-batch
+    at every v)."""
+    from paratrain.config import TrainConfig
+    from paratrain.cost.hardware import Hardware
+    from paratrain.plan import ParallelPlan
+    from paratrain.predict import MachineModel, predict
+
+    hw = Hardware("test-box", peak_flops=4e9, hbm_bytes=8e9, hbm_bw=1e10, gpus_per_node=4,
+                  intra_bw=1e9, intra_alpha=1e-4, inter_bw=1e9, inter_alpha=1e-4, eta=1.0)
+    plan = ParallelPlan(pp=2, micro_batches=4, virtual_stages=v,
+                        schedule="interleaved" if v > 1 else "1f1b")
+    tcfg = TrainConfig(steps=2, global_batch=4, dtype="float32")
+    cpu = [predict(TINY.replace(n_layers=8), tcfg, plan, 2,
+                   MachineModel(hw, eta=0.5, thread_peak=1e9, fitted=True,
+                                coll_step_cpu_s=step)).cpu_rank0_s for step in (0.0, 1e-3)]
+    loss_and_norm = 2 * 2  # the step's two 2-rank all-reduces, 2 ring steps each
+    assert cpu[1] - cpu[0] == pytest.approx((2 * 4 * sends + loss_and_norm) * 1e-3, rel=1e-9)
+
+
 def test_comm_rows_list_every_axis_beside_the_prediction():
     """The summary's per-axis means over the steps it is given, and its table rows: every
     axis wider than one rank (dp always), measured MB and seconds, the prediction's

@@ -10,8 +10,8 @@ from paratrain.config import ModelConfig, TrainConfig
 from paratrain.cost import collectives as coll
 from paratrain.cost import layout as L
 from paratrain.cost.layout import RankLayout
-from paratrain.cost.ranks import experts_apart
-from paratrain.cost.schedule import COMMS, V_SHAPED, build_schedule
+from paratrain.cost.ranks import experts_apart, virtual_stages
+from paratrain.cost.schedule import COMMS, build_schedule
 from paratrain.cost.tp_bytes import tp_forward_backward
 from paratrain.plan import ParallelPlan
 from paratrain.predict.axes import moe_blocks
@@ -44,27 +44,32 @@ def tp_calls(mcfg: ModelConfig, plan: ParallelPlan, lay: RankLayout, act: float,
     return out
 
 
-def pp_calls(plan: ParallelPlan, lay: RankLayout, act: float, v: int
-            ) -> list[tuple[str, float, int]]:
-    """Point-to-point operations per step: each micro-batch sends (and receives) an
-    activation forward and a gradient back at every inner stage boundary."""
+def pp_messages(plan: ParallelPlan, pp_rank: int) -> tuple[int, int]:
+    """(sends, receives) of a rank of pipeline stage ``pp_rank`` per step, read off its
+    action lists (:func:`paratrain.cost.schedule.build_schedule`, the lists the runtime
+    executes): an interleaved rank's middle chunks send and receive both ways, a V's rank
+    0 holds both ends of the model and still talks to rank 1 for each, and rank p-1's
+    middle hand-off is no message, so counting stage boundaries would be wrong
+    (docs/pipeline-schedules.md)."""
     if plan.pp == 1:
-        return []
-    hop = act / (plan.tp if plan.sp else 1)
-    if plan.schedule in V_SHAPED:
-        return [("p2p", hop, sum(v_p2p(plan, lay.pp)))]
-    ends = (0 if lay.last else 1) + (0 if lay.first else 1)
-    return [("p2p", hop, 2 * plan.micro_batches * v * ends)]
-
-
-def v_p2p(plan: ParallelPlan, pp_rank: int) -> tuple[int, int]:
-    """(sends, receives) of ``pp_rank`` per step under a V-shaped schedule, read off its
-    action lists: there rank 0 holds both ends of the model and still talks to rank 1 for
-    each, and rank p-1's middle hand-off is no message, so counting stage boundaries
-    would be wrong (docs/pipeline-schedules.md)."""
-    acts = build_schedule(plan.schedule, plan.pp, plan.micro_batches, 2).actions[pp_rank]
+        return 0, 0
+    acts = build_schedule(plan.schedule, plan.pp, plan.micro_batches,
+                          virtual_stages(plan)).actions[pp_rank]
     sends = sum(a.kind.startswith("SEND") for a in acts)
     return sends, sum(a.kind in COMMS for a in acts) - sends
+
+
+def pp_hop(plan: ParallelPlan, act: float) -> float:
+    """Bytes of one pipeline message: a micro-batch's activations (``act``; its tp shard
+    under SP)."""
+    return act / (plan.tp if plan.sp else 1)
+
+
+def pp_calls(plan: ParallelPlan, lay: RankLayout, act: float) -> list[tuple[str, float, int]]:
+    """Point-to-point operations per step (:func:`pp_messages`), each one hop."""
+    if plan.pp == 1:
+        return []
+    return [("p2p", pp_hop(plan, act), sum(pp_messages(plan, lay.pp)))]
 
 
 def dp_groups(mcfg: ModelConfig, plan: ParallelPlan, tcfg: TrainConfig, rank: int

@@ -16,7 +16,6 @@ from paratrain.cost.hardware import Hardware
 from paratrain.cost.layout import ELEMENT_BYTES, RankLayout
 from paratrain.cost.ranks import virtual_stages
 from paratrain.cost.run_figures import predicted_activations, predicted_states
-from paratrain.cost.schedule import V_SHAPED
 from paratrain.cost.shapes import as_shape
 from paratrain.plan import ParallelPlan
 from paratrain.predict import sched as S
@@ -35,9 +34,10 @@ from paratrain.predict.axes import (
 from paratrain.predict.calls import comm_cpu as _comm_cpu
 from paratrain.predict.calls import dp_groups as _dp_groups
 from paratrain.predict.calls import pp_calls as _pp_calls
+from paratrain.predict.calls import pp_hop as _pp_hop
+from paratrain.predict.calls import pp_messages as _pp_messages
 from paratrain.predict.calls import tp_block_calls as _tp_block_calls
 from paratrain.predict.calls import tp_calls as _tp_calls
-from paratrain.predict.calls import v_p2p as _v_p2p
 from paratrain.predict.machine import MachineModel
 from paratrain.predict.pipeline import pipeline_bubble, pipeline_path, slowest_stage
 from paratrain.systems.layer_cost import expert_imbalance
@@ -233,20 +233,13 @@ def _ep_wire(r: _Run, lay: RankLayout) -> float:
 
 def _pp_terms(r: _Run) -> tuple[float, float]:
     """(seconds along the critical path, bytes rank 0 sends) of the pipeline's sends."""
-    plan, lay0 = r.plan, r.lays[0]
+    plan = r.plan
     if plan.pp == 1:
         return 0.0, 0.0
-    v = virtual_stages(plan)
-    hop = r.act / (plan.tp if plan.sp else 1)
-    pp_s = 2 * (r.m + plan.pp - 1) * v * (r.hw.intra_alpha + hop / r.hw.intra_bw)
-    if plan.schedule in V_SHAPED:
-        return pp_s, _v_p2p(plan, 0)[0] * hop
-    # rank 0's sends per micro-batch: each chunk's output forward unless it is the last
-    # stage, its input gradient back unless it is the first (interleaved: chunks 1..v-1
-    # send both)
-    S = plan.pp * v
-    sends = sum((k < S - 1) + (k > 0) for k in lay0.stages)
-    return pp_s, r.m * sends * hop
+    hop = _pp_hop(plan, r.act)
+    pp_s = 2 * (r.m + plan.pp - 1) * virtual_stages(plan) * (r.hw.intra_alpha
+                                                             + hop / r.hw.intra_bw)
+    return pp_s, _pp_messages(plan, r.lays[0].pp)[0] * hop
 
 
 def _dp_terms(r: _Run, first_flop_s: float) -> tuple[float, float]:
@@ -280,7 +273,7 @@ def _rank_cpu(r: _Run, lay: RankLayout, stage: tuple[float, ...], slow: float) -
     mcfg, plan, machine, m = r.mcfg, r.plan, r.machine, r.m
     c = (m * (stage[0] + stage[1]) + machine.step_s) * slow
     c += _comm_cpu(machine, plan.tp, _tp_calls(mcfg, plan, lay, r.act, r.seqs_mb))
-    c += _comm_cpu(machine, plan.pp, _pp_calls(plan, lay, r.act, virtual_stages(plan)))
+    c += _comm_cpu(machine, plan.pp, _pp_calls(plan, lay, r.act))
     c += _comm_cpu(machine, plan.cp, cp_calls(plan, _cp_wire(r, lay), lay.blocks))
     c += _comm_cpu(machine, plan.ep, ep_calls(plan, _ep_wire(r, lay),
                                               m * moe_blocks(mcfg, lay)))
