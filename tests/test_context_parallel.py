@@ -189,6 +189,47 @@ def test_ring_attention_matches_causal_attention(world, kv_heads, collectives):
             assert err < 1e-12, (name, err)
 
 
+@pytest.mark.parametrize("fused", [True, False])
+def test_ring_blocks_merge_to_attention_over_both(fused, monkeypatch):
+    """One query chunk against two key blocks, an earlier chunk ("full") and its own
+    ("diag"), each computed alone and merged by log-sum-exp, then each block's backward
+    run on the merged output: the same output and gradients as one attention over both
+    (float64), with torch's fused CPU kernel per block and with the explicit matmuls it
+    falls back to off the CPU."""
+    import torch
+
+    from paratrain.parallel import context as ctx
+
+    if not fused:
+        monkeypatch.setattr(ctx, "_FUSED", None)
+    assert ctx._fused(torch.zeros(1)) == fused
+    torch.manual_seed(0)
+    B, H, c, E = 2, 3, 8, 4
+    q, k0, k1, v0, v1, dout = (torch.randn(B, H, c, E, dtype=torch.float64)
+                               for _ in range(6))
+    scale = E ** -0.5
+    o0, l0 = ctx.block_forward(q, k0, v0, "full", scale)
+    o1, l1 = ctx.block_forward(q, k1, v1, "diag", scale)
+    lse = torch.logaddexp(l0, l1)
+    out = o0 * (l0 - lse).exp()[..., None] + o1 * (l1 - lse).exp()[..., None]
+    g0 = ctx.block_backward(dout, q, k0, v0, out, lse, "full", scale)
+    g1 = ctx.block_backward(dout, q, k1, v1, out, lse, "diag", scale)
+
+    ref_in = [t.clone().requires_grad_() for t in (q, k0, k1, v0, v1)]
+    qr, k0r, k1r, v0r, v1r = ref_in
+    mask = torch.cat([torch.ones(c, c, dtype=torch.bool),
+                      torch.ones(c, c, dtype=torch.bool).tril()], dim=1)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        qr, torch.cat([k0r, k1r], 2), torch.cat([v0r, v1r], 2), attn_mask=mask)
+    ref.backward(dout)
+    got = {"out": out, "dq": g0[0] + g1[0], "dk0": g0[1], "dk1": g1[1], "dv0": g0[2],
+           "dv1": g1[2]}
+    want = {"out": ref, "dq": qr.grad, "dk0": k0r.grad, "dk1": k1r.grad, "dv0": v0r.grad,
+            "dv1": v1r.grad}
+    for name in got:
+        assert (got[name] - want[name]).abs().max().item() < 1e-12, name
+
+
 # ---- load balance, counted from the block schedule -----------------------------------
 @pytest.mark.parametrize("cp", [2, 3, 4, 8])
 def test_load_balanced_split_equalises_causal_work(cp):
