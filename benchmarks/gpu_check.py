@@ -6,10 +6,17 @@
 Every run is the project's own ``paratrain train`` in a subprocess with a timeout; its
 ``summary.json`` and ``metrics.jsonl`` are read back. Three parts, one table:
 
-1. **bf16 curve**: the default model and run (``--eval-every 0``) on the device in bf16
-   against one CPU process in float32. bf16 rounds every activation and gradient; the
-   curves pass when the final loss is within 2 % and the mean absolute gap over the last
-   quarter of the steps is under 0.05 nats.
+1. **bf16 curve**: the default model and run (``--eval-every 0``) three times: on the
+   device in bf16 and in float32, and in one CPU process in float32. Two questions, two
+   references. *Does the device compute the function the CPU does?* Its float32 losses
+   match the CPU's to 1e-4 relative over the first 10 steps. *Does bf16 learn like
+   float32?* On the same device, the mean loss over the last quarter of the steps is
+   within 2 % of float32's and the mean absolute gap there under 0.05 nats. bf16 is not
+   judged against the CPU's trajectory: two float32 runs that differ only in the order of
+   rounding (CUDA's kernels against the CPU's) agree to 6 digits for 15 steps, then part
+   and end 2-3 % apart on this model (measured on an H200, docs/gpu-check.md), so a bound
+   on that gap would fail float32 against itself. The CPU-vs-device gap over the last
+   quarter is printed beside, as the size of that divergence.
 2. **parity**: DP, ZeRO-3, TP + SP, PP (1F1B), CP (ring, all-to-all), EP and 4-process
    tp 2 x dp 2 ZeRO-3 in float64, each loss trajectory against one CPU process at the
    same settings: max relative difference <= 1e-9 (the project's rule). The ranks share
@@ -58,7 +65,8 @@ from paratrain.plan import ParallelPlan
 from paratrain.systems.step_model import predict_step
 
 WEIGHTS = {"curve": 0.25, "parity": 0.45, "step": 0.3}  # shares of the time budget
-CURVE_FINAL_REL, CURVE_MEAN_ABS, PARITY_REL = 0.02, 0.05, 1e-9
+CURVE_MEAN_REL, CURVE_MEAN_ABS, PARITY_REL = 0.02, 0.05, 1e-9
+SAME_FN_REL, SAME_FN_STEPS = 1e-4, 10  # device float32 against cpu float32, first steps
 ENGINE, BIG_MODEL = "torchtitan", "olmo-1b"
 COLLECTIVE_TIMEOUT_S = 60.0  # paratrain's --timeout: a hung collective names itself
 P2P_NOTE = "cpu (gloo has no CUDA send/recv)"
@@ -191,6 +199,8 @@ def train(ctx: Ctx, flags: tuple[str, ...] | list[str], on_cpu: bool) -> tuple[d
     except subprocess.TimeoutExpired:
         _stop(p)
         raise Failed(f"timed out after {timeout:.0f} s (the part's time budget)") from None
+    run_dir.mkdir(parents=True, exist_ok=True)  # the whole output, for --keep's reader
+    (run_dir / "output.txt").write_text(f"$ {' '.join(cmd)}\n{out}\n--- stderr ---\n{err}")
     if p.returncode != 0:
         raise Failed(f"exit {p.returncode}: {_error_line(err + out)}")
     try:
@@ -200,27 +210,55 @@ def train(ctx: Ctx, flags: tuple[str, ...] | list[str], on_cpu: bool) -> tuple[d
         raise Failed(f"unreadable outputs in {run_dir}: {e}") from None
 
 
+def _tail_mean(x: list[float]) -> float:
+    """The mean of the last quarter of a trajectory (at least its last loss)."""
+    q = max(1, len(x) // 4)
+    return sum(x[-q:]) / q
+
+
 def gaps(a: list[float], ref: list[float]) -> tuple[float, float, float]:
-    """(max relative difference: the parity tests' metric, final relative difference,
-    mean absolute difference over the last quarter of the steps) of two trajectories."""
+    """(max relative difference: the parity tests' metric, relative difference of the
+    last quarter's mean losses, mean absolute difference over that quarter) of two
+    trajectories."""
     if len(a) != len(ref) or not ref:
         raise Failed(f"{len(a)} losses against the reference's {len(ref)}")
-    tail = list(zip(a, ref, strict=True))[-max(1, len(ref) // 4):]
-    return (max(abs(x - y) / abs(y) for x, y in zip(a, ref, strict=True)),
-            abs(a[-1] - ref[-1]) / abs(ref[-1]), sum(abs(x - y) for x, y in tail) / len(tail))
+    pairs = list(zip(a, ref, strict=True))
+    return (max(abs(x - y) / abs(y) for x, y in pairs),
+            (_tail_mean(a) - _tail_mean(ref)) / abs(_tail_mean(ref)),
+            _tail_mean([abs(x - y) for x, y in pairs]))
+
+
+def judge_curve(bf16: list[float], f32: list[float], cpu: list[float] | None
+                ) -> tuple[list[str], str]:
+    """(reasons it failed, detail) for the device's bf16 and float32 trajectories and the
+    CPU's float32 one (None when the device is the CPU)."""
+    _, rel, mean = gaps(bf16, f32)
+    reasons = []
+    if abs(rel) > CURVE_MEAN_REL or mean > CURVE_MEAN_ABS:
+        reasons.append("bf16 leaves float32")
+    detail = (f"{len(f32)} steps, last quarter: bf16 mean {_tail_mean(bf16):.4f} vs float32 "
+              f"{_tail_mean(f32):.4f} ({100 * rel:+.2f}%, tol {100 * CURVE_MEAN_REL:g}%), mean"
+              f" |gap| {mean:.4f} (tol {CURVE_MEAN_ABS:g})")
+    if cpu is None:
+        return reasons, detail + "; float32 on the device is the cpu reference"
+    n = min(SAME_FN_STEPS, len(cpu))
+    first = gaps(f32[:n], cpu[:n])[0]
+    if not first <= SAME_FN_REL:
+        reasons.append(f"float32 departs from the cpu's in the first {n} steps")
+    return reasons, detail + (f"; device float32 vs cpu float32: first {n} steps max rel diff "
+                              f"{first:.1e} (tol {SAME_FN_REL:g}), last quarter "
+                              f"{100 * gaps(f32, cpu)[1]:+.2f}% (rounding order alone)")
 
 
 def check_curve(ctx: Ctx, row: Row) -> None:
-    dev = train(ctx, [*ctx.sizes.curve, "--nproc", "1", "--dtype", "bfloat16"],
-                on_cpu=ctx.device == "cpu")[0]["losses"]
-    ref = train(ctx, [*ctx.sizes.curve, "--nproc", "1", "--dtype", "float32"],
-                on_cpu=True)[0]["losses"]
-    _, final, mean = gaps(dev, ref)
-    row.detail = (f"{len(ref)} steps: final {dev[-1]:.4f} vs {ref[-1]:.4f} ({100 * final:.2f}%,"
-                  f" tol {100 * CURVE_FINAL_REL:g}%), last-quarter mean |gap| {mean:.4f} (tol "
-                  f"{CURVE_MEAN_ABS:g})")
-    if final > CURVE_FINAL_REL or mean > CURVE_MEAN_ABS:
-        row.result = "FAILED: the bf16 curve leaves the float32 one"
+    on_cpu = ctx.device == "cpu"
+    bf16, f32 = (train(ctx, [*ctx.sizes.curve, "--nproc", "1", "--dtype", dt], on_cpu)[0]
+                 ["losses"] for dt in ("bfloat16", "float32"))
+    cpu = None if on_cpu else train(ctx, [*ctx.sizes.curve, "--nproc", "1", "--dtype",
+                                          "float32"], on_cpu=True)[0]["losses"]
+    reasons, row.detail = judge_curve(bf16, f32, cpu)
+    if reasons:
+        row.result = "FAILED: " + "; ".join(reasons)
 
 
 def _reference(ctx: Ctx, moe: bool) -> list[float]:
@@ -308,8 +346,9 @@ def jobs(a: argparse.Namespace, sizes: Sizes) -> dict[str, list]:
                                                                          p2p))
               for name, n, f, moe, p2p in LAYOUTS]
     label = "~1B step, seq 4096, bf16" if sizes.big is None else "tiny step, bf16"
-    return {"curve": [(Row("curve", "bf16 loss curve, default model",
-                           f"{dev} bf16 vs cpu float32"), check_curve)],
+    refs = f"{dev} float32" + ("" if dev == "cpu" else " vs cpu float32")
+    return {"curve": [(Row("curve", "bf16 loss curve, default model", f"{dev} bf16 vs {refs}"),
+                       check_curve)],
             "parity": parity,
             "step": [(Row("step", label, dev),
                       lambda ctx, row: check_step(ctx, row, a.hardware))]}
@@ -351,7 +390,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--parts", default="curve,parity,step", help="comma-separated subset")
     ap.add_argument("--hardware", default=None, help="hardware catalogue key to price "
                     "against (default: from the GPU's name)")
-    ap.add_argument("--keep", default=None, help="keep the run directories here")
+    ap.add_argument("--keep", default=None, help="keep the run directories here (each with "
+                    "its command and whole output in output.txt)")
     return ap.parse_args(argv)
 
 

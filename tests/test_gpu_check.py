@@ -116,6 +116,45 @@ def test_a_run_past_its_deadline_is_killed_with_its_session(tmp_path, monkeypatc
         os.killpg(started[0].pid, 0)
 
 
+def _trajectory(n: int, level: float, wobble: float, start_wobble: int) -> list[float]:
+    """A falling loss curve; from step ``start_wobble`` on it moves by +-``wobble``."""
+    return [level + 3.0 / (1 + i) + (wobble * (-1) ** i if i >= start_wobble else 0.0)
+            for i in range(n)]
+
+
+def test_curve_judges_bf16_against_float32_on_the_device_not_the_cpus_trajectory():
+    # what the H200 showed (docs/gpu-check.md): float32 on the device equals the cpu's
+    # for the first steps, then the trajectories part and end 2% apart; bf16 sits on
+    # the device's float32. The old check (bf16 vs cpu, final step, 2%) failed this.
+    cpu = _trajectory(300, 1.80, 0.0, 0)
+    f32 = cpu[:20] + _trajectory(300, 1.84, 0.01, 20)[20:]
+    bf16 = [x * 1.001 for x in f32]
+    reasons, detail = gc.judge_curve(bf16, f32, cpu)
+    assert reasons == [], detail
+    assert "(+0.10%, tol 2%)" in detail and "max rel diff 0.0e+00" in detail
+    assert "last quarter +2." in detail  # the divergence, printed as its size
+
+
+@pytest.mark.parametrize("bf16_scale, f32_shift_at, why", [
+    (1.03, None, "bf16 leaves float32"),  # 3% above float32 on the device
+    (1.0, 3, "float32 departs from the cpu's in the first 10 steps"),  # wrong function
+])
+def test_curve_fails_for_a_bf16_gap_or_a_device_computing_another_function(bf16_scale,
+                                                                           f32_shift_at,
+                                                                           why):
+    cpu = _trajectory(300, 1.80, 0.0, 0)
+    f32 = [x * (1.001 if f32_shift_at is not None and i >= f32_shift_at else 1.0)
+           for i, x in enumerate(cpu)]
+    reasons, _ = gc.judge_curve([x * bf16_scale for x in f32], f32, cpu)
+    assert reasons == [why]
+
+
+def test_curve_on_cpu_has_one_float32_reference():
+    f32 = _trajectory(12, 4.7, 0.0, 0)
+    reasons, detail = gc.judge_curve(f32, f32, None)
+    assert reasons == [] and "float32 on the device is the cpu reference" in detail
+
+
 @pytest.mark.parametrize("name, key", [
     ("NVIDIA H200", "h200"), ("NVIDIA H100 80GB HBM3", "h100"),
     ("NVIDIA A100-SXM4-40GB", "a100-40gb"), ("NVIDIA A100-SXM4-80GB", "a100"),
@@ -157,6 +196,6 @@ def test_tiny_cpu_mode_prints_a_passing_row_per_check(tmp_path):
     for line in rows.values():
         assert "  ok  " in line and "FAILED" not in line, line
     assert "max rel diff" in rows["parity dp2"] and "tol 1e-09" in rows["parity dp2"]
-    assert "last-quarter mean |gap|" in rows["bf16 loss curve, default model"]
+    assert "last quarter: bf16 mean" in rows["bf16 loss curve, default model"]
     step = rows["tiny step, bf16"]
     assert "s/step" in step and "predicted" in step and "H100-SXM5-80GB" in step

@@ -125,20 +125,21 @@ class CPComm:
             self.exposed_s += time.perf_counter() - t0
 
     def _all_to_all(self, pieces: list[torch.Tensor]) -> list[torch.Tensor]:
+        # one flat buffer, piece r at offset r: torch's ``all_to_all_single`` (gloo has no
+        # list-form all-to-all for CUDA tensors) or ours
+        flat = torch.cat([p.view(-1) for p in pieces])
+        out = torch.empty_like(flat)
         if self.collectives == "ours":
             from paratrain.comm import api
 
-            flat = torch.cat([p.view(-1) for p in pieces])
-            out = torch.empty_like(flat)
             stats = api.CollectiveCounts()
             api.all_to_all(out, flat, group=self.group, stats=stats)
             self.wire_bytes += stats.bytes_sent()
-            return [o.view_as(p) for o, p in zip(out.chunk(self.size), pieces, strict=True)]
-        outs = [torch.empty_like(p) for p in pieces]
-        self.wire_bytes += sum(p.numel() * p.element_size()
-                               for r, p in enumerate(pieces) if r != self.rank)
-        dist.all_to_all(outs, pieces, group=self.group)
-        return outs
+        else:
+            self.wire_bytes += sum(p.numel() * p.element_size()
+                                   for r, p in enumerate(pieces) if r != self.rank)
+            dist.all_to_all_single(out, flat, group=self.group)
+        return [o.view_as(p) for o, p in zip(out.chunk(self.size), pieces, strict=True)]
 
 
 # ---- ring attention ------------------------------------------------------------------
