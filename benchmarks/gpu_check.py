@@ -58,26 +58,19 @@ from pathlib import Path
 
 import torch
 
-from paratrain.config import ModelConfig, flag_for
-from paratrain.cost.hardware import hardware_names, load_hardware
+from paratrain.config import ModelConfig, TrainConfig, flag_for
+from paratrain.cost.hardware import load_hardware
 from paratrain.cost.shapes import as_shape, load_model
 from paratrain.plan import ParallelPlan
-from paratrain.systems.step_model import predict_step
+from paratrain.predict.gpu import ENGINE, gpu_hardware, gpu_prediction
 
 WEIGHTS = {"curve": 0.25, "parity": 0.45, "step": 0.3}  # shares of the time budget
 CURVE_MEAN_REL, CURVE_MEAN_ABS, PARITY_REL = 0.02, 0.05, 1e-9
 SAME_FN_REL, SAME_FN_STEPS = 1e-4, 10  # device float32 against cpu float32, first steps
-ENGINE, BIG_MODEL = "torchtitan", "olmo-1b"
+BIG_MODEL = "olmo-1b"
+STEP_RUN = dict(global_batch=2, steps=8, warmup_steps=2, eval_every=0, dtype="bfloat16")
 COLLECTIVE_TIMEOUT_S = 60.0  # paratrain's --timeout: a hung collective names itself
 P2P_NOTE = "cpu (gloo has no CUDA send/recv)"
-# (words all in the lower-cased torch.cuda.get_device_name, hardware catalogue key): the
-# first match wins; a key the catalogue lacks means "unknown"
-GPU_KEYS = ((("gh200",), "gh200"), (("gb200",), "gb200"), (("h200",), "h200"),
-            (("h100", "pcie"), "h100-pcie"), (("h100", "nvl"), "h100-nvl"),
-            (("h100", "96"), "h100-96gb"), (("h100",), "h100"), (("h800",), "h800"),
-            (("a100", "pcie"), "a100-pcie"), (("a100", "40gb"), "a100-40gb"),
-            (("a100",), "a100"), (("b200",), "b200"), (("mi300x",), "mi300x"),
-            (("v100",), "v100"))
 
 
 def shape(layers: int, d: int, heads: int, ff: int, context: int) -> tuple[str, ...]:
@@ -285,13 +278,6 @@ def check_layout(ctx: Ctx, row: Row, nproc: int, flags: tuple, moe: bool, p2p: b
         row.result = f"FAILED: max rel diff {d:.2e} > {PARITY_REL:g}"
 
 
-def gpu_key(device_name: str, known: list[str]) -> str | None:
-    """The hardware catalogue key of a CUDA device name, or None when it has none."""
-    low = device_name.lower()
-    key = next((k for words, k in GPU_KEYS if all(w in low for w in words)), None)
-    return key if key in known else None
-
-
 def pick_hardware(device: str, override: str | None):
     """(Hardware or None, what the row says about it)."""
     if override:
@@ -299,11 +285,11 @@ def pick_hardware(device: str, override: str | None):
     if device == "cpu":
         return None, "no catalogue peak for a CPU; pass --hardware KEY to price a GPU"
     name = torch.cuda.get_device_name(0)
-    key = gpu_key(name, hardware_names())
-    if key is None:
-        return None, (f"GPU {name!r} is not in the hardware catalogue; pass --hardware KEY "
-                      f"(one of {', '.join(hardware_names())})")
-    return load_hardware(key), f"{name} -> {load_hardware(key).name}"
+    try:
+        hw = gpu_hardware(name)
+    except ValueError as e:
+        return None, f"{e}; pass --hardware KEY"
+    return hw, f"{name} -> {hw.name}"
 
 
 def big_model(sizes: Sizes):
@@ -316,24 +302,30 @@ def big_model(sizes: Sizes):
 
 
 def check_step(ctx: Ctx, row: Row, hardware: str | None) -> None:
+    """The step's median after warm-up, priced by the function the run's own prediction
+    uses (:func:`paratrain.predict.gpu.gpu_prediction`); on CUDA the run must have
+    printed that prediction itself."""
     hw, said = pick_hardware(ctx.device, hardware)
     cfg, flags = big_model(ctx.sizes)
-    s, steps = train(ctx, [*flags, "--global-batch", "2", "--steps", "8", "--warmup-steps",
-                           "2", "--eval-every", "0", "--dtype", "bfloat16", "--nproc", "1"],
-                     on_cpu=ctx.device == "cpu")
+    s, steps = train(ctx, [*flags, *(a for n, v in STEP_RUN.items() for a in (flag_for(n),
+                                                                           str(v))),
+                           "--nproc", "1"], on_cpu=ctx.device == "cpu")
     step_s = statistics.median(r["step_s"] for r in steps[2:])
     if as_shape(cfg).num_params() != s["params"]:  # the model priced is the model measured
         raise Failed(f"priced {as_shape(cfg).num_params()} parameters, trained {s['params']}")
+    if ctx.device == "cuda" and "gpu" not in (s.get("prediction") or {}):
+        raise Failed(f"the run printed no GPU prediction: {s.get('prediction')}")
     row.detail = f"{s['params']:,} params, {s['tokens_per_step']} tokens/step: {step_s:.4f} s/step"
     if hw is None:
         row.detail += f"; {said}"
         return
-    pred = predict_step(cfg, ParallelPlan(), hw, s["tokens_per_step"], cfg.context,
-                        engine_name=ENGINE)
-    mfu = pred.model_flops / (step_s * hw.peak_flops)
-    row.detail += (f", MFU {100 * mfu:.1f}% of {hw.peak_flops / 1e12:.0f} TF; predicted "
-                   f"{pred.step_s:.4f} s ({100 * (pred.step_s / step_s - 1):+.1f}%), MFU "
-                   f"{100 * pred.mfu:.1f}% ({ENGINE}; {said})")
+    rep = gpu_prediction(cfg, TrainConfig(**STEP_RUN), ParallelPlan(), 1,
+                         {**s, "step_s": step_s}, hw)
+    c = rep["vs_measured"]
+    row.detail += (f", MFU {100 * c['mfu']['measured']:.1f}% of {hw.peak_flops / 1e12:.0f} TF;"
+                   f" predicted {c['step_s']['predicted']:.4f} s "
+                   f"({100 * c['step_s']['error']:+.1f}%), MFU {100 * c['mfu']['predicted']:.1f}%"
+                   f" ({ENGINE}; {said})")
 
 
 def jobs(a: argparse.Namespace, sizes: Sizes) -> dict[str, list]:

@@ -100,3 +100,24 @@ def hardware_names() -> list[str]:
     from paratrain.cost.catalogue import read_catalogue
 
     return list(read_catalogue("hardware.toml"))
+
+
+def resolve_hardware(text: str) -> str:
+    """The catalogue key an accelerator's name or description gives: the whole text or
+    its part before a parenthesis as a key or alias, else the longest key or alias the
+    text contains (so "NVIDIA GB200 NVL72" is gb200, not b200, "H100 PCIe" h100-pcie, not
+    h100, and torch's "NVIDIA A100-SXM4-40GB" a100-40gb). ValueError when none fits."""
+    from paratrain.cost.catalogue import _norm, lookup, read_catalogue
+
+    for c in filter(None, (text, text.split("(")[0].strip())):
+        try:
+            return lookup(c, "hardware.toml", "hardware")[0]
+        except ValueError:
+            continue
+    padded = f"-{_norm(text)}-"
+    named = [(len(n), key) for key, e in read_catalogue("hardware.toml").items()
+             for n in (key, *e.get("aliases", ())) if f"-{_norm(n)}-" in padded
+             or _norm(n).replace("-", " ") in text.lower()]
+    if not named:
+        raise ValueError(f"accelerator {text!r} is not in the hardware catalogue")
+    return max(named)[1]

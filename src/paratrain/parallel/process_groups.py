@@ -120,10 +120,15 @@ def pick_backend() -> tuple[str, torch.device]:
     stage through pinned host memory; it has no CUDA send/recv, so pipeline and ring
     context parallelism cannot run that way)."""
     if torch.cuda.is_available():
-        local, gpus = int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count()
-        shared = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) > gpus
-        return ("gloo" if shared else "nccl"), torch.device("cuda", local % gpus)
+        ranks, gpus = node_ranks_and_gpus()
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        return ("gloo" if ranks > gpus else "nccl"), torch.device("cuda", local % gpus)
     return "gloo", torch.device("cpu")
+
+
+def node_ranks_and_gpus() -> tuple[int, int]:
+    """(ranks on this node: torchrun's LOCAL_WORLD_SIZE, visible GPUs)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "1")), torch.cuda.device_count()
 
 
 def init_from_env(timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[int, int, torch.device]:

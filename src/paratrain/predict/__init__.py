@@ -12,7 +12,8 @@ between sessions), :mod:`.model` (:class:`Prediction`, :func:`predict`,
 expert-parallel terms :func:`predict` adds per stage; docs/train-prediction.md),
 :mod:`.calls` (the calls each rank makes per step), :mod:`.sched` (the oversubscribed
 CPU: compute time-sharing the cores, blocking syncs waiting for peers the scheduler has
-not run).
+not run), :mod:`.gpu` (a run on CUDA GPUs, priced by the systems model's step model on
+the catalogue's entry for the device).
 
 What is special here, and how it is priced:
 

@@ -10,6 +10,7 @@ from paratrain.config import ModelConfig, TrainConfig
 from paratrain.cost.layout import ELEMENT_BYTES
 from paratrain.plan import ParallelPlan
 from paratrain.predict.axes import ep_rows_from_load, ep_wire_bytes
+from paratrain.predict.gpu import format_gpu_prediction
 from paratrain.predict.machine import load_machine, sample_other_sessions
 from paratrain.predict.step import Prediction, predict
 
@@ -111,6 +112,8 @@ def summary_row(rep: dict | None) -> tuple[str, str]:
         return "predicted s/step", "no hardware profile: run `paratrain bench calibrate`"
     if "error" in rep:
         return "predicted s/step", f"profile unusable: {rep['error']}"
+    if "skipped" in rep:
+        return "predicted s/step", f"not priced: {rep['skipped']}"
     c = rep["vs_measured"]["step_s"]
     return "predicted s/step", (f"{c['predicted']:.4f}  ({100 * c['error']:+.0f}% vs "
                                 f"measured; breakdown above)")
@@ -132,6 +135,10 @@ def format_prediction(rep: dict | None) -> str:
         return CALIBRATE_HINT
     if "error" in rep:
         return f"prediction: skipped, the hardware profile is unusable: {rep['error']}"
+    if "skipped" in rep:
+        return f"prediction: not priced: {rep['skipped']}"
+    if "gpu" in rep:
+        return format_gpu_prediction(rep)
     p, c = rep["predicted"], rep["vs_measured"]
     mb = 1e6
     st = c["states_bytes"]

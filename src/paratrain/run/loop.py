@@ -33,7 +33,13 @@ from paratrain.plan import ParallelPlan
 from paratrain.run import shutdown
 from paratrain.run.outputs import mfu_of_step, output_lines
 from paratrain.run.save import save_checked
-from paratrain.run.summary import build_summary, comm_counters, report_summary, step_comm
+from paratrain.run.summary import (
+    build_summary,
+    comm_counters,
+    report_summary,
+    run_prediction,
+    step_comm,
+)
 
 
 @dataclass(frozen=True)
@@ -155,27 +161,6 @@ def evaluate(engine, corpus: Corpus, tcfg: TrainConfig, ctx: int) -> float:
         total += engine.eval_loss_sum(x, y)
     (total,) = engine.all_sum([total])
     return total / (tcfg.eval_batches * tcfg.global_batch * ctx)
-
-
-def _prediction(mcfg, tcfg, plan, world, summary, profile) -> dict | None:
-    """The systems model's prediction beside this run's measurement (paratrain.predict);
-    None without a hardware profile. A broken profile is reported, not fatal to a run.
-    Rank 0 computes it (it samples the machine's load) and sends it to every rank, so
-    the summary stays the same everywhere."""
-    from paratrain.predict import summary_prediction
-
-    rank, _ = _rank_world()
-    rep = None
-    if rank == 0:
-        try:
-            rep = summary_prediction(mcfg, tcfg, plan, world, summary, profile)
-        except ValueError as e:
-            rep = {"error": str(e)}
-    if world > 1:
-        box = [rep]
-        dist.broadcast_object_list(box, src=0)
-        rep = box[0]
-    return rep
 
 
 def moe_stats(engine, experts: int) -> list[float]:
@@ -369,7 +354,8 @@ def train(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan | None = None
     log.close()
     summary = build_summary(engine, corpus, mcfg, tcfg, plan, world, tally, peak, meter,
                             val_tokens, val_bytes)
-    summary["prediction"] = _prediction(mcfg, tcfg, plan, world, summary, opts.profile)
+    summary["prediction"] = run_prediction(mcfg, tcfg, plan, world, summary, opts.profile,
+                                           device)
     if tb is not None:
         tb.summary(summary, end)
         tb.close()

@@ -30,11 +30,15 @@ import math
 from dataclasses import asdict
 from pathlib import Path
 
+import torch
+import torch.distributed as dist
+
 from paratrain.bench.peak import Peak
 from paratrain.config import ModelConfig, TrainConfig
 from paratrain.cost.shapes import as_shape
 from paratrain.files.batches import Corpus, bits_per_byte
 from paratrain.parallel.memory import ActivationMeter, format_report, memory_report
+from paratrain.parallel.process_groups import node_ranks_and_gpus
 from paratrain.plan import ParallelPlan
 
 AXES = ("dp", "tp", "pp", "cp", "ep")
@@ -186,3 +190,31 @@ def report_summary(summary: dict, rank: int, quiet: bool, run_dir: Path | None) 
         if "pipeline" in summary["model_parallel"]:  # for `paratrain viz pipeline --measured`
             (run_dir / "pipeline_timeline.json").write_text(
                 json.dumps(summary["model_parallel"]["pipeline"]))
+
+
+def run_prediction(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan, world: int,
+                   summary: dict, profile: str | None, device: torch.device) -> dict | None:
+    """The systems model's prediction beside this run's measurement (paratrain.predict):
+    on CUDA the catalogue's entry for the GPU (:mod:`paratrain.predict.gpu`), on CPU this
+    machine's calibrated profile, None without one. A broken profile is reported, not
+    fatal to a run. Rank 0 computes it (it samples the machine's load) and sends it to
+    every rank, so the summary stays the same everywhere."""
+    from paratrain.predict import summary_prediction
+    from paratrain.predict.gpu import gpu_prediction
+
+    distributed = dist.is_available() and dist.is_initialized()
+    rep = None
+    if not distributed or dist.get_rank() == 0:
+        try:
+            if device.type == "cuda":
+                rep = gpu_prediction(mcfg, tcfg, plan, world, summary,
+                                     torch.cuda.get_device_name(device), node_ranks_and_gpus())
+            else:
+                rep = summary_prediction(mcfg, tcfg, plan, world, summary, profile)
+        except ValueError as e:
+            rep = {"error": str(e)}
+    if distributed and world > 1:
+        box = [rep]
+        dist.broadcast_object_list(box, src=0)
+        rep = box[0]
+    return rep

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from paratrain.cost.groups import split_batch
-from paratrain.cost.hardware import Hardware, load_hardware
+from paratrain.cost.hardware import Hardware, load_hardware, resolve_hardware
 from paratrain.cost.moe_layout import default_etp
 from paratrain.cost.shapes import FLOP_COUNTS, ModelShape
 from paratrain.plan import ParallelPlan
@@ -140,24 +140,12 @@ def source_key(row: dict) -> str:
 
 
 def _hardware(name: str) -> tuple[str, Hardware]:
-    """The catalogue entry an accelerator cell names: the whole cell or its text before a
-    parenthesis as a key or alias, else the longest key or alias the cell contains (so
-    "NVIDIA GB200 NVL72" is gb200, not b200, and "H100 PCIe" is h100-pcie, not h100)."""
-    from paratrain.cost.catalogue import _norm, lookup, read_catalogue
-
-    for c in filter(None, (name, name.split("(")[0].strip())):
-        try:
-            key = lookup(c, "hardware.toml", "hardware")[0]
-        except ValueError:
-            continue
-        return key, load_hardware(key)
-    text = f"-{_norm(name)}-"
-    named = [(len(n), key) for key, e in read_catalogue("hardware.toml").items()
-             for n in (key, *e.get("aliases", ())) if f"-{_norm(n)}-" in text
-             or _norm(n).replace("-", " ") in name.lower()]
-    if not named:
-        raise Skip(f"accelerator {name!r} is not in the hardware catalogue")
-    key = max(named)[1]
+    """The catalogue entry an accelerator cell names (:func:`paratrain.cost.hardware.
+    resolve_hardware`), or Skip."""
+    try:
+        key = resolve_hardware(name)
+    except ValueError as e:
+        raise Skip(str(e)) from None
     return key, load_hardware(key)
 
 
