@@ -53,8 +53,11 @@ def gpu_prediction(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan, wor
         hw = gpu_hardware(hw) if isinstance(hw, str) else hw
     except ValueError as e:
         return {"skipped": str(e)}
-    bd = predict_step(mcfg, plan, hw, summary["tokens_per_step"], mcfg.context,
-                      engine_name=ENGINE)
+    try:
+        bd = predict_step(mcfg, plan, hw, summary["tokens_per_step"], mcfg.context,
+                          engine_name=ENGINE)
+    except ValueError as e:  # a layout the step model refuses says why
+        return {"skipped": f"the systems model cannot price this layout: {e}"}
     step_m = summary["step_s"]
     mfu_m = bd.model_flops / (step_m * bd.gpus * hw.peak_flops) if step_m else float("nan")
     states = [L.state_bytes(mcfg, plan, tcfg.dtype, q, tcfg.reduce_dtype)
