@@ -298,7 +298,12 @@ def big_model(sizes: Sizes):
     names = ("n_layers", "d_model", "n_heads", "d_ff")
     fields = sizes.big or {**{n: getattr(load_model(BIG_MODEL), n) for n in names},
                            "context": 4096}
-    return ModelConfig(**fields), [a for n, v in fields.items() for a in (flag_for(n), str(v))]
+    return ModelConfig(**fields), flags_of(fields)
+
+
+def flags_of(fields: dict) -> list[str]:
+    """The `paratrain train` flags that set these ModelConfig / TrainConfig fields."""
+    return [a for n, v in fields.items() for a in (flag_for(n), str(v))]
 
 
 def check_step(ctx: Ctx, row: Row, hardware: str | None) -> None:
@@ -307,9 +312,8 @@ def check_step(ctx: Ctx, row: Row, hardware: str | None) -> None:
     printed that prediction itself."""
     hw, said = pick_hardware(ctx.device, hardware)
     cfg, flags = big_model(ctx.sizes)
-    s, steps = train(ctx, [*flags, *(a for n, v in STEP_RUN.items() for a in (flag_for(n),
-                                                                           str(v))),
-                           "--nproc", "1"], on_cpu=ctx.device == "cpu")
+    s, steps = train(ctx, [*flags, *flags_of(STEP_RUN), "--nproc", "1"],
+                     on_cpu=ctx.device == "cpu")
     step_s = statistics.median(r["step_s"] for r in steps[2:])
     if as_shape(cfg).num_params() != s["params"]:  # the model priced is the model measured
         raise Failed(f"priced {as_shape(cfg).num_params()} parameters, trained {s['params']}")

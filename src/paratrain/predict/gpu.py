@@ -8,7 +8,8 @@ entry for the device (:func:`paratrain.cost.hardware.resolve_hardware` of
 unfused element-wise work and flash attention, which is how paratrain's runtime computes.
 The same plan value, the same byte and state counts (:mod:`paratrain.cost.layout`).
 
-What it does not price, it says (``{"skipped": reason}``, printed as one line):
+What it does not price, it says (``{"skipped": reason}``, printed as one line by
+:func:`paratrain.predict.report.format_prediction`):
 
 - ranks sharing a GPU (more ranks than GPUs on the node, e.g. benchmarks/gpu_check.py's
   parity rows over gloo): the systems model prices one rank per GPU;
@@ -23,6 +24,7 @@ from paratrain.cost import layout as L
 from paratrain.cost.hardware import Hardware, hardware_names, load_hardware, resolve_hardware
 from paratrain.cost.run_figures import predicted_activations
 from paratrain.plan import ParallelPlan
+from paratrain.predict.report import memory_vs_measured
 from paratrain.systems.step_model import predict_step
 
 ENGINE = "torchtitan"  # eager PyTorch: unfused element-wise work, flash attention
@@ -62,43 +64,11 @@ def gpu_prediction(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan, wor
     mfu_m = bd.model_flops / (step_m * bd.gpus * hw.peak_flops) if step_m else float("nan")
     states = [L.state_bytes(mcfg, plan, tcfg.dtype, q, tcfg.reduce_dtype)
               for q in range(world)]
-    meas = summary.get("memory", {}).get("measured_per_rank", [])
-    keys = ("params", "grads", "optimizer")
     return {"gpu": {**bd.as_dict(), "hardware": hw.name, "peak_flops": hw.peak_flops,
                     "notes": list(bd.notes)},
             "vs_measured": {
                 "step_s": {"predicted": bd.step_s, "measured": step_m,
                            "error": bd.step_s / step_m - 1 if step_m else float("nan")},
                 "mfu": {"predicted": bd.mfu, "measured": mfu_m},
-                "states_bytes": {
-                    "predicted_per_rank": states,
-                    "exact": bool(meas) and all(all(m[k] == p[k] for k in keys)
-                                                for m, p in zip(meas, states, strict=False))},
-                "activations_bytes": {
-                    "predicted": predicted_activations(mcfg, plan, tcfg),
-                    "measured": max((m.get("activations_peak", 0) for m in meas),
-                                    default=0)}}}
-
-
-def format_gpu_prediction(rep: dict) -> str:
-    """A few lines for the end of a GPU run: predicted beside measured."""
-    g, c = rep["gpu"], rep["vs_measured"]
-    gemm = sum(g["gemm_s"].values())
-    exposed = sum(g["exposed_s"].values())
-    p0 = sum(c["states_bytes"]["predicted_per_rank"][0].values())
-    a = c["activations_bytes"]
-    lines = [
-        f"prediction (systems model, {g['hardware']}, engine {g['engine']})",
-        f"  step s      predicted {c['step_s']['predicted']:.4f}  measured "
-        f"{c['step_s']['measured']:.4f}  ({100 * c['step_s']['error']:+.0f}%)",
-        f"  MFU         predicted {100 * c['mfu']['predicted']:.1f}%  measured "
-        f"{100 * c['mfu']['measured']:.1f}%  (of {g['peak_flops'] / 1e12:.0f} TFLOP/s)",
-        f"  breakdown   GEMMs {gemm:.4f}, memory-bound {g['memory_bound_s']:.4f}, launches "
-        f"{g['kernel_overhead_s']:.4f}, head {g['head_s']:.4f}, bubble {g['bubble_s']:.4f}, "
-        f"exposed comm {exposed:.4f}, optimizer {g['optimizer_s']:.4f}",
-        f"  model states MB rank 0 predicted {p0 / 1e6:.4f}  "
-        f"{'exact on every rank' if c['states_bytes']['exact'] else 'DIFFERENT'}",
-        f"  activations MB predicted {a['predicted'] / 1e6:.4f}  measured peak "
-        f"{a['measured'] / 1e6:.4f}",
-    ]
-    return "\n".join(lines + [f"  note: {n}" for n in g["notes"]])
+                **memory_vs_measured(summary, states,
+                                     predicted_activations(mcfg, plan, tcfg))}}

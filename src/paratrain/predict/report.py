@@ -10,7 +10,6 @@ from paratrain.config import ModelConfig, TrainConfig
 from paratrain.cost.layout import ELEMENT_BYTES
 from paratrain.plan import ParallelPlan
 from paratrain.predict.axes import ep_rows_from_load, ep_wire_bytes
-from paratrain.predict.gpu import format_gpu_prediction
 from paratrain.predict.machine import load_machine, sample_other_sessions
 from paratrain.predict.step import Prediction, predict
 
@@ -23,10 +22,6 @@ def compare(pred: Prediction, summary: dict, plan: ParallelPlan, rank: int = 0,
     """Predicted beside measured for one run's summary as ``rank`` saw it (its dp wire
     bytes; memory of every rank); CP bytes as the runtime counted them, EP bytes beside
     the count from the run's own routing (needs ``mcfg`` and ``tcfg``)."""
-    meas_ranks = summary.get("memory", {}).get("measured_per_rank", [])
-    states_exact = bool(meas_ranks) and all(
-        all(m[k] == p[k] for k in ("params", "grads", "optimizer"))
-        for m, p in zip(meas_ranks, pred.states_bytes_per_rank, strict=False))
     tp_meas = None
     mp = summary.get("model_parallel") or {}
     if "tp" in mp:
@@ -34,7 +29,6 @@ def compare(pred: Prediction, summary: dict, plan: ParallelPlan, rank: int = 0,
         tp_meas = mp["tp"]["wire_bytes_per_layer_per_microbatch"] * layers * plan.micro_batches
     cp_meas = (mp.get("cp") or {}).get("wire_bytes_per_step")
     pp_meas = ((summary.get("comm") or {}).get("pp") or {}).get("wire_bytes_per_step")
-    act_meas = max((m.get("activations_peak", 0) for m in meas_ranks), default=0)
     step_m = summary["step_s"]
     wires = pred.dp_wire_bytes_per_rank
     dp_pred = wires[rank] if rank < len(wires) else pred.dp_wire_bytes
@@ -58,13 +52,26 @@ def compare(pred: Prediction, summary: dict, plan: ParallelPlan, rank: int = 0,
                           "exact": None if pp_meas is None else
                           math.isclose(pred.pp_wire_bytes, pp_meas, rel_tol=1e-12)},
         "ep_wire_bytes": _ep_bytes(pred, summary, plan, mcfg, tcfg),
-        "states_bytes": {"predicted_per_rank": pred.states_bytes_per_rank,
-                         "measured_per_rank": [{k: m[k] for k in ("params", "grads",
-                                                                  "optimizer")}
-                                               for m in meas_ranks],
-                         "exact": states_exact},
-        "activations_bytes": {"predicted": pred.activations_bytes, "measured": act_meas},
+        **memory_vs_measured(summary, pred.states_bytes_per_rank, pred.activations_bytes),
     }
+
+
+STATES = ("params", "grads", "optimizer")
+
+
+def memory_vs_measured(summary: dict, states_per_rank: list[dict], activations: float
+                       ) -> dict:
+    """``states_bytes`` (every rank's model states, exact or not) and ``activations_bytes``
+    (the peak over ranks) beside what the run's summary measured."""
+    meas = summary.get("memory", {}).get("measured_per_rank", [])
+    exact = bool(meas) and all(all(m[k] == p[k] for k in STATES)
+                               for m, p in zip(meas, states_per_rank, strict=False))
+    return {"states_bytes": {"predicted_per_rank": states_per_rank,
+                             "measured_per_rank": [{k: m[k] for k in STATES} for m in meas],
+                             "exact": exact},
+            "activations_bytes": {"predicted": activations,
+                                  "measured": max((m.get("activations_peak", 0)
+                                                   for m in meas), default=0)}}
 
 
 def _ep_bytes(pred: Prediction, summary: dict, plan: ParallelPlan,
@@ -193,3 +200,27 @@ def format_prediction(rep: dict | None) -> str:
                  f"measured peak {a['measured'] / mb:.4f}")
     lines += [f"  note: {n}" for n in p["notes"]]
     return "\n".join(lines)
+
+
+def format_gpu_prediction(rep: dict) -> str:
+    """A few lines for the end of a GPU run: predicted beside measured."""
+    g, c = rep["gpu"], rep["vs_measured"]
+    gemm = sum(g["gemm_s"].values())
+    exposed = sum(g["exposed_s"].values())
+    p0 = sum(c["states_bytes"]["predicted_per_rank"][0].values())
+    a = c["activations_bytes"]
+    lines = [
+        f"prediction (systems model, {g['hardware']}, engine {g['engine']})",
+        f"  step s      predicted {c['step_s']['predicted']:.4f}  measured "
+        f"{c['step_s']['measured']:.4f}  ({100 * c['step_s']['error']:+.0f}%)",
+        f"  MFU         predicted {100 * c['mfu']['predicted']:.1f}%  measured "
+        f"{100 * c['mfu']['measured']:.1f}%  (of {g['peak_flops'] / 1e12:.0f} TFLOP/s)",
+        f"  breakdown   GEMMs {gemm:.4f}, memory-bound {g['memory_bound_s']:.4f}, launches "
+        f"{g['kernel_overhead_s']:.4f}, head {g['head_s']:.4f}, bubble {g['bubble_s']:.4f}, "
+        f"exposed comm {exposed:.4f}, optimizer {g['optimizer_s']:.4f}",
+        f"  model states MB rank 0 predicted {p0 / 1e6:.4f}  "
+        f"{'exact on every rank' if c['states_bytes']['exact'] else 'DIFFERENT'}",
+        f"  activations MB predicted {a['predicted'] / 1e6:.4f}  measured peak "
+        f"{a['measured'] / 1e6:.4f}",
+    ]
+    return "\n".join(lines + [f"  note: {n}" for n in g["notes"]])
