@@ -54,31 +54,65 @@ def test_the_ranks_decide_together():
     assert got == [1.0] and len(calls) == 3
 
 
-def _fake_spawn(results: dict[int, list]):
-    """spawn(fn, world, ...) -> the scripted per-rank results for that world size."""
-    def spawn(fn, world, *args, timeout_s=0):
+def _fake_spawn(results: dict[int, list], seen: list | None = None):
+    """spawn(fn, world, ...) -> the scripted per-rank results for that world size; the
+    segment's passes each world was asked for go to ``seen``."""
+    def spawn(fn, world, iters, rule, passes, timeout_s=0):
         assert fn is cal.sync_worker
+        if seen is not None:
+            seen.append((world, passes, rule.k))
         return results[world]
     return spawn
 
 
+def _round(comp, synced, alone, c_comp, c_synced, c_alone, wake=None, cpu=None):
+    """One rank's medians as sync_worker returns them: three walls, three CPU times, the
+    median excesses (by default the medians' own differences)."""
+    return [comp, synced, alone, c_comp, c_synced, c_alone,
+            synced - comp - alone if wake is None else wake,
+            c_synced - c_comp - c_alone if cpu is None else cpu]
+
+
 def test_sync_costs_from_injected_timings():
-    """2 cores: free (2 ranks) compute 1 ms, compute + sync 1.5 ms, sync alone 0.2 ms:
-    a wake-up of 0.3 ms; 4 ranks: time-shared compute 2 ms, with the sync 3.2 ms: the
-    oversubscribed sync costs 1.2 ms. A segment alone takes 0.8 ms: core speed 0.8.
-    A segment alone that never settles is refused."""
-    free = [[1e-3, 1.5e-3, 2e-4], [1e-3, 1.5e-3, 2e-4]]
-    busy = [[2e-3, 3.2e-3, 5e-4]] * 4
-    got = sync_costs(2, spawn_fn=_fake_spawn({2: free, 4: busy}), alone_fn=lambda: 8e-4)
-    assert got["wake_s"] == pytest.approx(3e-4) and got["busy_sync_s"] == pytest.approx(1.2e-3)
-    assert got["core_speed"] == pytest.approx(0.8)  # 0.8 ms alone, 1 ms beside the other
+    """2 cores: free (2 ranks) compute 5 ms, compute + sync 7.5 ms, sync alone 1 ms: a
+    wake-up of 1.5 ms (the rounds' median excess, not the medians' difference), and
+    0.4 ms of CPU beyond the sync's own; 4 ranks: time-shared compute 10 ms, with the
+    sync 13 ms: the oversubscribed sync costs 3 ms. One pass of the segment takes 1.25
+    ms alone, so 4 passes make its 5 ms; 4 passes take 4 ms alone: core speed 0.8. A
+    segment alone that never settles is refused."""
+    free = [_round(5e-3, 7.5e-3, 1e-3, 5e-3, 6.6e-3, 1.2e-3, wake=1.5e-3, cpu=4e-4)] * 2
+    busy = [_round(10e-3, 13e-3, 2e-3, 5e-3, 6.6e-3, 1.2e-3)] * 4
+    seen = []
+    alone = {1: 1.25e-3, 4: 4e-3}
+    got = sync_costs(2, spawn_fn=_fake_spawn({2: free, 4: busy}, seen),
+                     alone_fn=lambda passes: alone[passes])
+    assert got["wake_s"] == pytest.approx(1.5e-3)
+    assert got["sync_cpu_s"] == pytest.approx(4e-4)
+    assert got["busy_sync_s"] == pytest.approx(3e-3)
+    assert got["core_speed"] == pytest.approx(0.8)  # 4 ms alone, 5 ms beside the other
+    assert got["segment_s"] == pytest.approx(4e-3)
+    assert seen == [(2, 4, 5), (4, 4, 5)]  # 4 passes; the excess's median over 5 rounds
     with pytest.raises(BusyMachine, match="too busy"):
         sync_costs(2, spawn_fn=_fake_spawn({2: free, 4: ["the machine was too busy to "
                                                          "calibrate: x", *busy[1:]]}),
-                   alone_fn=lambda: 8e-4)
-    alone = itertools.cycle([1e-3, 3e-3])
+                   alone_fn=lambda passes: alone[passes])
+    noisy = itertools.cycle([1e-3, 3e-3])
     with pytest.raises(BusyMachine, match="one compute segment alone"):
-        sync_costs(2, spawn_fn=_fake_spawn({2: free, 4: busy}), alone_fn=lambda: next(alone))
+        sync_costs(2, spawn_fn=_fake_spawn({2: free, 4: busy}),
+                   alone_fn=lambda passes: next(noisy))
+
+
+def test_sync_worker_measures_the_excess_per_round():
+    """The real worker on 2 gloo ranks, one short round: three walls, three CPU times and
+    the two excesses, each a round's own difference (here the only round's)."""
+    from paratrain.parallel.process_groups import spawn
+
+    res = spawn(cal.sync_worker, 2, 10, Stability(k=1, cv=10.0, max_repeats=1), 1,
+                timeout_s=120)
+    for r in res:
+        assert len(r) == 8 and all(x > 0 for x in r[:6])
+        assert r[6] == pytest.approx(r[1] - r[0] - r[2])
+        assert r[7] == pytest.approx(r[4] - r[3] - r[5])
 
 
 def test_bench_calibrate_refuses_on_a_busy_machine(monkeypatch, tmp_path, capsys):

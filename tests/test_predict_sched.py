@@ -59,12 +59,16 @@ def test_oversubscribed_cores_stretch_compute_and_price_each_sync():
 
 
 def test_an_oversubscribed_sync_does_not_pay_its_own_cpu_twice():
-    """The calibration's busy sync (2 ranks per core, pairs all-reducing 4 bytes) holds
-    that all-reduce's CPU, which the work bound already counts through the fitted
-    collective CPU: each sync adds only what is left (never below 0; more than 8 cores:
-    no oversubscribed sync was timed, nothing is taken off)."""
+    """The calibration's busy sync (2 ranks per core, pairs all-reducing their segment's
+    512 KiB output) holds that all-reduce's CPU, which the work bound already counts
+    through the fitted collective CPU and the sync's CPU after compute: each sync adds
+    only what is left (never below 0; more than 8 cores: no oversubscribed sync was
+    timed, nothing is taken off)."""
     m = _machine(2, wake=1e-4, busy=2e-3).replace(coll_call_cpu_s=3e-4, coll_step_cpu_s=2e-4)
     assert S.busy_wait_s(m) == pytest.approx(2e-3 - 2 * (3e-4 + 2 * 2e-4))
+    paid = m.replace(sync_cpu_s=1e-4, coll_byte_cpu_s=1e-10)
+    assert S.busy_wait_s(paid) == pytest.approx(
+        2e-3 - 2 * (3e-4 + 1e-4 + 2 * 2e-4 + (1 << 19) * 1e-10))
     assert S.busy_wait_s(m.replace(coll_call_cpu_s=3e-3)) == 0.0
     assert S.busy_wait_s(_machine(2, busy=2e-3)) == 2e-3  # no collective CPU fitted
     assert S.busy_wait_s(_machine(16, busy=2e-3).replace(coll_call_cpu_s=3e-4)) == 2e-3
@@ -72,6 +76,18 @@ def test_an_oversubscribed_sync_does_not_pay_its_own_cpu_twice():
     p = predict(TINY, TC, plan, 4, m)
     assert p.step_s == pytest.approx(max(p.critical_path_s,
                                          p.session_work_s / 2 + p.syncs * S.busy_wait_s(m)))
+
+
+def test_a_blocking_call_after_compute_costs_its_measured_cpu():
+    """sync_cpu_s (a call after a segment of compute, beyond the same call in a tight
+    loop) is paid once per collective call and once per send / receive pair: tp2's rank
+    makes 2 x 4 + 2 + 3 TP all-reduces and 2 step all-reduces; pp2 with 2 micro-batches
+    sends and receives 4 messages on stage 0 (2 pairs), plus the 2 step all-reduces."""
+    base = _machine(4).replace(coll_call_cpu_s=1e-4)
+    for plan, calls in ((ParallelPlan(tp=2), 15), (ParallelPlan(pp=2, micro_batches=2), 4)):
+        a = predict(TINY, TC, plan, plan.world_size, base)
+        b = predict(TINY, TC, plan, plan.world_size, base.replace(sync_cpu_s=1e-3))
+        assert b.cpu_rank0_s - a.cpu_rank0_s == pytest.approx(calls * 1e-3)
 
 
 def test_pipeline_fill_stretches_only_with_the_ranks_that_run():

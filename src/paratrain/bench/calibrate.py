@@ -30,6 +30,7 @@ import socket
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 from paratrain.bench.stability import (  # noqa: F401 - re-exported
@@ -126,29 +127,42 @@ def calibrate_worker(rank: int, world: int, sizes: list[int], iters: int,
             "ours": ours}
 
 
-SYNC_SEGMENT = 4  # 256^3 matmuls between two syncs: about a TP block region's compute
+SYNC_SEGMENT_S = 5e-3  # the compute between two syncs: about a TP block region's
+SEGMENT_ROWS, SEGMENT_D, SEGMENT_F = 1024, 128, 384  # a micro-batch's tokens, the grid's widths
+SYNC_PAYLOAD_BYTES = SEGMENT_ROWS * SEGMENT_D * 4  # the segment's float32 output
+SYNC_ROUNDS = 5  # stable rounds the sync's excess is the median of
 
 
-def _segment(torch):
-    """The compute between two syncs: SYNC_SEGMENT one-thread 256^3 matmuls."""
-    a = torch.randn(256, 256)
+def _segment(torch, passes: int):
+    """A step's compute between two syncs: ``passes`` passes of an MLP block (two matmuls,
+    an activation, a residual add and an RMS norm) over a 1024 x 128 activation, each
+    allocating its outputs fresh as a step's activations are; returns the last output,
+    the sync's payload (512 KiB). A bare matmul loop on one hot buffer, the old segment,
+    measured a fifth of the wake-up a step's syncs pay (docs/train-prediction.md)."""
+    x0 = torch.randn(SEGMENT_ROWS, SEGMENT_D)
+    w1 = torch.randn(SEGMENT_D, SEGMENT_F) / SEGMENT_D ** 0.5
+    w2 = torch.randn(SEGMENT_F, SEGMENT_D) / SEGMENT_F ** 0.5
 
-    def seg() -> None:
-        for _ in range(SYNC_SEGMENT):
-            a @ a
+    def seg():
+        y = x0
+        for _ in range(passes):
+            y = y + torch.relu(y @ w1) @ w2
+            y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + 1e-5)
+        return y
 
     return seg
 
 
-def segment_alone_s(iters: int = 50) -> float:
-    """Seconds of one compute segment in this process on one thread, alone (the
-    reference :func:`sync_costs` divides the ranks' concurrent segment by)."""
+def segment_alone_s(passes: int = 1, iters: int = 30) -> float:
+    """Seconds of ``passes`` passes of the segment (:func:`_segment`) in this process on
+    one thread, alone: how many passes make :data:`SYNC_SEGMENT_S`, and the reference
+    :func:`sync_costs` divides the ranks' concurrent segment by."""
     import torch
 
     old = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        seg = _segment(torch)
+        seg = _segment(torch, passes)
         seg()
         t0 = time.perf_counter()
         for _ in range(iters):
@@ -158,76 +172,95 @@ def segment_alone_s(iters: int = 50) -> float:
         torch.set_num_threads(old)
 
 
-def sync_worker(rank: int, world: int, iters: int, rule: Stability = Stability()
-                ) -> list[float] | str:
-    """Seconds per iteration of (compute only, compute then a 4-byte all-reduce in the
-    rank's pair, the all-reduce alone), ranks paired (0, 1), (2, 3), ...: what a blocking
-    sync costs beyond the compute around it, when the peer may not be running. Repeated
-    until stable (the ranks agree); unstable: the :class:`BusyMachine` line."""
+def sync_worker(rank: int, world: int, iters: int, rule: Stability = Stability(),
+                passes: int = 1) -> list[float] | str:
+    """Wall and CPU seconds per iteration of (compute only, compute then an all-reduce
+    of its output in the rank's pair, the all-reduce alone on one buffer): three walls,
+    three CPU times, then the sync's wall and CPU beyond the other two (each round's own
+    difference, so the median over rounds is the median excess, not a difference of
+    medians). Ranks are paired (0, 1), (2, 3), ...: what a blocking sync costs beyond
+    the compute around it, when the peer may not be running. Repeated until stable (the
+    ranks agree); unstable: the :class:`BusyMachine` line."""
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     groups = [dist.new_group([2 * i, 2 * i + 1]) for i in range(world // 2)]
-    g, x, seg = groups[rank // 2], torch.zeros(1), _segment(torch)
+    g, seg = groups[rank // 2], _segment(torch, passes)
+    x = seg().clone()
 
-    def timed(body: Callable[[], None], n: int) -> float:
+    def timed(body: Callable[[], None], n: int) -> tuple[float, float]:
         dist.barrier()
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         for _ in range(n):
             body()
-        return time.perf_counter() - t0
+        return time.perf_counter() - t0, time.process_time() - c0
 
-    bodies = (seg, lambda: (seg(), dist.all_reduce(x, group=g)),
+    bodies = (seg, lambda: dist.all_reduce(seg(), group=g),
               lambda: dist.all_reduce(x, group=g))
 
     def one_round() -> list[float]:
         # the three loops interleaved in blocks of 10, so a drift of the load between
         # them does not masquerade as a cost of the sync
-        tot = [0.0, 0.0, 0.0]
-        for _ in range(max(1, iters // 10)):
-            tot = [t + timed(b, 10) for t, b in zip(tot, bodies, strict=True)]
-        return [t / (10 * max(1, iters // 10)) for t in tot]
+        wall, cpu = [0.0, 0.0, 0.0], [0.0, 0.0, 0.0]
+        n = 10 * max(1, iters // 10)
+        for _ in range(n // 10):
+            for i, b in enumerate(bodies):
+                w, c = timed(b, 10)
+                wall[i] += w / n
+                cpu[i] += c / n
+        return [*wall, *cpu, wall[1] - wall[0] - wall[2], cpu[1] - cpu[0] - cpu[2]]
 
     one_round()  # warm-up: the pairs' connections, the allocator
     try:
         # judged on the two loops the constants are differences of; the all-reduce
-        # alone is a few microseconds whose scheduling jitter on shared cores says
-        # nothing about them (its median over the stable rounds is still what is used)
+        # alone is short, and its scheduling jitter on shared cores says nothing about
+        # them (its median over the stable rounds is still what is used)
         return until_stable(one_round, f"a blocking sync among {world} ranks", rule,
                             _agree_all, judged=lambda r: r[:2])
     except BusyMachine as e:
         return str(e)
 
 
-def sync_costs(cores: int, iters: int = 50, rule: Stability = Stability(),
+def sync_costs(cores: int, iters: int = 30, rule: Stability = Stability(),
                spawn_fn: Callable | None = None,
-               alone_fn: Callable[[], float] = segment_alone_s) -> dict[str, float]:
-    """The scheduler's constants (:mod:`paratrain.predict.sched`): ``wake_s``, what a
+               alone_fn: Callable[[int], float] = segment_alone_s) -> dict[str, float]:
+    """The scheduler's constants (:mod:`paratrain.predict.sched`), each from a segment of
+    compute (:func:`_segment`, as many passes as make :data:`SYNC_SEGMENT_S` alone)
+    followed by an all-reduce of its output in pairs of ranks: ``wake_s``, the wall a
     blocking sync costs on free cores beyond the compute around it and the call's own
-    latency (``cores`` ranks, at least 2); ``busy_sync_s``, its whole wall cost beyond
-    the time-shared compute when ranks outnumber cores (2 x cores ranks, up to 16; more
-    cores than 8: the free-core figure); ``core_speed``, a core's compute speed while
-    ``cores`` ranks compute at once over its speed alone (at most 1). ``spawn_fn`` and
-    ``alone_fn`` (the segment alone) are injectable for tests."""
+    time (``cores`` ranks, at least 2); ``sync_cpu_s``, the CPU it costs beyond the same
+    call in a tight loop (the caches the compute left, the wake-up); ``busy_sync_s``,
+    its whole wall cost beyond the time-shared compute when ranks outnumber cores (2 x
+    cores ranks, up to 16; more cores than 8: the free-core figure); ``core_speed``, a
+    core's compute speed while ``cores`` ranks compute at once over its speed alone (at
+    most 1). ``spawn_fn`` and ``alone_fn`` (seconds of so many passes alone) are
+    injectable for tests."""
     from paratrain.parallel.process_groups import spawn
 
     run = spawn_fn or spawn
-    (alone_seg,) = until_stable(lambda: [alone_fn()], "one compute segment alone", rule)
+    (one,) = until_stable(lambda: [alone_fn(1)], "one compute segment alone", rule)
+    passes = max(1, round(SYNC_SEGMENT_S / one))
+    (alone_seg,) = until_stable(lambda: [alone_fn(passes)], "one compute segment alone",
+                                rule)
+
+    # the excess is a difference of loops ten times longer: its median over five rounds
+    sync_rule = replace(rule, k=max(rule.k, SYNC_ROUNDS))
 
     def measured(world: int) -> list[float]:
-        res = run(sync_worker, world, iters, rule, timeout_s=600)
+        res = run(sync_worker, world, iters, sync_rule, passes, timeout_s=600)
         busy = next((r for r in res if isinstance(r, str)), None)
         if busy is not None:
             raise BusyMachine(busy)
-        return [statistics.fmean(r[i] for r in res) for i in range(3)]
+        return [statistics.fmean(r[i] for r in res) for i in range(8)]
 
-    comp, synced, alone = measured(max(2, cores - cores % 2))
-    out = {"wake_s": max(0.0, synced - comp - alone), "cores": cores,
-           "core_speed": min(1.0, alone_seg / comp) if cores > 1 else 1.0}
+    comp, synced, alone, *_, wake, sync_cpu = measured(max(2, cores - cores % 2))
+    out = {"wake_s": max(0.0, wake), "sync_cpu_s": max(0.0, sync_cpu), "cores": cores,
+           "segment_s": alone_seg, "core_speed": min(1.0, alone_seg / comp) if cores > 1
+           else 1.0}
     if 2 * cores > 16:
         return {**out, "busy_sync_s": out["wake_s"] + alone}
-    comp2, synced2, _ = measured(2 * cores)
+    comp2, synced2, *_ = measured(2 * cores)
     return {**out, "busy_sync_s": max(0.0, synced2 - comp2)}
 
 
@@ -316,8 +349,10 @@ def run(nproc: int, sizes: list[int], iters: int, out: Path,
     sched_path = save_sched(sched, out)
     lines = [
         f"wrote {path} and {sched_path}",
-        f"a blocking sync beyond its compute: {sched['wake_s'] * 1e6:.0f} us more than its "
-        f"own latency on free cores; {sched['busy_sync_s'] * 1e6:.0f} us with "
+        f"a blocking sync after {sched['segment_s'] * 1e3:.1f} ms of compute: "
+        f"{sched['wake_s'] * 1e6:.0f} us more than its own time and "
+        f"{sched['sync_cpu_s'] * 1e6:.0f} us more CPU on free cores; "
+        f"{sched['busy_sync_s'] * 1e6:.0f} us with "
         f"{2 * cores} ranks on {cores} cores; a core computes at "
         f"{sched['core_speed']:.2f} of its speed alone while every core computes",
         f"ping-pong (ranks 0<->1): alpha {f['alpha_pp'] * 1e6:.1f} us, "

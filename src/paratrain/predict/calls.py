@@ -93,14 +93,19 @@ def comm_cpu(machine: MachineModel, p: int, calls: list[tuple[str, float, int]])
     """CPU seconds a rank spends in ``calls`` on a group of ``p``: per collective call the
     measured hand-off to gloo's worker thread, ring steps x the CPU per step and the bytes
     it sends x the CPU per byte (or bytes / the transport's bandwidth); a point-to-point
-    operation, posted by the rank's own thread, one step and its bytes."""
+    operation, posted by the rank's own thread, one step and its bytes. Every blocking
+    call -- a collective, or the receive of a send / receive pair -- also pays what a
+    call after a segment of compute costs beyond the same call in a tight loop
+    (``sync_cpu_s``, :func:`paratrain.bench.calibrate.sync_costs`: the caches the compute
+    left, the wake-up)."""
     per_byte = machine.coll_byte_cpu_s or 1.0 / machine.hw.intra_bw
     total = 0.0
     for op, n, k in calls:
         if op == "p2p":
-            call, steps, wire = 0.0, 1, n
+            call, steps, wire = machine.sync_cpu_s / 2, 1, n
         else:
-            call, alg = machine.coll_call_cpu_s, "naive" if op == "all_to_all" else "ring"
+            call, alg = (machine.coll_call_cpu_s + machine.sync_cpu_s,
+                         "naive" if op == "all_to_all" else "ring")
             steps, wire = coll.steps(op, alg, p), coll.wire_bytes(op, alg, p, n)
         total += k * (call + steps * machine.coll_step_cpu_s + wire * per_byte)
     return total

@@ -40,6 +40,7 @@ class MachineModel:
     coll_byte_cpu_s: float = 0.0  # CPU per byte it sends (0: priced as bytes / intra_bw)
     route_s: float = 0.0  # CPU per routed assignment of an MoE block, fwd + bwd (fit)
     wake_s: float = 0.0  # a blocking sync on free cores, beyond its latency (sched.py)
+    sync_cpu_s: float = 0.0  # the CPU a call costs after compute, beyond a tight loop's
     busy_sync_s: float = 0.0  # a blocking sync's wall cost when ranks outnumber cores
     core_speed: float = 1.0  # a core's compute speed with every core computing, vs alone
     sched: str = ""  # where wake_s and busy_sync_s come from ("": not calibrated)
@@ -69,7 +70,8 @@ class MachineModel:
         """This machine with its CPU work done ``pace`` times as fast as the fit measured
         it (a VM whose host is busier a while later runs the same step 10-25% slower): the
         matmul peak times ``pace``, every fixed and per-call CPU cost over it. Wall
-        latency and bandwidth, the core share and the sync costs are left as measured."""
+        latency and bandwidth, the core share and the sync costs (``wake_s``,
+        ``sync_cpu_s``, ``busy_sync_s``: the calibration's, not the fit's) are left as measured."""
         return self.replace(
             thread_peak=self.thread_peak * pace, pass_s=self.pass_s / pace,
             step_s=self.step_s / pace, coll_call_cpu_s=self.coll_call_cpu_s / pace,
@@ -143,12 +145,14 @@ def fit_path(profile: Path) -> Path:
 
 
 def _sched(path: Path) -> dict:
-    """wake_s and busy_sync_s from the file beside ``path`` (none there: {})."""
+    """wake_s, sync_cpu_s, busy_sync_s and core_speed from the file beside ``path``
+    (none there: {}; a file from before sync_cpu_s was measured: 0)."""
     sp = sched_path(path)
     got = json.loads(sp.read_text()) if sp.is_file() else {}
     if not {"wake_s", "busy_sync_s"} <= set(got):
         return {}
     return {"wake_s": got["wake_s"], "busy_sync_s": got["busy_sync_s"],
+            "sync_cpu_s": got.get("sync_cpu_s", 0.0),
             "core_speed": got.get("core_speed", 1.0), "sched": f"{sp} ({got.get('date', '?')})"}
 
 

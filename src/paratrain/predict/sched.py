@@ -21,10 +21,13 @@ change, and none of them is a per-plan factor:
   has run the late peer to the call and then the sleeper again. On free cores that is a
   wake-up (``wake_s``, beyond the call's own latency); with the cores taken it is the
   wait for the slowest peer plus a scheduling quantum (``busy_sync_s``, the sync's whole
-  wall cost beyond the time-shared compute). Both, and ``core_speed``, are measured once
-  by `paratrain bench calibrate` (:func:`paratrain.bench.calibrate.sync_costs`: pairs of
-  ranks that compute, then all-reduce 4 bytes, on ``cores`` and on 2 x ``cores`` ranks;
-  the same compute alone in one process) and the two sync costs multiply the
+  wall cost beyond the time-shared compute). A call after compute also costs more CPU
+  than the same call in a tight loop (``sync_cpu_s``: the caches the compute left, the
+  wake-up), which :func:`paratrain.predict.calls.comm_cpu` charges per blocking call.
+  All three, and ``core_speed``, are measured once by `paratrain bench calibrate`
+  (:func:`paratrain.bench.calibrate.sync_costs`: pairs of ranks that compute about 5 ms
+  of a step's work, then all-reduce its output, on ``cores`` and on 2 x ``cores`` ranks;
+  the same compute alone in one process) and the two wall costs multiply the
   blocking syncs along the critical path, counted from the same calls the bytes are
   (:func:`stage_syncs`, :func:`path_syncs`) in units of the calibrated one: every
   sequential round of a collective is a blocking receive (:func:`sync_units`), so an
@@ -39,6 +42,7 @@ a moment no rank of the group computes, so the work bound cannot hide it).
 
 from __future__ import annotations
 
+from paratrain.bench.calibrate import SYNC_PAYLOAD_BYTES
 from paratrain.config import ModelConfig
 from paratrain.cost import collectives as coll
 from paratrain.cost.cp_bytes import A2A_EXCHANGES
@@ -130,12 +134,15 @@ def busy_wait_s(machine: MachineModel) -> float:
     """What an oversubscribed sync adds to the CPU-work bound: ``busy_sync_s`` less the
     CPU of the calibration's own sync, which the work bound already holds (each rank's
     collectives' CPU, :func:`paratrain.predict.calls.comm_cpu`). The calibration runs 2
-    ranks per core, each pair all-reducing 4 bytes (:func:`paratrain.bench.calibrate.
-    sync_costs`), so its sync's CPU is 2 x (a call's hand-off + 2 ring steps) of wall;
-    above 8 cores it times no oversubscribed sync and nothing is taken off."""
+    ranks per core, each pair all-reducing its segment's output (:func:`paratrain.bench.
+    calibrate.sync_costs`), so its sync's CPU is 2 x (a call's hand-off and its cost
+    after compute + 2 ring steps + the bytes) of wall; above 8 cores it times no
+    oversubscribed sync and nothing is taken off."""
     if 2 * machine.cores > 16:
         return machine.busy_sync_s
-    own = machine.coll_call_cpu_s + CALIBRATED_STEPS * machine.coll_step_cpu_s
+    own = (machine.coll_call_cpu_s + machine.sync_cpu_s
+           + CALIBRATED_STEPS * machine.coll_step_cpu_s
+           + SYNC_PAYLOAD_BYTES * machine.coll_byte_cpu_s)
     return max(0.0, machine.busy_sync_s - 2 * own)
 
 

@@ -203,6 +203,7 @@ def run_grid(names: list[str] | None = None, *, profile: str | None = None, step
                         "step_s": machine.step_s, "cores": machine.cores,
                         "thread_peak_flops": machine.thread_peak, "alpha_s": machine.hw.intra_alpha,
                         "bw_bytes_per_s": machine.hw.intra_bw, "wake_s": machine.wake_s,
+                        "sync_cpu_s": machine.sync_cpu_s,
                         "busy_sync_s": machine.busy_sync_s, "sched": machine.sched,
                         "source": machine.source},
             "model": asdict(mcfg), "global_batch": global_batch, "steps": steps}
@@ -267,7 +268,8 @@ def format_table(result: dict) -> str:
         f"machine: {m['cores']} cores, {m['thread_peak_flops'] / 1e9:.1f} GFLOP/s one-thread peak, "
         f"eta {m['eta']:.3f}, block pass {m['pass_s'] * 1e3:.3f} ms, step "
         f"{m['step_s'] * 1e3:.2f} ms, gloo alpha {m['alpha_s'] * 1e6:.0f} us, "
-        f"{m['bw_bytes_per_s'] / 1e9:.2f} GB/s, sync wake {m.get('wake_s', 0) * 1e6:.0f} us, "
+        f"{m['bw_bytes_per_s'] / 1e9:.2f} GB/s, sync wake {m.get('wake_s', 0) * 1e6:.0f} us "
+        f"and {m.get('sync_cpu_s', 0) * 1e6:.0f} us CPU, "
         f"oversubscribed sync {m.get('busy_sync_s', 0) * 1e6:.0f} us",
         f"{'plan':<27} {'procs':>5} {'others':>6} {'core':>5} {'pace':>5} {'predicted s':>11} "
         f"{'measured s':>10} {'error':>7} {'CPU s r0':>14} {'error':>7} {'wire B/rank':>12} "

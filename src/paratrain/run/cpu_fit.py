@@ -271,6 +271,7 @@ def fitted_machine(mcfg: ModelConfig, inputs: dict, profile: str | None, save: b
     fitted = fit_from_runs(mcfg, inputs["runs"], machine.hw, peak).replace(
         hw=machine.hw.replace(intra_alpha=alpha, intra_bw=bw), coll_call_cpu_s=call_cpu,
         coll_step_cpu_s=step_cpu, coll_byte_cpu_s=byte_cpu, wake_s=machine.wake_s,
+        sync_cpu_s=machine.sync_cpu_s,
         busy_sync_s=machine.busy_sync_s, core_speed=inputs["core_speed"], sched=machine.sched)
     fitted = fitted.replace(route_s=route_cost(inputs["moe"], fitted))
     shape = f"{mcfg.n_layers}x{mcfg.d_model}, ff {mcfg.d_ff}, T {mcfg.context}"
