@@ -144,10 +144,14 @@ def test_sched_constants_travel_from_the_calibration_file(tmp_path):
     assert m.wake_s == 0.0 and not m.sched
     p = predict(TINY, TC, ParallelPlan(dp=2), 2, m)
     assert any("no scheduler calibration" in n for n in p.notes)
-    path = save_sched({"wake_s": 3e-4, "busy_sync_s": 2e-3, "cores": 2}, prof)
-    assert json.loads(path.read_text())["busy_sync_s"] == 2e-3
+    stale = save_sched({"wake_s": 3e-4, "busy_sync_s": 2e-3, "cores": 2}, prof)
+    assert not load_machine(prof).sched  # timed after bare matmuls: calibrate again
+    path = save_sched({"wake_s": 3e-4, "busy_sync_s": 2e-3, "sync_cpu_s": 1e-4,
+                       "segment_s": 5e-3, "cores": 2}, prof)
+    assert path == stale and json.loads(path.read_text())["busy_sync_s"] == 2e-3
     m = load_machine(prof)
-    assert (m.wake_s, m.busy_sync_s) == (3e-4, 2e-3) and str(path) in m.sched
+    assert (m.wake_s, m.busy_sync_s, m.sync_cpu_s) == (3e-4, 2e-3, 1e-4)
+    assert str(path) in m.sched
     p = predict(TINY, TC, ParallelPlan(dp=2), 2, m)
     assert not any("no scheduler calibration" in n for n in p.notes)
     assert dataclasses.asdict(m.replace(others=((1,),)))["wake_s"] == 3e-4

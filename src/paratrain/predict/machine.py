@@ -146,13 +146,15 @@ def fit_path(profile: Path) -> Path:
 
 def _sched(path: Path) -> dict:
     """wake_s, sync_cpu_s, busy_sync_s and core_speed from the file beside ``path``
-    (none there: {}; a file from before sync_cpu_s was measured: 0)."""
+    (none there: {}). A file without ``segment_s`` timed its syncs after 1.4 ms of bare
+    matmuls, a thirtieth of the wake-up a step pays (docs/train-prediction.md): it is
+    ignored as stale, and the prediction's note asks for `paratrain bench calibrate`."""
     sp = sched_path(path)
     got = json.loads(sp.read_text()) if sp.is_file() else {}
-    if not {"wake_s", "busy_sync_s"} <= set(got):
+    if not {"wake_s", "busy_sync_s", "sync_cpu_s", "segment_s"} <= set(got):
         return {}
     return {"wake_s": got["wake_s"], "busy_sync_s": got["busy_sync_s"],
-            "sync_cpu_s": got.get("sync_cpu_s", 0.0),
+            "sync_cpu_s": got["sync_cpu_s"],
             "core_speed": got.get("core_speed", 1.0), "sched": f"{sp} ({got.get('date', '?')})"}
 
 
