@@ -104,7 +104,7 @@ def test_pipeline_fill_stretches_only_with_the_ranks_that_run():
 
 @pytest.mark.parametrize(("plan", "per_mb", "loss"), [
     (ParallelPlan(cp=2), 2 * (3 * 1 + 2) / 2, 2),  # ring: 3(cp-1) + cp receives a block
-    (ParallelPlan(cp=2, cp_algorithm="all-to-all"), 2 * 8 / 2, 2),  # 8 of 1 round
+    (ParallelPlan(cp=2, cp_algorithm="all-to-all"), 2 * 8, 2),  # 8 whole syncs a block
     (ParallelPlan(cp=2, tp=2), 2 * 5 / 2 + 2 * 4 + 2 + 3, 6),  # TP: 2-round all-reduces
 ])
 def test_cp_syncs_by_hand(plan, per_mb, loss):
@@ -115,17 +115,17 @@ def test_cp_syncs_by_hand(plan, per_mb, loss):
 
 
 def test_ep_syncs_and_pipeline_sends_by_hand():
-    """dp2 x ep2: 4 all-to-alls and the split sizes per MoE block (1 round of 2 each);
+    """dp2 x ep2: 4 all-to-alls and the split sizes per MoE block (a whole sync each);
     pp2 m4: 2 (m + 1) receives along the path, no data-parallel reducer."""
     p = predict(MOE, TC, ParallelPlan(dp=2, ep=2), 2, _machine(4))
-    assert p.syncs - 2 * 5 / 2 - 2 >= 1  # and the dense and the experts' reducers
+    assert p.syncs - 2 * 5 - 2 >= 1  # and the dense and the experts' reducers
     q = predict(TINY, TC, ParallelPlan(pp=2, micro_batches=4), 2, _machine(4))
     assert q.syncs == 2 * (4 + 1) / 2 + 2
     groups = [(2, [("all_reduce", 100.0, 1), ("all_reduce", 50.0, 2)]),
               (4, [("reduce_scatter", 10.0, 1)])]
     assert S.path_syncs(ParallelPlan(dp=2), groups, True, 2) == 3 / 2 + 2
     assert S.path_syncs(ParallelPlan(dp=2), groups, False, 8) == 1 + 2 + 3 / 2 + 14
-    assert S.sync_units("all_to_all", 4, 2) == 3 and S.sync_units("p2p", 2) == 0.5
+    assert S.sync_units("all_to_all", 4, 2) == 2 and S.sync_units("p2p", 2) == 0.5
 
 
 def test_bounds_pick_the_larger_and_say_what_syncs_add():

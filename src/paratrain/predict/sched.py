@@ -58,12 +58,18 @@ CALIBRATED_STEPS = 2  # the calibration's sync is a 2-rank all-reduce: 2 blockin
 def sync_units(op: str, p: int, k: float = 1.0) -> float:
     """``k`` blocking calls of ``op`` on ``p`` ranks in units of the calibrated sync:
     every sequential round is a blocking receive (ring all-reduce 2(p - 1), gather and
-    scatter p - 1, all-to-all p - 1: :func:`paratrain.cost.collectives.steps`; a
-    point-to-point receive 1), over the 2 of the 2-rank all-reduce the calibration times."""
+    scatter p - 1: :func:`paratrain.cost.collectives.steps`; a point-to-point receive 1),
+    over the 2 of the 2-rank all-reduce the calibration times. An all-to-all posts all
+    its rounds before it waits, so its rounds are not sequential: a call is one whole
+    calibrated sync (after the calibration's 5 ms segment, a 2-rank all-to-all paid the
+    same 1.48 ms beyond its own time as the 2-rank all-reduce; counted by its p - 1
+    rounds, the all-to-all CP and EP plans were priced half of it)."""
     if op == "p2p":
         rounds = 1
+    elif op == "all_to_all":
+        rounds = CALIBRATED_STEPS
     else:
-        rounds = coll.steps(op, "naive" if op == "all_to_all" else "ring", p)
+        rounds = coll.steps(op, "ring", p)
     return k * rounds / CALIBRATED_STEPS
 
 
