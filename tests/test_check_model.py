@@ -111,6 +111,22 @@ def test_collective_costs_are_solved_from_two_sizes_and_two_group_sizes():
     assert steep[:2] == pytest.approx((0.0, small / 2), abs=1e-12)
 
 
+def test_the_collective_fit_is_judged_on_a_large_calls_cpu():
+    """Rounds whose per-byte figure swings by half while the 1 MiB call's CPU holds are
+    stable: the fit is judged on what a large call costs (large_call_cpu, the 2-rank 1
+    MiB call's measured CPU back), not on a difference of two sizes."""
+    from paratrain.bench.calibrate import Stability, until_stable
+    from paratrain.run.check_model import COLL_LARGE, solve_collective_costs
+    from paratrain.run.cpu_fit import large_call_cpu
+
+    rounds = iter([solve_collective_costs(s, 1.6e-3, 2.2e-3, 1.5e-3, 2e-3)
+                   for s in (1.2e-3, 1.4e-3, 1.0e-3)])
+    got = until_stable(lambda: next(rounds), "t", Stability(k=3, cv=0.3, max_repeats=3),
+                       judged=lambda r: [large_call_cpu(r)])
+    assert large_call_cpu(got) == pytest.approx(1.6e-3, rel=1e-9)
+    assert COLL_LARGE == 1 << 20
+
+
 def test_route_cost_is_what_the_moe_run_took_beyond_its_price(profile):
     """The MoE run priced with a known cost per routed assignment gives that cost back;
     a run no dearer than its FLOPs gives 0."""

@@ -133,6 +133,19 @@ def collective_costs() -> tuple[float, float, float, float, float]:
     return solve_collective_costs(c0, c1, c4, w0, w1)
 
 
+def large_call_cpu(costs: tuple[float, ...]) -> float:
+    """The CPU of a 2-rank all-reduce of :data:`COLL_LARGE` bytes as ``costs`` (per call,
+    per ring step, per byte sent: :func:`collective_costs`) price it: what the fit's
+    repeated rounds are judged stable on. It is most of what a step's large calls cost;
+    the per-byte figure alone, a difference of two sizes' calls, varied by 41-71% over
+    three rounds on the quiet 2-core box and refused two check-model runs in five."""
+    from paratrain.cost import collectives as coll
+
+    call, step, byte = costs[:3]
+    return (call + coll.steps("all_reduce", "ring", 2) * step
+            + coll.wire_bytes("all_reduce", "ring", 2, COLL_LARGE) * byte)
+
+
 def solve_collective_costs(c2_small: float, c2_large: float, c4_small: float,
                            w2_small: float, w2_large: float
                            ) -> tuple[float, float, float, float, float]:
@@ -218,7 +231,7 @@ def measure_fit(mcfg: ModelConfig, tcfg: TrainConfig, profile: str | None, log=p
     """What the CPU fit is made of: the profile's machine, one thread's matmul peak, the
     one-process runs (:func:`fit_runs`: (batch, micro-batches, CPU s per step)) and the
     CPU and wall a collective costs (:func:`collective_costs`). The peak, each run and
-    the collective costs (judged on the CPU per byte, which sets most of a large call)
+    the collective costs (judged on the CPU of a large call, :func:`large_call_cpu`)
     are repeated until stable, or refused on a busy machine
     (:func:`paratrain.bench.calibrate.until_stable`)."""
     from paratrain.bench.calibrate import default_rule, until_stable
@@ -245,9 +258,8 @@ def measure_fit(mcfg: ModelConfig, tcfg: TrainConfig, profile: str | None, log=p
                             default_rule(), command=again)
     log(f"a core runs the fit run at {speed:.2f} of its speed alone while every core runs "
         f"one (the calibration's matmuls: {machine.core_speed:.2f})")
-    coll = until_stable(collective_costs,
-                        "gloo's CPU per byte sent", default_rule(), judged=lambda r: r[2:3],
-                        command=again)
+    coll = until_stable(collective_costs, "the CPU of a 1 MiB gloo all-reduce",
+                        default_rule(), judged=lambda r: [large_call_cpu(r)], command=again)
     call_cpu, step_cpu, byte_cpu, alpha, bw = coll
     log(f"gloo all-reduce: CPU {call_cpu * 1e6:.1f} us per call, {step_cpu * 1e6:.1f} us per "
         f"ring step, {byte_cpu * 1e9:.3f} ns per byte; wall {alpha * 1e6:.1f} us per ring "
