@@ -76,19 +76,20 @@ def _round(comp, synced, alone, c_comp, c_synced, c_alone, wake=None, cpu=None):
 def test_sync_costs_from_injected_timings():
     """2 cores: free (2 ranks) compute 5 ms, compute + sync 7.5 ms, sync alone 1 ms: a
     wake-up of 1.5 ms (the rounds' median excess, not the medians' difference), and
-    0.4 ms of CPU beyond the sync's own; 4 ranks: time-shared compute 10 ms, with the
-    sync 13 ms: the oversubscribed sync costs 3 ms. One pass of the segment takes 1.25
+    0.4 ms of CPU beyond the sync's own; 4 ranks on 2 cores: compute + sync 13 ms of
+    wall, 6 ms of CPU per rank: the cores sat idle 13 - 4 x 6 / 2 = 1 ms at each
+    oversubscribed sync. One pass of the segment takes 1.25
     ms alone, so 4 passes make its 5 ms; 4 passes take 4 ms alone: core speed 0.8. A
     segment alone that never settles is refused."""
     free = [_round(5e-3, 7.5e-3, 1e-3, 5e-3, 6.6e-3, 1.2e-3, wake=1.5e-3, cpu=4e-4)] * 2
-    busy = [_round(10e-3, 13e-3, 2e-3, 5e-3, 6.6e-3, 1.2e-3)] * 4
+    busy = [_round(10e-3, 13e-3, 2e-3, 5e-3, 6e-3, 1.2e-3)] * 4
     seen = []
     alone = {1: 1.25e-3, 4: 4e-3}
     got = sync_costs(2, spawn_fn=_fake_spawn({2: free, 4: busy}, seen),
                      alone_fn=lambda passes: alone[passes])
     assert got["wake_s"] == pytest.approx(1.5e-3)
     assert got["sync_cpu_s"] == pytest.approx(4e-4)
-    assert got["busy_sync_s"] == pytest.approx(3e-3)
+    assert got["busy_sync_s"] == pytest.approx(1e-3)
     assert got["core_speed"] == pytest.approx(0.8)  # 4 ms alone, 5 ms beside the other
     assert got["segment_s"] == pytest.approx(4e-3)
     assert seen == [(2, 4, 5), (4, 4, 5)]  # 4 passes; the excess's median over 5 rounds

@@ -129,7 +129,6 @@ def calibrate_worker(rank: int, world: int, sizes: list[int], iters: int,
 
 SYNC_SEGMENT_S = 5e-3  # the compute between two syncs: about a TP block region's
 SEGMENT_ROWS, SEGMENT_D, SEGMENT_F = 1024, 128, 384  # a micro-batch's tokens, the grid's widths
-SYNC_PAYLOAD_BYTES = SEGMENT_ROWS * SEGMENT_D * 4  # the segment's float32 output
 SYNC_ROUNDS = 5  # stable rounds the sync's excess is the median of
 
 
@@ -231,8 +230,10 @@ def sync_costs(cores: int, iters: int = 30, rule: Stability = Stability(),
     blocking sync costs on free cores beyond the compute around it and the call's own
     time (``cores`` ranks, at least 2); ``sync_cpu_s``, the CPU it costs beyond the same
     call in a tight loop (the caches the compute left, the wake-up); ``busy_sync_s``,
-    its whole wall cost beyond the time-shared compute when ranks outnumber cores (2 x
-    cores ranks, up to 16; more cores than 8: the free-core figure); ``core_speed``, a
+    the wall it adds beyond the ranks' CPU work over the cores when ranks outnumber
+    cores (2 x cores ranks, up to 16: the iteration's wall less every rank's CPU of it
+    over the cores, the time no core computed; more cores than 8: the free-core
+    figure); ``core_speed``, a
     core's compute speed while ``cores`` ranks compute at once over its speed alone (at
     most 1). ``spawn_fn`` and ``alone_fn`` (seconds of so many passes alone) are
     injectable for tests."""
@@ -260,8 +261,10 @@ def sync_costs(cores: int, iters: int = 30, rule: Stability = Stability(),
            else 1.0}
     if 2 * cores > 16:
         return {**out, "busy_sync_s": out["wake_s"] + alone}
-    comp2, synced2, *_ = measured(2 * cores)
-    return {**out, "busy_sync_s": max(0.0, synced2 - comp2)}
+    _, synced2, _, _, cpu_synced2, *_ = measured(2 * cores)
+    # 2 x cores ranks, each spending cpu_synced2 per iteration, on cores cores: what the
+    # wall holds beyond that work is the time no core computed
+    return {**out, "busy_sync_s": max(0.0, synced2 - 2 * cpu_synced2)}
 
 
 def sched_path(profile: Path) -> Path:
@@ -351,9 +354,9 @@ def run(nproc: int, sizes: list[int], iters: int, out: Path,
         f"wrote {path} and {sched_path}",
         f"a blocking sync after {sched['segment_s'] * 1e3:.1f} ms of compute: "
         f"{sched['wake_s'] * 1e6:.0f} us more than its own time and "
-        f"{sched['sync_cpu_s'] * 1e6:.0f} us more CPU on free cores; "
-        f"{sched['busy_sync_s'] * 1e6:.0f} us with "
-        f"{2 * cores} ranks on {cores} cores; a core computes at "
+        f"{sched['sync_cpu_s'] * 1e6:.0f} us more CPU on free cores; with "
+        f"{2 * cores} ranks on {cores} cores the cores sit idle "
+        f"{sched['busy_sync_s'] * 1e6:.0f} us at each; a core computes at "
         f"{sched['core_speed']:.2f} of its speed alone while every core computes",
         f"ping-pong (ranks 0<->1): alpha {f['alpha_pp'] * 1e6:.1f} us, "
         f"bw {f['bw_pp'] / 1e9:.3f} GB/s",

@@ -20,8 +20,8 @@ change, and none of them is a per-plan factor:
   collective or a receive before its peer sleeps; the sync ends only when the scheduler
   has run the late peer to the call and then the sleeper again. On free cores that is a
   wake-up (``wake_s``, beyond the call's own latency); with the cores taken it is the
-  wait for the slowest peer plus a scheduling quantum (``busy_sync_s``, the sync's whole
-  wall cost beyond the time-shared compute). A call after compute also costs more CPU
+  wait for the slowest peer plus a scheduling quantum (``busy_sync_s``, the wall the
+  sync adds beyond the ranks' CPU work over the cores). A call after compute also costs more CPU
   than the same call in a tight loop (``sync_cpu_s``: the caches the compute left, the
   wake-up), which :func:`paratrain.predict.calls.comm_cpu` charges per blocking call.
   All three, and ``core_speed``, are measured once by `paratrain bench calibrate`
@@ -35,14 +35,13 @@ change, and none of them is a per-plan factor:
 
 The step is then the larger of two bounds (:func:`bounds`): the critical path with its
 compute stretched and a wake-up per sync, and the session's CPU work over its cores plus,
-per sync when the cores are oversubscribed, ``busy_sync_s`` less the CPU of the
-calibration's own all-reduce that the work already holds (:func:`busy_wait_s`; a sync is
-a moment no rank of the group computes, so the work bound cannot hide it).
+per sync when the cores are oversubscribed, the time the calibration's cores sat idle
+at each sync (:func:`busy_wait_s`; a sync is a moment no rank of the group computes, so
+the work bound cannot hide it).
 """
 
 from __future__ import annotations
 
-from paratrain.bench.calibrate import SYNC_PAYLOAD_BYTES
 from paratrain.config import ModelConfig
 from paratrain.cost import collectives as coll
 from paratrain.cost.cp_bytes import A2A_EXCHANGES
@@ -137,19 +136,15 @@ def path_syncs(plan: ParallelPlan, dp_groups: list[tuple[int, list[tuple[str, fl
 
 
 def busy_wait_s(machine: MachineModel) -> float:
-    """What an oversubscribed sync adds to the CPU-work bound: ``busy_sync_s`` less the
-    CPU of the calibration's own sync, which the work bound already holds (each rank's
-    collectives' CPU, :func:`paratrain.predict.calls.comm_cpu`). The calibration runs 2
-    ranks per core, each pair all-reducing its segment's output (:func:`paratrain.bench.
-    calibrate.sync_costs`), so its sync's CPU is 2 x (a call's hand-off and its cost
-    after compute + 2 ring steps + the bytes) of wall; above 8 cores it times no
-    oversubscribed sync and nothing is taken off."""
-    if 2 * machine.cores > 16:
-        return machine.busy_sync_s
-    own = (machine.coll_call_cpu_s + machine.sync_cpu_s
-           + CALIBRATED_STEPS * machine.coll_step_cpu_s
-           + SYNC_PAYLOAD_BYTES * machine.coll_byte_cpu_s)
-    return max(0.0, machine.busy_sync_s - 2 * own)
+    """What an oversubscribed sync adds to the CPU-work bound: ``busy_sync_s``, the wall
+    the calibration's iteration took beyond its ranks' CPU over the cores
+    (:func:`paratrain.bench.calibrate.sync_costs`), i.e. the time no core computed. It
+    is measured against the CPU the ranks really spent, so nothing of the model's own
+    collective prices is taken off it: the old figure, the iteration's wall beyond the
+    compute alone less the fit's price of the sync's CPU, was a difference of two noisy
+    figures (0.2 and 1.7 ms per sync from two calibrations of one afternoon, where this
+    one measured 0.5-0.65 ms)."""
+    return machine.busy_sync_s
 
 
 def bounds(crit: float, work_over_cores: float, syncs: float, o: float,
