@@ -122,9 +122,13 @@ def test_ep_syncs_and_pipeline_sends_by_hand():
 
 
 def test_bounds_pick_the_larger_and_say_what_syncs_add():
+    """Free cores: a wake-up per sync on the critical path. Oversubscribed: the idle
+    time per sync on the work bound, and no wake-up on the path (another rank runs while
+    one sleeps; its wait for a core is the stretch its compute already has)."""
     m = _machine(2, wake=1e-3, busy=4e-3)
     assert S.bounds(0.1, 0.05, 10, 1.0, m) == pytest.approx((0.11, 0.05, 0.01))
-    assert S.bounds(0.1, 0.09, 10, 2.0, m) == pytest.approx((0.11, 0.13, 0.04))
+    assert S.bounds(0.1, 0.09, 10, 2.0, m) == pytest.approx((0.1, 0.13, 0.04))
+    assert S.bounds(0.2, 0.09, 10, 2.0, m) == pytest.approx((0.2, 0.13, 0.0))
     assert S.oversubscription(0.25) == 4.0 and S.oversubscription(1.0) == 1.0
 
 
