@@ -63,12 +63,13 @@ def test_an_oversubscribed_sync_adds_the_idle_time_the_calibration_measured():
     core computed at a sync), so the work bound adds it whole, whatever the fitted
     collective CPU."""
     m = _machine(2, wake=1e-4, busy=2e-3).replace(coll_call_cpu_s=3e-4, coll_step_cpu_s=2e-4)
-    assert S.busy_wait_s(m) == 2e-3
-    assert S.busy_wait_s(m.replace(coll_call_cpu_s=3e-3, sync_cpu_s=1e-3)) == 2e-3
     plan = ParallelPlan(dp=4)
-    p = predict(TINY, TC, plan, 4, m)
-    assert p.step_s == pytest.approx(max(p.critical_path_s,
-                                         p.session_work_s / 2 + p.syncs * 2e-3))
+    for machine in (m, m.replace(coll_call_cpu_s=3e-3, sync_cpu_s=1e-3)):
+        p = predict(TINY, TC, plan, 4, machine)
+        assert p.step_s == pytest.approx(max(p.critical_path_s,
+                                             p.session_work_s / 2 + p.syncs * 2e-3))
+        assert S.bounds(1.0, 0.5, p.syncs, 2.0, machine)[1] == pytest.approx(
+            0.5 + p.syncs * 2e-3)
 
 
 def test_a_blocking_call_after_compute_costs_its_measured_cpu():

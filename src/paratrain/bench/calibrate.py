@@ -255,7 +255,7 @@ def sync_costs(cores: int, iters: int = 30, rule: Stability = Stability(),
             raise BusyMachine(busy)
         return [statistics.fmean(r[i] for r in res) for i in range(8)]
 
-    comp, synced, alone, *_, wake, sync_cpu = measured(max(2, cores - cores % 2))
+    comp, _, alone, *_, wake, sync_cpu = measured(max(2, cores - cores % 2))
     out = {"wake_s": max(0.0, wake), "sync_cpu_s": max(0.0, sync_cpu), "cores": cores,
            "segment_s": alone_seg, "core_speed": min(1.0, alone_seg / comp) if cores > 1
            else 1.0}

@@ -41,7 +41,7 @@ class MachineModel:
     route_s: float = 0.0  # CPU per routed assignment of an MoE block, fwd + bwd (fit)
     wake_s: float = 0.0  # a blocking sync on free cores, beyond its latency (sched.py)
     sync_cpu_s: float = 0.0  # the CPU a call costs after compute, beyond a tight loop's
-    busy_sync_s: float = 0.0  # a blocking sync's wall cost when ranks outnumber cores
+    busy_sync_s: float = 0.0  # idle core time per sync when ranks outnumber cores
     core_speed: float = 1.0  # a core's compute speed with every core computing, vs alone
     sched: str = ""  # where wake_s and busy_sync_s come from ("": not calibrated)
     fitted: bool = False

@@ -34,10 +34,10 @@ change, and none of them is a per-plan factor:
   all-reduce over 8 ranks waits 7 times as often as one over 2.
 
 The step is then the larger of two bounds (:func:`bounds`): the critical path with its
-compute stretched and a wake-up per sync, and the session's CPU work over its cores plus,
-per sync when the cores are oversubscribed, the time the calibration's cores sat idle
-at each sync (:func:`busy_wait_s`; a sync is a moment no rank of the group computes, so
-the work bound cannot hide it).
+compute stretched (and on free cores a wake-up per sync), and the session's CPU work over
+its cores plus, per sync when the cores are oversubscribed, the time the calibration's
+cores sat idle at each sync (a sync is a moment no rank of the group computes, so the
+work bound cannot hide it).
 """
 
 from __future__ import annotations
@@ -135,29 +135,20 @@ def path_syncs(plan: ParallelPlan, dp_groups: list[tuple[int, list[tuple[str, fl
     return sync_units("p2p", 2, pp) + dp + sync_units("all_reduce", world, 2)
 
 
-def busy_wait_s(machine: MachineModel) -> float:
-    """What an oversubscribed sync adds to the CPU-work bound: ``busy_sync_s``, the wall
-    the calibration's iteration took beyond its ranks' CPU over the cores
-    (:func:`paratrain.bench.calibrate.sync_costs`), i.e. the time no core computed. It
-    is measured against the CPU the ranks really spent, so nothing of the model's own
-    collective prices is taken off it: the old figure, the iteration's wall beyond the
-    compute alone less the fit's price of the sync's CPU, was a difference of two noisy
-    figures (0.2 and 1.7 ms per sync from two calibrations of one afternoon, where this
-    one measured 0.5-0.65 ms)."""
-    return machine.busy_sync_s
-
-
 def bounds(crit: float, work_over_cores: float, syncs: float, o: float,
            machine: MachineModel) -> tuple[float, float, float]:
     """(critical path, CPU work bound, seconds the syncs add to the larger): the step is
     the larger bound. On free cores (``o`` <= 1) each sync adds a wake-up to the
-    critical path; on oversubscribed cores it adds the calibrated idle time
-    (:func:`busy_wait_s`) to the work bound instead, and nothing to the path: while a
+    critical path; on oversubscribed cores it adds ``busy_sync_s`` to the work bound
+    instead: the time the calibration's cores sat idle at each sync, its wall beyond its
+    ranks' own CPU over the cores (:func:`paratrain.bench.calibrate.sync_costs`, so
+    nothing of the model's collective prices is taken off it), and nothing to the
+    path: while a
     rank sleeps at a sync another runs on its core, and its wait for a core when it
     wakes is the time-sharing its compute is already stretched by (``o``). Charged the
     free-core wake-up too, the 4-8-rank pipelines with TP (68 and 51 syncs a step) came
     out 17-40% over in two grids of the 2-core box."""
     wake = syncs * machine.wake_s if o <= 1 else 0.0
-    busy = syncs * busy_wait_s(machine) if o > 1 else 0.0
+    busy = syncs * machine.busy_sync_s if o > 1 else 0.0
     path, work = crit + wake, work_over_cores + busy
     return path, work, wake if path >= work else busy
