@@ -17,6 +17,7 @@ from paratrain.cost.hardware import Hardware
 from paratrain.plan import ParallelPlan
 from paratrain.predict import MachineModel, load_machine, predict
 from paratrain.predict import sched as S
+from paratrain.predict.axes import ep_bursts
 from paratrain.predict.machine import save_sched
 
 TC = TrainConfig(global_batch=8)
@@ -98,7 +99,8 @@ def test_pipeline_fill_stretches_only_with_the_ranks_that_run():
 
 @pytest.mark.parametrize(("plan", "per_mb", "loss"), [
     (ParallelPlan(cp=2), 2 * (3 * 1 + 2) / 2, 2),  # ring: 3(cp-1) + cp receives a block
-    (ParallelPlan(cp=2, cp_algorithm="all-to-all"), 2 * 8, 2),  # 8 whole syncs a block
+    # 8 calls a block in 4 back-to-back groups (q, k, v; the output; both directions)
+    (ParallelPlan(cp=2, cp_algorithm="all-to-all"), 2 * 4, 2),
     (ParallelPlan(cp=2, tp=2), 2 * 5 / 2 + 2 * 4 + 2 + 3, 6),  # TP: 2-round all-reduces
 ])
 def test_cp_syncs_by_hand(plan, per_mb, loss):
@@ -109,10 +111,16 @@ def test_cp_syncs_by_hand(plan, per_mb, loss):
 
 
 def test_ep_syncs_and_pipeline_sends_by_hand():
-    """dp2 x ep2: 4 all-to-alls and the split sizes per MoE block (a whole sync each);
-    pp2 m4: 2 (m + 1) receives along the path, no data-parallel reducer."""
+    """dp2 x ep2: 4 all-to-alls and the split sizes per MoE block, in 4 back-to-back
+    groups (the sizes go with the dispatch), a whole sync each; 6 with full recompute
+    (the forward's two groups again); pp2 m4: 2 (m + 1) receives along the path, no
+    data-parallel reducer."""
     p = predict(MOE, TC, ParallelPlan(dp=2, ep=2), 2, _machine(4))
-    assert p.syncs - 2 * 5 - 2 >= 1  # and the dense and the experts' reducers
+    r = predict(MOE, TC, ParallelPlan(dp=2, ep=2, recompute="full"), 2, _machine(4))
+    assert p.syncs - 2 * 4 - 2 >= 1  # and the dense and the experts' reducers
+    assert r.syncs - p.syncs == 2 * 2
+    assert ep_bursts(ParallelPlan(dp=2, ep=2)) == 4
+    assert ep_bursts(ParallelPlan(dp=2, ep=2, recompute="full")) == 6
     q = predict(TINY, TC, ParallelPlan(pp=2, micro_batches=4), 2, _machine(4))
     assert q.syncs == 2 * (4 + 1) / 2 + 2
     groups = [(2, [("all_reduce", 100.0, 1), ("all_reduce", 50.0, 2)]),

@@ -64,6 +64,9 @@ def attention_pairs_per_rank(T: int, cp: int, balanced: bool = True) -> list[int
 
 
 A2A_EXCHANGES = 4  # all-to-all CP, per block and direction: q, k, v and the output
+# of which issued back to back, with only reshapes between (one wait for the peers):
+# q, k and v together, then the output after the attention (forward and backward alike)
+A2A_BURSTS = 2
 
 
 def cp_bytes_per_sequence_layer(mcfg: ModelConfig, plan: ParallelPlan, elem: int

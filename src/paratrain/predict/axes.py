@@ -137,6 +137,15 @@ def ep_exchanges(plan: ParallelPlan) -> tuple[int, int]:
     return 2 * runs + 2, runs
 
 
+def ep_bursts(plan: ParallelPlan) -> int:
+    """Of :func:`ep_exchanges`' calls, the groups issued back to back (one wait for the
+    peers, :func:`paratrain.predict.sched.sync_units`): per forward the split sizes and
+    the dispatch (only the sizes' sums between), then the combine after the experts;
+    backward the combine's and the dispatch's gradients, each after compute."""
+    rows, _ = ep_exchanges(plan)
+    return rows
+
+
 def ep_block_s(mcfg: ModelConfig, plan: ParallelPlan, tokens_mb: float, hw: Hardware,
                elem: int) -> float:
     """Seconds of one MoE layer's all-to-alls for one micro-batch (:func:`ep_exchanges`:

@@ -44,11 +44,11 @@ from __future__ import annotations
 
 from paratrain.config import ModelConfig
 from paratrain.cost import collectives as coll
-from paratrain.cost.cp_bytes import A2A_EXCHANGES
+from paratrain.cost.cp_bytes import A2A_BURSTS
 from paratrain.cost.layout import RankLayout
 from paratrain.cost.ranks import virtual_stages
 from paratrain.plan import ParallelPlan
-from paratrain.predict.axes import ep_exchanges, moe_blocks
+from paratrain.predict.axes import ep_bursts, moe_blocks
 from paratrain.predict.machine import MachineModel
 
 CALIBRATED_STEPS = 2  # the calibration's sync is a 2-rank all-reduce: 2 blocking receives
@@ -62,7 +62,13 @@ def sync_units(op: str, p: int, k: float = 1.0) -> float:
     its rounds before it waits, so its rounds are not sequential: a call is one whole
     calibrated sync (after the calibration's 5 ms segment, a 2-rank all-to-all paid the
     same 1.48 ms beyond its own time as the 2-rank all-reduce; counted by its p - 1
-    rounds, the all-to-all CP and EP plans were priced half of it)."""
+    rounds, the all-to-all CP and EP plans were priced half of it). All-to-alls issued
+    back to back (only reshapes between) are one sync: the first finds the peers in
+    step and awake for the next, so ``k`` counts the groups (:data:`paratrain.cost.
+    cp_bytes.A2A_BURSTS`, :func:`paratrain.predict.axes.ep_bursts`). After the same
+    segment, four 128 KiB all-to-alls in a row paid 2.1 ms beyond their own time in two
+    runs, one alone 1.4 and 2.3 ms; four all-reduces in a row paid 2.4 and 6.0 ms, one
+    0.8 and 2.4 ms, so an all-reduce is still counted call by call."""
     if op == "p2p":
         rounds = 1
     elif op == "all_to_all":
@@ -107,16 +113,17 @@ def stage_syncs(mcfg: ModelConfig, plan: ParallelPlan, lay: RankLayout,
     """Blocking syncs (:func:`sync_units`) of one micro-batch's forward + backward on a
     rank of ``lay``'s stage: its TP collectives (``tp_calls``, per step,
     :func:`paratrain.predict.calls.tp_calls`), the CP exchange per block (ring: 3(cp - 1)
-    + cp receives, as :func:`paratrain.predict.axes.cp_calls` counts them; all-to-all: 8
-    calls) and per MoE block the 4 all-to-alls and the split sizes' exchange (6 and 2
-    with full recompute)."""
+    + cp receives, as :func:`paratrain.predict.axes.cp_calls` counts them; all-to-all:
+    its 8 calls in 4 back-to-back groups) and per MoE block the 4 all-to-alls and the
+    split sizes' exchange in 4 groups (6 with full recompute, :func:`paratrain.
+    predict.axes.ep_bursts`)."""
     n = sum(sync_units(op, plan.tp, k) for op, _, k in tp_calls) / plan.micro_batches
     if plan.cp > 1:
         n += lay.blocks * (sync_units("p2p", 2, 3 * (plan.cp - 1) + plan.cp)
                            if plan.cp_algorithm == "ring" else
-                           sync_units("all_to_all", plan.cp, 2 * A2A_EXCHANGES))
+                           sync_units("all_to_all", plan.cp, 2 * A2A_BURSTS))
     if plan.ep > 1:
-        n += moe_blocks(mcfg, lay) * sync_units("all_to_all", plan.ep, sum(ep_exchanges(plan)))
+        n += moe_blocks(mcfg, lay) * sync_units("all_to_all", plan.ep, ep_bursts(plan))
     return float(n)
 
 
