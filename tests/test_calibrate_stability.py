@@ -61,6 +61,7 @@ def _fake_spawn(results: dict[int, list], seen: list | None = None):
         assert fn is cal.sync_worker
         if seen is not None:
             seen.append((world, passes, rule.k))
+            assert rule.max_repeats >= rule.k  # room for the window at all
         return results[world]
     return spawn
 
@@ -92,7 +93,8 @@ def test_sync_costs_from_injected_timings():
     assert got["busy_sync_s"] == pytest.approx(1e-3)
     assert got["core_speed"] == pytest.approx(0.8)  # 4 ms alone, 5 ms beside the other
     assert got["segment_s"] == pytest.approx(4e-3)
-    assert seen == [(2, 4, 5), (4, 4, 5)]  # 4 passes; the excess's median over 5 rounds
+    # 4 passes; the excess's median over SYNC_ROUNDS rounds
+    assert seen == [(2, 4, cal.SYNC_ROUNDS), (4, 4, cal.SYNC_ROUNDS)]
     with pytest.raises(BusyMachine, match="too busy"):
         sync_costs(2, spawn_fn=_fake_spawn({2: free, 4: ["the machine was too busy to "
                                                          "calibrate: x", *busy[1:]]}),

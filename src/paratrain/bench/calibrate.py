@@ -129,7 +129,11 @@ def calibrate_worker(rank: int, world: int, sizes: list[int], iters: int,
 
 SYNC_SEGMENT_S = 5e-3  # the compute between two syncs: about a TP block region's
 SEGMENT_ROWS, SEGMENT_D, SEGMENT_F = 1024, 128, 384  # a micro-batch's tokens, the grid's widths
-SYNC_ROUNDS = 5  # stable rounds the sync's excess is the median of
+# stable rounds the sync's excess is the median of: one round's wake-up ran anywhere
+# from 0 to 2.8 ms on the quiet 2-core box, so medians of 5 rounds ranged 0.79-1.94 ms
+# within one run, and calibrations minutes apart gave 1.35, 2.38 and 2.06 ms; medians of
+# 30 rounds came out 1.38-1.40 ms in four runs (the idle time on 4 ranks: 0.34 and 0.45)
+SYNC_ROUNDS = 25
 
 
 def _segment(torch, passes: int):
@@ -245,8 +249,10 @@ def sync_costs(cores: int, iters: int = 30, rule: Stability = Stability(),
     (alone_seg,) = until_stable(lambda: [alone_fn(passes)], "one compute segment alone",
                                 rule)
 
-    # the excess is a difference of loops ten times longer: its median over five rounds
-    sync_rule = replace(rule, k=max(rule.k, SYNC_ROUNDS))
+    # the excess is a difference of loops ten times longer: its median over
+    # SYNC_ROUNDS rounds, with the rule's room for unstable rounds beside them
+    sync_rule = replace(rule, k=max(rule.k, SYNC_ROUNDS),
+                        max_repeats=max(rule.k, SYNC_ROUNDS) + rule.max_repeats)
 
     def measured(world: int) -> list[float]:
         res = run(sync_worker, world, iters, sync_rule, passes, timeout_s=600)
