@@ -48,17 +48,36 @@ def moe_extra_flops(mcfg: ModelConfig, plan: ParallelPlan, tokens: float) -> flo
     block :func:`paratrain.predict.step._flops_block` priced, on ``tokens`` tokens: the
     router, top_k routed experts and the shared ones instead of the tp-sharded SwiGLU
     (the MoE MLP is whole on every tp rank, :func:`paratrain.parallel.tensor.
-    shard_block`); with ep > 1 the busiest rank's experts carry the expected extreme
-    load (:func:`paratrain.systems.layer_cost.expert_imbalance`); with SP the MoE MLP
-    runs on the rank's 1/tp of the tokens (:func:`routed_tokens`)."""
-    K = mcfg.top_k
+    shard_block`), at the mean expert load (what the CPU work sums; the busiest rank's
+    excess is :func:`expert_wait_flops`); with SP the MoE MLP runs on the rank's 1/tp of
+    the tokens (:func:`routed_tokens`)."""
     routed = routed_tokens(plan, tokens)
-    imb = expert_imbalance(routed * K, plan.ep) if plan.ep > 1 else 1.0
     m = as_shape(mcfg)
-    moe = m.moe_mlp_params(active=True) + (imb - 1) * K * m.expert_params()
     dense = m.dense_mlp_params() / plan.tp
-    redo = 4 / 3 if plan.recompute == "full" else 1.0
-    return redo * 6.0 * (routed * moe - tokens * dense)
+    return _redo(plan) * 6.0 * (routed * m.moe_mlp_params(active=True) - tokens * dense)
+
+
+def expert_load(mcfg: ModelConfig, plan: ParallelPlan, tokens: float) -> float:
+    """The busiest ep rank's expert rows over the mean, expected of a balanced router
+    (:func:`paratrain.systems.layer_cost.expert_imbalance`); 1 without ep."""
+    if plan.ep == 1:
+        return 1.0
+    return expert_imbalance(routed_tokens(plan, tokens) * mcfg.top_k, plan.ep)
+
+
+def expert_wait_flops(mcfg: ModelConfig, plan: ParallelPlan, tokens: float,
+                      load: float) -> float:
+    """FLOPs the busiest ep rank's experts compute beyond the mean rank's in an MoE block
+    on ``tokens`` tokens, at ``load`` (its rows over the mean: :func:`expert_load`, or
+    the run's routing, :func:`expert_load_from_routing`): the critical path waits for
+    them, the CPU work does not hold them (the other ranks compute that much less)."""
+    routed = routed_tokens(plan, tokens)
+    extra = (load - 1.0) * mcfg.top_k * as_shape(mcfg).expert_params()
+    return _redo(plan) * 6.0 * routed * extra
+
+
+def _redo(plan: ParallelPlan) -> float:
+    return 4 / 3 if plan.recompute == "full" else 1.0
 
 
 def cp_block_s(mcfg: ModelConfig, plan: ParallelPlan, seqs_mb: float, tokens_mb: float,
@@ -113,6 +132,19 @@ def ep_rows_from_load(plan: ParallelPlan, experts: int, load_by_rank: list[list[
     sent = sum(n for e, n in enumerate(load_by_rank[dp_rank]) if e not in mine)
     recv = sum(load_by_rank[d][e] for d in range(g0, g0 + ep) if d != dp_rank for e in mine)
     return sent, recv
+
+
+def expert_load_from_routing(plan: ParallelPlan, experts: int,
+                             load_by_rank: list[list[int]]) -> float:
+    """The busiest ep rank's expert rows over the mean in a step, from the run's routing
+    (``moe_load_by_rank``, as :func:`ep_rows_from_load` reads it): the rows every ep
+    group (ep consecutive data ranks) sends each of its ranks' experts. Summed over the
+    step's layers, so a layer-by-layer imbalance that changes rank is only partly seen."""
+    ep, El = plan.ep, experts // plan.ep
+    rows = [sum(load_by_rank[d][e] for d in range(g, g + ep) for e in range(j * El, (j + 1) * El))
+            for g in range(0, len(load_by_rank) - ep + 1, ep) for j in range(ep)]
+    mean = sum(rows) / len(rows) if rows else 0.0
+    return max(rows) / mean if mean > 0 else 1.0
 
 
 def ep_wire_bytes(mcfg: ModelConfig, plan: ParallelPlan, elem: int, sent: float,

@@ -9,7 +9,7 @@ from pathlib import Path
 from paratrain.config import ModelConfig, TrainConfig
 from paratrain.cost.layout import ELEMENT_BYTES
 from paratrain.plan import ParallelPlan
-from paratrain.predict.axes import ep_rows_from_load, ep_wire_bytes
+from paratrain.predict.axes import ep_rows_from_load, ep_wire_bytes, expert_load_from_routing
 from paratrain.predict.machine import load_machine, sample_other_sessions
 from paratrain.predict.step import Prediction, predict
 
@@ -94,6 +94,17 @@ def _ep_bytes(pred: Prediction, summary: dict, plan: ParallelPlan,
                                              recv, plan.micro_batches * mcfg.moe_layers)
         out["exact"] = out["given_routing"] == out["measured"]
     return out
+
+
+def routing_load(summary: dict, plan: ParallelPlan, mcfg: ModelConfig) -> float | None:
+    """The busiest ep rank's expert rows over the mean in the run's first step, from its
+    routing (:func:`paratrain.predict.axes.expert_load_from_routing`), where the
+    recorded load is what the ep groups routed (pp = 1, cp = 1, no SP, as for the
+    bytes: :func:`_ep_bytes`); None otherwise, or without ep."""
+    steps = [s for s in summary.get("moe_steps") or [] if "moe_load_by_rank" in s]
+    if plan.ep == 1 or not steps or plan.pp > 1 or plan.cp > 1 or plan.sp:
+        return None
+    return expert_load_from_routing(plan, mcfg.experts, steps[0]["moe_load_by_rank"])
 
 
 def summary_prediction(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan, world: int,

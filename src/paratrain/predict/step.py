@@ -26,6 +26,8 @@ from paratrain.predict.axes import (
     ep_calls,
     ep_rows_uniform,
     ep_wire_bytes,
+    expert_load,
+    expert_wait_flops,
     moe_blocks,
     moe_extra_flops,
     one_host,
@@ -40,7 +42,6 @@ from paratrain.predict.calls import tp_block_calls as _tp_block_calls
 from paratrain.predict.calls import tp_calls as _tp_calls
 from paratrain.predict.machine import MachineModel
 from paratrain.predict.pipeline import pipeline_bubble, pipeline_path, slowest_stage
-from paratrain.systems.layer_cost import expert_imbalance
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,7 @@ class Prediction:
     pp_wire_bytes: float  # rank 0, point-to-point sends per step
     cp_comm_s: float = 0.0  # the CP exchange along the critical path, total
     cp_exposed_s: float = 0.0  # of which not hidden under the block attention
+    expert_load: float = 1.0  # the busiest ep rank's expert rows over the mean, as priced
     ep_comm_s: float = 0.0  # MoE all-to-alls along the critical path (all exposed)
     cp_wire_bytes: float = 0.0  # rank 0, per step (paratrain.cost.layout.cp_wire_bytes)
     ep_wire_bytes: float = 0.0  # rank 0, per step, expected under uniform routing
@@ -152,6 +154,7 @@ class _Run:
     tokens_mb: float  # the rank's tokens of them: T/cp each (the load-balanced split)
     batch: int  # sequences per dp rank and step
     lays: list[RankLayout]  # per pipeline stage, its rank (dp 0, cp 0, tp 0)
+    load: float = 1.0  # the busiest ep rank's expert rows over the mean
 
     @property
     def m(self) -> int:
@@ -164,14 +167,16 @@ class _Run:
 
 
 def _run(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan, world: int,
-         machine: MachineModel) -> _Run:
+         machine: MachineModel, load: float | None = None) -> _Run:
     if plan.world_size != world:
         raise ValueError(f"plan needs {plan.world_size} ranks but world={world}; match them")
     seqs_mb = tcfg.global_batch / plan.dp / plan.micro_batches
+    tokens_mb = seqs_mb * mcfg.context / plan.cp
     lays = [L.rank_layout(mcfg, plan, L.rank_of(s, 0, 0, plan)) for s in range(plan.pp)]
+    load = expert_load(mcfg, plan, tokens_mb) if load is None or plan.ep == 1 else load
     return _Run(mcfg, tcfg, plan, machine, one_host(machine.hw, world), world,
                 machine.eta * machine.thread_peak, ELEMENT_BYTES[tcfg.dtype], seqs_mb,
-                seqs_mb * mcfg.context / plan.cp, int(tcfg.global_batch // plan.dp), lays)
+                tokens_mb, int(tcfg.global_batch // plan.dp), lays, load)
 
 
 def _notes(r: _Run, share: float) -> list[str]:
@@ -183,10 +188,11 @@ def _notes(r: _Run, share: float) -> list[str]:
                      f"({machine.other_threads:.1f} runnable threads): each rank gets "
                      f"{share:.2f} of a core")
     if r.plan.ep > 1:
-        imb = expert_imbalance(r.tokens_mb * r.mcfg.top_k, r.plan.ep)
+        given = r.load != expert_load(r.mcfg, r.plan, r.tokens_mb)
         notes.append("EP all-to-all bytes expected under uniform routing (the measured "
                      "ones follow the router); the busiest rank's experts carry "
-                     f"x{imb:.3f} the mean load")
+                     f"x{r.load:.3f} the mean load"
+                     + (" (the run's routing)" if given else " (a balanced router)"))
     if not machine.fitted:
         notes.append("no CPU fit: eta from the profile, fixed costs 0 (run paratrain "
                      "check-model)")
@@ -197,8 +203,9 @@ def _notes(r: _Run, share: float) -> list[str]:
 
 
 def _stage_terms(r: _Run) -> tuple[list[tuple[float, ...]], list[float]]:
-    """Per pipeline stage and micro-batch: (FLOP s, fixed s, TP s, exposed CP s, EP s),
-    and the CP exchange in total."""
+    """Per pipeline stage and micro-batch: (FLOP s, fixed s, TP s, exposed CP s, EP s,
+    the busiest ep rank's expert FLOP s beyond the mean: on the path, not in the CPU
+    work), and the CP exchange in total."""
     mcfg, plan = r.mcfg, r.plan
     a, bw = r.hw.intra_alpha, r.hw.intra_bw
     cp_blk, cp_exp_blk = cp_block_s(mcfg, plan, r.seqs_mb, r.tokens_mb, r.rate, r.hw, r.e)
@@ -209,7 +216,9 @@ def _stage_terms(r: _Run) -> tuple[list[tuple[float, ...]], list[float]]:
                                r.machine.route_s)
         tp_t = sum(k * coll.time_s(op, "ring", plan.tp, n, a, bw)
                    for op, n, k in _tp_calls(mcfg, plan, lay, r.act, r.seqs_mb)) / r.m
-        stages.append((f, fx, tp_t, lay.blocks * cp_exp_blk, moe_blocks(mcfg, lay) * ep_blk))
+        wait = moe_blocks(mcfg, lay) * expert_wait_flops(mcfg, plan, r.tokens_mb, r.load)
+        stages.append((f, fx, tp_t, lay.blocks * cp_exp_blk, moe_blocks(mcfg, lay) * ep_blk,
+                       wait / r.rate))
         cp_tot.append(lay.blocks * cp_blk)
     return stages, cp_tot
 
@@ -293,14 +302,17 @@ def _syncs(r: _Run, slow: int, dp_s: float, dp_exposed: float) -> float:
 
 
 def predict(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan, world: int,
-            machine: MachineModel) -> Prediction:
+            machine: MachineModel, load: float | None = None) -> Prediction:
     """Price one step of ``plan`` (any composition of dp, pp, tp/sp, cp, ep) on ``world``
     one-thread ranks of this machine: the larger of the critical path (compute stretched
     where the cores are shared, a wake-up per blocking sync) and the session's CPU work
     over the cores it gets (plus the oversubscribed syncs), :func:`paratrain.predict.
     sched.bounds`; the pipeline's fill is the schedule's own bubble
-    (:mod:`paratrain.predict.pipeline`)."""
-    r = _run(mcfg, tcfg, plan, world, machine)
+    (:mod:`paratrain.predict.pipeline`). ``load``: the busiest ep rank's expert rows
+    over the mean, where the run's routing is known (`paratrain check-model`:
+    :func:`paratrain.predict.axes.expert_load_from_routing`); None: a balanced
+    router's expected extreme."""
+    r = _run(mcfg, tcfg, plan, world, machine, load)
     share = machine.share(world)
     o = S.oversubscription(share)
     notes = _notes(r, share)
@@ -310,6 +322,7 @@ def predict(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan, world: int
     k = S.stretch(o, plan, machine, world)
     flop_s, fixed_path = (pipeline_path([st[j] for st in stages], slow, plan, k)
                           for j in range(2))
+    flop_s += pipeline_path([st[5] for st in stages], slow, plan, k)
     tp_s, cp_exposed, ep_s = (pipeline_path([st[j] for st in stages], slow, plan)
                               for j in range(2, 5))
     overhead_s = fixed_path + machine.step_s * k[0]
@@ -337,7 +350,8 @@ def predict(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan, world: int
         cp_comm_s=pipeline_path(cp_tot, slow, plan), cp_exposed_s=cp_exposed,
         ep_comm_s=ep_s, cp_wire_bytes=_cp_wire(r, r.lays[0]),
         ep_wire_bytes=_ep_wire(r, r.lays[0]), oversubscription=o, syncs=syncs,
-        sync_s=sync_s, states_bytes_per_rank=states, dp_wire_bytes_per_rank=wires,
+        sync_s=sync_s, expert_load=r.load, states_bytes_per_rank=states,
+        dp_wire_bytes_per_rank=wires,
         systems_states_bytes=sum(predicted_states(mcfg, plan, tcfg).values()),
         activations_bytes=predicted_activations(mcfg, plan, tcfg), machine=machine.source,
         notes=notes)

@@ -212,12 +212,15 @@ def run_grid(names: list[str] | None = None, *, profile: str | None = None, step
 def _record(name: str, plan: ParallelPlan, model: ModelConfig, tcfg: TrainConfig,
             machine, s: dict, pace: float = 1.0) -> dict:
     """One plan's record: the prediction (with the load sampled while it ran, at the
-    ``pace`` the fit runs around it measured) beside rank 0's summary ``s``; the
-    prediction at the fit's average pace is kept beside it."""
+    ``pace`` the fit runs around it measured, and for EP at the run's own routing, as
+    its bytes are judged) beside rank 0's summary ``s``; the prediction at the fit's
+    average pace is kept beside it."""
     from paratrain.predict import compare, predict
+    from paratrain.predict.report import routing_load
 
-    flat = predict(model, tcfg, plan, plan.world_size, machine)
-    pred = predict(model, tcfg, plan, plan.world_size, machine.at_pace(pace))
+    load = routing_load(s, plan, model)
+    flat = predict(model, tcfg, plan, plan.world_size, machine, load)
+    pred = predict(model, tcfg, plan, plan.world_size, machine.at_pace(pace), load)
     cmp = compare(pred, s, plan, 0, model, tcfg)
     measured = statistics.median(s["step_times"][1:])
     cpu = statistics.median(s["cpu_times"][1:])
@@ -234,6 +237,7 @@ def _record(name: str, plan: ParallelPlan, model: ModelConfig, tcfg: TrainConfig
             "critical_path_s": pred.critical_path_s,
             "session_bound_s": pred.session_work_s / pred.session_cores,
             "syncs": pred.syncs, "sync_s": pred.sync_s,
+            "expert_load": {"priced": pred.expert_load, "given_routing": load is not None},
             "predicted": pred.to_dict(), "compare": cmp,
             "wire_exact": _wire_exact(cmp), "states_exact": cmp["states_bytes"]["exact"]}
 
