@@ -64,7 +64,7 @@ def test_fit_on_a_busy_machine_is_refused(profile, capsys, monkeypatch):
 
     times = itertools.cycle([1.0, 3.0])
     monkeypatch.setattr(cm, "_thread_peak", lambda: 1e10)
-    monkeypatch.setattr(cm, "_one_process", lambda *a: next(times))
+    monkeypatch.setattr(cm, "_one_process", lambda *a: (next(times), 1e-3))
     assert main(["check-model", "--plans", "dp2", "--profile", profile]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: the machine was too busy to calibrate: the fit run's CPU")
@@ -220,7 +220,8 @@ def test_the_fit_runs_bracket_every_plan_and_set_its_pace(profile, text_file, ca
 
     def one_process(mcfg, tcfg, plan):  # a linear cost: per sequence, per pass, per step
         t = 1e-3 * tcfg.global_batch + 2e-4 * plan.micro_batches + 3e-3
-        return (2.0 if mcfg.experts else 1.0) * t * (2.0 if slow["on"] else 1.0)
+        k = (2.0 if mcfg.experts else 1.0) * (2.0 if slow["on"] else 1.0)
+        return k * t, k * 3e-3  # and its per-step part, measured outside the passes
 
     def core_speed(*a):
         slow["on"] = True  # the last measurement before the grid: the plans' fit runs

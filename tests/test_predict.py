@@ -96,6 +96,32 @@ def test_fit_recovers_known_constants():
     assert fit.step_s == pytest.approx(step_s, rel=1e-9)
     with pytest.raises(ValueError, match="at least 3"):
         fit_from_runs(MODEL, runs[:2], _hw(2), 6e10)
+    # the per-step cost measured and given: only R and pass_s are fitted, to t - step_s;
+    # one run 10% slow moves R and pass_s, never the given step
+    noisy = [(gb, m, t * (1.1 if i == 1 else 1.0)) for i, (gb, m, t) in enumerate(runs)]
+    given = fit_from_runs(MODEL, runs, _hw(2), 6e10, step_s=step_s)
+    assert (given.eta, given.pass_s, given.step_s) == pytest.approx((0.5, pass_s, step_s))
+    assert fit_from_runs(MODEL, noisy, _hw(2), 6e10, step_s=step_s).step_s == step_s
+
+
+def test_the_fit_run_measures_its_step_outside_the_passes(tmp_path):
+    """One process, two micro-batches: every step's record says how much of its CPU
+    went outside the forward and backward passes (the batch, the optimizer step), a
+    positive part of the whole; the fit run returns the medians of both."""
+    import json
+
+    from paratrain.config import TrainConfig
+    from paratrain.plan import ParallelPlan
+    from paratrain.run.cpu_fit import fit_run_parts
+    from paratrain.run.loop import RunOptions, train
+
+    tcfg = TrainConfig(steps=3, global_batch=4, eval_every=0, eval_batches=1)
+    train(MODEL, tcfg, ParallelPlan(micro_batches=2),
+          RunOptions(run_dir=str(tmp_path), quiet=True, measure_peak=False))
+    recs = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert all(0 < r["outside_passes_cpu_s"] < r["cpu_s"] for r in recs)
+    t, fixed = fit_run_parts(MODEL, tcfg, 4, 2)
+    assert 0 < fixed < t
 
 
 @pytest.mark.parametrize("rows, x", [

@@ -30,9 +30,12 @@ def plan_model(plan: ParallelPlan, mcfg: ModelConfig) -> ModelConfig:
     return mcfg
 
 
-def _one_process(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan) -> float:
+def _one_process(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan
+                 ) -> tuple[float, float]:
     """Seconds per step of a one-process, one-thread run on a whole core: the median CPU
-    time of a step (after the first), so the other sessions' load does not leak in."""
+    time of a step (after the first), so the other sessions' load does not leak in, and
+    the median CPU of the step outside its forward and backward passes (the batch, the
+    loss sum and the optimizer step: what the fit's per-step cost is)."""
     import torch
 
     from paratrain.run.loop import RunOptions, train
@@ -43,10 +46,12 @@ def _one_process(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan) -> fl
         with tempfile.TemporaryDirectory() as d:
             train(mcfg, tcfg, plan, RunOptions(run_dir=d, quiet=True, measure_peak=False))
             with open(Path(d) / "metrics.jsonl") as f:
-                cpu = [json.loads(line)["cpu_s"] for line in f]
+                recs = [json.loads(line) for line in f]
     finally:
         torch.set_num_threads(old)
-    return statistics.median(cpu[1:] or cpu)
+    recs = recs[1:] or recs
+    return (statistics.median(r["cpu_s"] for r in recs),
+            statistics.median(r["outside_passes_cpu_s"] for r in recs))
 
 
 def _thread_peak(n: int = 512, reps: int = 8) -> float:
@@ -187,9 +192,16 @@ def _at_batch(tcfg: TrainConfig, gb: int) -> TrainConfig:
     return TrainConfig(**{**asdict(tcfg), "global_batch": gb})
 
 
+def fit_run_parts(mcfg: ModelConfig, tcfg: TrainConfig, gb: int, m: int
+                  ) -> tuple[float, float]:
+    """(CPU s per step, of which outside the passes) of the one-process fit run of batch
+    ``gb`` and ``m`` micro-batches."""
+    return _one_process(mcfg, _at_batch(tcfg, gb), ParallelPlan(micro_batches=m))
+
+
 def one_fit_run(mcfg: ModelConfig, tcfg: TrainConfig, gb: int, m: int) -> float:
     """CPU s per step of the one-process fit run of batch ``gb`` and ``m`` micro-batches."""
-    return _one_process(mcfg, _at_batch(tcfg, gb), ParallelPlan(micro_batches=m))
+    return fit_run_parts(mcfg, tcfg, gb, m)[0]
 
 
 def _fit_run_child(job: tuple[dict, dict, int, int]) -> float:
@@ -240,13 +252,15 @@ def measure_fit(mcfg: ModelConfig, tcfg: TrainConfig, profile: str | None, log=p
     again = "paratrain check-model"
     (peak,) = until_stable(lambda: [_thread_peak()], "one thread's matmul peak",
                            default_rule(), command=again)
-    runs = []
+    runs, fixed = [], []
     for gb, m in fit_runs(tcfg.global_batch):
-        (t,) = until_stable(lambda gb=gb, m=m: [one_fit_run(mcfg, tcfg, gb, m)],
-                            f"the fit run's CPU s per step (batch {gb}, {m} micro-batches)",
-                            default_rule(), command=again)
+        t, fx = until_stable(lambda gb=gb, m=m: list(fit_run_parts(mcfg, tcfg, gb, m)),
+                             f"the fit run's CPU s per step (batch {gb}, {m} micro-batches)",
+                             default_rule(), judged=lambda r: r[:1], command=again)
         runs.append((gb, m, t))
-        log(f"fit run: batch {gb}, micro-batches {m}: {t:.4f} CPU s/step")
+        fixed.append(fx)
+        log(f"fit run: batch {gb}, micro-batches {m}: {t:.4f} CPU s/step, {fx * 1e3:.2f} ms "
+            "of it outside the passes")
     moe = plan_model(ParallelPlan(dp=2, ep=2), mcfg)
     (moe_t,) = until_stable(lambda: [one_fit_run(moe, tcfg, tcfg.global_batch, 1)],
                             "the MoE fit run's CPU s per step", default_rule(), command=again)
@@ -266,13 +280,15 @@ def measure_fit(mcfg: ModelConfig, tcfg: TrainConfig, profile: str | None, log=p
         f"step, {bw / 1e9:.3f} GB/s (the profile's: {machine.hw.intra_alpha * 1e6:.1f} us, "
         f"{machine.hw.intra_bw / 1e9:.3f} GB/s)")
     return {"machine": machine, "peak": peak, "runs": runs, "coll": coll,
-            "core_speed": speed, "moe": (moe, tcfg, moe_t)}
+            "core_speed": speed, "moe": (moe, tcfg, moe_t), "fixed": fixed}
 
 
 def fitted_machine(mcfg: ModelConfig, inputs: dict, profile: str | None, save: bool = True,
                    log=print):
-    """The machine model from :func:`measure_fit`'s ``inputs``: eta and the fixed costs by
-    least squares over every one-process run (:func:`paratrain.predict.fit_from_runs`),
+    """The machine model from :func:`measure_fit`'s ``inputs``: the per-step cost as the
+    fit runs measured it (the median of their CPU outside the passes), eta and the
+    per-pass cost by least squares over every one-process run
+    (:func:`paratrain.predict.fit_from_runs`),
     the collectives' CPU, and their wall latency and bandwidth in place of the profile's
     (the profile's sweep times the median call on one hot buffer; a step pays the mean
     call on buffers its compute has just evicted). Saved beside the profile."""
@@ -280,7 +296,8 @@ def fitted_machine(mcfg: ModelConfig, inputs: dict, profile: str | None, save: b
 
     machine, peak = inputs["machine"], inputs["peak"]
     call_cpu, step_cpu, byte_cpu, alpha, bw = inputs["coll"]
-    fitted = fit_from_runs(mcfg, inputs["runs"], machine.hw, peak).replace(
+    step_s = statistics.median(inputs["fixed"]) if inputs.get("fixed") else None
+    fitted = fit_from_runs(mcfg, inputs["runs"], machine.hw, peak, step_s).replace(
         hw=machine.hw.replace(intra_alpha=alpha, intra_bw=bw), coll_call_cpu_s=call_cpu,
         coll_step_cpu_s=step_cpu, coll_byte_cpu_s=byte_cpu, wake_s=machine.wake_s,
         sync_cpu_s=machine.sync_cpu_s,

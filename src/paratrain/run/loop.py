@@ -275,9 +275,11 @@ def _train_step(engine, corpus: Corpus, mcfg: ModelConfig, tcfg: TrainConfig,
                         engine.dp_rank, engine.dp_size)
     loss_sum = 0.0
     at("forward/backward (tp, pp, cp, ep exchanges)", "mesh", step)
+    c_passes = time.process_time()
     for i, (xs, ys) in enumerate(zip(x.chunk(micro), y.chunk(micro), strict=True)):
         with meter.watch(first_last[0] and i == 0):
             loss_sum += engine.forward_backward(xs, ys, tokens)
+    c_passes = time.process_time() - c_passes
     at("gradient reduction", "dp")
     comm = engine.reduce_gradients()
     if first_last[1]:
@@ -297,9 +299,13 @@ def _train_step(engine, corpus: Corpus, mcfg: ModelConfig, tcfg: TrainConfig,
     tally.comms.append(comm.seconds)
     tally.payload, tally.wire = comm.payload_bytes, comm.wire_bytes
     tally.comm_steps.append(step_comm(engine, counted, comm))
+    cpu = time.process_time() - c0
     rec = {"step": step, "loss": loss, "lr": lr, "grad_norm": gnorm,
            "tokens_per_s": tokens / dt, "step_s": dt, "compute_s": dt - comm.seconds,
-           "comm_s": comm.seconds, "cpu_s": time.process_time() - c0,
+           "comm_s": comm.seconds, "cpu_s": cpu,
+           # the batch, gradient reduction, loss sum and optimizer step: the CPU fit's
+           # per-step cost, measured (paratrain.run.cpu_fit)
+           "outside_passes_cpu_s": cpu - c_passes,
            "comm_by_axis": {k: {"wire_bytes": b, "s": t}
                             for k, (b, t) in tally.comm_steps[-1].items()}}
     if moe is not None:
