@@ -87,8 +87,8 @@ def _ep_bytes(pred: Prediction, summary: dict, plan: ParallelPlan,
     if not steps:
         return out
     out["measured"] = steps[0]["ep_wire_bytes"]
-    if (mcfg is not None and tcfg is not None and plan.pp == 1 and not mcfg.capacity_factor
-            and plan.cp == 1 and not plan.sp):  # cp / sp: rank 0 routes one shard
+    if (mcfg is not None and tcfg is not None and not mcfg.capacity_factor
+            and _load_is_the_groups(plan)):
         sent, recv = ep_rows_from_load(plan, mcfg.experts, steps[0]["moe_load_by_rank"])
         out["given_routing"] = ep_wire_bytes(mcfg, plan, ELEMENT_BYTES[tcfg.dtype], sent,
                                              recv, plan.micro_batches * mcfg.moe_layers)
@@ -96,13 +96,20 @@ def _ep_bytes(pred: Prediction, summary: dict, plan: ParallelPlan,
     return out
 
 
+def _load_is_the_groups(plan: ParallelPlan) -> bool:
+    """Whether a step's recorded ``moe_load_by_rank`` is what the ep groups routed: pp = 1
+    (rank 0 holds every layer whose load the step records), cp = 1 and no SP (else each
+    rank routes one shard of its data rank's tokens)."""
+    return plan.pp == 1 and plan.cp == 1 and not plan.sp
+
+
 def routing_load(summary: dict, plan: ParallelPlan, mcfg: ModelConfig) -> float | None:
     """The busiest ep rank's expert rows over the mean in the run's first step, from its
     routing (:func:`paratrain.predict.axes.expert_load_from_routing`), where the
-    recorded load is what the ep groups routed (pp = 1, cp = 1, no SP, as for the
+    recorded load is what the ep groups routed (:func:`_load_is_the_groups`, as for the
     bytes: :func:`_ep_bytes`); None otherwise, or without ep."""
     steps = [s for s in summary.get("moe_steps") or [] if "moe_load_by_rank" in s]
-    if plan.ep == 1 or not steps or plan.pp > 1 or plan.cp > 1 or plan.sp:
+    if plan.ep == 1 or not steps or not _load_is_the_groups(plan):
         return None
     return expert_load_from_routing(plan, mcfg.experts, steps[0]["moe_load_by_rank"])
 

@@ -155,6 +155,7 @@ class _Run:
     batch: int  # sequences per dp rank and step
     lays: list[RankLayout]  # per pipeline stage, its rank (dp 0, cp 0, tp 0)
     load: float = 1.0  # the busiest ep rank's expert rows over the mean
+    routed: bool = False  # ``load`` from the run's routing, not a balanced router's
 
     @property
     def m(self) -> int:
@@ -173,10 +174,11 @@ def _run(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan, world: int,
     seqs_mb = tcfg.global_batch / plan.dp / plan.micro_batches
     tokens_mb = seqs_mb * mcfg.context / plan.cp
     lays = [L.rank_layout(mcfg, plan, L.rank_of(s, 0, 0, plan)) for s in range(plan.pp)]
-    load = expert_load(mcfg, plan, tokens_mb) if load is None or plan.ep == 1 else load
+    routed = load is not None and plan.ep > 1
     return _Run(mcfg, tcfg, plan, machine, one_host(machine.hw, world), world,
                 machine.eta * machine.thread_peak, ELEMENT_BYTES[tcfg.dtype], seqs_mb,
-                tokens_mb, int(tcfg.global_batch // plan.dp), lays, load)
+                tokens_mb, int(tcfg.global_batch // plan.dp), lays,
+                load if routed else expert_load(mcfg, plan, tokens_mb), routed)
 
 
 def _notes(r: _Run, share: float) -> list[str]:
@@ -188,11 +190,10 @@ def _notes(r: _Run, share: float) -> list[str]:
                      f"({machine.other_threads:.1f} runnable threads): each rank gets "
                      f"{share:.2f} of a core")
     if r.plan.ep > 1:
-        given = r.load != expert_load(r.mcfg, r.plan, r.tokens_mb)
         notes.append("EP all-to-all bytes expected under uniform routing (the measured "
                      "ones follow the router); the busiest rank's experts carry "
                      f"x{r.load:.3f} the mean load"
-                     + (" (the run's routing)" if given else " (a balanced router)"))
+                     + (" (the run's routing)" if r.routed else " (a balanced router)"))
     if not machine.fitted:
         notes.append("no CPU fit: eta from the profile, fixed costs 0 (run paratrain "
                      "check-model)")
