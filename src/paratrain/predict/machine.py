@@ -39,6 +39,9 @@ class MachineModel:
     coll_step_cpu_s: float = 0.0  # CPU a rank spends per collective step (gloo, loopback)
     coll_byte_cpu_s: float = 0.0  # CPU per byte it sends (0: priced as bytes / intra_bw)
     route_s: float = 0.0  # CPU per routed assignment of an MoE block, fwd + bwd (fit)
+    ring_byte_s: float = 0.0  # a CP ring rank's own CPU per byte it sends, its core's
+    # work beyond the FLOPs included: in line with its compute (fit)
+    ring_byte_cpu_s: float = 0.0  # gloo's progress thread's CPU per ring byte (fit)
     wake_s: float = 0.0  # a blocking sync on free cores, beyond its latency (sched.py)
     sync_cpu_s: float = 0.0  # the CPU a call costs after compute, beyond a tight loop's
     busy_sync_s: float = 0.0  # idle core time per sync when ranks outnumber cores
@@ -76,7 +79,8 @@ class MachineModel:
             thread_peak=self.thread_peak * pace, pass_s=self.pass_s / pace,
             step_s=self.step_s / pace, coll_call_cpu_s=self.coll_call_cpu_s / pace,
             coll_step_cpu_s=self.coll_step_cpu_s / pace,
-            coll_byte_cpu_s=self.coll_byte_cpu_s / pace, route_s=self.route_s / pace)
+            coll_byte_cpu_s=self.coll_byte_cpu_s / pace, route_s=self.route_s / pace,
+            ring_byte_s=self.ring_byte_s / pace, ring_byte_cpu_s=self.ring_byte_cpu_s / pace)
 
     def replace(self, **changes) -> MachineModel:
         d = {f: getattr(self, f) for f in self.__dataclass_fields__}
@@ -178,7 +182,9 @@ def load_machine(profile: str | Path | None = None) -> MachineModel | None:
                             coll_call_cpu_s=fit.get("coll_call_cpu_s", 0.0),
                             coll_step_cpu_s=fit.get("coll_step_cpu_s", 0.0),
                             coll_byte_cpu_s=fit.get("coll_byte_cpu_s", 0.0),
-                            route_s=fit.get("route_s", 0.0), fitted=True,
+                            route_s=fit.get("route_s", 0.0),
+                            ring_byte_s=fit.get("ring_byte_s", 0.0),
+                            ring_byte_cpu_s=fit.get("ring_byte_cpu_s", 0.0), fitted=True,
                             source=f"fit {fp} ({fit.get('fitted_on', '?')})", **sched)
     return MachineModel(hw, hw.eta, hw.peak_flops / hw.gpus_per_node,
                         source=f"profile {path} (eta {hw.eta:g}, no CPU fit: run "
@@ -194,6 +200,8 @@ def save_fit(m: MachineModel, profile: str | Path | None, fitted_on: str) -> Pat
                                 "coll_byte_cpu_s": m.coll_byte_cpu_s,
                                 "coll_alpha_s": m.hw.intra_alpha, "coll_bw": m.hw.intra_bw,
                                 "core_speed": m.core_speed, "route_s": m.route_s,
+                                "ring_byte_s": m.ring_byte_s,
+                                "ring_byte_cpu_s": m.ring_byte_cpu_s,
                                 "fitted_on": fitted_on,
                                 "date": time.strftime("%Y-%m-%d %H:%M:%S")}, indent=1))
     return path

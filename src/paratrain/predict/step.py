@@ -215,6 +215,8 @@ def _stage_terms(r: _Run) -> tuple[list[tuple[float, ...]], list[float]]:
     for lay in r.lays:
         f, fx = _stage_mb_time(mcfg, plan, lay, r.tokens_mb, r.rate, r.machine.pass_s,
                                r.machine.route_s)
+        if _ring_fitted(r):  # the ring core's own work beyond its FLOPs, per micro-batch
+            fx += _cp_wire(r, lay) / r.m * r.machine.ring_byte_s
         tp_t = sum(k * coll.time_s(op, "ring", plan.tp, n, a, bw)
                    for op, n, k in _tp_calls(mcfg, plan, lay, r.act, r.seqs_mb)) / r.m
         wait = moe_blocks(mcfg, lay) * expert_wait_flops(mcfg, plan, r.tokens_mb, r.load)
@@ -284,12 +286,30 @@ def _rank_cpu(r: _Run, lay: RankLayout, stage: tuple[float, ...], slow: float) -
     c = (m * (stage[0] + stage[1]) + machine.step_s) * slow
     c += _comm_cpu(machine, plan.tp, _tp_calls(mcfg, plan, lay, r.act, r.seqs_mb))
     c += _comm_cpu(machine, plan.pp, _pp_calls(plan, lay, r.act))
-    c += _comm_cpu(machine, plan.cp, cp_calls(plan, _cp_wire(r, lay), lay.blocks))
+    c += _cp_cpu(r, lay)
     c += _comm_cpu(machine, plan.ep, ep_calls(plan, _ep_wire(r, lay),
                                               m * moe_blocks(mcfg, lay)))
     c += sum(_comm_cpu(machine, p, cs) for p, cs in _dp_groups(mcfg, plan, r.tcfg, lay.rank))
     c += _comm_cpu(machine, r.world, [("all_reduce", 8.0, 2)])  # loss, grad norm
     return c
+
+
+def _ring_fitted(r: _Run) -> bool:
+    """Whether the fit measured the CP ring's CPU per byte (``check-model``'s)."""
+    m = r.machine
+    return r.plan.cp > 1 and r.plan.cp_algorithm == "ring" and bool(m.ring_byte_s
+                                                                    or m.ring_byte_cpu_s)
+
+
+def _cp_cpu(r: _Run, lay: RankLayout) -> float:
+    """CPU seconds a rank spends on its CP exchange per step beyond its own thread's
+    (which :func:`_stage_terms` puts in line with its compute): with the ring's CPU per
+    byte fitted, gloo's progress thread's share of the ring's bytes; otherwise, and for
+    all-to-all, its transfers as calls (:func:`paratrain.predict.axes.cp_calls`)."""
+    wire = _cp_wire(r, lay)
+    if _ring_fitted(r):
+        return wire * r.machine.ring_byte_cpu_s
+    return _comm_cpu(r.machine, r.plan.cp, cp_calls(r.plan, wire, lay.blocks))
 
 
 def _syncs(r: _Run, slow: int, dp_s: float, dp_exposed: float) -> float:

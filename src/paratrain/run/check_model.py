@@ -204,7 +204,9 @@ def run_grid(names: list[str] | None = None, *, profile: str | None = None, step
                         "thread_peak_flops": machine.thread_peak, "alpha_s": machine.hw.intra_alpha,
                         "bw_bytes_per_s": machine.hw.intra_bw, "wake_s": machine.wake_s,
                         "sync_cpu_s": machine.sync_cpu_s,
-                        "busy_sync_s": machine.busy_sync_s, "sched": machine.sched,
+                        "busy_sync_s": machine.busy_sync_s, "route_s": machine.route_s,
+                        "ring_byte_s": machine.ring_byte_s,
+                        "ring_byte_cpu_s": machine.ring_byte_cpu_s, "sched": machine.sched,
                         "source": machine.source},
             "model": asdict(mcfg), "global_batch": global_batch, "steps": steps}
 
@@ -274,7 +276,9 @@ def format_table(result: dict) -> str:
         f"{m['step_s'] * 1e3:.2f} ms, gloo alpha {m['alpha_s'] * 1e6:.0f} us, "
         f"{m['bw_bytes_per_s'] / 1e9:.2f} GB/s, sync wake {m.get('wake_s', 0) * 1e6:.0f} us "
         f"and {m.get('sync_cpu_s', 0) * 1e6:.0f} us CPU, "
-        f"oversubscribed sync {m.get('busy_sync_s', 0) * 1e6:.0f} us",
+        f"oversubscribed sync {m.get('busy_sync_s', 0) * 1e6:.0f} us, CP ring "
+        f"{m.get('ring_byte_s', 0) * 1e9:.2f} + {m.get('ring_byte_cpu_s', 0) * 1e9:.2f} ns "
+        "per byte (own thread + gloo's)",
         f"{'plan':<27} {'procs':>5} {'others':>6} {'core':>5} {'pace':>5} {'predicted s':>11} "
         f"{'measured s':>10} {'error':>7} {'CPU s r0':>14} {'error':>7} {'wire B/rank':>12} "
         f"{'wire':>9} {'states':>9}",
