@@ -148,7 +148,9 @@ def test_context_parallel_divides_activation_memory(spawned):
 def _ring_worker(rank: int, world: int, T: int, kv_heads: int, collectives: str) -> dict:
     import torch
 
+    from paratrain.cost.cp_bytes import ring_hops
     from paratrain.parallel.context import CPComm, RingAttention
+    from paratrain.plan import ParallelPlan
 
     torch.manual_seed(0)
     B, H, E = 2, 4, 8
@@ -175,6 +177,7 @@ def _ring_worker(rank: int, world: int, T: int, kv_heads: int, collectives: str)
             "dv": (vl.grad - vr.grad[:, :, pos]).abs().max().item()}
     n_kv = B * kv_heads * (T // world) * E * 8 * 2
     diff["bytes_ok"] = comm.wire_bytes == (world - 1) * n_kv + (world - 1) * n_kv + world * n_kv
+    diff["hops_ok"] = comm.calls == ring_hops(ParallelPlan(cp=world))  # what the model counts
     return diff
 
 
@@ -184,7 +187,7 @@ def _ring_worker(rank: int, world: int, T: int, kv_heads: int, collectives: str)
 def test_ring_attention_matches_causal_attention(world, kv_heads, collectives):
     """Native isend/irecv and paratrain's executor (a ring-shift schedule) alike."""
     for d in spawn(_ring_worker, world, 24, kv_heads, collectives, timeout_s=120):
-        assert d.pop("bytes_ok")
+        assert d.pop("bytes_ok") and d.pop("hops_ok")
         for name, err in d.items():
             assert err < 1e-12, (name, err)
 

@@ -98,10 +98,11 @@ def test_pipeline_fill_stretches_only_with_the_ranks_that_run():
 
 
 @pytest.mark.parametrize(("plan", "per_mb", "loss"), [
-    (ParallelPlan(cp=2), 2 * (3 * 1 + 2) / 2, 2),  # ring: 3(cp-1) + cp receives a block
+    (ParallelPlan(cp=2), 2 * (2 * 1 + 2) / 2, 2),  # ring: 2(cp-1) + cp receives a block
+    (ParallelPlan(cp=2, recompute="full"), 2 * (3 * 1 + 2) / 2, 2),  # the forward's again
     # 8 calls a block in 4 back-to-back groups (q, k, v; the output; both directions)
     (ParallelPlan(cp=2, cp_algorithm="all-to-all"), 2 * 4, 2),
-    (ParallelPlan(cp=2, tp=2), 2 * 5 / 2 + 2 * 4 + 2 + 3, 6),  # TP: 2-round all-reduces
+    (ParallelPlan(cp=2, tp=2), 2 * 4 / 2 + 2 * 4 + 2 + 3, 6),  # TP: 2-round all-reduces
 ])
 def test_cp_syncs_by_hand(plan, per_mb, loss):
     """In calibrated syncs (a 2-round all-reduce): a receive is 1/2; the dp x cp

@@ -69,6 +69,17 @@ A2A_EXCHANGES = 4  # all-to-all CP, per block and direction: q, k, v and the out
 A2A_BURSTS = 2
 
 
+def ring_hops(plan: ParallelPlan) -> int:
+    """Point-to-point hops (each a send and a receive waited for) a ring cp rank makes per
+    block and micro-batch: K/V cp - 1 hops forward, again under recompute (selective or
+    full: the core is rerun), cp - 1 more in backward and the gradients cp (the last one
+    home), as :func:`cp_bytes_per_sequence_layer` and :func:`cp_wire_bytes` count bytes."""
+    N = plan.cp
+    if N == 1:
+        return 0
+    return (N - 1) * (2 if plan.recompute == "none" else 3) + N
+
+
 def cp_bytes_per_sequence_layer(mcfg: ModelConfig, plan: ParallelPlan, elem: int
                                 ) -> tuple[int, int]:
     """(forward, backward) bytes one cp rank sends per layer and per sequence:

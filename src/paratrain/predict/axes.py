@@ -16,7 +16,7 @@ from paratrain.config import ModelConfig
 from paratrain.cost import collectives as coll
 from paratrain.cost import layout as L
 from paratrain.cost import moe_layout
-from paratrain.cost.cp_bytes import A2A_EXCHANGES
+from paratrain.cost.cp_bytes import A2A_EXCHANGES, ring_hops
 from paratrain.cost.hardware import Hardware
 from paratrain.cost.shapes import as_shape
 from paratrain.plan import ParallelPlan
@@ -99,14 +99,15 @@ def cp_block_s(mcfg: ModelConfig, plan: ParallelPlan, seqs_mb: float, tokens_mb:
 
 def cp_calls(plan: ParallelPlan, wire: float, blocks: int) -> list[tuple[str, float, int]]:
     """The CP transfers of a step, for their CPU cost: per block and micro-batch, the ring
-    sends K/V out and back and the gradients home (3(cp-1) + cp point-to-point hops);
+    sends K/V out and back and the gradients home (:func:`paratrain.cost.cp_bytes.
+    ring_hops` point-to-point hops);
     all-to-all is 2 x :data:`paratrain.cost.cp_bytes.A2A_EXCHANGES` collective calls
     (q, k, v and the output, forward and backward), each of its payload's share."""
     if plan.cp == 1 or not wire:
         return []
     m = plan.micro_batches * blocks
     if plan.cp_algorithm == "ring":
-        n = m * (3 * (plan.cp - 1) + plan.cp)
+        n = m * ring_hops(plan)
         return [("p2p", wire / n, n)]
     n = m * 2 * A2A_EXCHANGES  # each call's payload: what it sends over the share it sends
     return [("all_to_all", wire / n / coll.wire_bytes("all_to_all", "naive", plan.cp, 1.0), n)]

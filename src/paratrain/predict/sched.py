@@ -44,7 +44,7 @@ from __future__ import annotations
 
 from paratrain.config import ModelConfig
 from paratrain.cost import collectives as coll
-from paratrain.cost.cp_bytes import A2A_BURSTS
+from paratrain.cost.cp_bytes import A2A_BURSTS, ring_hops
 from paratrain.cost.layout import RankLayout
 from paratrain.cost.ranks import virtual_stages
 from paratrain.plan import ParallelPlan
@@ -112,14 +112,14 @@ def stage_syncs(mcfg: ModelConfig, plan: ParallelPlan, lay: RankLayout,
                 tp_calls: list[tuple[str, float, int]]) -> float:
     """Blocking syncs (:func:`sync_units`) of one micro-batch's forward + backward on a
     rank of ``lay``'s stage: its TP collectives (``tp_calls``, per step,
-    :func:`paratrain.predict.calls.tp_calls`), the CP exchange per block (ring: 3(cp - 1)
-    + cp receives, as :func:`paratrain.predict.axes.cp_calls` counts them; all-to-all:
+    :func:`paratrain.predict.calls.tp_calls`), the CP exchange per block (ring: its receives,
+    :func:`paratrain.cost.cp_bytes.ring_hops`; all-to-all:
     its 8 calls in 4 back-to-back groups) and per MoE block the 4 all-to-alls and the
     split sizes' exchange in 4 groups (6 with full recompute, :func:`paratrain.
     predict.axes.ep_bursts`)."""
     n = sum(sync_units(op, plan.tp, k) for op, _, k in tp_calls) / plan.micro_batches
     if plan.cp > 1:
-        n += lay.blocks * (sync_units("p2p", 2, 3 * (plan.cp - 1) + plan.cp)
+        n += lay.blocks * (sync_units("p2p", 2, ring_hops(plan))
                            if plan.cp_algorithm == "ring" else
                            sync_units("all_to_all", plan.cp, 2 * A2A_BURSTS))
     if plan.ep > 1:
