@@ -158,33 +158,51 @@ def test_the_fit_saves_and_loads_the_collectives_it_measured(profile):
     fitted = base.replace(hw=base.hw.replace(intra_alpha=7e-4, intra_bw=1.5e9), eta=0.5,
                           thread_peak=1e11, pass_s=1e-3, step_s=2e-3, coll_call_cpu_s=3e-4,
                           coll_step_cpu_s=2e-4, coll_byte_cpu_s=5e-10, core_speed=0.8,
-                          route_s=3e-6, ring_byte_s=7e-10, ring_byte_cpu_s=9e-10, fitted=True)
+                          route_s=3e-6, ring_hop_s=1e-4, ring_byte_s=7e-10, ring_hop_cpu_s=2e-4,
+                          ring_byte_cpu_s=9e-10, fitted=True)
     save_fit(fitted, profile, "test")
     got = load_machine(profile)
-    assert (got.ring_byte_s, got.ring_byte_cpu_s) == (7e-10, 9e-10)
+    assert (got.ring_hop_s, got.ring_byte_s, got.ring_hop_cpu_s, got.ring_byte_cpu_s) == (
+        1e-4, 7e-10, 2e-4, 9e-10)
     assert (got.hw.intra_alpha, got.hw.intra_bw) == (7e-4, 1.5e9)
     assert (got.coll_call_cpu_s, got.coll_step_cpu_s, got.coll_byte_cpu_s) == (3e-4, 2e-4, 5e-10)
     assert (got.core_speed, got.route_s, got.fitted) == (0.8, 3e-6, True)
     assert "intra_alpha = 1e-4" in Path(profile).read_text()
 
 
-def test_ring_byte_costs_split_the_ring_calls_cpu_beyond_its_flops():
-    """A cp 2 ring call's CPU beyond half the plain core's on the whole sequence, per
-    byte it sent: the calling thread's part (in line with the compute) and gloo's
-    thread's (the rest of the process), each clamped at 0; no bytes, no cost."""
-    from paratrain.run.ring_fit import ring_byte_costs
+def test_ring_costs_take_the_ring_calls_cpu_beyond_its_flops_apart():
+    """A cp 2 ring call's CPU beyond half the plain core's on the whole sequence, at two
+    batches: a line per hop and per byte, for the calling thread (in line with the
+    compute) and for gloo's thread (the rest of the process), exactly; each coefficient
+    stays >= 0 (a negative intercept goes all per byte, a negative slope all per hop)."""
+    from paratrain.run.ring_fit import HOPS, ring_costs
 
-    own, progress = ring_byte_costs(13e-3, 9.5e-3, 10e-3, 4e6)
-    assert (own, progress) == pytest.approx((4.5e-3 / 4e6, 3.5e-3 / 4e6), rel=1e-12)
-    assert ring_byte_costs(13e-3, 4e-3, 10e-3, 4e6)[0] == 0.0
-    assert ring_byte_costs(13e-3, 9.5e-3, 10e-3, 0.0) == (0.0, 0.0)
+    assert HOPS == 4  # a cp 2 rank, no recompute: 1 K/V hop forward, 1 back, 2 gradients
+
+    def call(sent, own_hop, own_byte, gloo_hop, gloo_byte, plain):
+        own = HOPS * own_hop + sent * own_byte
+        return [plain / 2 + own + HOPS * gloo_hop + sent * gloo_byte, plain / 2 + own,
+                plain, sent]
+
+    k = (2e-4, 5e-10, 3e-4, 7e-10)
+    times = call(4e6, *k, 10e-3) + call(2e6, *k, 5e-3)
+    assert ring_costs(times) == pytest.approx(k, rel=1e-9)
+    steep = call(4e6, 0, 1e-9, 0, 1e-9, 10e-3) + call(2e6, 0, 1e-9, 0, 1e-9, 5e-3)
+    steep[5] -= 1e-3  # the smaller call's own part below the line through the origin
+    own_hop, own_byte = ring_costs(steep)[:2]
+    assert own_hop == 0.0 and own_byte == pytest.approx((4e-3 + 1e-3) / 6e6, rel=1e-9)
+    flat = call(4e6, 1e-3, 0, 1e-3, 0, 10e-3) + call(2e6, 2e-3, 0, 1e-3, 0, 5e-3)
+    assert ring_costs(flat)[:2] == pytest.approx((1.5e-3, 0.0), rel=1e-9)
+    assert ring_costs(call(4e6, *k, 10e-3))[:2] == (0.0, pytest.approx(
+        (HOPS * 2e-4 + 4e6 * 5e-10) / 4e6, rel=1e-9))  # one batch: all per byte
 
 
-def test_the_fitted_ring_cost_prices_cp_ring_by_its_bytes(profile):
-    """With the ring's CPU per byte fitted, a cp2 ring rank's own part joins its fixed
-    cost per micro-batch (its critical path and its CPU) and gloo's part its CPU, in place
-    of the hops priced as point-to-point sends; all-to-all CP is untouched."""
+def test_the_fitted_ring_cost_prices_cp_ring_by_hops_and_bytes(profile):
+    """With the ring's CPU fitted, a cp2 ring rank's own part joins its fixed cost per
+    micro-batch (its critical path and its CPU) and gloo's part its CPU, in place of the
+    hops priced as point-to-point sends; all-to-all CP is untouched."""
     from paratrain.config import TrainConfig
+    from paratrain.cost.cp_bytes import ring_hops
     from paratrain.plan import ParallelPlan
     from paratrain.predict import load_machine, predict
     from paratrain.predict.axes import cp_calls
@@ -196,14 +214,17 @@ def test_the_fitted_ring_cost_prices_cp_ring_by_its_bytes(profile):
     tcfg = TrainConfig(global_batch=16)
     ring, a2a = ParallelPlan(cp=2, micro_batches=2), ParallelPlan(cp=2, cp_algorithm="all-to-all")
     before = predict(GRID_MODEL, tcfg, ring, 2, base)
-    fitted = base.replace(ring_byte_s=1e-9, ring_byte_cpu_s=2e-9)
+    fitted = base.replace(ring_hop_s=1e-4, ring_byte_s=1e-9, ring_hop_cpu_s=3e-4,
+                          ring_byte_cpu_s=2e-9)
     after = predict(GRID_MODEL, tcfg, ring, 2, fitted)
-    wire = before.cp_wire_bytes
-    assert wire == after.cp_wire_bytes > 0
-    hops = comm_cpu(base, 2, cp_calls(ring, wire, GRID_MODEL.n_layers))
-    assert after.cpu_rank0_s - before.cpu_rank0_s == pytest.approx(wire * 3e-9 - hops,
-                                                                   rel=1e-9)
-    assert after.overhead_s - before.overhead_s == pytest.approx(wire * 1e-9, rel=1e-9)
+    wire, L = before.cp_wire_bytes, GRID_MODEL.n_layers
+    hops = 2 * L * ring_hops(ring)
+    assert wire == after.cp_wire_bytes > 0 and hops == 2 * L * 4
+    sends = comm_cpu(base, 2, cp_calls(ring, wire, L))
+    assert after.cpu_rank0_s - before.cpu_rank0_s == pytest.approx(
+        hops * 4e-4 + wire * 3e-9 - sends, rel=1e-9)
+    assert after.overhead_s - before.overhead_s == pytest.approx(hops * 1e-4 + wire * 1e-9,
+                                                                 rel=1e-9)
     assert predict(GRID_MODEL, tcfg, a2a, 2, fitted) == predict(GRID_MODEL, tcfg, a2a, 2, base)
 
 
@@ -244,8 +265,10 @@ def test_each_plan_is_priced_at_the_pace_of_the_fit_runs_around_it(profile):
     assert (slow.hw, slow.wake_s, slow.busy_sync_s) == (machine.hw, machine.wake_s,
                                                         machine.busy_sync_s)
     assert slow.route_s == 2 * machine.route_s and slow.coll_byte_cpu_s == 2e-9
-    ringy = machine.replace(ring_byte_s=1e-9, ring_byte_cpu_s=3e-9).at_pace(0.5)
-    assert (ringy.ring_byte_s, ringy.ring_byte_cpu_s) == (2e-9, 6e-9)
+    ringy = machine.replace(ring_hop_s=1e-4, ring_byte_s=1e-9, ring_hop_cpu_s=2e-4,
+                            ring_byte_cpu_s=3e-9).at_pace(0.5)
+    assert (ringy.ring_hop_s, ringy.ring_byte_s, ringy.ring_hop_cpu_s,
+            ringy.ring_byte_cpu_s) == (2e-4, 2e-9, 4e-4, 6e-9)
 
 
 @pytest.mark.slow

@@ -17,6 +17,7 @@ from paratrain.bench.calibrate import (  # noqa: F401 - the profile's files, re-
 )
 from paratrain.cost.hardware import Hardware, load_hardware
 
+RING_FIELDS = ("ring_hop_s", "ring_byte_s", "ring_hop_cpu_s", "ring_byte_cpu_s")
 FIT_NAME = "cpu_fit.json"  # written next to the profile by `paratrain check-model`
 
 
@@ -39,9 +40,11 @@ class MachineModel:
     coll_step_cpu_s: float = 0.0  # CPU a rank spends per collective step (gloo, loopback)
     coll_byte_cpu_s: float = 0.0  # CPU per byte it sends (0: priced as bytes / intra_bw)
     route_s: float = 0.0  # CPU per routed assignment of an MoE block, fwd + bwd (fit)
-    ring_byte_s: float = 0.0  # a CP ring rank's own CPU per byte it sends, its core's
-    # work beyond the FLOPs included: in line with its compute (fit)
-    ring_byte_cpu_s: float = 0.0  # gloo's progress thread's CPU per ring byte (fit)
+    ring_hop_s: float = 0.0  # a CP ring rank's own CPU per hop and per byte it sends,
+    ring_byte_s: float = 0.0  # its core's work beyond the FLOPs included: in line with
+    # its compute (fit, run/ring_fit.py)
+    ring_hop_cpu_s: float = 0.0  # gloo's progress thread's CPU per ring hop and byte
+    ring_byte_cpu_s: float = 0.0
     wake_s: float = 0.0  # a blocking sync on free cores, beyond its latency (sched.py)
     sync_cpu_s: float = 0.0  # the CPU a call costs after compute, beyond a tight loop's
     busy_sync_s: float = 0.0  # idle core time per sync when ranks outnumber cores
@@ -80,7 +83,7 @@ class MachineModel:
             step_s=self.step_s / pace, coll_call_cpu_s=self.coll_call_cpu_s / pace,
             coll_step_cpu_s=self.coll_step_cpu_s / pace,
             coll_byte_cpu_s=self.coll_byte_cpu_s / pace, route_s=self.route_s / pace,
-            ring_byte_s=self.ring_byte_s / pace, ring_byte_cpu_s=self.ring_byte_cpu_s / pace)
+            **{k: getattr(self, k) / pace for k in RING_FIELDS})
 
     def replace(self, **changes) -> MachineModel:
         d = {f: getattr(self, f) for f in self.__dataclass_fields__}
@@ -183,8 +186,7 @@ def load_machine(profile: str | Path | None = None) -> MachineModel | None:
                             coll_step_cpu_s=fit.get("coll_step_cpu_s", 0.0),
                             coll_byte_cpu_s=fit.get("coll_byte_cpu_s", 0.0),
                             route_s=fit.get("route_s", 0.0),
-                            ring_byte_s=fit.get("ring_byte_s", 0.0),
-                            ring_byte_cpu_s=fit.get("ring_byte_cpu_s", 0.0), fitted=True,
+                            **{k: fit.get(k, 0.0) for k in RING_FIELDS}, fitted=True,
                             source=f"fit {fp} ({fit.get('fitted_on', '?')})", **sched)
     return MachineModel(hw, hw.eta, hw.peak_flops / hw.gpus_per_node,
                         source=f"profile {path} (eta {hw.eta:g}, no CPU fit: run "
@@ -200,8 +202,7 @@ def save_fit(m: MachineModel, profile: str | Path | None, fitted_on: str) -> Pat
                                 "coll_byte_cpu_s": m.coll_byte_cpu_s,
                                 "coll_alpha_s": m.hw.intra_alpha, "coll_bw": m.hw.intra_bw,
                                 "core_speed": m.core_speed, "route_s": m.route_s,
-                                "ring_byte_s": m.ring_byte_s,
-                                "ring_byte_cpu_s": m.ring_byte_cpu_s,
+                                **{k: getattr(m, k) for k in RING_FIELDS},
                                 "fitted_on": fitted_on,
                                 "date": time.strftime("%Y-%m-%d %H:%M:%S")}, indent=1))
     return path

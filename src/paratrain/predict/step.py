@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field
 from paratrain.config import ModelConfig, TrainConfig
 from paratrain.cost import collectives as coll
 from paratrain.cost import layout as L
+from paratrain.cost.cp_bytes import ring_hops
 from paratrain.cost.hardware import Hardware
 from paratrain.cost.layout import ELEMENT_BYTES, RankLayout
 from paratrain.cost.ranks import virtual_stages
@@ -40,7 +41,7 @@ from paratrain.predict.calls import pp_hop as _pp_hop
 from paratrain.predict.calls import pp_messages as _pp_messages
 from paratrain.predict.calls import tp_block_calls as _tp_block_calls
 from paratrain.predict.calls import tp_calls as _tp_calls
-from paratrain.predict.machine import MachineModel
+from paratrain.predict.machine import RING_FIELDS, MachineModel
 from paratrain.predict.pipeline import pipeline_bubble, pipeline_path, slowest_stage
 
 
@@ -216,7 +217,7 @@ def _stage_terms(r: _Run) -> tuple[list[tuple[float, ...]], list[float]]:
         f, fx = _stage_mb_time(mcfg, plan, lay, r.tokens_mb, r.rate, r.machine.pass_s,
                                r.machine.route_s)
         if _ring_fitted(r):  # the ring core's own work beyond its FLOPs, per micro-batch
-            fx += _cp_wire(r, lay) / r.m * r.machine.ring_byte_s
+            fx += _ring_cpu(r, lay, r.machine.ring_hop_s, r.machine.ring_byte_s) / r.m
         tp_t = sum(k * coll.time_s(op, "ring", plan.tp, n, a, bw)
                    for op, n, k in _tp_calls(mcfg, plan, lay, r.act, r.seqs_mb)) / r.m
         wait = moe_blocks(mcfg, lay) * expert_wait_flops(mcfg, plan, r.tokens_mb, r.load)
@@ -295,21 +296,27 @@ def _rank_cpu(r: _Run, lay: RankLayout, stage: tuple[float, ...], slow: float) -
 
 
 def _ring_fitted(r: _Run) -> bool:
-    """Whether the fit measured the CP ring's CPU per byte (``check-model``'s)."""
+    """Whether the fit measured the CP ring's CPU (``check-model``'s, run/ring_fit.py)."""
     m = r.machine
-    return r.plan.cp > 1 and r.plan.cp_algorithm == "ring" and bool(m.ring_byte_s
-                                                                    or m.ring_byte_cpu_s)
+    return r.plan.cp > 1 and r.plan.cp_algorithm == "ring" and any(
+        getattr(m, k) for k in RING_FIELDS)
+
+
+def _ring_cpu(r: _Run, lay: RankLayout, hop_s: float, byte_s: float) -> float:
+    """CPU seconds of ``lay``'s stage rank's CP ring per step at ``hop_s`` per hop and
+    ``byte_s`` per byte it sends (:func:`paratrain.cost.cp_bytes.ring_hops` a block and
+    micro-batch)."""
+    return r.m * lay.blocks * ring_hops(r.plan) * hop_s + _cp_wire(r, lay) * byte_s
 
 
 def _cp_cpu(r: _Run, lay: RankLayout) -> float:
     """CPU seconds a rank spends on its CP exchange per step beyond its own thread's
-    (which :func:`_stage_terms` puts in line with its compute): with the ring's CPU per
-    byte fitted, gloo's progress thread's share of the ring's bytes; otherwise, and for
-    all-to-all, its transfers as calls (:func:`paratrain.predict.axes.cp_calls`)."""
-    wire = _cp_wire(r, lay)
+    (which :func:`_stage_terms` puts in line with its compute): with the ring's CPU
+    fitted, gloo's progress thread's; otherwise, and for all-to-all, its transfers as
+    calls (:func:`paratrain.predict.axes.cp_calls`)."""
     if _ring_fitted(r):
-        return wire * r.machine.ring_byte_cpu_s
-    return _comm_cpu(r.machine, r.plan.cp, cp_calls(r.plan, wire, lay.blocks))
+        return _ring_cpu(r, lay, r.machine.ring_hop_cpu_s, r.machine.ring_byte_cpu_s)
+    return _comm_cpu(r.machine, r.plan.cp, cp_calls(r.plan, _cp_wire(r, lay), lay.blocks))
 
 
 def _syncs(r: _Run, slow: int, dp_s: float, dp_exposed: float) -> float:

@@ -50,6 +50,7 @@ from pathlib import Path
 
 from paratrain.config import ModelConfig, TrainConfig
 from paratrain.plan import ParallelPlan
+from paratrain.predict.machine import RING_FIELDS
 from paratrain.run.cpu_fit import (  # noqa: F401 - the fit's names, re-exported
     COLL_LARGE,
     COLL_SMALL,
@@ -205,9 +206,8 @@ def run_grid(names: list[str] | None = None, *, profile: str | None = None, step
                         "bw_bytes_per_s": machine.hw.intra_bw, "wake_s": machine.wake_s,
                         "sync_cpu_s": machine.sync_cpu_s,
                         "busy_sync_s": machine.busy_sync_s, "route_s": machine.route_s,
-                        "ring_byte_s": machine.ring_byte_s,
-                        "ring_byte_cpu_s": machine.ring_byte_cpu_s, "sched": machine.sched,
-                        "source": machine.source},
+                        **{k: getattr(machine, k) for k in RING_FIELDS},
+                        "sched": machine.sched, "source": machine.source},
             "model": asdict(mcfg), "global_batch": global_batch, "steps": steps}
 
 
@@ -277,8 +277,9 @@ def format_table(result: dict) -> str:
         f"{m['bw_bytes_per_s'] / 1e9:.2f} GB/s, sync wake {m.get('wake_s', 0) * 1e6:.0f} us "
         f"and {m.get('sync_cpu_s', 0) * 1e6:.0f} us CPU, "
         f"oversubscribed sync {m.get('busy_sync_s', 0) * 1e6:.0f} us, CP ring "
-        f"{m.get('ring_byte_s', 0) * 1e9:.2f} + {m.get('ring_byte_cpu_s', 0) * 1e9:.2f} ns "
-        "per byte (own thread + gloo's)",
+        f"{m.get('ring_hop_s', 0) * 1e6:.0f} + {m.get('ring_hop_cpu_s', 0) * 1e6:.0f} us per "
+        f"hop and {m.get('ring_byte_s', 0) * 1e9:.2f} + {m.get('ring_byte_cpu_s', 0) * 1e9:.2f} "
+        "ns per byte (own thread + gloo's)",
         f"{'plan':<27} {'procs':>5} {'others':>6} {'core':>5} {'pace':>5} {'predicted s':>11} "
         f"{'measured s':>10} {'error':>7} {'CPU s r0':>14} {'error':>7} {'wire B/rank':>12} "
         f"{'wire':>9} {'states':>9}",

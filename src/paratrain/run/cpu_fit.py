@@ -247,7 +247,7 @@ def measure_fit(mcfg: ModelConfig, tcfg: TrainConfig, profile: str | None, log=p
     are repeated until stable, or refused on a busy machine
     (:func:`paratrain.bench.calibrate.until_stable`)."""
     from paratrain.bench.calibrate import default_rule, until_stable
-    from paratrain.run.ring_fit import ring_byte_costs, ring_core_times
+    from paratrain.run.ring_fit import ring_core_times, ring_costs
 
     machine = profile_machine(profile)
     again = "paratrain check-model"
@@ -266,14 +266,16 @@ def measure_fit(mcfg: ModelConfig, tcfg: TrainConfig, profile: str | None, log=p
     (moe_t,) = until_stable(lambda: [one_fit_run(moe, tcfg, tcfg.global_batch, 1)],
                             "the MoE fit run's CPU s per step", default_rule(), command=again)
     log(f"MoE fit run (the EP plans' model, one process): {moe_t:.4f} CPU s/step")
-    ring = until_stable(lambda: list(ring_core_times(mcfg, tcfg)),
+    ring = until_stable(lambda: ring_core_times(mcfg, tcfg),
                         "the CPU of a ring-attention call on 2 ranks", default_rule(),
-                        judged=lambda r: [r[0], r[2]], command=again)
-    own, progress = ring_byte_costs(*ring)
-    log(f"ring attention on 2 ranks: {ring[0] * 1e3:.2f} ms CPU per call ({ring[1] * 1e3:.2f} "
-        f"on its thread), the plain core on the whole sequence {ring[2] * 1e3:.2f} ms: "
-        f"{own * 1e9:.2f} ns per byte sent on the rank's thread beyond its FLOPs, "
-        f"{progress * 1e9:.2f} on gloo's")
+                        judged=lambda r: [x for i, x in enumerate(r) if i % 4 in (0, 2)],
+                        command=again)
+    own_hop, own_byte, gloo_hop, gloo_byte = ring_costs(ring)
+    log(f"ring attention on 2 ranks, batch {tcfg.global_batch}: {ring[0] * 1e3:.2f} ms CPU "
+        f"per call ({ring[1] * 1e3:.2f} on its thread), the plain core on the whole sequence "
+        f"{ring[2] * 1e3:.2f} ms; beyond its FLOPs {own_hop * 1e6:.0f} us per hop and "
+        f"{own_byte * 1e9:.2f} ns per byte sent on the rank's thread, {gloo_hop * 1e6:.0f} "
+        f"us and {gloo_byte * 1e9:.2f} ns on gloo's")
     gb, m, alone = runs[0]
     (speed,) = until_stable(lambda: [busy_core_speed(mcfg, tcfg, gb, m, alone,
                                                      machine.cores)],
@@ -302,7 +304,8 @@ def fitted_machine(mcfg: ModelConfig, inputs: dict, profile: str | None, save: b
     (the profile's sweep times the median call on one hot buffer; a step pays the mean
     call on buffers its compute has just evicted). Saved beside the profile."""
     from paratrain.predict import fit_from_runs, save_fit
-    from paratrain.run.ring_fit import ring_byte_costs
+    from paratrain.predict.machine import RING_FIELDS
+    from paratrain.run.ring_fit import ring_costs
 
     machine, peak = inputs["machine"], inputs["peak"]
     call_cpu, step_cpu, byte_cpu, alpha, bw = inputs["coll"]
@@ -312,9 +315,9 @@ def fitted_machine(mcfg: ModelConfig, inputs: dict, profile: str | None, save: b
         coll_step_cpu_s=step_cpu, coll_byte_cpu_s=byte_cpu, wake_s=machine.wake_s,
         sync_cpu_s=machine.sync_cpu_s,
         busy_sync_s=machine.busy_sync_s, core_speed=inputs["core_speed"], sched=machine.sched)
-    own, progress = ring_byte_costs(*inputs.get("ring", (0.0, 0.0, 0.0, 0.0)))
-    fitted = fitted.replace(route_s=route_cost(inputs["moe"], fitted), ring_byte_s=own,
-                            ring_byte_cpu_s=progress)
+    ring = ring_costs(inputs["ring"]) if inputs.get("ring") else (0.0,) * len(RING_FIELDS)
+    fitted = fitted.replace(route_s=route_cost(inputs["moe"], fitted),
+                            **dict(zip(RING_FIELDS, ring, strict=True)))
     shape = f"{mcfg.n_layers}x{mcfg.d_model}, ff {mcfg.d_ff}, T {mcfg.context}"
     if save:
         path = save_fit(fitted, profile, shape)
