@@ -62,6 +62,32 @@ def test_dp2_step_by_hand():
     assert p.step_s == pytest.approx(crit)  # free cores: the critical path sets the pace
 
 
+def test_only_gradient_buckets_hide_under_backward():
+    """Buckets of a few KiB: a DDP rank's all-reduces but the last hide under backward;
+    ZeRO-1's reduce-scatters but the last too, never its parameter all-gathers (after
+    the optimizer step); with one bucket nothing hides."""
+    from paratrain.cost import collectives as coll
+    from paratrain.predict.calls import dp_groups
+
+    t, m = TrainConfig(global_batch=8), _machine(4)
+    slow = dataclasses.replace(m, thread_peak=1e6)  # backward long enough to hide them all
+
+    def time_s(op, n, k=1):
+        return k * coll.time_s(op, "ring", 2, n, 1e-4, 1e9)
+
+    for zero in (0, 1):
+        plan = ParallelPlan(dp=2, zero=zero, bucket_mb=0.02)
+        ((_, calls),) = dp_groups(MODEL, plan, t, 0)
+        red = [(op, n, k) for op, n, k in calls if op != "all_gather"]
+        assert len(red) > 2 and len(calls) == len(red) * (1 + zero)
+        p = predict(MODEL, t, plan, 2, slow)
+        assert p.dp_comm_s == pytest.approx(sum(time_s(*c) for c in calls))
+        assert p.dp_comm_s - p.dp_exposed_s == pytest.approx(
+            sum(time_s(*c) for c in red) - time_s(*red[-1]))
+        one = predict(MODEL, t, ParallelPlan(dp=2, zero=zero), 2, slow)
+        assert one.dp_exposed_s == one.dp_comm_s
+
+
 def test_cpu_bound_when_other_sessions_take_the_cores():
     """Three busy sessions beside ours on 2 cores: ours gets 0.5 core for 2 ranks."""
     t = TrainConfig(global_batch=8)

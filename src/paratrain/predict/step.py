@@ -264,17 +264,21 @@ def _dp_terms(r: _Run, first_flop_s: float) -> tuple[float, float]:
     if not groups:
         return 0.0, 0.0
     a, bw = r.hw.intra_alpha, r.hw.intra_bw
-    # HSDP's replica all-reduce (the last group) runs after backward: never hidden
-    calls = [c for _, cs in (groups[:-1] if plan.dp_replicate > 1 else groups) for c in cs]
-    dp_s = sum(k * coll.time_s(op, "ring", p, n, a, bw) for p, cs in groups for op, n, k in cs)
-    # Buckets that fill before backward ends can hide under it; the last cannot. A
-    # pipeline reduces each chunk after its last backward, top-k after backward, and
-    # ZeRO-3 gathers sit in the path.
+
+    def t(p: int, op: str, n: float, k: int) -> float:
+        return k * coll.time_s(op, "ring", p, n, a, bw)
+
+    dp_s = sum(t(p, op, n, k) for p, cs in groups for op, n, k in cs)
+    # Gradient buckets that fill before backward ends can hide under it; the last cannot.
+    # ZeRO-1/2 all-gather the parameters after the optimizer step, HSDP's replica
+    # all-reduce (the last group) runs after backward, a pipeline reduces each chunk after
+    # its last backward, top-k after backward, and ZeRO-3 gathers sit in the path.
     hidden = 0.0
-    last = calls[-1][1]
-    total = sum(n for _, n, _ in calls)
-    if plan.overlap and plan.pp == 1 and L.dp_kind(plan) in ("ddp", "zero") and len(calls) > 1:
-        hidden = min(dp_s * (1 - last / total), (2 / 3) * first_flop_s)
+    if plan.overlap and plan.pp == 1 and L.dp_kind(plan) in ("ddp", "zero"):
+        red = [(p, op, n, k) for p, cs in (groups[:-1] if plan.dp_replicate > 1 else groups)
+               for op, n, k in cs if op in ("all_reduce", "reduce_scatter")]
+        if len(red) > 1:
+            hidden = min(sum(t(*c) for c in red) - t(*red[-1]), (2 / 3) * first_flop_s)
     return dp_s, dp_s - hidden
 
 
