@@ -17,7 +17,10 @@ Invariants:
 - ``bytes_sent`` is what this rank puts on the wire. With ``native`` it is the ring
   algorithm's count (2(p-1)/p x payload for all-reduce, (p-1)/p x the full vector for
   reduce-scatter and all-gather), because the backend does not report bytes; with
-  ``ours`` it is counted transfer by transfer by paratrain's own executor.
+  ``ours`` it is counted transfer by transfer by paratrain's own executor. gloo has no
+  reduce-scatter of its own: torch's ProcessGroupGloo all-reduces a clone of the whole
+  buffer and copies the chunk out, so on gloo a native reduce-scatter puts an
+  all-reduce's bytes on the wire, twice the count (NCCL's is a ring reduce-scatter).
 - gloo cannot all-gather in place (the input must not alias the output): callers pass
   a separate input buffer.
 
