@@ -159,9 +159,10 @@ def test_the_fit_saves_and_loads_the_collectives_it_measured(profile):
                           thread_peak=1e11, pass_s=1e-3, step_s=2e-3, coll_call_cpu_s=3e-4,
                           coll_step_cpu_s=2e-4, coll_byte_cpu_s=5e-10, core_speed=0.8,
                           route_s=3e-6, ring_hop_s=1e-4, ring_byte_s=7e-10, ring_hop_cpu_s=2e-4,
-                          ring_byte_cpu_s=9e-10, fitted=True)
+                          ring_byte_cpu_s=9e-10, scalar_cpu_s=4e-4, fitted=True)
     save_fit(fitted, profile, "test")
     got = load_machine(profile)
+    assert got.scalar_cpu_s == 4e-4
     assert (got.ring_hop_s, got.ring_byte_s, got.ring_hop_cpu_s, got.ring_byte_cpu_s) == (
         1e-4, 7e-10, 2e-4, 9e-10)
     assert (got.hw.intra_alpha, got.hw.intra_bw) == (7e-4, 1.5e9)
@@ -228,6 +229,28 @@ def test_the_fitted_ring_cost_prices_cp_ring_by_hops_and_bytes(profile):
     assert predict(GRID_MODEL, tcfg, a2a, 2, fitted) == predict(GRID_MODEL, tcfg, a2a, 2, base)
 
 
+def test_the_steps_scalar_all_reduces_cost_the_measured_call_whatever_the_world(profile):
+    """With the 8-byte all-reduce's CPU fitted, the loss and gradient norm cost two such
+    calls after compute on any world (gloo leaves most of the ring's pieces empty), not
+    the ring's 2(p - 1) steps each; unfitted, the ring's price stands."""
+    from paratrain.config import TrainConfig
+    from paratrain.plan import ParallelPlan
+    from paratrain.predict import load_machine, predict
+    from paratrain.predict.calls import comm_cpu
+    from paratrain.run.check_model import GRID_MODEL
+
+    base = load_machine(profile).replace(coll_call_cpu_s=3e-4, coll_step_cpu_s=2e-4,
+                                         sync_cpu_s=1e-4)
+    tcfg = TrainConfig(global_batch=16)
+    for dp in (2, 8):
+        plan = ParallelPlan(dp=dp)
+        before = predict(GRID_MODEL, tcfg, plan, dp, base).cpu_rank0_s
+        after = predict(GRID_MODEL, tcfg, plan, dp, base.replace(scalar_cpu_s=5e-4)).cpu_rank0_s
+        ring = comm_cpu(base, dp, [("all_reduce", 8.0, 2)])  # by steps: 2 + 28 at dp 8
+        assert ring > 2 * (3e-4 + 1e-4 + 2 * (dp - 1) * 2e-4)
+        assert after - before == pytest.approx(2 * (5e-4 + 1e-4) - ring, rel=1e-9)
+
+
 def test_collective_cpu_pays_a_hand_off_per_collective_call_not_per_send(profile):
     from paratrain.predict import load_machine
     from paratrain.predict.calls import comm_cpu
@@ -265,6 +288,7 @@ def test_each_plan_is_priced_at_the_pace_of_the_fit_runs_around_it(profile):
     assert (slow.hw, slow.wake_s, slow.busy_sync_s) == (machine.hw, machine.wake_s,
                                                         machine.busy_sync_s)
     assert slow.route_s == 2 * machine.route_s and slow.coll_byte_cpu_s == 2e-9
+    assert machine.replace(scalar_cpu_s=3e-4).at_pace(0.5).scalar_cpu_s == 6e-4
     ringy = machine.replace(ring_hop_s=1e-4, ring_byte_s=1e-9, ring_hop_cpu_s=2e-4,
                             ring_byte_cpu_s=3e-9).at_pace(0.5)
     assert (ringy.ring_hop_s, ringy.ring_byte_s, ringy.ring_hop_cpu_s,
@@ -296,6 +320,7 @@ def test_the_fit_runs_bracket_every_plan_and_set_its_pace(profile, text_file, ca
     monkeypatch.setattr(cf, "_one_process", one_process)
     monkeypatch.setattr(cf, "busy_core_speed", core_speed)
     monkeypatch.setattr(cf, "collective_costs", lambda: (1e-4, 1e-5, 1e-9, 1e-4, 1e9))
+    monkeypatch.setattr(cf, "scalar_cost", lambda: 2e-4)
     assert main(["check-model", "--plans", "dp2", "--profile", profile, "--data", text_file,
                  "--json", *TINY_FLAGS]) == 0
     out = json.loads(capsys.readouterr().out)

@@ -40,6 +40,7 @@ class MachineModel:
     coll_step_cpu_s: float = 0.0  # CPU a rank spends per collective step (gloo, loopback)
     coll_byte_cpu_s: float = 0.0  # CPU per byte it sends (0: priced as bytes / intra_bw)
     route_s: float = 0.0  # CPU per routed assignment of an MoE block, fwd + bwd (fit)
+    scalar_cpu_s: float = 0.0  # CPU of an 8-byte all-reduce (the loss, the grad norm; fit)
     ring_hop_s: float = 0.0  # a CP ring rank's own CPU per hop and per byte it sends,
     ring_byte_s: float = 0.0  # its core's work beyond the FLOPs included: in line with
     # its compute (fit, run/ring_fit.py)
@@ -83,6 +84,7 @@ class MachineModel:
             step_s=self.step_s / pace, coll_call_cpu_s=self.coll_call_cpu_s / pace,
             coll_step_cpu_s=self.coll_step_cpu_s / pace,
             coll_byte_cpu_s=self.coll_byte_cpu_s / pace, route_s=self.route_s / pace,
+            scalar_cpu_s=self.scalar_cpu_s / pace,
             **{k: getattr(self, k) / pace for k in RING_FIELDS})
 
     def replace(self, **changes) -> MachineModel:
@@ -186,6 +188,7 @@ def load_machine(profile: str | Path | None = None) -> MachineModel | None:
                             coll_step_cpu_s=fit.get("coll_step_cpu_s", 0.0),
                             coll_byte_cpu_s=fit.get("coll_byte_cpu_s", 0.0),
                             route_s=fit.get("route_s", 0.0),
+                            scalar_cpu_s=fit.get("scalar_cpu_s", 0.0),
                             **{k: fit.get(k, 0.0) for k in RING_FIELDS}, fitted=True,
                             source=f"fit {fp} ({fit.get('fitted_on', '?')})", **sched)
     return MachineModel(hw, hw.eta, hw.peak_flops / hw.gpus_per_node,
@@ -202,6 +205,7 @@ def save_fit(m: MachineModel, profile: str | Path | None, fitted_on: str) -> Pat
                                 "coll_byte_cpu_s": m.coll_byte_cpu_s,
                                 "coll_alpha_s": m.hw.intra_alpha, "coll_bw": m.hw.intra_bw,
                                 "core_speed": m.core_speed, "route_s": m.route_s,
+                                "scalar_cpu_s": m.scalar_cpu_s,
                                 **{k: getattr(m, k) for k in RING_FIELDS},
                                 "fitted_on": fitted_on,
                                 "date": time.strftime("%Y-%m-%d %H:%M:%S")}, indent=1))

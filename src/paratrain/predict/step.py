@@ -295,8 +295,18 @@ def _rank_cpu(r: _Run, lay: RankLayout, stage: tuple[float, ...], slow: float) -
     c += _comm_cpu(machine, plan.ep, ep_calls(plan, _ep_wire(r, lay),
                                               m * moe_blocks(mcfg, lay)))
     c += sum(_comm_cpu(machine, p, cs) for p, cs in _dp_groups(mcfg, plan, r.tcfg, lay.rank))
-    c += _comm_cpu(machine, r.world, [("all_reduce", 8.0, 2)])  # loss, grad norm
+    c += _scalar_cpu(machine, r.world)
     return c
+
+
+def _scalar_cpu(machine: MachineModel, world: int) -> float:
+    """CPU seconds of the step's two 8-byte all-reduces over the ``world`` (the loss and
+    the gradient norm): the fit's measured call (``scalar_cpu_s``: gloo leaves most of
+    the ring's pieces empty) after compute (``sync_cpu_s``); unmeasured, a collective's
+    price by its ring steps."""
+    if machine.scalar_cpu_s:
+        return 2 * (machine.scalar_cpu_s + machine.sync_cpu_s)
+    return _comm_cpu(machine, world, [("all_reduce", 8.0, 2)])
 
 
 def _ring_fitted(r: _Run) -> bool:

@@ -138,6 +138,23 @@ def collective_costs() -> tuple[float, float, float, float, float]:
     return solve_collective_costs(c0, c1, c4, w0, w1)
 
 
+COLL_SCALAR = 8  # bytes of the step's scalar all-reduces (the loss, the gradient norm)
+
+
+def scalar_cost() -> float:
+    """CPU s of one of the step's scalar all-reduces (:data:`COLL_SCALAR` bytes) on 4
+    ranks: a block's mean call, the median block (:func:`_coll_cost_worker`), the mean of
+    the ranks. gloo's ring cuts a buffer into p pieces and an 8-byte one leaves most of
+    them empty, so it costs a fraction of what the ring's steps price a 4 KiB call at: on
+    2, 4 and 8 ranks of the 2-core box 0.23, 0.46 and 0.56 ms of CPU, against 1.0, 1.9
+    and 3.9 ms at 4 KiB (priced by steps, the two of an 8-rank step came to 8.8 ms of a
+    rank's 53). 4 ranks sits between the world sizes a step has on such a box."""
+    from paratrain.parallel.process_groups import spawn
+
+    res = spawn(_coll_cost_worker, 4, [COLL_SCALAR])
+    return sum(r[0][0] for r in res) / len(res)
+
+
 def large_call_cpu(costs: tuple[float, ...]) -> float:
     """The CPU of a 2-rank all-reduce of :data:`COLL_LARGE` bytes as ``costs`` (per call,
     per ring step, per byte sent: :func:`collective_costs`) price it: what the fit's
@@ -283,6 +300,10 @@ def measure_fit(mcfg: ModelConfig, tcfg: TrainConfig, profile: str | None, log=p
                             default_rule(), command=again)
     log(f"a core runs the fit run at {speed:.2f} of its speed alone while every core runs "
         f"one (the calibration's matmuls: {machine.core_speed:.2f})")
+    (scalar,) = until_stable(lambda: [scalar_cost()], "the CPU of an 8-byte gloo all-reduce",
+                             default_rule(), command=again)
+    log(f"gloo all-reduce of {COLL_SCALAR} bytes on 4 ranks (the loss, the gradient norm): "
+        f"{scalar * 1e6:.0f} us CPU")
     coll = until_stable(collective_costs, "the CPU of a 1 MiB gloo all-reduce",
                         default_rule(), judged=lambda r: [large_call_cpu(r)], command=again)
     call_cpu, step_cpu, byte_cpu, alpha, bw = coll
@@ -291,7 +312,8 @@ def measure_fit(mcfg: ModelConfig, tcfg: TrainConfig, profile: str | None, log=p
         f"step, {bw / 1e9:.3f} GB/s (the profile's: {machine.hw.intra_alpha * 1e6:.1f} us, "
         f"{machine.hw.intra_bw / 1e9:.3f} GB/s)")
     return {"machine": machine, "peak": peak, "runs": runs, "coll": coll,
-            "core_speed": speed, "moe": (moe, tcfg, moe_t), "fixed": fixed, "ring": ring}
+            "core_speed": speed, "moe": (moe, tcfg, moe_t), "fixed": fixed, "ring": ring,
+            "scalar": scalar}
 
 
 def fitted_machine(mcfg: ModelConfig, inputs: dict, profile: str | None, save: bool = True,
@@ -314,7 +336,8 @@ def fitted_machine(mcfg: ModelConfig, inputs: dict, profile: str | None, save: b
         hw=machine.hw.replace(intra_alpha=alpha, intra_bw=bw), coll_call_cpu_s=call_cpu,
         coll_step_cpu_s=step_cpu, coll_byte_cpu_s=byte_cpu, wake_s=machine.wake_s,
         sync_cpu_s=machine.sync_cpu_s,
-        busy_sync_s=machine.busy_sync_s, core_speed=inputs["core_speed"], sched=machine.sched)
+        busy_sync_s=machine.busy_sync_s, core_speed=inputs["core_speed"], sched=machine.sched,
+        scalar_cpu_s=inputs.get("scalar", 0.0))
     ring = ring_costs(inputs["ring"]) if inputs.get("ring") else (0.0,) * len(RING_FIELDS)
     fitted = fitted.replace(route_s=route_cost(inputs["moe"], fitted),
                             **dict(zip(RING_FIELDS, ring, strict=True)))
