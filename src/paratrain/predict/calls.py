@@ -17,6 +17,9 @@ from paratrain.plan import ParallelPlan
 from paratrain.predict.axes import moe_blocks
 from paratrain.predict.machine import MachineModel
 
+SCALAR_BYTES = 8  # the step's scalar all-reduces over the world: the loss and the
+SCALAR_ALL_REDUCES = 2  # gradient norm, one each
+
 
 def tp_block_calls(mcfg: ModelConfig, plan: ParallelPlan, lay: RankLayout, act: float
                   ) -> tuple[float, int]:

@@ -49,6 +49,7 @@ from paratrain.cost.layout import RankLayout
 from paratrain.cost.ranks import virtual_stages
 from paratrain.plan import ParallelPlan
 from paratrain.predict.axes import ep_bursts, moe_blocks
+from paratrain.predict.calls import SCALAR_ALL_REDUCES
 from paratrain.predict.machine import MachineModel
 
 CALIBRATED_STEPS = 2  # the calibration's sync is a 2-rank all-reduce: 2 blocking receives
@@ -139,7 +140,7 @@ def path_syncs(plan: ParallelPlan, dp_groups: list[tuple[int, list[tuple[str, fl
     if dp_hidden and calls:
         calls = [(*calls[-1][:2], 1)]
     dp = sum(sync_units(op, p, k) for p, op, k in calls)
-    return sync_units("p2p", 2, pp) + dp + sync_units("all_reduce", world, 2)
+    return sync_units("p2p", 2, pp) + dp + sync_units("all_reduce", world, SCALAR_ALL_REDUCES)
 
 
 def bounds(crit: float, work_over_cores: float, syncs: float, o: float,

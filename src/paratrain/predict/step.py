@@ -34,6 +34,7 @@ from paratrain.predict.axes import (
     one_host,
     routed_tokens,
 )
+from paratrain.predict.calls import SCALAR_ALL_REDUCES, SCALAR_BYTES
 from paratrain.predict.calls import comm_cpu as _comm_cpu
 from paratrain.predict.calls import dp_groups as _dp_groups
 from paratrain.predict.calls import pp_calls as _pp_calls
@@ -300,13 +301,13 @@ def _rank_cpu(r: _Run, lay: RankLayout, stage: tuple[float, ...], slow: float) -
 
 
 def _scalar_cpu(machine: MachineModel, world: int) -> float:
-    """CPU seconds of the step's two 8-byte all-reduces over the ``world`` (the loss and
-    the gradient norm): the fit's measured call (``scalar_cpu_s``: gloo leaves most of
-    the ring's pieces empty) after compute (``sync_cpu_s``); unmeasured, a collective's
-    price by its ring steps."""
+    """CPU seconds of the step's scalar all-reduces over the ``world`` (the loss and the
+    gradient norm, :data:`paratrain.predict.calls.SCALAR_BYTES` each): the fit's measured
+    call (``scalar_cpu_s``: gloo leaves most of the ring's pieces empty) after compute
+    (``sync_cpu_s``); unmeasured, a collective's price by its ring steps."""
     if machine.scalar_cpu_s:
-        return 2 * (machine.scalar_cpu_s + machine.sync_cpu_s)
-    return _comm_cpu(machine, world, [("all_reduce", 8.0, 2)])
+        return SCALAR_ALL_REDUCES * (machine.scalar_cpu_s + machine.sync_cpu_s)
+    return _comm_cpu(machine, world, [("all_reduce", SCALAR_BYTES, SCALAR_ALL_REDUCES)])
 
 
 def _ring_fitted(r: _Run) -> bool:

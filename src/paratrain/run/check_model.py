@@ -206,6 +206,7 @@ def run_grid(names: list[str] | None = None, *, profile: str | None = None, step
                         "bw_bytes_per_s": machine.hw.intra_bw, "wake_s": machine.wake_s,
                         "sync_cpu_s": machine.sync_cpu_s,
                         "busy_sync_s": machine.busy_sync_s, "route_s": machine.route_s,
+                        "scalar_cpu_s": machine.scalar_cpu_s,
                         **{k: getattr(machine, k) for k in RING_FIELDS},
                         "sched": machine.sched, "source": machine.source},
             "model": asdict(mcfg), "global_batch": global_batch, "steps": steps}
@@ -276,7 +277,8 @@ def format_table(result: dict) -> str:
         f"{m['step_s'] * 1e3:.2f} ms, gloo alpha {m['alpha_s'] * 1e6:.0f} us, "
         f"{m['bw_bytes_per_s'] / 1e9:.2f} GB/s, sync wake {m.get('wake_s', 0) * 1e6:.0f} us "
         f"and {m.get('sync_cpu_s', 0) * 1e6:.0f} us CPU, "
-        f"oversubscribed sync {m.get('busy_sync_s', 0) * 1e6:.0f} us, CP ring "
+        f"oversubscribed sync {m.get('busy_sync_s', 0) * 1e6:.0f} us, scalar all-reduce "
+        f"{m.get('scalar_cpu_s', 0) * 1e6:.0f} us CPU, CP ring "
         f"{m.get('ring_hop_s', 0) * 1e6:.0f} + {m.get('ring_hop_cpu_s', 0) * 1e6:.0f} us per "
         f"hop and {m.get('ring_byte_s', 0) * 1e9:.2f} + {m.get('ring_byte_cpu_s', 0) * 1e9:.2f} "
         "ns per byte (own thread + gloo's)",

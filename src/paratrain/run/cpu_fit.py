@@ -138,11 +138,9 @@ def collective_costs() -> tuple[float, float, float, float, float]:
     return solve_collective_costs(c0, c1, c4, w0, w1)
 
 
-COLL_SCALAR = 8  # bytes of the step's scalar all-reduces (the loss, the gradient norm)
-
-
 def scalar_cost() -> float:
-    """CPU s of one of the step's scalar all-reduces (:data:`COLL_SCALAR` bytes) on 4
+    """CPU s of one of the step's scalar all-reduces (:data:`paratrain.predict.calls.
+    SCALAR_BYTES`) on 4
     ranks: a block's mean call, the median block (:func:`_coll_cost_worker`), the mean of
     the ranks. gloo's ring cuts a buffer into p pieces and an 8-byte one leaves most of
     them empty, so it costs a fraction of what the ring's steps price a 4 KiB call at: on
@@ -150,8 +148,9 @@ def scalar_cost() -> float:
     and 3.9 ms at 4 KiB (priced by steps, the two of an 8-rank step came to 8.8 ms of a
     rank's 53). 4 ranks sits between the world sizes a step has on such a box."""
     from paratrain.parallel.process_groups import spawn
+    from paratrain.predict.calls import SCALAR_BYTES
 
-    res = spawn(_coll_cost_worker, 4, [COLL_SCALAR])
+    res = spawn(_coll_cost_worker, 4, [SCALAR_BYTES])
     return sum(r[0][0] for r in res) / len(res)
 
 
@@ -302,8 +301,8 @@ def measure_fit(mcfg: ModelConfig, tcfg: TrainConfig, profile: str | None, log=p
         f"one (the calibration's matmuls: {machine.core_speed:.2f})")
     (scalar,) = until_stable(lambda: [scalar_cost()], "the CPU of an 8-byte gloo all-reduce",
                              default_rule(), command=again)
-    log(f"gloo all-reduce of {COLL_SCALAR} bytes on 4 ranks (the loss, the gradient norm): "
-        f"{scalar * 1e6:.0f} us CPU")
+    log(f"gloo all-reduce of the loss or the gradient norm on 4 ranks: {scalar * 1e6:.0f} us "
+        "CPU")
     coll = until_stable(collective_costs, "the CPU of a 1 MiB gloo all-reduce",
                         default_rule(), judged=lambda r: [large_call_cpu(r)], command=again)
     call_cpu, step_cpu, byte_cpu, alpha, bw = coll
