@@ -77,20 +77,23 @@ def _thread_peak(n: int = 512, reps: int = 8) -> float:
 
 COLL_CPU_BUFFERS = 32  # distinct vectors per size, taken in turn: 32 MiB at 1 MiB, more
 # than the caches hold, so every call reads memory the others have evicted
-COLL_CPU_BLOCKS = 7  # timed blocks per size; their median is kept
+COLL_CPU_BLOCKS = 21  # timed blocks per size (their mean kept; the ring fit's median)
 
 
 def _coll_cost_worker(rank: int, world: int, sizes: list[int]) -> list[tuple[float, float]]:
-    """(CPU s, wall s) per all-reduce call of this rank at each size: the median over
+    """(CPU s, wall s) per all-reduce call of this rank at each size: the mean over
     :data:`COLL_CPU_BLOCKS` blocks of the block's mean, each call on the next of
     :data:`COLL_CPU_BUFFERS` vectors. A training step sends activations and gradients that
     its compute has just pushed out of the caches, never the same hot buffer again: one
     buffer reduced over and over measured 0.71-1.07 ns per byte, 32 in turn 1.15-1.34
     (1 MiB, two runs each on the quiet 2-core box). A step pays every call, its
     scheduler hiccups included, so each block keeps the mean of its calls (a 4 KiB
-    all-reduce's median call took 0.70 ms on one box, the mean 1.73 ms); the blocks vary
-    with where the scheduler puts the ranks and their progress threads, so the median of
-    the blocks, not the best."""
+    all-reduce's median call took 0.70 ms on one box, the mean 1.73 ms). The blocks
+    swing with where the scheduler puts the ranks and their progress threads: a 2-rank
+    4 KiB call's blocks ranged 0.3-1.3 ms of CPU within one process pair, and a step pays
+    all of those phases, so the fit keeps the blocks' mean. Over six fresh pairs on the
+    quiet 2-core box (2026-12-05) the median of 7 blocks spread by 84% (4 KiB) and 34% (1
+    MiB) of CPU, 86% and 20% of wall; the mean of 21 by 37%, 23%, 37% and 22%."""
     import torch
     import torch.distributed as dist
 
@@ -108,8 +111,8 @@ def _coll_cost_worker(rank: int, world: int, sizes: list[int]) -> list[tuple[flo
                 dist.all_reduce(xs[i % COLL_CPU_BUFFERS])
             blocks.append(((time.process_time() - c0) / iters,
                            (time.perf_counter() - w0) / iters))
-        out.append((statistics.median(b[0] for b in blocks),
-                    statistics.median(b[1] for b in blocks)))
+        out.append((statistics.mean(b[0] for b in blocks),
+                    statistics.mean(b[1] for b in blocks)))
     return out
 
 
