@@ -162,7 +162,8 @@ def _names(cases: list[Case]) -> list[tuple[str, str | None]]:
         g = generation(c.hw.name)
         count[g] = count.get(g, 0) + 1
     gens = sorted(g for g, n in count.items() if n >= MIN_ROWS)
-    return ([("gemm_eff", g) for g in gens] + [("attn_eff", g) for g in gens if g != "tpu"]
+    return ([("gemm_eff", g) for g in gens]
+            + [("attn_eff", g) for g in gens if not g.startswith("tpu")]
             + [(s, None) for s in SCALARS])
 
 

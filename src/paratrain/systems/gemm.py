@@ -69,10 +69,10 @@ _CHIPS = {
     "b200": Chip("b200", 128, 256, 148),
     "v100": Chip("v100", 128, 128, 80),
     "mi300x": Chip("mi300x", 256, 256, 304),
-    "tpu-v3": Chip("tpu-v3", 128, 128, 1, "tpu"),
-    "tpu-v4": Chip("tpu-v4", 128, 128, 1, "tpu"),
-    "tpu-v5e": Chip("tpu-v5e", 128, 128, 1, "tpu"),
-    "tpu-v5p": Chip("tpu-v5p", 128, 128, 1, "tpu"),
+    "tpu-v3": Chip("tpu-v3", 128, 128, 1),
+    "tpu-v4": Chip("tpu-v4", 128, 128, 1),
+    "tpu-v5e": Chip("tpu-v5e", 128, 128, 1),
+    "tpu-v5p": Chip("tpu-v5p", 128, 128, 1),
 }
 # first match wins: the longer names before the ones they contain
 _NAME_KEYS = (("h100-pcie", "h100-pcie"), ("h100 pcie", "h100-pcie"), ("a100", "a100"),
@@ -103,8 +103,10 @@ def _quantisation(M: int, N: int, tm: int, tn: int, sms: int, split: int = 1) ->
 
 
 def family(name: str) -> str:
-    """The key the fitted efficiencies share: a GPU generation (a100, h100, ...) or "tpu"
-    for every TPU (the same 128 x 128 systolic arrays, compiled by XLA)."""
+    """The key the fitted efficiencies share: a GPU generation (a100, h100, ...; the
+    variants of one die share it) or a TPU generation (tpu-v4, tpu-v5e, tpu-v5p: the same
+    128 x 128 systolic arrays, but not the same count per core, HBM per FLOP or
+    compiler)."""
     chip = chip_of(name)
     return chip.family or chip.generation
 

@@ -130,15 +130,32 @@ def _params_per_gpu(m, tp: int, pp: int, ep: int, etp: int = 1):
     return params_per_gpu(m, ParallelPlan(dp=ep, tp=tp, pp=pp, ep=ep, etp=etp))
 
 
+def full_rerun_share(cls: str, mlp: str, dead_tail: bool) -> float:
+    """The share of a GEMM class's forward that full recomputation reruns: all of it, or
+    with ``dead_tail`` (:class:`paratrain.systems.overlap.Engine`: XLA's remat) none of
+    the attention output projection and not the MLP's (or experts') down projection,
+    whose outputs the backward never reads: one of a SwiGLU's three equal matrices, one
+    of a GELU MLP's two."""
+    if not dead_tail:
+        return 1.0
+    if cls == "out":
+        return 0.0
+    if cls in ("mlp", "experts"):
+        return 1 - 1 / (3 if mlp == "swiglu" else 2)
+    return 1.0
+
+
 @lru_cache(maxsize=8192)
 def _block_summary(m, M: int, seq_len: int, tp: int, cp: int, sp: bool, ep: int, hw, chip,
                    rates, kernel: str, recompute: str, selective: float = 0.0,
-                   etp: int = 1, dispatcher: str = "alltoall") -> dict:
+                   etp: int = 1, dispatcher: str = "alltoall", dead_tail: bool = False
+                   ) -> dict:
     """One average block (dense and MoE blocks weighted by their counts) for a
     micro-batch: forward and backward seconds (recomputation in backward), per GEMM class,
     memory-bound and launch seconds, and the attention core's forward. ``selective``: the
     share of the other forward GEMMs (and all the element-wise work) that selective
-    recomputation reruns (the engine's)."""
+    recomputation reruns (the engine's); ``dead_tail``: full recomputation skips the
+    GEMMs whose outputs the backward never reads (:func:`full_rerun_share`)."""
     args = (M, seq_len, tp, cp, sp, ep, hw, chip, rates)
     dense = block_cost(m, *args, moe=False, attention=kernel)
     moe = block_cost(m, *args, moe=True, attention=kernel, etp=etp,
@@ -155,7 +172,8 @@ def _block_summary(m, M: int, seq_len: int, tp: int, cp: int, sp: bool, ep: int,
     for cls in GEMM_CLASSES:
         f = avg(lambda b, c=cls: b.fwd.get(c, 0.0))
         b_ = avg(lambda b, c=cls: b.bwd.get(c, 0.0))
-        share = 1.0 if full or (sel and cls == "attention") else selective if sel else 0.0
+        share = (full_rerun_share(cls, m.mlp, dead_tail) if full
+                 else 1.0 if sel and cls == "attention" else selective if sel else 0.0)
         b_ += share * f
         again += share * f
         if f + b_:
@@ -302,7 +320,8 @@ def predict_step(model, plan: ParallelPlan, hw: Hardware, tokens_per_step: int,
         rates = dataclasses.replace(rates, gemm_eff=rates.gemm_eff * hw.peak_flops_fp8
                                     / hw.peak_flops)
     blk = _block_summary(m, M, seq_len, plan.tp, plan.cp, plan.sp, plan.ep, hw, chip, rates,
-                         kernel, plan.recompute, eng.selective, plan.etp, eng.dispatcher)
+                         kernel, plan.recompute, eng.selective, plan.etp, eng.dispatcher,
+                         eng.dead_tail)
     blk_f, blk_b = blk["fwd"], blk["bwd"]
     L = m.n_layers
     frac_moe = m.moe_layers / L if m.is_moe else 0.0

@@ -1,7 +1,8 @@
 """The step-time model's free parameters: few, physical, each with its provenance.
 
-Ten numbers, all efficiencies in (0, 1] of a catalogue figure, except one latency (a
-family's efficiencies keep their start values when a table has too few rows on it):
+Thirteen numbers (with the table's four TPU generations), all efficiencies in (0, 1] of a
+catalogue figure, except one latency (a family's efficiencies keep their start values
+when a table has too few rows on it):
 
 =================  =======  ==============================================================
 parameter          start    provenance of the starting value and bound
@@ -11,8 +12,10 @@ gemm_eff[a100]     0.85     the big-square figure the shape curve of gemm.py sat
                             multiplication background" guide's A100 curves)
 gemm_eff[h100]     0.75     ~740 of 989 TF/s for large bf16 GEMMs on H100 SXM
                             (NVIDIA's Transformer Engine / cuBLAS figures)
-gemm_eff[tpu]      0.85     large matmuls on the 128 x 128 MXUs (Jouppi et al. 2023), every
-                            TPU generation
+gemm_eff[tpu-v*]   0.85     large matmuls on the 128 x 128 MXUs (Jouppi et al. 2023), one
+                            per generation as for GPUs: v4, v5e and v5p differ in MXUs per
+                            core, HBM per FLOP and compiler generation (one shared figure
+                            left MaxText's v4 rows 8-20% fast and its v5p rows 6% slow)
 attn_eff[a100]     0.60     FlashAttention-2 forward+backward at ~50-70% of peak on A100
                             (Dao 2023); bounded by 0.75 (its best forward is 73%)
 attn_eff[h100]     0.35     FlashAttention-2 on H100 reaches ~35-40% of peak: it does not
@@ -55,7 +58,8 @@ from dataclasses import dataclass, field
 from paratrain.systems.gemm import family
 from paratrain.systems.layer_cost import Rates
 
-GEMM_EFF = {"a100": 0.85, "h100": 0.75, "tpu": 0.85}
+GEMM_EFF = {"a100": 0.85, "h100": 0.75,
+            **{f"tpu-{g}": 0.85 for g in ("v3", "v4", "v5e", "v5p")}}
 ATTN_EFF = {"a100": 0.60, "h100": 0.35}
 # the share of a hidden data-parallel transfer's time that still slows the step; a fixed
 # physical figure, not one of the fitted parameters (module docstring)
@@ -87,7 +91,7 @@ class StepParams:
         fused kernel, always) at attn3_eff; FlashAttention-2 class at the generation's
         attn_eff."""
         fam = family(hw_name)
-        if fam == "tpu" or (kernel == "flash3" and fam in ("h100", "b200")):
+        if fam.startswith("tpu") or (kernel == "flash3" and fam in ("h100", "b200")):
             return self.attn3_eff
         return self.attn_eff.get(fam, ATTN_EFF.get(fam, self.gemm_for(hw_name) * 0.7))
 

@@ -87,7 +87,7 @@ def run_validate(runs: str | None, params_path: str | None, unfitted: bool, do_f
         params = fitted.params
         result["fit"] = {"params": params_dict(params), "uncertainty": fitted.as_dict(),
                          "train_rows": len(train),
-                         "n_params": params.count(), "holdout_ids": [c.id for c in held],
+                         "n_params": len(fitted.fitted), "holdout_ids": [c.id for c in held],
                          "in_table": summarize(score(train, params))}
         if loo:
             recs = leave_one_out(train, params)
