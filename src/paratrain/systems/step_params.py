@@ -15,7 +15,8 @@ gemm_eff[h100]     0.75     ~740 of 989 TF/s for large bf16 GEMMs on H100 SXM
 gemm_eff[tpu-v*]   0.85     large matmuls on the 128 x 128 MXUs (Jouppi et al. 2023), one
                             per generation as for GPUs: v4, v5e and v5p differ in MXUs per
                             core, HBM per FLOP and compiler generation (one shared figure
-                            left MaxText's v4 rows 8-20% fast and its v5p rows 6% slow)
+                            left MaxText's v4 rows up to 9% fast, its v5e rows up to 16%
+                            slow)
 attn_eff[a100]     0.60     FlashAttention-2 forward+backward at ~50-70% of peak on A100
                             (Dao 2023); bounded by 0.75 (its best forward is 73%)
 attn_eff[h100]     0.35     FlashAttention-2 on H100 reaches ~35-40% of peak: it does not
