@@ -83,13 +83,16 @@ def test_every_grid_plan_passes_the_runtime_checks():
     assert {p.cp_algorithm for p in GRID.values() if p.cp > 1} == {"ring", "all-to-all"}
 
 
-def test_collective_costs_are_solved_from_two_sizes_and_two_group_sizes():
+def test_collective_costs_are_solved_from_a_line_of_sizes_and_two_group_sizes():
     """Per-call CPU made of a per-call, a per-ring-step and a per-byte part (and wall of a
-    per-step latency and a bandwidth) is taken apart exactly from the three measurements
-    the fit makes; the 2-rank call keeps its CPU at either clamp (4 ranks costing less
-    than 2: all per call; far more: all per step)."""
+    per-step latency and a bandwidth) is taken apart exactly from the measurements the
+    fit makes: a line through the 2-rank sizes, the 4-rank small call; the 2-rank calls
+    keep the line's CPU at either clamp (4 ranks costing less than 2: all per call; far
+    more: all per step), and a noisy size moves the line less than a two-size
+    difference."""
     from paratrain.cost import collectives as coll
-    from paratrain.run.check_model import COLL_LARGE, COLL_SMALL, solve_collective_costs
+    from paratrain.run.check_model import COLL_SMALL, solve_collective_costs
+    from paratrain.run.cpu_fit import COLL_SIZES
 
     call, step, byte, alpha, bw = 300e-6, 250e-6, 0.6e-9, 700e-6, 1.3e9
 
@@ -100,27 +103,35 @@ def test_collective_costs_are_solved_from_two_sizes_and_two_group_sizes():
     def wall(n):
         return 2 * alpha + coll.wire_bytes("all_reduce", "ring", 2, n) / bw
 
-    got = solve_collective_costs(cpu(2, COLL_SMALL), cpu(2, COLL_LARGE), cpu(4, COLL_SMALL),
-                                 wall(COLL_SMALL), wall(COLL_LARGE))
+    assert len(COLL_SIZES) >= 3 and COLL_SIZES[0] == COLL_SMALL
+    c2 = [(n, cpu(2, n)) for n in COLL_SIZES]
+    w2 = [(n, wall(n)) for n in COLL_SIZES]
+    got = solve_collective_costs(c2, cpu(4, COLL_SMALL), w2)
     assert got == pytest.approx((call, step, byte, alpha, bw), rel=1e-9)
-    c2, c2l, w = cpu(2, COLL_SMALL), cpu(2, COLL_LARGE), (wall(COLL_SMALL), wall(COLL_LARGE))
-    small = c2 - coll.wire_bytes("all_reduce", "ring", 2, COLL_SMALL) * byte
-    flat = solve_collective_costs(c2, c2l, c2 * 0.9, *w)
-    assert flat[:2] == pytest.approx((small, 0.0), abs=1e-12)
-    steep = solve_collective_costs(c2, c2l, c2 * 10, *w)
-    assert steep[:2] == pytest.approx((0.0, small / 2), abs=1e-12)
+    small = call + 2 * step  # the 2-rank call without its bytes
+    flat = solve_collective_costs(c2, small * 0.9, w2)
+    assert flat[:3] == pytest.approx((small, 0.0, byte), rel=1e-9)
+    steep = solve_collective_costs(c2, small * 10, w2)
+    assert steep[:3] == pytest.approx((0.0, small / 2, byte), rel=1e-9)
+    noisy = [(n, c * (1.3 if n == 1 << 20 else 1.0)) for n, c in c2]  # 1 MiB 30% high
+    two = (noisy[2][1] - noisy[0][1]) / (COLL_SIZES[2] - COLL_SIZES[0])
+    per_byte = solve_collective_costs(noisy, cpu(4, COLL_SMALL), w2)[2]
+    assert abs(per_byte - byte) < abs(two - byte) / 2
 
 
 def test_the_collective_fit_is_judged_on_a_large_calls_cpu():
-    """Rounds whose per-byte figure swings by half while the 1 MiB call's CPU holds are
-    stable: the fit is judged on what a large call costs (large_call_cpu, the 2-rank 1
-    MiB call's measured CPU back), not on a difference of two sizes."""
+    """Rounds whose per-byte figure swings while the 1 MiB call's CPU holds are stable:
+    the fit is judged on what a large call costs (large_call_cpu: the line's 2-rank 1 MiB
+    call), not on the slope."""
     from paratrain.bench.calibrate import Stability, until_stable
     from paratrain.run.check_model import COLL_LARGE, solve_collective_costs
     from paratrain.run.cpu_fit import large_call_cpu
 
-    rounds = iter([solve_collective_costs(s, 1.6e-3, 2.2e-3, 1.5e-3, 2e-3)
-                   for s in (1.2e-3, 1.4e-3, 1.0e-3)])
+    def round_(slope: float):  # lines through (1 MiB, 1.6 ms) of different slopes
+        c2 = [(n, 1.6e-3 + (n - COLL_LARGE) * slope) for n in (4096, COLL_LARGE, 1 << 22)]
+        return solve_collective_costs(c2, 2.2e-3, [(4096, 1.5e-3), (COLL_LARGE, 2e-3)])
+
+    rounds = iter([round_(s) for s in (2e-10, 3e-10, 1.5e-10)])
     got = until_stable(lambda: next(rounds), "t", Stability(k=3, cv=0.3, max_repeats=3),
                        judged=lambda r: [large_call_cpu(r)])
     assert large_call_cpu(got) == pytest.approx(1.6e-3, rel=1e-9)

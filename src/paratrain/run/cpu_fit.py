@@ -116,13 +116,18 @@ def _coll_cost_worker(rank: int, world: int, sizes: list[int]) -> list[tuple[flo
     return out
 
 
-COLL_SMALL, COLL_LARGE = 4096, 1 << 20  # bytes of the two all-reduce sizes measured
+COLL_SMALL, COLL_LARGE = 4096, 1 << 20  # the 4-rank size; the call the fit is judged on
+# the 2-rank sizes, a line through all four: the CPU and wall per byte as a difference of
+# two sizes (4 KiB, 1 MiB) spread by 66% and 65% over six fresh pairs on the quiet 2-core
+# box, the line through these by 16% and 19% (2026-12-05); below ~1 MiB the fixed costs
+# swamp the bytes (256 KiB often cost as much as 1 MiB), so 4 MiB carries the slope
+COLL_SIZES = (COLL_SMALL, 1 << 18, COLL_LARGE, 1 << 22)
 
 
 def collective_costs() -> tuple[float, float, float, float, float]:
     """What a gloo all-reduce costs a training step on this machine: (CPU s per call, CPU
     s per ring step, CPU s per byte sent, wall s per ring step, wall bytes per s), from
-    blocks of calls (:func:`_coll_cost_worker`) on 2 ranks at 4 KiB and 1 MiB and on 4
+    blocks of calls (:func:`_coll_cost_worker`) on 2 ranks at :data:`COLL_SIZES` and on 4
     ranks at 4 KiB. CPU per call = per call + ring steps x per step + bytes sent x per
     byte (2 ranks: 2 steps, 4 ranks: 6): the per-call part (handing the call to gloo's
     worker thread and back) does not grow with the group, the per-step part does, so
@@ -132,13 +137,23 @@ def collective_costs() -> tuple[float, float, float, float, float]:
     wait instead."""
     from paratrain.parallel.process_groups import spawn
 
-    def mean_over_ranks(p: int, sizes: list[int]) -> list[tuple[float, float]]:
-        res = spawn(_coll_cost_worker, p, sizes)
+    def mean_over_ranks(p: int, sizes) -> list[tuple[float, float]]:
+        res = spawn(_coll_cost_worker, p, list(sizes))
         return [tuple(sum(r[i][j] for r in res) / p for j in range(2)) for i in range(len(sizes))]
 
-    (c0, w0), (c1, w1) = mean_over_ranks(2, [COLL_SMALL, COLL_LARGE])
+    two = mean_over_ranks(2, COLL_SIZES)
     ((c4, _),) = mean_over_ranks(4, [COLL_SMALL])
-    return solve_collective_costs(c0, c1, c4, w0, w1)
+    return solve_collective_costs([(n, c) for n, (c, _) in zip(COLL_SIZES, two, strict=True)],
+                                  c4, [(n, w) for n, (_, w) in zip(COLL_SIZES, two, strict=True)])
+
+
+def _line(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """(intercept, slope) of the least-squares line through (x, y) points."""
+    mx = statistics.mean(x for x, _ in points)
+    my = statistics.mean(y for _, y in points)
+    slope = (sum((x - mx) * (y - my) for x, y in points)
+             / sum((x - mx) ** 2 for x, _ in points))
+    return my - slope * mx, slope
 
 
 def scalar_cost() -> float:
@@ -161,8 +176,9 @@ def large_call_cpu(costs: tuple[float, ...]) -> float:
     """The CPU of a 2-rank all-reduce of :data:`COLL_LARGE` bytes as ``costs`` (per call,
     per ring step, per byte sent: :func:`collective_costs`) price it: what the fit's
     repeated rounds are judged stable on. It is most of what a step's large calls cost;
-    the per-byte figure alone, a difference of two sizes' calls, varied by 41-71% over
-    three rounds on the quiet 2-core box and refused two check-model runs in five."""
+    the per-byte figure alone, then a difference of two sizes' calls, varied by 41-71%
+    over three rounds on the quiet 2-core box and refused two check-model runs in five
+    (now a line through :data:`COLL_SIZES`, it still moves more than this call)."""
     from paratrain.cost import collectives as coll
 
     call, step, byte = costs[:3]
@@ -170,14 +186,14 @@ def large_call_cpu(costs: tuple[float, ...]) -> float:
             + coll.wire_bytes("all_reduce", "ring", 2, COLL_LARGE) * byte)
 
 
-def solve_collective_costs(c2_small: float, c2_large: float, c4_small: float,
-                           w2_small: float, w2_large: float
+def solve_collective_costs(cpu2: list[tuple[int, float]], c4_small: float,
+                           wall2: list[tuple[int, float]]
                            ) -> tuple[float, float, float, float, float]:
     """(CPU per call, per ring step, per byte sent; wall per ring step, bytes per s) from
-    the per-call CPU of 2 ranks at :data:`COLL_SMALL` and :data:`COLL_LARGE` bytes and of
-    4 ranks at the small size, and the wall of the two 2-rank sizes
-    (:func:`collective_costs`). Each is clamped at 0, so that the 2-rank call keeps its
-    measured CPU: 4 ranks costing no more than 2 put all of it per call, 4 ranks costing
+    the per-call CPU and wall of 2 ranks at several sizes ((bytes, seconds) each: a line
+    in the bytes sent) and the CPU of 4 ranks at :data:`COLL_SMALL` bytes
+    (:func:`collective_costs`). Each is clamped at 0, so that a 2-rank call keeps the
+    line's CPU: 4 ranks costing no more than 2 put all of it per call, 4 ranks costing
     more than the steps can explain put all of it per step."""
     from paratrain.cost import collectives as coll
 
@@ -187,14 +203,18 @@ def solve_collective_costs(c2_small: float, c2_large: float, c4_small: float,
     def steps(p: int) -> int:
         return coll.steps("all_reduce", "ring", p)
 
-    per_byte = max(0.0, (c2_large - c2_small) / (wire(2, COLL_LARGE) - wire(2, COLL_SMALL)))
-    small = [c - wire(p, COLL_SMALL) * per_byte for p, c in ((2, c2_small), (4, c4_small))]
+    at0, per_byte = _line([(wire(2, n), c) for n, c in cpu2])
+    per_byte = max(0.0, per_byte)
+    if per_byte == 0.0:
+        at0 = statistics.mean(c for _, c in cpu2)
+    small = [max(0.0, at0), c4_small - wire(4, COLL_SMALL) * per_byte]
     per_step = max(0.0, (small[1] - small[0]) / (steps(4) - steps(2)))
     per_call = max(0.0, small[0] - steps(2) * per_step)
     if per_call == 0.0:
         per_step = max(0.0, small[0] / steps(2))
-    beta = max(1e-12, (w2_large - w2_small) / (wire(2, COLL_LARGE) - wire(2, COLL_SMALL)))
-    alpha = max(0.0, (w2_small - wire(2, COLL_SMALL) * beta) / steps(2))
+    w0, beta = _line([(wire(2, n), w) for n, w in wall2])
+    beta = max(1e-12, beta)
+    alpha = max(0.0, w0 / steps(2))
     return per_call, per_step, per_byte, alpha, 1.0 / beta
 
 
