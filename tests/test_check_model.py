@@ -92,7 +92,7 @@ def test_collective_costs_are_solved_from_a_line_of_sizes_and_two_group_sizes():
     difference."""
     from paratrain.cost import collectives as coll
     from paratrain.run.check_model import COLL_SMALL, solve_collective_costs
-    from paratrain.run.cpu_fit import COLL_SIZES
+    from paratrain.run.coll_fit import COLL_SIZES
 
     call, step, byte, alpha, bw = 300e-6, 250e-6, 0.6e-9, 700e-6, 1.3e9
 
@@ -125,7 +125,7 @@ def test_the_collective_fit_is_judged_on_a_large_calls_cpu():
     call), not on the slope."""
     from paratrain.bench.calibrate import Stability, until_stable
     from paratrain.run.check_model import COLL_LARGE, solve_collective_costs
-    from paratrain.run.cpu_fit import large_call_cpu
+    from paratrain.run.coll_fit import large_call_cpu
 
     def round_(slope: float):  # lines through (1 MiB, 1.6 ms) of different slopes
         c2 = [(n, 1.6e-3 + (n - COLL_LARGE) * slope) for n in (4096, COLL_LARGE, 1 << 22)]

@@ -51,9 +51,12 @@ from pathlib import Path
 from paratrain.config import ModelConfig, TrainConfig
 from paratrain.plan import ParallelPlan
 from paratrain.predict.machine import RING_FIELDS
-from paratrain.run.cpu_fit import (  # noqa: F401 - the fit's names, re-exported
+from paratrain.run.coll_fit import (  # noqa: F401 - the fit's names, re-exported
     COLL_LARGE,
     COLL_SMALL,
+    solve_collective_costs,
+)
+from paratrain.run.cpu_fit import (  # noqa: F401 - the fit's names, re-exported
     MOE,
     fit_machine,
     fit_runs,
@@ -64,7 +67,6 @@ from paratrain.run.cpu_fit import (  # noqa: F401 - the fit's names, re-exported
     profile_machine,
     route_cost,
     run_paces,
-    solve_collective_costs,
 )
 
 # Small enough for 8 processes on 2 cores, big enough that matmuls dominate the noise.

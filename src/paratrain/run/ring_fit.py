@@ -21,7 +21,7 @@ def _ring_worker(rank: int, world: int, shapes: list[tuple[int, ...]], dtype: st
     """Per shape (B, H, K, T, E): (CPU s of a ring-attention call, of it the calling
     thread's, CPU s of the plain causal core on the whole sequence, bytes the call sent)
     on this rank: blocks of :data:`RING_CALLS` calls of each, taken in turn, the median
-    of the fit's :data:`paratrain.run.cpu_fit.COLL_CPU_BLOCKS` blocks of each kept.
+    of the fit's :data:`paratrain.run.coll_fit.COLL_CPU_BLOCKS` blocks of each kept.
     q (B, H, T/world, E), k and v (B, K, T/world, E), forward and backward, in the run's
     working ``dtype``; the plain core on (B, H, T, E), in the same process, so that both
     share the cores alike."""
@@ -31,7 +31,7 @@ def _ring_worker(rank: int, world: int, shapes: list[tuple[int, ...]], dtype: st
 
     from paratrain.parallel.context import CPComm, RingAttention
     from paratrain.parallel.precision import WORKING
-    from paratrain.run.cpu_fit import COLL_CPU_BLOCKS as BLOCKS  # the fit's own count
+    from paratrain.run.coll_fit import COLL_CPU_BLOCKS as BLOCKS  # the fit's own count
 
     def rand(*size):
         return torch.randn(*size, dtype=WORKING[dtype], requires_grad=True)
