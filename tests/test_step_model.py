@@ -286,11 +286,12 @@ def test_xla_full_recompute_skips_the_gemms_whose_outputs_backward_never_reads()
     from paratrain.systems.overlap import engine
     from paratrain.systems.step_model import full_rerun_share
 
-    assert full_rerun_share("out", "swiglu", True) == 0.0
-    assert full_rerun_share("mlp", "swiglu", True) == pytest.approx(2 / 3)
-    assert full_rerun_share("experts", "gelu", True) == 0.5
-    assert {full_rerun_share(c, "swiglu", False) for c in ("qkv", "out", "mlp")} == {1.0}
+    assert full_rerun_share("out", 2, True) == 0.0
+    assert full_rerun_share("mlp", 2, True) == pytest.approx(2 / 3)  # SwiGLU: gate, up
+    assert full_rerun_share("experts", 1, True) == 0.5  # GELU: up
+    assert {full_rerun_share(c, 2, False) for c in ("qkv", "out", "mlp")} == {1.0}
     m, hw = load_model("llama2-13b"), load_hardware("tpu-v5p")
+    assert m.mlp_up_matrices == 2
     plan = ParallelPlan(dp=64, zero=3, recompute="full")
     xla = engine("xla")
     assert xla.dead_tail and not engine("megatron").dead_tail

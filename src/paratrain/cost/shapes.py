@@ -66,6 +66,12 @@ class ModelShape(ModelConfig):
     def is_mla(self) -> bool:
         return self.kv_lora_rank > 0
 
+    @property
+    def mlp_up_matrices(self) -> int:
+        """The MLP's d -> width matrices (SwiGLU: gate and up; GELU: up); one more, the
+        down projection, maps back."""
+        return 2 if self.mlp == "swiglu" else 1
+
     def is_moe_layer(self, i: int) -> bool:
         """ModelConfig's rule ((i + 1) % moe_every == 0) past the first dense layers."""
         return i >= self.first_dense_layers and super().is_moe_layer(i)
@@ -77,9 +83,8 @@ class ModelShape(ModelConfig):
 
     def _mlp_params(self, width: int) -> int:
         d = self.d_model
-        if self.mlp == "swiglu":
-            return 3 * d * width + (2 * width + d if self.bias else 0)
-        return 2 * d * width + (width + d if self.bias else 0)
+        up = self.mlp_up_matrices
+        return (up + 1) * d * width + (up * width + d if self.bias else 0)
 
     def attention_params(self) -> int:
         d, h = self.d_model, self.n_heads

@@ -80,15 +80,6 @@ def collective_costs() -> tuple[float, float, float, float, float]:
                                   c4, [(n, w) for n, (_, w) in zip(COLL_SIZES, two, strict=True)])
 
 
-def _line(points: list[tuple[float, float]]) -> tuple[float, float]:
-    """(intercept, slope) of the least-squares line through (x, y) points."""
-    mx = statistics.mean(x for x, _ in points)
-    my = statistics.mean(y for _, y in points)
-    slope = (sum((x - mx) * (y - my) for x, y in points)
-             / sum((x - mx) ** 2 for x, _ in points))
-    return my - slope * mx, slope
-
-
 def scalar_cost() -> float:
     """CPU s of one of the step's scalar all-reduces (:data:`paratrain.predict.calls.
     SCALAR_BYTES`) on 4
@@ -136,7 +127,8 @@ def solve_collective_costs(cpu2: list[tuple[int, float]], c4_small: float,
     def steps(p: int) -> int:
         return coll.steps("all_reduce", "ring", p)
 
-    at0, per_byte = _line([(wire(2, n), c) for n, c in cpu2])
+    per_byte, at0 = statistics.linear_regression([wire(2, n) for n, _ in cpu2],
+                                                 [c for _, c in cpu2])
     per_byte = max(0.0, per_byte)
     if per_byte == 0.0:
         at0 = statistics.mean(c for _, c in cpu2)
@@ -145,7 +137,8 @@ def solve_collective_costs(cpu2: list[tuple[int, float]], c4_small: float,
     per_call = max(0.0, small[0] - steps(2) * per_step)
     if per_call == 0.0:
         per_step = max(0.0, small[0] / steps(2))
-    w0, beta = _line([(wire(2, n), w) for n, w in wall2])
+    beta, w0 = statistics.linear_regression([wire(2, n) for n, _ in wall2],
+                                            [w for _, w in wall2])
     beta = max(1e-12, beta)
     alpha = max(0.0, w0 / steps(2))
     return per_call, per_step, per_byte, alpha, 1.0 / beta

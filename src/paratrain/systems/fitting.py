@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from paratrain.config import read_toml
-from paratrain.systems.gemm import family
+from paratrain.systems.gemm import family, is_tpu
 from paratrain.systems.row_engine import case_engine  # noqa: F401 - its home moved
 from paratrain.systems.runs import DATA_DIR, Case, Record
 from paratrain.systems.step_model import Breakdown, predict_step
@@ -163,7 +163,7 @@ def _names(cases: list[Case]) -> list[tuple[str, str | None]]:
         count[g] = count.get(g, 0) + 1
     gens = sorted(g for g, n in count.items() if n >= MIN_ROWS)
     return ([("gemm_eff", g) for g in gens]
-            + [("attn_eff", g) for g in gens if not g.startswith("tpu")]
+            + [("attn_eff", g) for g in gens if not is_tpu(g)]
             + [(s, None) for s in SCALARS])
 
 

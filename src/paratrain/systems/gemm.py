@@ -111,6 +111,12 @@ def family(name: str) -> str:
     return chip.family or chip.generation
 
 
+def is_tpu(fam: str) -> bool:
+    """Whether a :func:`family` is a TPU generation's (attention runs as the compiler's
+    fused kernel there: no FlashAttention-2 efficiency of its own)."""
+    return fam.startswith("tpu-")
+
+
 def _tiles(chip: Chip) -> set[tuple[int, int]]:
     return {(chip.tile_m, chip.tile_n), (128, 128), (64, 128), (64, 64)}
 

@@ -134,7 +134,7 @@ def block_cost(m: ModelShape, M: int, seq_len: int, tp: int, cp: int, sp: bool, 
         lin("attention", dv, seq_len, s_q, count)
         attn_f = fwd["attention"]
         scores = b_seqs * heads * s_q * seq_len * EAGER_BYTES_PER_SCORE
-    up = 2 if m.mlp == "swiglu" else 1
+    up = m.mlp_up_matrices
     f_act = 0.0
     if moe:  # the plan's expert layout and the engine's dispatcher (systems.moe_step)
         f_act = moe_mlp(m, M, tp, sp, ep, etp, lin, dispatcher)

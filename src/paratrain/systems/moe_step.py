@@ -75,7 +75,7 @@ def moe_mlp(m: ModelShape, M: int, tp: int, sp: bool, ep: int, etp: int, lin,
     GEMM accumulator) and return its element-wise elements (expert activation and
     permutation) per token of the micro-batch's M."""
     E, k, fe, d = m.experts, m.top_k, m.expert_ffn, m.d_model
-    up = 2 if m.mlp == "swiglu" else 1
+    up = m.mlp_up_matrices
     t = moe_layout.routed_tokens(M, tp, sp)
     u = moe_layout.expert_group_tokens(M, tp, sp, etp)
     lin("router", E, d, max(1, round(t)))

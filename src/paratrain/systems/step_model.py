@@ -130,18 +130,18 @@ def _params_per_gpu(m, tp: int, pp: int, ep: int, etp: int = 1):
     return params_per_gpu(m, ParallelPlan(dp=ep, tp=tp, pp=pp, ep=ep, etp=etp))
 
 
-def full_rerun_share(cls: str, mlp: str, dead_tail: bool) -> float:
+def full_rerun_share(cls: str, up_matrices: int, dead_tail: bool) -> float:
     """The share of a GEMM class's forward that full recomputation reruns: all of it, or
     with ``dead_tail`` (:class:`paratrain.systems.overlap.Engine`: XLA's remat) none of
     the attention output projection and not the MLP's (or experts') down projection,
-    whose outputs the backward never reads: one of a SwiGLU's three equal matrices, one
-    of a GELU MLP's two."""
+    whose outputs the backward never reads: one of ``up_matrices`` + 1 equal matrices
+    (:attr:`paratrain.cost.shapes.ModelShape.mlp_up_matrices`)."""
     if not dead_tail:
         return 1.0
     if cls == "out":
         return 0.0
     if cls in ("mlp", "experts"):
-        return 1 - 1 / (3 if mlp == "swiglu" else 2)
+        return up_matrices / (up_matrices + 1)
     return 1.0
 
 
@@ -172,7 +172,7 @@ def _block_summary(m, M: int, seq_len: int, tp: int, cp: int, sp: bool, ep: int,
     for cls in GEMM_CLASSES:
         f = avg(lambda b, c=cls: b.fwd.get(c, 0.0))
         b_ = avg(lambda b, c=cls: b.bwd.get(c, 0.0))
-        share = (full_rerun_share(cls, m.mlp, dead_tail) if full
+        share = (full_rerun_share(cls, m.mlp_up_matrices, dead_tail) if full
                  else 1.0 if sel and cls == "attention" else selective if sel else 0.0)
         b_ += share * f
         again += share * f

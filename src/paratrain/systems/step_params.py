@@ -56,7 +56,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from paratrain.systems.gemm import family
+from paratrain.systems.gemm import family, is_tpu
 from paratrain.systems.layer_cost import Rates
 
 GEMM_EFF = {"a100": 0.85, "h100": 0.75,
@@ -92,7 +92,7 @@ class StepParams:
         fused kernel, always) at attn3_eff; FlashAttention-2 class at the generation's
         attn_eff."""
         fam = family(hw_name)
-        if fam.startswith("tpu") or (kernel == "flash3" and fam in ("h100", "b200")):
+        if is_tpu(fam) or (kernel == "flash3" and fam in ("h100", "b200")):
             return self.attn3_eff
         return self.attn_eff.get(fam, ATTN_EFF.get(fam, self.gemm_for(hw_name) * 0.7))
 
