@@ -312,3 +312,44 @@ def test_each_tpu_generation_has_its_own_gemm_efficiency():
     assert family("H200") == family("H100-SXM5-80GB")
     p = load_params()
     assert {"tpu-v4", "tpu-v5e", "tpu-v5p"} <= set(p.gemm_eff) and "tpu" not in p.gemm_eff
+
+
+def test_deepspeed_bf16_accumulates_every_micro_batchs_gradients_in_fp32():
+    """DeepSpeed's BF16 optimizer (ZeRO 0/1) adds each micro-batch's bf16 gradients into
+    an fp32 copy of every local parameter's gradient: 20 bytes of HBM traffic per
+    parameter per micro-batch, on the stage's critical path (so in the bubble too).
+    Megatron accumulates inside the weight-gradient GEMM; ZeRO 2/3 into the shard."""
+    from dataclasses import replace
+
+    from paratrain.systems.overlap import engine
+    from paratrain.systems.step_model import _params_per_gpu
+
+    m, p = load_model("gpt3-175b"), load_params()
+    ds = engine("deepspeed")
+    assert ds.hp_grad_bytes == 20.0 and engine("megatron").hp_grad_bytes == 0.0
+    for zero, priced in ((0, True), (1, True), (2, False), (3, False)):
+        plan = ParallelPlan(tp=8, pp=4, dp=2, zero=zero, micro_batches=16)
+        with_, without = (predict_step(m, plan, H100, 32 * 2048, 2048, p, e)
+                          for e in (ds, replace(ds, hp_grad_bytes=0.0)))
+        per_mb = (_params_per_gpu(m, 8, 4, 1).total * 20.0 / (H100.hbm_bw * p.hbm_eff)
+                  if priced else 0.0)
+        assert with_.memory_s - without.memory_s == pytest.approx(16 * per_mb, abs=1e-12)
+        assert with_.bubble_s - without.bubble_s == pytest.approx(3 * per_mb, abs=1e-12)
+
+
+def test_overlap_hides_at_most_the_compute_it_runs_under():
+    """An engine that overlaps all of the expert dispatch (DualPipe) still shows what
+    exceeds the block's compute: on a slow network the exposed share is the excess."""
+    from dataclasses import replace
+
+    from paratrain.systems.step_model import _overlapped
+
+    assert _overlapped(5.0, 1.0, 3.0) == 2.0 and _overlapped(5.0, 0.5, 10.0) == 2.5
+    m, p = load_model("mixtral-8x7b"), load_params()
+    plan = ParallelPlan(dp=64, ep=8, zero=1, micro_batches=4)
+    fast = predict_step(m, plan, H100, 256 * 4096, 4096, p, "dualpipe")
+    assert fast.comm["ep"] > 0 and fast.exposed["ep"] == 0.0
+    slow_net = replace(H100, intra_bw=H100.intra_bw / 200, inter_bw=H100.inter_bw / 200)
+    slow = predict_step(m, plan, slow_net, 256 * 4096, 4096, p, "dualpipe")
+    compute = slow.compute_s - slow.head_s  # the blocks' compute on the busiest rank
+    assert slow.exposed["ep"] == pytest.approx(slow.comm["ep"] - compute, rel=1e-6)

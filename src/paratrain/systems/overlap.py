@@ -68,6 +68,17 @@ still adds a whole forward, as the published HFU formulas do.
 defaults to ``allgather``; NeMo's MoE recipes, DeepSeek's HAI-LLM, DeepSpeed-MoE,
 torchtitan and the others (paratrain's runtime too) run ``alltoall``.
 
+``hp_grad_bytes`` is the HBM traffic per local parameter of each micro-batch's gradient
+accumulation outside the GEMMs, with the optimizer states sharded at most (ZeRO 0/1).
+Megatron accumulates into its fp32 ``main_grad`` inside the weight-gradient GEMM
+(``gradient_accumulation_fusion``): 0. DeepSpeed's BF16 optimizer, which bf16 runs with
+ZeRO 0/1 use, keeps an fp32 gradient for every local parameter and after each
+micro-batch's backward (``update_hp_grads``, called by the pipeline engine's backward
+pass too) adds the bf16 gradients into it: zero the bf16 gradient (2 B), cast it to fp32
+(read 2, write 4), add (read 4 + 4, write 4): 20 B per parameter per micro-batch, on
+every stage's critical path. With ZeRO 2/3 the gradients are reduced per micro-batch
+into the rank's shard instead (priced with the data-parallel sync).
+
 ``gather`` is how a ZeRO-3/FSDP engine gathers weights: ``bucket`` (whole-stage buckets
 on NCCL rings), ``unit`` (one collective per block), ``param`` (DeepSpeed ZeRO-3 gathers each
 submodule's parameters with its own coalesced all-gather: attention's projections, its
@@ -99,6 +110,7 @@ class Engine:
     p2p_split: bool = True  # pipeline sends split over the TP ranks (scatter/gather)
     dispatcher: str = "alltoall"  # MoE token dispatch (systems.moe_step.DISPATCHERS)
     dead_tail: bool = False  # full recompute skips the GEMMs whose outputs backward never reads
+    hp_grad_bytes: float = 0.0  # HBM bytes per local parameter per micro-batch (ZeRO 0/1)
 
 
 ENGINES = {
@@ -107,7 +119,7 @@ ENGINES = {
     "nemo": Engine("nemo", 0.8, 1.0, 1.0, 1.0, 0.5, "bucket", "flash3"),
     "megascale": Engine("megascale", 0.8, 1.0, 1.0, 1.0, 0.5, "bucket", "flash"),
     "deepspeed": Engine("deepspeed", 0.0, 0.0, 1.0, 0.5, 0.0, "param", "eager", 1.5,
-                        p2p_split=False),
+                        p2p_split=False, hp_grad_bytes=20.0),
     "fsdp": Engine("fsdp", 0.0, 0.0, 1.0, 1.0, 0.0, "unit", "flash", 2.0),
     "torchtitan": Engine("torchtitan", 0.5, 0.5, 1.0, 1.0, 0.5, "unit", "flash", 3.0, 0.5),
     "xla": Engine("xla", 0.5, 0.5, 1.0, 1.0, 0.5, "unit", "flash", dead_tail=True),

@@ -212,6 +212,14 @@ def _taxed(total: float, exposed: float, tax: float) -> float:
     return exposed + tax * max(0.0, total - exposed)
 
 
+def _overlapped(t: float, share: float, window: float) -> float:
+    """Exposed seconds of a per-block transfer of ``t`` of which the engine overlaps
+    ``share`` (:class:`paratrain.systems.overlap.Engine`) under a compute ``window``:
+    overlap hides at most the window, so a transfer longer than its compute shows the
+    excess whatever the engine's share."""
+    return max(t * (1 - share), t - window)
+
+
 def _hidden(t: float, window: float, tail: float) -> float:
     """Seconds of a bucketed sync of ``t`` that a compute ``window`` does not hide: the
     buckets run under the window, but the last one (the first layers' gradients, ready
@@ -339,9 +347,10 @@ def predict_step(model, plan: ParallelPlan, hw: Hardware, tokens_per_step: int,
                          kernel_s=sp.kernel_s)
     if plan.recompute != "none":
         cp_b += cp_f
-    tp_x = tp_t * (1 - eng.tp)
+    tp_x = _overlapped(tp_t, eng.tp, sum(blk["gemm"].values()))  # split under its GEMMs
     cp_x = ct.cp_exposed_s(cp_f, cp_b, blk["attn_f"], plan.cp_algorithm, eng.cp)
     ep_t = frac_moe * moe_comm_s(m, plan, M, hw, sp.nvlink_eff, sp.net_eff, eng.dispatcher)
+    ep_x = _overlapped(ep_t, eng.ep, blk_f + blk_b)  # under the other micro-batch's block
 
     def per_step(x: float) -> float:
         return mb * blocks * x
@@ -351,10 +360,14 @@ def predict_step(model, plan: ParallelPlan, hw: Hardware, tokens_per_step: int,
     over_s = per_step(blk["overhead"])
     head_s = mb * (head_f + head_b) if has_head else 0.0
     comm = {"tp": per_step(tp_t), "cp": per_step(cp_f + cp_b), "ep": per_step(ep_t)}
-    exposed = {"tp": per_step(tp_x), "cp": per_step(cp_x),
-               "ep": comm["ep"] * (1 - eng.ep)}
+    exposed = {"tp": per_step(tp_x), "cp": per_step(cp_x), "ep": per_step(ep_x)}
+    p = _params_per_gpu(m, plan.tp, plan.pp, plan.ep, plan.etp)
+    # the engine's gradient accumulation outside the GEMMs (Engine.hp_grad_bytes)
+    accum_s = (p.total * eng.hp_grad_bytes / (hw.hbm_bw * sp.hbm_eff)
+               if plan.zero <= 1 else 0.0)
+    mem_s += mb * accum_s
     stage_mb = blocks * (blk_f + blk_b) + (head_f + head_b if has_head else 0.0) + \
-        (tp_x + cp_x + ep_t * (1 - eng.ep)) * blocks
+        (tp_x + cp_x + ep_x) * blocks + accum_s
     compute_like = mb * stage_mb
     bubble = compute_like * bubble_over_compute(plan.schedule, plan.pp, mb,
                                                 virtual_stages(plan))
@@ -363,7 +376,6 @@ def predict_step(model, plan: ParallelPlan, hw: Hardware, tokens_per_step: int,
     comm["pp"] = 2 * mb * virtual_stages(plan) * send
     exposed["pp"] = comm["pp"] * (1 - eng.pp)
 
-    p = _params_per_gpu(m, plan.tp, plan.pp, plan.ep, plan.etp)
     grad = 2.0
     d_dense, d_exp = plan.dp * plan.cp, expert_data_ranks(plan)
     sg = shard_group or d_dense // plan.dp_replicate  # HSDP: the plan's replica size
