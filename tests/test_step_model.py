@@ -327,6 +327,13 @@ def test_deepspeed_bf16_accumulates_every_micro_batchs_gradients_in_fp32():
     m, p = load_model("gpt3-175b"), load_params()
     ds = engine("deepspeed")
     assert ds.hp_grad_bytes == 20.0 and engine("megatron").hp_grad_bytes == 0.0
+    # an fp16 run has no BF16 optimizer, so no fp32 copies to add into
+    from types import SimpleNamespace
+
+    from paratrain.systems.row_engine import case_engine
+    assert case_engine(SimpleNamespace(engine="deepspeed", precision="bf16")) == ds
+    assert case_engine(SimpleNamespace(engine="deepspeed",
+                                       precision="fp16 mixed")).hp_grad_bytes == 0.0
     for zero, priced in ((0, True), (1, True), (2, False), (3, False)):
         plan = ParallelPlan(tp=8, pp=4, dp=2, zero=zero, micro_batches=16)
         with_, without = (predict_step(m, plan, H100, 32 * 2048, 2048, p, e)

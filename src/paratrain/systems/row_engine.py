@@ -27,6 +27,8 @@ JSON record keeps.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from paratrain.systems.overlap import DEFAULT_ENGINE, ENGINES, Engine, engine, named_engine
 
 COLUMNS = ("engine", "accelerator", "zero_or_fsdp", "precision", "model", "source")
@@ -61,5 +63,10 @@ def row_engine(row: dict) -> tuple[str, str]:
 
 
 def case_engine(case) -> Engine:
-    """The engine a case was priced with (``Case.engine``, set by :func:`row_engine`)."""
-    return engine(getattr(case, "engine", None))
+    """The engine a case was priced with (``Case.engine``, set by :func:`row_engine`); a
+    run whose ``precision`` says fp16 has no fp32 gradient copies to add each
+    micro-batch into (``Engine.hp_grad_bytes``: DeepSpeed's BF16 optimizer's)."""
+    eng = engine(getattr(case, "engine", None))
+    if "fp16" in (getattr(case, "precision", "") or "").lower():
+        return replace(eng, hp_grad_bytes=0.0)
+    return eng
