@@ -340,7 +340,8 @@ def test_deepspeed_bf16_accumulates_every_micro_batchs_gradients_in_fp32():
                           for e in (ds, replace(ds, hp_grad_bytes=0.0)))
         per_mb = (_params_per_gpu(m, 8, 4, 1).total * 20.0 / (H100.hbm_bw * p.hbm_eff)
                   if priced else 0.0)
-        assert with_.memory_s - without.memory_s == pytest.approx(16 * per_mb, abs=1e-12)
+        assert with_.accum_s == pytest.approx(16 * per_mb, abs=1e-12)
+        assert with_.memory_s == without.memory_s and without.accum_s == 0.0
         assert with_.bubble_s - without.bubble_s == pytest.approx(3 * per_mb, abs=1e-12)
 
 

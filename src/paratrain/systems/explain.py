@@ -26,6 +26,9 @@ def breakdown_rows(b: Breakdown) -> list[tuple[str, float, str]]:
     rows.append(("memory-bound work", b.memory_s,
                  "norms, residual adds, activations, RoPE, softmax at HBM bandwidth"))
     rows.append(("kernel launches", b.overhead_s, "fixed cost per kernel"))
+    if b.accum_s:
+        rows.append(("gradient accumulation", b.accum_s,
+                     "each micro-batch's gradients added into fp32 copies"))
     if b.head_s:
         rows.append(("output layer + loss", b.head_s, "on the last pipeline stage"))
     rows.append(("pipeline bubble", b.bubble_s, "idle share of the schedule"))

@@ -69,10 +69,12 @@ class Breakdown:
     blocks: int  # blocks on the busiest rank
     micro_batches: int
     notes: list = field(default_factory=list)
+    accum_s: float = 0.0  # gradient accumulation outside the GEMMs (Engine.hp_grad_bytes)
 
     @property
     def compute_s(self) -> float:
-        return sum(self.gemm.values()) + self.memory_s + self.overhead_s + self.head_s
+        return (sum(self.gemm.values()) + self.memory_s + self.overhead_s + self.head_s
+                + self.accum_s)
 
     @property
     def exposed_comm_s(self) -> float:
@@ -118,6 +120,7 @@ class Breakdown:
     def as_dict(self) -> dict:
         return {"gemm_s": dict(self.gemm), "memory_bound_s": self.memory_s,
                 "kernel_overhead_s": self.overhead_s, "head_s": self.head_s,
+                "grad_accumulation_s": self.accum_s,
                 "compute_s": self.compute_s, "comm_s": dict(self.comm),
                 "exposed_s": dict(self.exposed), "bubble_s": self.bubble_s,
                 "optimizer_s": self.optimizer_s, "step_s": self.step_s, "mfu": self.mfu,
@@ -365,7 +368,6 @@ def predict_step(model, plan: ParallelPlan, hw: Hardware, tokens_per_step: int,
     # the engine's gradient accumulation outside the GEMMs (Engine.hp_grad_bytes)
     accum_s = (p.total * eng.hp_grad_bytes / (hw.hbm_bw * sp.hbm_eff)
                if plan.zero <= 1 else 0.0)
-    mem_s += mb * accum_s
     stage_mb = blocks * (blk_f + blk_b) + (head_f + head_b if has_head else 0.0) + \
         (tp_x + cp_x + ep_x) * blocks + accum_s
     compute_like = mb * stage_mb
@@ -392,4 +394,5 @@ def predict_step(model, plan: ParallelPlan, hw: Hardware, tokens_per_step: int,
     model_flops = per_token * tokens_per_step
     hw_flops = (per_token + extra) * tokens_per_step
     return Breakdown(gemm, mem_s, over_s, head_s, comm, exposed, bubble, opt_s, model_flops,
-                     hw_flops, plan.world_size, hw.peak_flops, eng.name, blocks, mb)
+                     hw_flops, plan.world_size, hw.peak_flops, eng.name, blocks, mb,
+                     accum_s=mb * accum_s)
