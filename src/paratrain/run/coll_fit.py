@@ -21,10 +21,10 @@ def _coll_cost_worker(rank: int, world: int, sizes: list[int]) -> list[tuple[flo
     buffer reduced over and over measured 0.71-1.07 ns per byte, 32 in turn 1.15-1.34
     (1 MiB, two runs each on the quiet 2-core box). A step pays every call, its
     scheduler hiccups included, so each block keeps the mean of its calls (a 4 KiB
-    all-reduce's median call took 0.70 ms on one box, the mean 1.73 ms). The blocks
-    swing with where the scheduler puts the ranks and their progress threads: a 2-rank
-    4 KiB call's blocks ranged 0.3-1.3 ms of CPU within one process pair, and a step pays
-    all of those phases, so the fit keeps the blocks' mean. Over six fresh pairs on the
+    all-reduce's median call took 0.70 ms on one box, the mean 1.73 ms), and for the same
+    reason the fit keeps the blocks' mean: they swing with where the scheduler puts the
+    ranks and their progress threads (a 2-rank 4 KiB call's blocks ranged 0.3-1.3 ms of
+    CPU within one process pair). Over six fresh pairs on the
     quiet 2-core box (2026-12-05) the median of 7 blocks spread by 84% (4 KiB) and 34% (1
     MiB) of CPU, 86% and 20% of wall; the mean of 21 by 37%, 23%, 37% and 22%."""
     import torch
@@ -83,7 +83,7 @@ def collective_costs() -> tuple[float, float, float, float, float]:
 def scalar_cost() -> float:
     """CPU s of one of the step's scalar all-reduces (:data:`paratrain.predict.calls.
     SCALAR_BYTES`) on 4
-    ranks: a block's mean call, the median block (:func:`_coll_cost_worker`), the mean of
+    ranks: a block's mean call, the blocks' mean (:func:`_coll_cost_worker`), the mean of
     the ranks. gloo's ring cuts a buffer into p pieces and an 8-byte one leaves most of
     them empty, so it costs a fraction of what the ring's steps price a 4 KiB call at: on
     2, 4 and 8 ranks of the 2-core box 0.23, 0.46 and 0.56 ms of CPU, against 1.0, 1.9

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from paratrain.config import read_toml
 from paratrain.systems.gemm import family, is_tpu
-from paratrain.systems.row_engine import case_engine  # noqa: F401 - its home moved
+from paratrain.systems.row_engine import case_engine, precision_says
 from paratrain.systems.runs import DATA_DIR, Case, Record
 from paratrain.systems.step_model import Breakdown, predict_step
 from paratrain.systems.step_params import BOUNDS, SCALARS, StepParams
@@ -78,14 +78,14 @@ def _param(path: Path, key: str, v: object, bounds: tuple[float, float]) -> floa
 def case_attention(case: Case) -> str | None:
     """Eager attention for a run in fp16 (before FlashAttention's adoption in 2022-23),
     else the engine's kernel (None)."""
-    return "eager" if "fp16" in (getattr(case, "precision", "") or "").lower() else None
+    return "eager" if precision_says(case, "fp16") else None
 
 
 def breakdown(case: Case, params: StepParams) -> Breakdown:
     return predict_step(case.model, case.plan, case.hw, case.tokens, case.seq_len, params,
                         case_engine(case), case_attention(case),
                         getattr(case, "shard_group", None),
-                        "fp8" in (getattr(case, "precision", "") or "").lower())
+                        precision_says(case, "fp8"))
 
 
 def source_count(case: Case) -> str:

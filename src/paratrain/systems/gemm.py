@@ -74,6 +74,7 @@ _CHIPS = {
     "tpu-v5e": Chip("tpu-v5e", 128, 128, 1),
     "tpu-v5p": Chip("tpu-v5p", 128, 128, 1),
 }
+TPU_CHIPS = tuple(name for name in _CHIPS if name.startswith("tpu-"))
 # first match wins: the longer names before the ones they contain
 _NAME_KEYS = (("h100-pcie", "h100-pcie"), ("h100 pcie", "h100-pcie"), ("a100", "a100"),
               ("h100", "h100"), ("h800", "h100"), ("h200", "h100"), ("gh200", "h100"),

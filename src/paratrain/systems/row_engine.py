@@ -62,11 +62,16 @@ def row_engine(row: dict) -> tuple[str, str]:
                             f"{DEFAULT_ENGINE} (Megatron-LM's defaults)")
 
 
+def precision_says(case, word: str) -> bool:
+    """Whether a case's ``precision`` column names ``word`` (fp16, fp8, ...)."""
+    return word in (getattr(case, "precision", "") or "").lower()
+
+
 def case_engine(case) -> Engine:
     """The engine a case was priced with (``Case.engine``, set by :func:`row_engine`); a
     run whose ``precision`` says fp16 has no fp32 gradient copies to add each
     micro-batch into (``Engine.hp_grad_bytes``: DeepSpeed's BF16 optimizer's)."""
     eng = engine(getattr(case, "engine", None))
-    if "fp16" in (getattr(case, "precision", "") or "").lower():
+    if precision_says(case, "fp16"):
         return replace(eng, hp_grad_bytes=0.0)
     return eng

@@ -365,9 +365,11 @@ def predict_step(model, plan: ParallelPlan, hw: Hardware, tokens_per_step: int,
     comm = {"tp": per_step(tp_t), "cp": per_step(cp_f + cp_b), "ep": per_step(ep_t)}
     exposed = {"tp": per_step(tp_x), "cp": per_step(cp_x), "ep": per_step(ep_x)}
     p = _params_per_gpu(m, plan.tp, plan.pp, plan.ep, plan.etp)
+
+    def hbm_s(nbytes: float) -> float:  # a memory-bound pass over this rank's parameters
+        return nbytes / (hw.hbm_bw * sp.hbm_eff)
     # the engine's gradient accumulation outside the GEMMs (Engine.hp_grad_bytes)
-    accum_s = (p.total * eng.hp_grad_bytes / (hw.hbm_bw * sp.hbm_eff)
-               if plan.zero <= 1 else 0.0)
+    accum_s = hbm_s(p.total * eng.hp_grad_bytes) if plan.zero <= 1 else 0.0
     stage_mb = blocks * (blk_f + blk_b) + (head_f + head_b if has_head else 0.0) + \
         (tp_x + cp_x + ep_x) * blocks + accum_s
     compute_like = mb * stage_mb
@@ -388,7 +390,7 @@ def predict_step(model, plan: ParallelPlan, hw: Hardware, tokens_per_step: int,
                                 blocks * blk_f, blocks * blk_b)
     exposed["dp"] = _taxed(comm["dp"], dp_x, sp.overlap_tax)
     shard = (p.dense / sg + p.expert / min(sg, d_exp) if plan.zero >= 1 else p.total)
-    opt_s = shard * OPTIMIZER_BYTES_PER_PARAM / (hw.hbm_bw * sp.hbm_eff)
+    opt_s = hbm_s(shard * OPTIMIZER_BYTES_PER_PARAM)
 
     per_token, extra = _flops_per_token(m, seq_len, plan.recompute)
     model_flops = per_token * tokens_per_step

@@ -56,11 +56,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from paratrain.systems.gemm import family, is_tpu
+from paratrain.systems.gemm import TPU_CHIPS, family, is_tpu
 from paratrain.systems.layer_cost import Rates
 
-GEMM_EFF = {"a100": 0.85, "h100": 0.75,
-            **{f"tpu-{g}": 0.85 for g in ("v3", "v4", "v5e", "v5p")}}
+GEMM_EFF = {"a100": 0.85, "h100": 0.75, **dict.fromkeys(TPU_CHIPS, 0.85)}
 ATTN_EFF = {"a100": 0.60, "h100": 0.35}
 # the share of a hidden data-parallel transfer's time that still slows the step; a fixed
 # physical figure, not one of the fitted parameters (module docstring)
