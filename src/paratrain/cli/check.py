@@ -23,6 +23,8 @@ def check_model(
     plans: Annotated[str | None, Opt(help="Comma-separated grid plans (default: all; "
                                           "'mini' = dp2,dp2 zero1).")] = None,
     steps: Annotated[int, Opt(help="Steps per run; the first is warm-up.")] = 6,
+    launches: Annotated[int, Opt(help="Times each plan is launched, in separate passes "
+                                      "over the grid; its record is the median launch.")] = 3,
     profile: Annotated[str | None, Opt(help="Hardware profile (default: "
                                             "~/.cache/paratrain/hardware.toml).")] = None,
     fit: Annotated[bool, Opt(help="Fit eta and fixed costs first (saved beside the "
@@ -46,6 +48,7 @@ def check_model(
     mcfg = build(ModelConfig, {**dataclasses.asdict(cm.GRID_MODEL), **flags["model"]}, "model")
     log = (lambda *a, **k: None) if as_json else print
     result = cm.run_grid(names, profile=profile, steps=steps, fit=fit, mcfg=mcfg,
+                         launches=launches,
                          global_batch=flags["train"].get("global_batch", cm.GRID_BATCH),
                          data=flags["train"].get("data"), log=log)
     if as_json:
