@@ -10,6 +10,7 @@ import dataclasses
 import pytest
 
 from paratrain.cost.shapes import load_model
+from paratrain.systems.fitting import predict
 from paratrain.systems.runs import (
     SPLITS,
     Skip,
@@ -17,6 +18,7 @@ from paratrain.systems.runs import (
     cases_and_skips,
     heldout_ids,
     read_runs,
+    row_shape,
     row_to_case,
 )
 
@@ -92,6 +94,36 @@ def test_moe_rows_are_priced_as_moe_and_columns_override():
            "moe_layers": "16"}
     m = row_to_case(row).model
     assert (m.experts, m.top_k, m.expert_ffn, m.moe_layers) == (8, 2, 1024, 16)
+
+
+def test_latent_attention_and_interleaved_moe_come_from_shape_columns():
+    """A run of an uncatalogued MLA model is given by its columns: DeepSeek-V3 written
+    out column by column prices exactly as its catalogue entry; ``moe_every`` puts an MoE
+    MLP in every k-th block (Llama 4 Maverick: every second of 48) and ``moe_layers``
+    must then count them; MLA without its head dims is refused by name."""
+    ds = BY_ID["deepseek_v3_pretrain_2048"]
+    cat = row_to_case(ds)
+    shape = {"model_key": "", "model": "a DeepSeek-V3-shaped model", "layers": "61",
+             "hidden": "7168", "heads": "128", "ffn_hidden": "18432", "vocab": "129280",
+             "mlp": "swiglu", "tied": "no", "q_lora_rank": "1536", "kv_lora_rank": "512",
+             "qk_nope_dim": "128", "qk_rope_dim": "64", "v_head_dim": "128"}
+    by_cols = row_to_case({**ds, **shape})
+    assert by_cols.model.is_mla and by_cols.model.num_params() == cat.model.num_params()
+    assert by_cols.model.flops_per_token(4096) == cat.model.flops_per_token(4096)
+    assert predict(by_cols) == pytest.approx(predict(cat), rel=1e-12)
+    no_mla = row_to_case({**ds, **shape, "kv_lora_rank": "", "q_lora_rank": ""})
+    assert not no_mla.model.is_mla and no_mla.model.num_params() != cat.model.num_params()
+    with pytest.raises(Skip, match="qk_nope_dim, qk_rope_dim and v_head_dim"):
+        row_to_case({**ds, **shape, "v_head_dim": ""})
+    maverick = {**BY_ID["dgxc_llama31_8b_8"], "model_key": "", "model": "interleaved MoE",
+                "layers": "48", "hidden": "5120", "heads": "40", "kv_heads": "8",
+                "ffn_hidden": "16384", "vocab": "202048", "experts": "128", "top_k": "1",
+                "moe_ffn_hidden": "8192", "shared_experts": "1", "moe_every": "2"}
+    m = row_shape({**maverick, "moe_layers": "24"}, 8192)
+    assert m.moe_layers == 24 and [m.is_moe_layer(i) for i in range(4)] == [False, True] * 2
+    assert row_shape(maverick, 8192) == m
+    with pytest.raises(Skip, match="moe_layers 48 disagrees"):
+        row_shape({**maverick, "moe_layers": "48"}, 8192)
 
 
 def test_tokens_per_second_rows_are_priced_as_model_tflops():

@@ -52,6 +52,10 @@ class ModelShape(ModelConfig):
         if self.experts and not 0 <= self.first_dense_layers < self.n_layers:
             raise ValueError(f"first_dense_layers={self.first_dense_layers} must be in "
                              f"[0, n_layers={self.n_layers}); set e.g. first_dense_layers = 0")
+        if self.is_mla and min(self.qk_nope_dim, self.qk_rope_dim, self.v_head_dim) <= 0:
+            raise ValueError(f"multi-head latent attention (kv_lora_rank={self.kv_lora_rank}) "
+                             "needs qk_nope_dim, qk_rope_dim and v_head_dim > 0 (DeepSeek-V3: "
+                             "128, 64, 128)")
 
     # ---- shape helpers -------------------------------------------------------------
     @property

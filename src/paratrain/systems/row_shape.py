@@ -13,9 +13,13 @@ from paratrain.cost.shapes import ModelShape, load_model
 from paratrain.systems.row_fields import Skip
 from paratrain.systems.row_fields import num as _num
 
-# the expert-parallel issue's column names -> ModelShape (ModelConfig) fields
+# the expert-parallel issue's column names -> ModelShape (ModelConfig) fields; moe_every:
+# an MoE MLP in every k-th block (Llama 4 Maverick's 2, Switch's 2), 1 = every block
 MOE_COLUMNS = {"experts": "experts", "top_k": "top_k", "moe_ffn_hidden": "moe_ffn",
-               "shared_experts": "shared_experts"}
+               "shared_experts": "shared_experts", "moe_every": "moe_every"}
+# multi-head latent attention (DeepSeek-V2/V3, arXiv:2405.04434): the ModelShape fields
+# of the same names; q_lora_rank empty or 0 = a full-rank query projection (V2-Lite)
+MLA_COLUMNS = ("q_lora_rank", "kv_lora_rank", "qk_nope_dim", "qk_rope_dim", "v_head_dim")
 # shape columns -> ModelShape fields
 SHAPE_COLUMNS = {"layers": "n_layers", "hidden": "d_model", "heads": "n_heads",
                  "kv_heads": "n_kv_heads", "ffn_hidden": "d_ff", "vocab": "vocab_size",
@@ -36,12 +40,26 @@ def _catalogue_model(row: dict) -> ModelShape | None:
 
 
 def _moe_fields(row: dict, n_layers: int) -> dict:
+    """The row's non-empty MoE and MLA columns as ModelShape fields; ``moe_layers`` sets
+    how many first blocks stay dense (with ``moe_every`` > 1: blocks k, 2k, ... are MoE
+    and ``moe_layers`` must count them, :func:`_check_moe_layers`)."""
     out = {field: _num(row, col, int) for col, field in MOE_COLUMNS.items()}
+    out |= {col: _num(row, col, int) for col in MLA_COLUMNS}
     out = {k: v for k, v in out.items() if v is not None}
     moe_layers = _num(row, "moe_layers", int)
-    if moe_layers is not None:
+    if moe_layers is not None and out.get("moe_every", 1) == 1:
         out["first_dense_layers"] = n_layers - moe_layers
     return out
+
+
+def _check_moe_layers(row: dict, m: ModelShape) -> ModelShape:
+    """``moe_layers``, where given, is the model's count of MoE blocks."""
+    want = _num(row, "moe_layers", int)
+    if want is not None and m.is_moe and m.moe_layers != want:
+        raise Skip(f"moe_layers {want} disagrees with the shape: {m.moe_layers} MoE blocks of "
+                   f"{m.n_layers} with moe_every {m.moe_every} after {m.first_dense_layers} "
+                   "dense ones; fix moe_layers or moe_every")
+    return m
 
 
 def _style(row: dict) -> dict:
@@ -69,7 +87,7 @@ def row_shape(row: dict, seq: int, defaults: list | None = None) -> ModelShape:
                    "(data/models.toml); use a catalogue name or fill the shape columns")
     try:
         if base is not None:
-            return _over_catalogue(row, base, seq, out)
+            return _check_moe_layers(row, _over_catalogue(row, base, seq, out))
         if not (L and h and heads):
             raise Skip(f"model shape incomplete (layers, hidden, heads) and model "
                        f"{row.get('model') or rid!r} is not in the model catalogue; fill the "
@@ -86,12 +104,12 @@ def row_shape(row: dict, seq: int, defaults: list | None = None) -> ModelShape:
         blank += [(col, style[f], why) for col, f, why in _STYLE_DEFAULTS
                   if not (row.get(col) or "").strip()]
         out.extend(d for d in blank if d)
-        return ModelShape(
+        return _check_moe_layers(row, ModelShape(
             name=row.get("model") or rid, n_layers=L, d_model=h, n_heads=heads,
             n_kv_heads=kv if kv and kv != heads else None, d_ff=ffn or 4 * h,
             vocab_size=_num(row, "vocab", int) or 51200, context=seq,
             head_size=_num(row, "head_dim", int), **{**style, **_style(row)},
-            **_moe_fields(row, L))
+            **_moe_fields(row, L)))
     except (ValueError, TypeError) as e:
         raise Skip(f"model shape invalid: {e}") from None
 
