@@ -169,6 +169,11 @@ def test_heldout_split_is_disjoint_spread_and_follows_its_rule():
 @pytest.mark.parametrize("name, total, active", [
     ("mixtral-8x7b", 46.7e9, 12.9e9), ("mixtral-8x22b", 141e9, 39e9),
     ("deepseek-v3", 671e9, 37e9), ("grok-1", 314e9, None),
+    ("deepseek-v2", 236e9, 21e9), ("deepseek-v2-lite", 15.7e9, None),
+    ("qwen3-30b-a3b", 30.5e9, 3.3e9), ("qwen3-235b-a22b", 235e9, 22e9),
+    ("qwen2-57b-a14b", 57e9, 14e9), ("dbrx", 132e9, 36e9), ("olmoe-1b-7b", 6.9e9, 1.3e9),
+    ("llama4-scout", 109e9, 17e9), ("llama4-maverick", 400e9, 17e9),
+    ("kimi-k2", 1.04e12, 32.6e9),
 ])
 def test_catalogue_moe_models_match_published_totals(name, total, active):
     m = load_model(name)

@@ -221,10 +221,17 @@ class ModelConfig:
 
     @property
     def moe_layers(self) -> int:
-        return sum(self.is_moe_layer(i) for i in range(self.n_layers))
+        return _moe_layers(self)
 
     def replace(self, **changes) -> ModelConfig:
         return dataclasses.replace(self, **changes)
+
+
+@functools.lru_cache(maxsize=1024)
+def _moe_layers(cfg: ModelConfig) -> int:
+    """MoE blocks of ``cfg`` (its own :meth:`~ModelConfig.is_moe_layer`, so a subclass's
+    rule counts), cached: the layout search asks hundreds of thousands of times."""
+    return sum(cfg.is_moe_layer(i) for i in range(cfg.n_layers))
 
 
 @dataclass(frozen=True)

@@ -198,7 +198,7 @@ def mlp_activation_bytes(m: ModelShape, s: int, t: int, element_bytes: float, la
     (its index tensors)."""
     dense_mlp = 4 * s * m.d_ff / t * element_bytes
     if layer is None:
-        moe_share = sum(map(m.is_moe_layer, range(m.n_layers))) / m.n_layers
+        moe_share = m.moe_layers / m.n_layers
     else:
         moe_share = float(m.is_moe_layer(layer))
     if not moe_share:

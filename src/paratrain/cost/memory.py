@@ -39,6 +39,7 @@ micro-batches in flight on it.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from paratrain.config import ModelConfig
@@ -107,15 +108,20 @@ def params_per_gpu(model: ModelConfig, plan: ParallelPlan) -> ParamsPerGPU:
     head; with pp > 1 the vocabulary matrix of the first or last stage), over tp; routed
     experts also over ep. Exact for tp = pp = 1. An MoE model as the plan lays its
     experts out (:func:`_moe_params`)."""
-    m = as_shape(model)
+    return _params_per_gpu(as_shape(model), plan.pp, plan.tp, plan.ep, plan.etp)
+
+
+@functools.lru_cache(maxsize=4096)
+def _params_per_gpu(m: ModelShape, pp: int, tp: int, ep: int, etp: int) -> ParamsPerGPU:
+    """:func:`params_per_gpu` on the axes it reads (cached: the layout search prices
+    hundreds of thousands of plans that differ only in the others)."""
     if m.is_moe:
-        return _moe_params(m, plan)
-    share = stage_layers(m.n_layers, plan.pp) / m.n_layers
-    emb = m.embedding_params() if plan.pp == 1 else _stage_embedding(m)
+        return _moe_params(m, pp, tp, ep, etp)
+    share = stage_layers(m.n_layers, pp) / m.n_layers
+    emb = m.embedding_params() if pp == 1 else _stage_embedding(m)
     expert = m.routed_expert_params() * share
     dense = m.num_layer_params() * share - expert + emb
-    return ParamsPerGPU(dense / plan.tp, expert / (plan.tp * plan.ep),
-                        m.num_layer_params() / m.n_layers / plan.tp)
+    return ParamsPerGPU(dense / tp, expert / (tp * ep), m.num_layer_params() / m.n_layers / tp)
 
 
 def _stage_embedding(m: ModelShape) -> int:
@@ -123,27 +129,25 @@ def _stage_embedding(m: ModelShape) -> int:
     return m.vocab_size * m.d_model + (m.context * m.d_model if m.learned_positions else 0)
 
 
-def _moe_params(m: ModelShape, plan: ParallelPlan) -> ParamsPerGPU:
+def _moe_params(m: ModelShape, pp: int, tp: int, ep: int, etp: int) -> ParamsPerGPU:
     """Each rank keeps E / ep routed experts of every MoE layer, each split over etp; the
     router and shared experts are dense parameters, split over etp too (attention, dense
     MLPs and the vocabulary over tp as in a dense model). etp 1 is paratrain's runtime
     (:mod:`paratrain.parallel.expert`, :mod:`paratrain.cost.layout`: the whole MoE MLP
     replicated over tp), etp = tp Megatron-Core's default."""
-    share = stage_layers(m.n_layers, plan.pp) / m.n_layers
-    emb = m.embedding_params() if plan.pp == 1 else _stage_embedding(m)
+    share = stage_layers(m.n_layers, pp) / m.n_layers
+    emb = m.embedding_params() if pp == 1 else _stage_embedding(m)
     moe = m.moe_layers * share
     routed = moe * m.experts * m.expert_params()
     whole = moe * (m.moe_mlp_params() - m.experts * m.expert_params())  # router, shared
-    dense = (m.num_layer_params() * share - routed - whole + emb) / plan.tp + whole / plan.etp
-
-    def block(i: int) -> float:  # block i's parameters on one rank (ZeRO-3's gather)
-        if not m.is_moe_layer(i):
-            return m.layer_params(i) / plan.tp
-        mlp = m.moe_mlp_params() - m.experts * m.expert_params() * (1 - 1 / plan.ep)
-        return (m.layer_params(i) - m.moe_mlp_params()) / plan.tp + mlp / plan.etp
-
-    return ParamsPerGPU(dense, routed / (plan.ep * plan.etp),
-                        max(map(block, range(m.n_layers))))
+    dense = (m.num_layer_params() * share - routed - whole + emb) / tp + whole / etp
+    # the largest block on one rank (ZeRO-3's gather): a dense one, or an MoE one with
+    # its E / ep routed experts; the model has at most these two kinds
+    mlp = m.moe_mlp_params() - m.experts * m.expert_params() * (1 - 1 / ep)
+    blocks = [(m.attention_params() + m.norm_params()) / tp + mlp / etp]
+    if m.moe_layers < m.n_layers:
+        blocks.append(m.layer_params() / tp)
+    return ParamsPerGPU(dense, routed / (ep * etp), max(blocks))
 
 
 @dataclass(frozen=True)

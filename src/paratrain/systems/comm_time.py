@@ -17,6 +17,8 @@ bytes come from the homes that count them for the runtime
 
 from __future__ import annotations
 
+import functools
+
 from paratrain.cost import collectives as coll
 from paratrain.cost.cp_bytes import A2A_EXCHANGES, cp_bytes_per_sequence_layer
 from paratrain.cost.groups import span, strides
@@ -95,8 +97,7 @@ def cp_s(m: ModelShape, plan: ParallelPlan, seq_len: int, micro_batch: int, hw: 
     of each of the :data:`A2A_EXCHANGES` exchanges a direction makes."""
     if plan.cp == 1:
         return 0.0, 0.0
-    shaped = m if m.context == seq_len else m.replace(context=seq_len)
-    fwd, bwd = cp_bytes_per_sequence_layer(shaped, plan, elem)
+    fwd, bwd = cp_bytes_per_sequence_layer(_at_context(m, seq_len), plan, elem)
     a, bw = group_bw(plan, "cp", plan.cp, hw, nvlink_eff, net_eff)
     hops = plan.cp - 1
     if plan.cp_algorithm != "ring":
@@ -104,6 +105,13 @@ def cp_s(m: ModelShape, plan: ParallelPlan, seq_len: int, micro_batch: int, hw: 
         return lat + micro_batch * fwd / bw, lat + micro_batch * bwd / bw
     step = a + 2 * kernel_s
     return hops * step + micro_batch * fwd / bw, 2 * hops * step + micro_batch * bwd / bw
+
+
+@functools.lru_cache(maxsize=256)
+def _at_context(m: ModelShape, seq_len: int) -> ModelShape:
+    """``m`` at a context of ``seq_len`` (cached: the layout search prices one model at
+    one sequence length hundreds of thousands of times)."""
+    return m if m.context == seq_len else m.replace(context=seq_len)
 
 
 def ep_s(plan: ParallelPlan, routed_bytes: float, hw: Hardware, nvlink_eff: float,
