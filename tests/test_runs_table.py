@@ -126,6 +126,41 @@ def test_latent_attention_and_interleaved_moe_come_from_shape_columns():
         row_shape({**maverick, "moe_layers": "48"}, 8192)
 
 
+def test_local_attention_prices_the_keys_a_query_sees():
+    """Sliding and chunked windows, in every block or all but every k-th: the mean keys a
+    query attends to (the whole causal context: seq / 2), which the step model's
+    attention time follows; the columns of a runs row set them, an unknown kind is
+    refused by name."""
+    from paratrain.cost.hardware import load_hardware
+    from paratrain.systems.gemm import chip_of
+    from paratrain.systems.layer_cost import Rates, block_cost
+
+    full = load_model("llama3.1-8b")
+    assert full.attended_keys(8192) == 4096
+    sliding = dataclasses.replace(full, local_window=4096)
+    assert sliding.attended_keys(4096) == 2048  # the window covers the sequence
+    assert sliding.attended_keys(8192) == 4096 - 4096**2 / (2 * 8192)  # 3072
+    alternate = dataclasses.replace(sliding, global_every=2)
+    assert [alternate.is_local_layer(i) for i in range(4)] == [True, False, True, False]
+    assert alternate.attended_keys(8192) == (3072 + 4096) / 2
+    chunked = dataclasses.replace(full, local_window=1000, local_kind="chunked")
+    assert chunked.attended_keys(8192) == (8 * 1000**2 / 2 + 192**2 / 2) / 8192
+    assert load_model("gpt-oss-120b").attended_keys(4096) == (128 - 128**2 / 8192 + 2048) / 2
+    hw = load_hardware("h100")
+    r = Rates(gemm_eff=0.7, attn_eff=0.5, hbm_eff=0.7, kernel_s=1e-5)
+
+    def attn(m):
+        return block_cost(m, 8192, 8192, 1, 1, False, 1, hw, chip_of(hw.name), r,
+                          False).fwd["attention"]
+
+    assert attn(alternate) / attn(full) == pytest.approx(alternate.attended_keys(8192) / 4096)
+    row = {**BY_ID["dgxc_llama31_8b_8"], "local_window": "4096", "global_every": "2"}
+    assert row_shape(row, 8192).attended_keys(8192) == alternate.attended_keys(8192)
+    assert row_shape({**row, "local_kind": "Chunked"}, 8192).local_kind == "chunked"
+    with pytest.raises(Skip, match="local_kind='tiled' is unknown"):
+        row_shape({**row, "local_kind": "tiled"}, 8192)
+
+
 def test_tokens_per_second_rows_are_priced_as_model_tflops():
     row = BY_ID["mosaic_mpt7b_h100_80gb_8g_s2048"]
     case = row_to_case(row)
@@ -173,7 +208,7 @@ def test_heldout_split_is_disjoint_spread_and_follows_its_rule():
     ("qwen3-30b-a3b", 30.5e9, 3.3e9), ("qwen3-235b-a22b", 235e9, 22e9),
     ("qwen2-57b-a14b", 57e9, 14e9), ("dbrx", 132e9, 36e9), ("olmoe-1b-7b", 6.9e9, 1.3e9),
     ("llama4-scout", 109e9, 17e9), ("llama4-maverick", 400e9, 17e9),
-    ("kimi-k2", 1.04e12, 32.6e9),
+    ("kimi-k2", 1.04e12, 32.6e9), ("gpt-oss-120b", 116.8e9, None), ("gpt-oss-20b", 20.9e9, None),
 ])
 def test_catalogue_moe_models_match_published_totals(name, total, active):
     m = load_model(name)

@@ -219,19 +219,12 @@ class ModelConfig:
         """Whether block ``i`` (0-based) has an MoE MLP: (i + 1) % moe_every == 0."""
         return self.experts > 0 and (i + 1) % self.moe_every == 0
 
-    @property
+    @functools.cached_property  # the layout search asks hundreds of thousands of times
     def moe_layers(self) -> int:
-        return _moe_layers(self)
+        return sum(self.is_moe_layer(i) for i in range(self.n_layers))
 
     def replace(self, **changes) -> ModelConfig:
         return dataclasses.replace(self, **changes)
-
-
-@functools.lru_cache(maxsize=1024)
-def _moe_layers(cfg: ModelConfig) -> int:
-    """MoE blocks of ``cfg`` (its own :meth:`~ModelConfig.is_moe_layer`, so a subclass's
-    rule counts), cached: the layout search asks hundreds of thousands of times."""
-    return sum(cfg.is_moe_layer(i) for i in range(cfg.n_layers))
 
 
 @dataclass(frozen=True)

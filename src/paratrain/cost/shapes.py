@@ -44,6 +44,14 @@ class ModelShape(ModelConfig):
     qk_nope_dim: int = 0
     qk_rope_dim: int = 0
     v_head_dim: int = 0
+    # local attention (Mistral 7B, Gemma 2/3, gpt-oss, Llama 4): a query sees the last
+    # ``local_window`` keys ("sliding") or only its own ``local_window``-token chunk
+    # ("chunked"), except in every ``global_every``-th block (0: in none), which attends
+    # to the whole causal context. Prices the attention's time (:meth:`attended_keys`);
+    # the FLOP counts a source reports MFU in stay the full causal ones.
+    local_window: int = 0
+    local_kind: str = "sliding"
+    global_every: int = 0
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -52,6 +60,12 @@ class ModelShape(ModelConfig):
         if self.experts and not 0 <= self.first_dense_layers < self.n_layers:
             raise ValueError(f"first_dense_layers={self.first_dense_layers} must be in "
                              f"[0, n_layers={self.n_layers}); set e.g. first_dense_layers = 0")
+        if self.local_kind not in LOCAL_KINDS:
+            raise ValueError(f"local_kind={self.local_kind!r} is unknown; choose one of "
+                             f"{', '.join(LOCAL_KINDS)}")
+        if self.local_window < 0 or self.global_every < 0:
+            raise ValueError(f"local_window={self.local_window}, global_every="
+                             f"{self.global_every}: give 0 (none) or a positive count")
         if self.is_mla and min(self.qk_nope_dim, self.qk_rope_dim, self.v_head_dim) <= 0:
             raise ValueError(f"multi-head latent attention (kv_lora_rank={self.kv_lora_rank}) "
                              "needs qk_nope_dim, qk_rope_dim and v_head_dim > 0 (DeepSeek-V3: "
@@ -174,6 +188,28 @@ class ModelShape(ModelConfig):
             dqk = dv = self.head_dim
         return 6.0 * self.n_heads * (dqk + dv) * seq_len
 
+    def is_local_layer(self, i: int) -> bool:
+        """Whether block ``i`` attends within its local window (:attr:`local_window`)."""
+        return self.local_window > 0 and not (
+            self.global_every and (i + 1) % self.global_every == 0)
+
+    def attended_keys(self, seq_len: int) -> float:
+        """Keys a query attends to in causal attention over ``seq_len`` tokens, the mean
+        over queries and blocks, as a continuous count (the whole context: seq_len / 2,
+        half the score matrix). A sliding window w: w - w^2 / (2 seq_len) once seq_len >
+        w; chunks of c tokens: c / 2 a whole chunk, the remainder r's r / 2."""
+        full = seq_len / 2
+        w = self.local_window
+        if not w or seq_len <= w:
+            return full
+        if self.local_kind == "sliding":
+            local = w - w * w / (2 * seq_len)
+        else:
+            whole, r = divmod(seq_len, w)
+            local = (whole * w * w / 2 + r * r / 2) / seq_len
+        n_local = sum(map(self.is_local_layer, range(self.n_layers)))
+        return (n_local * local + (self.n_layers - n_local) * full) / self.n_layers
+
     def attention_flops_per_token(self, seq_len: int) -> float:
         """Score and value matmuls, forward + backward: 6 T H (d_qk + d_v) per layer,
         i.e. 12 L H Q T when d_qk = d_v = Q (PaLM, appendix B)."""
@@ -214,6 +250,7 @@ class ModelShape(ModelConfig):
 
 
 FLOP_COUNTS = ("6N", "matmul", "causal")
+LOCAL_KINDS = ("sliding", "chunked")
 
 
 _FIELDS = {f.name for f in dataclasses.fields(ModelShape)}

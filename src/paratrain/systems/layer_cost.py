@@ -122,8 +122,9 @@ def block_cost(m: ModelShape, M: int, seq_len: int, tp: int, cp: int, sp: bool, 
     lin("out", d, H * dv // tp)
     b_seqs = M * cp / seq_len
     heads = H // tp
-    if attention != "eager":  # flash(3), causal: half the s x s scores, 1/cp on this rank
-        attn_flops = 2.0 * b_seqs * seq_len * seq_len / 2 * heads * (dqk + dv) / cp
+    if attention != "eager":  # flash(3), causal: half the s x s scores (or a local
+        # window's, ModelShape.attended_keys), 1/cp on this rank
+        attn_flops = 2.0 * b_seqs * seq_len * m.attended_keys(seq_len) * heads * (dqk + dv) / cp
         attn_f = attn_flops / (hw.peak_flops * r.attn_eff)
         fwd["attention"], bwd["attention"] = attn_f, 2.5 * attn_f
         scores = 0.0

@@ -20,6 +20,9 @@ MOE_COLUMNS = {"experts": "experts", "top_k": "top_k", "moe_ffn_hidden": "moe_ff
 # multi-head latent attention (DeepSeek-V2/V3, arXiv:2405.04434): the ModelShape fields
 # of the same names; q_lora_rank empty or 0 = a full-rank query projection (V2-Lite)
 MLA_COLUMNS = ("q_lora_rank", "kv_lora_rank", "qk_nope_dim", "qk_rope_dim", "v_head_dim")
+# local attention (ModelShape.attended_keys): the window in tokens, "sliding" (empty) or
+# "chunked", and every k-th block attending globally (empty: none)
+LOCAL_COLUMNS = ("local_window", "global_every")
 # shape columns -> ModelShape fields
 SHAPE_COLUMNS = {"layers": "n_layers", "hidden": "d_model", "heads": "n_heads",
                  "kv_heads": "n_kv_heads", "ffn_hidden": "d_ff", "vocab": "vocab_size",
@@ -40,12 +43,15 @@ def _catalogue_model(row: dict) -> ModelShape | None:
 
 
 def _moe_fields(row: dict, n_layers: int) -> dict:
-    """The row's non-empty MoE and MLA columns as ModelShape fields; ``moe_layers`` sets
-    how many first blocks stay dense (with ``moe_every`` > 1: blocks k, 2k, ... are MoE
-    and ``moe_layers`` must count them, :func:`_check_moe_layers`)."""
+    """The row's non-empty MoE, MLA and local-attention columns as ModelShape fields;
+    ``moe_layers`` sets how many first blocks stay dense (with ``moe_every`` > 1: blocks
+    k, 2k, ... are MoE and ``moe_layers`` must count them, :func:`_check_moe_layers`)."""
     out = {field: _num(row, col, int) for col, field in MOE_COLUMNS.items()}
-    out |= {col: _num(row, col, int) for col in MLA_COLUMNS}
+    out |= {col: _num(row, col, int) for col in (*MLA_COLUMNS, *LOCAL_COLUMNS)}
     out = {k: v for k, v in out.items() if v is not None}
+    kind = (row.get("local_kind") or "").strip().lower()
+    if kind:
+        out["local_kind"] = kind
     moe_layers = _num(row, "moe_layers", int)
     if moe_layers is not None and out.get("moe_every", 1) == 1:
         out["first_dense_layers"] = n_layers - moe_layers
