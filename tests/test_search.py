@@ -123,3 +123,24 @@ def test_search_lists_the_v_schedules_with_their_constraints():
     assert bubble_over_compute(p.schedule, p.pp, p.micro_batches, 2) < bubble_over_compute(
         "1f1b", p.pp, p.micro_batches)
     assert bd.step_s < base.step_s
+
+
+def test_search_reports_its_progress_every_so_many_layouts(monkeypatch):
+    """A long search (an MoE model's runs a minute or more) calls ``progress`` every
+    PROGRESS_EVERY layouts with the counts so far and the fastest step yet; the result
+    is the same with or without it."""
+    import paratrain.systems.search as S
+
+    monkeypatch.setattr(S, "PROGRESS_EVERY", 500)
+    hw = load_hardware("h100")
+    seen = []
+    res = search(SMALL, hw, 64, 256 * 2048, 2048, top=3,
+                 progress=lambda *a: seen.append(a))
+    assert len(seen) == res.scored // 500 > 1
+    assert [s for s, _, _ in seen] == [500 * (i + 1) for i in range(len(seen))]
+    fits = [f for _, f, _ in seen]
+    assert fits == sorted(fits) and fits[-1] <= res.fitting
+    best = [b for _, _, b in seen if b is not None]
+    assert best == sorted(best, reverse=True) and best[-1] >= res.top[0].step_s
+    again = search(SMALL, hw, 64, 256 * 2048, 2048, top=3)
+    assert [c.plan for c in again.top] == [c.plan for c in res.top]

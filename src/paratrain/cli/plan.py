@@ -320,6 +320,15 @@ def _run_model(mcfg: ModelConfig):
     return as_shape(mcfg)
 
 
+def _progress_line():
+    """search()'s progress as one line on a terminal's stderr, rewritten in place."""
+    def show(scored: int, fitting: int, best: float | None) -> None:
+        lead = f", fastest so far {best:.3g} s" if best is not None else ""
+        print(f"\rsearching: {scored:,} layouts scored, {fitting:,} fit{lead}", end="",
+              file=sys.stderr, flush=True)
+    return show
+
+
 def _search(m, hw, gpus, tokens, seq_len, top, eta, json_out, plot, attention,
             step_params, engine) -> PlanOutput:
     from paratrain.systems.search import candidate_record, explain, render_search, search
@@ -328,7 +337,9 @@ def _search(m, hw, gpus, tokens, seq_len, top, eta, json_out, plot, attention,
         raise ValueError(f"top={top} must be >= 1; pass e.g. --top 10")
     res = search(m, hw, gpus, tokens, seq_len, top=top, eta=eta, keep_points=bool(plot),
                  attention=attention, reference=step_params is None, params=step_params,
-                 engine=engine)
+                 engine=engine, progress=_progress_line() if sys.stderr.isatty() else None)
+    if sys.stderr.isatty():
+        print("\r\033[K", end="", file=sys.stderr, flush=True)
     hw = hw if eta is None else hw.replace(eta=eta)
     lines = explain(res, m, hw)
     if json_out:

@@ -43,6 +43,7 @@ from paratrain.systems.step_time import StepTime, bubble_fraction, step_time
 ZERO_STAGES = (0, 1, 2, 3)
 VIRTUAL_STAGES = (2, 3, 4, 5, 6, 8, 12)  # chunks per rank the published runs use
 RECOMPUTES = ("none", "selective", "full")
+PROGRESS_EVERY = 50_000  # layouts between two calls of search()'s progress
 
 
 def _divisors(n: int) -> list[int]:
@@ -182,11 +183,13 @@ def search(model: ModelConfig, hw: Hardware, gpus: int, tokens_per_step: int, se
            *, top: int = 10, eta: float | None = None, keep_points: bool = True,
            step_kwargs: dict | None = None, attention: str = "eager",
            reference: bool = False, params: StepParams | None = None,
-           engine: str | None = None, **enum_kw) -> SearchResult:
+           engine: str | None = None, progress=None, **enum_kw) -> SearchResult:
     """Price every layout; return the ``top`` fitting ones by predicted step time: the
     step model under ``params`` and ``engine`` (default), or with ``reference`` the
     reference :func:`step_time` (``step_kwargs`` go to it); ``attention`` goes to
-    :func:`memory`. ``engine`` defaults to :data:`SEARCH_ENGINE` (why: overlap.py)."""
+    :func:`memory`. ``engine`` defaults to :data:`SEARCH_ENGINE` (why: overlap.py).
+    ``progress(scored, fitting, best_step_s)`` is called every :data:`PROGRESS_EVERY`
+    layouts (an MoE model's search runs a minute or more: the CLI shows it)."""
     if tokens_per_step % seq_len:
         raise ValueError(
             f"tokens_per_step={tokens_per_step} is not a multiple of seq_len={seq_len}; "
@@ -204,6 +207,8 @@ def search(model: ModelConfig, hw: Hardware, gpus: int, tokens_per_step: int, se
     for plan, b in enumerate_plans(m, hw, gpus, tokens_per_step // seq_len, seq_len,
                                    **enum_kw):
         scored += 1
+        if progress is not None and scored % PROGRESS_EVERY == 0:
+            progress(scored, fitting, best[0].step_s if best else None)
         mem = memory(m, plan, hw, tokens_per_step, seq_len, attention=attention)
         if not mem.fits:
             continue
