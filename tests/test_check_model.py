@@ -368,3 +368,33 @@ def test_the_fit_runs_bracket_every_plan_and_set_its_pace(profile, text_file, ca
     assert rec["error_at_fit_pace"] == pytest.approx(
         rec["predicted_at_fit_pace_s"] / rec["measured_s"] - 1)
     assert "at the fit's average pace" in format_table(out)
+
+
+def test_the_busiest_expert_rank_is_taken_layer_by_layer():
+    """Two data ranks of one ep 2 group, two MoE layers, four experts: layer 0 sends 30
+    rows to rank 0's experts and 10 to rank 1's, layer 1 the reverse. Summed over the
+    layers the ranks are even (1.0); each layer's combine waits for a rank with 1.5x the
+    mean: the record keeps 1.5, and the prediction prices the median of the timed steps."""
+    from paratrain.config import ModelConfig
+    from paratrain.plan import ParallelPlan
+    from paratrain.predict.axes import expert_load_from_routing
+    from paratrain.predict.report import routing_load
+    from paratrain.run.moe_stats import layer_load, moe_record
+
+    by_layer = [[[10, 5, 3, 2], [3, 2, 10, 5]]] * 2  # [d][l][e]
+    assert layer_load(by_layer, 2) == pytest.approx(1.5)
+    summed = [[sum(x) for x in zip(*by_layer[d], strict=True)] for d in range(2)]
+    plan = ParallelPlan(dp=2, ep=2)
+    assert expert_load_from_routing(plan, 4, summed) == pytest.approx(1.0)
+    mcfg = ModelConfig(n_layers=2, d_model=16, n_heads=2, d_ff=32, context=8, experts=4,
+                       top_k=2)
+    flat_layers = [v for d in range(2) for layer in by_layer[d] for v in layer]
+    stats = [0.0, 0.0, 0.0, *map(sum, zip(*summed, strict=True)),
+             *[v for row in summed for v in row], *flat_layers]
+    rec = moe_record(stats, mcfg, 4, plan)
+    assert rec["moe_load_by_rank"] == summed and rec["moe_layer_load"] == pytest.approx(1.5)
+    assert "moe_layer_load" not in moe_record(stats[:3 + 4 + 8], mcfg, 4)  # no plan: none
+    steps = [{**rec, "moe_layer_load": x} for x in (1.1, 1.5, 1.3, 1.9)]
+    assert routing_load({"moe_steps": steps}, plan, mcfg) == 1.5  # median of steps 2-4
+    old = [{k: v for k, v in s.items() if k != "moe_layer_load"} for s in steps]
+    assert routing_load({"moe_steps": old}, plan, mcfg) == pytest.approx(1.0)

@@ -205,17 +205,21 @@ def set_moe_loss_scale(model: nn.Module, scale: float | None) -> None:
         m.loss_scale = scale
 
 
-def take_moe_stats(model: nn.Module, experts: int) -> list[float]:
+def take_moe_stats(model: nn.Module, experts: int, per_layer: bool = False) -> list[float]:
     """This rank's MoE statistics since the last call, as one flat list to be summed over
     ranks: [aux sum over layers and sequences, z-loss sum over layers and tokens,
     dropped assignments, load of expert 0..E-1 summed over layers] (a rank holding a
-    subset of the experts counts all E: the load is counted where the tokens are routed).
+    subset of the experts counts all E: the load is counted where the tokens are routed),
+    then with ``per_layer`` each MoE layer's load of expert 0..E-1, in layer order.
     Resets them."""
     aux, z, dropped, load = 0.0, 0.0, 0, torch.zeros(experts, dtype=torch.long)
+    layers: list[float] = []
     for m in moe_modules(model):
         aux += m.stats["aux_sum"]
         z += m.stats["z_sum"]
         dropped += m.stats["dropped"]
         load += m.stats["load"]
+        if per_layer:
+            layers += map(float, m.stats["load"].tolist())
         m.reset_stats()
-    return [aux, z, float(dropped), *map(float, load.tolist())]
+    return [aux, z, float(dropped), *map(float, load.tolist()), *layers]

@@ -4,6 +4,7 @@ printed at its end (:mod:`paratrain.predict`)."""
 from __future__ import annotations
 
 import math
+import statistics
 from pathlib import Path
 
 from paratrain.config import ModelConfig, TrainConfig
@@ -104,13 +105,20 @@ def _load_is_the_groups(plan: ParallelPlan) -> bool:
 
 
 def routing_load(summary: dict, plan: ParallelPlan, mcfg: ModelConfig) -> float | None:
-    """The busiest ep rank's expert rows over the mean in the run's first step, from its
-    routing (:func:`paratrain.predict.axes.expert_load_from_routing`), where the
-    recorded load is what the ep groups routed (:func:`_load_is_the_groups`, as for the
-    bytes: :func:`_ep_bytes`); None otherwise, or without ep."""
+    """The busiest ep rank's expert rows over the mean, from the run's routing, where
+    the recorded load is what the ep groups routed (:func:`_load_is_the_groups`, as for
+    the bytes: :func:`_ep_bytes`); None otherwise, or without ep. Layer by layer where
+    the steps recorded it (``moe_layer_load``, :func:`paratrain.run.moe_stats.
+    layer_load`: each layer's combine waits for that layer's busiest rank), the median
+    over the steps after the first (the steps whose times are compared); else the first
+    step's sum over layers (:func:`paratrain.predict.axes.expert_load_from_routing`),
+    which a layer-by-layer imbalance that changes rank mostly cancels in."""
     steps = [s for s in summary.get("moe_steps") or [] if "moe_load_by_rank" in s]
     if plan.ep == 1 or not steps or not _load_is_the_groups(plan):
         return None
+    layers = [s["moe_layer_load"] for s in steps[1:] or steps if "moe_layer_load" in s]
+    if layers:
+        return statistics.median(layers)
     return expert_load_from_routing(plan, mcfg.experts, steps[0]["moe_load_by_rank"])
 
 

@@ -23,7 +23,7 @@ from paratrain.cost.shapes import as_shape
 from paratrain.files import checkpoint
 from paratrain.files.atomic import write_atomic
 from paratrain.files.batches import Corpus, bits_per_byte
-from paratrain.model import Decoder, take_moe_stats
+from paratrain.model import Decoder
 from paratrain.parallel.api import build_engine
 from paratrain.parallel.memory import ActivationMeter
 from paratrain.parallel.optim import lr_at
@@ -31,6 +31,7 @@ from paratrain.parallel.precision import working_dtype
 from paratrain.parallel.process_groups import at
 from paratrain.plan import ParallelPlan
 from paratrain.run import shutdown
+from paratrain.run.moe_stats import moe_record, moe_stats
 from paratrain.run.outputs import mfu_of_step, output_lines
 from paratrain.run.save import save_checked
 from paratrain.run.summary import (
@@ -163,38 +164,6 @@ def evaluate(engine, corpus: Corpus, tcfg: TrainConfig, ctx: int) -> float:
     return total / (tcfg.eval_batches * tcfg.global_batch * ctx)
 
 
-def moe_stats(engine, experts: int) -> list[float]:
-    """:func:`paratrain.model.take_moe_stats` of this rank, followed by a dp x E block
-    in which this rank fills its own row with its load (tokens it routed, per expert),
-    summed over the world in one collective: the totals, and each data rank's routing."""
-    mine = take_moe_stats(engine.model, experts)
-    by_rank = [0.0] * (engine.dp_size * experts)
-    r = engine.dp_rank * experts
-    by_rank[r:r + experts] = mine[3:]
-    return engine.all_sum(mine + by_rank)
-
-
-def moe_record(stats: list[float], mcfg: ModelConfig, sequences: int) -> dict:
-    """Metrics of a step's MoE layers from :func:`paratrain.model.take_moe_stats` summed
-    over ranks: ``aux_loss`` is the term the step's loss adds (coef x the mean over
-    sequences of the per-layer balance losses, summed over layers; each is 1.0 when
-    perfectly balanced), ``z_loss`` the router z-loss term it adds (z_coef x the mean
-    over tokens, summed over layers; with the coefficient 0 it is 0.0), ``moe_load`` the
-    assignments each expert received (summed over layers), ``moe_dropped`` the
-    assignments over capacity, ``moe_load_by_rank`` the load per data rank (the tokens
-    each routed: the all-to-all's send counts, ``paratrain viz moe``)."""
-    E = mcfg.experts
-    aux, z, dropped, load = stats[0], stats[1], stats[2], [int(v) for v in stats[3:3 + E]]
-    rest = [int(v) for v in stats[3 + E:]]  # moe_stats: each data rank's load
-    by_rank = [rest[i:i + E] for i in range(0, len(rest), E)] if rest else [load]
-    return {"aux_loss": mcfg.aux_loss_coef * aux / sequences,
-            "moe_load_by_rank": by_rank,
-            "z_loss": mcfg.z_loss_coef * z / (sequences * mcfg.context),
-            "moe_balance": aux / sequences / max(1, mcfg.moe_layers),
-            "moe_load": load, "moe_tokens_max": max(load),
-            "moe_tokens_mean": sum(load) / len(load), "moe_dropped": int(dropped)}
-
-
 def _setup(mcfg: ModelConfig, tcfg: TrainConfig, plan: ParallelPlan, opts: RunOptions,
            world: int, device: torch.device):
     """Checks, then the corpus, the model and the engine that runs ``plan``."""
@@ -286,7 +255,7 @@ def _train_step(engine, corpus: Corpus, mcfg: ModelConfig, tcfg: TrainConfig,
         meter.snapshot(engine)  # grads, optimizer state and buffers all exist now
     at("loss all-reduce", "world")
     (loss_sum,) = engine.all_sum([loss_sum])
-    moe = moe_stats(engine, mcfg.experts) if mcfg.experts else None
+    moe = moe_stats(engine, mcfg.experts, plan) if mcfg.experts else None
     lr = lr_at(step, tcfg)
     at("gradient-norm all-reduce and optimizer step", "world, then dp")
     gnorm = engine.clip_and_step(lr)
@@ -309,7 +278,7 @@ def _train_step(engine, corpus: Corpus, mcfg: ModelConfig, tcfg: TrainConfig,
            "comm_by_axis": {k: {"wire_bytes": b, "s": t}
                             for k, (b, t) in tally.comm_steps[-1].items()}}
     if moe is not None:
-        tally.moe_steps.append(moe_record(moe, mcfg, tcfg.global_batch))
+        tally.moe_steps.append(moe_record(moe, mcfg, tcfg.global_batch, plan))
         ex = getattr(engine, "ep", None)
         if ex is not None:  # rank 0's token all-to-all bytes (fwd + bwd, with splits)
             tally.moe_steps[-1]["ep_wire_bytes"] = ex.wire_bytes - tally.ep_mark
