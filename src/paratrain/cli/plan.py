@@ -335,10 +335,11 @@ def _search(m, hw, gpus, tokens, seq_len, top, eta, json_out, plot, attention,
 
     if top < 1:
         raise ValueError(f"top={top} must be >= 1; pass e.g. --top 10")
+    tty = sys.stderr.isatty()
     res = search(m, hw, gpus, tokens, seq_len, top=top, eta=eta, keep_points=bool(plot),
                  attention=attention, reference=step_params is None, params=step_params,
-                 engine=engine, progress=_progress_line() if sys.stderr.isatty() else None)
-    if sys.stderr.isatty():
+                 engine=engine, progress=_progress_line() if tty else None)
+    if tty:  # clear the progress line
         print("\r\033[K", end="", file=sys.stderr, flush=True)
     hw = hw if eta is None else hw.replace(eta=eta)
     lines = explain(res, m, hw)

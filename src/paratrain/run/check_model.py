@@ -186,8 +186,7 @@ def run_grid(names: list[str] | None = None, *, profile: str | None = None, step
         gb, m = order[i % len(order)]
         inputs["runs"].append((gb, m, one_fit_run(mcfg, tcfg, gb, m)))
 
-    passes = [list(plans.items())] * launches
-    for i, (name, (plan, model)) in enumerate(x for p in passes for x in p):
+    for i, (name, (plan, model)) in enumerate([*plans.items()] * launches):  # passes
         if inputs is not None:
             fit_run(i)
         with tempfile.TemporaryDirectory(prefix="paratrain-check-") as d, _Sampler() as smp:
@@ -234,11 +233,9 @@ def run_grid(names: list[str] | None = None, *, profile: str | None = None, step
 
 def _median_launch(recs: list[dict]) -> dict:
     """One plan's record from its launches' (:data:`LAUNCHES`): the launch whose error is
-    the median of theirs (the lower of the middle two for an even count), with every
-    launch's figures beside it and wire bytes and model states exact only if they were
-    in every launch. A launch is one draw of where the scheduler puts the ranks: every
-    step of one dp2 launch ran 28% slower than another's, on a quiet box, with its CPU
-    per step the same."""
+    the median of theirs (the lower of the middle two for an even count; why: the module
+    docstring), with every launch's figures beside it and wire bytes and model states
+    exact only if they were in every launch."""
     mid = sorted(recs, key=lambda r: r["error"])[(len(recs) - 1) // 2]
     return {**mid, "wire_exact": all(r["wire_exact"] for r in recs),
             "states_exact": all(r["states_exact"] for r in recs),
