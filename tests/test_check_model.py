@@ -58,7 +58,7 @@ def test_a_plans_record_is_its_median_launch(capsys):
 
     def launch(measured: float, exact: bool = True) -> dict:
         return {"measured_s": measured, "predicted_s": 0.12, "error": 0.12 / measured - 1,
-                "pace": 1.0, "other_threads": 0.0, "cpu_share_rank0": 0.9,
+                "pace": 1.0, "core_speed": 0.95, "other_threads": 0.0, "cpu_share_rank0": 0.9,
                 "wire_exact": exact, "states_exact": True}
 
     rec = _median_launch([launch(0.116), launch(0.148, exact=False), launch(0.124)])
@@ -334,7 +334,8 @@ def test_the_fit_runs_bracket_every_plan_and_set_its_pace(profile, text_file, ca
                                                          monkeypatch):
     """One plan trained for real between two injected fit runs that took twice what the
     first four (and the fit's linear cost) say: the plan is priced at the pace of those
-    two, slower than the fit's average, and the record keeps both predictions."""
+    two, slower than the fit's average, and at the core speed with both cores busy
+    measured beside them; the record keeps both predictions."""
     from paratrain.config import TrainConfig
     from paratrain.predict import load_machine
     from paratrain.run import cpu_fit as cf
@@ -346,9 +347,11 @@ def test_the_fit_runs_bracket_every_plan_and_set_its_pace(profile, text_file, ca
         k = (2.0 if mcfg.experts else 1.0) * (2.0 if slow["on"] else 1.0)
         return k * t, k * 3e-3  # and its per-step part, measured outside the passes
 
+    beside = iter([0.8, 0.7])  # a core's speed beside the plan's fit runs (in the pool)
+
     def core_speed(*a):
         slow["on"] = True  # the last measurement before the grid: the plans' fit runs
-        return 1.0
+        return next(beside) if len(a) == 7 else 1.0
 
     monkeypatch.setattr(cf, "_thread_peak", lambda: 1e10)
     monkeypatch.setattr(cf, "_one_process", one_process)
@@ -368,6 +371,8 @@ def test_the_fit_runs_bracket_every_plan_and_set_its_pace(profile, text_file, ca
     assert rec["error_at_fit_pace"] == pytest.approx(
         rec["predicted_at_fit_pace_s"] / rec["measured_s"] - 1)
     assert "at the fit's average pace" in format_table(out)
+    # a core's speed with both cores busy: the two beside the plan's, the fit's the median
+    assert rec["core_speed"] == pytest.approx(0.75) and out["machine"]["core_speed"] == 0.8
 
 
 def test_the_busiest_expert_rank_is_taken_layer_by_layer():

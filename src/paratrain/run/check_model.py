@@ -37,7 +37,10 @@ the two fit runs just before and just after it (their price on the fitted machin
 what they measured, :func:`paratrain.run.cpu_fit.run_paces`): the same workload on one
 process seconds away, never the plan's own measurement. The record keeps the prediction
 at the fit's average pace beside it (``error_at_fit_pace``), and the table gives both
-medians.
+medians. Each of those fit runs is then run again on every core at once (in a pool of
+workers kept for the grid), and the plan is priced at the core speed with every core busy
+that the two measured (``busy``): a host whose other tenants take the physical cores'
+siblings slows a multi-process plan more than the one-process run shows.
 
 The grid covers DP, ZeRO-1/2/3, TP, PP (1F1B, interleaved), CP (ring and all-to-all) and
 EP, alone and composed, on 2-8 ranks; the EP plan trains the grid's model with a small
@@ -60,6 +63,7 @@ from pathlib import Path
 from paratrain.config import ModelConfig, TrainConfig
 from paratrain.plan import ParallelPlan
 from paratrain.predict.machine import RING_FIELDS
+from paratrain.run import cpu_fit
 from paratrain.run.coll_fit import (  # noqa: F401 - the fit's names, re-exported
     COLL_LARGE,
     COLL_SMALL,
@@ -67,6 +71,7 @@ from paratrain.run.coll_fit import (  # noqa: F401 - the fit's names, re-exporte
 )
 from paratrain.run.cpu_fit import (  # noqa: F401 - the fit's names, re-exported
     MOE,
+    BusyPool,
     fit_machine,
     fit_runs,
     fitted_machine,
@@ -161,8 +166,6 @@ def run_grid(names: list[str] | None = None, *, profile: str | None = None, step
     """Run the grid (or ``names`` of it) ``launches`` times over, in passes; return
     {"records": [...] (one per plan: its median launch, :func:`_median_launch`),
     "median_abs_error", "machine": {...}}."""
-    from paratrain.parallel.process_groups import spawn
-
     names = list(GRID) if names is None else names
     unknown = [n for n in names if n not in GRID]
     if unknown:
@@ -174,36 +177,39 @@ def run_grid(names: list[str] | None = None, *, profile: str | None = None, step
     tcfg = TrainConfig(steps=steps, global_batch=global_batch, lr=1e-3, warmup_steps=1,
                        eval_every=0, eval_batches=1, data=data)
     inputs = measure_fit(mcfg, tcfg, profile, log) if fit else None
+    if inputs is not None:
+        inputs["busy"] = []
     machine = None if fit else profile_machine(profile)
     plans = {name: (GRID[name], plan_model(GRID[name], mcfg)) for name in names}
     for plan, model in plans.values():
         plan.check_run(model, plan.world_size, global_batch)
-    runs = []
     order = fit_runs(global_batch)
     first = len(inputs["runs"]) if inputs is not None else 0
 
-    def fit_run(i: int) -> None:  # one before each plan and one after the last
-        gb, m = order[i % len(order)]
-        inputs["runs"].append((gb, m, one_fit_run(mcfg, tcfg, gb, m)))
+    def fit_run(i: int, pool: BusyPool) -> None:  # before each plan and after the last:
+        gb, m = order[i % len(order)]  # alone, then on every core at once
+        alone = cpu_fit.one_fit_run(mcfg, tcfg, gb, m)
+        inputs["runs"].append((gb, m, alone))
+        inputs["busy"].append(cpu_fit.busy_core_speed(mcfg, tcfg, gb, m, alone, pool.cores,
+                                                      pool))
 
-    for i, (name, (plan, model)) in enumerate([*plans.items()] * launches):  # passes
+    with BusyPool(inputs["machine"].cores if inputs is not None else 1) as pool:
+        runs = _launch(plans, tcfg, launches, (lambda i: fit_run(i, pool)) if fit else None,
+                       log)
         if inputs is not None:
-            fit_run(i)
-        with tempfile.TemporaryDirectory(prefix="paratrain-check-") as d, _Sampler() as smp:
-            s = spawn(_train_worker, plan.world_size, asdict(model), asdict(tcfg),
-                      asdict(plan), d, timeout_s=600)[0]
-        runs.append((name, plan, model, tuple(smp.samples), s))
-        log(f"{name:<18} measured {statistics.median(s['step_times'][1:]):.4f} s "
-            f"(rank 0 got {s['cpu_share_rank0']:.2f} of a core)")
-    paces = [1.0] * (len(runs) + 1)
+            fit_run(len(runs), pool)
+    paces, busy = [1.0] * (len(runs) + 1), [None] * (len(runs) + 1)
     if inputs is not None:
-        fit_run(len(runs))
         machine = fitted_machine(mcfg, inputs, profile, log=log)
         paces = run_paces(mcfg, tcfg, inputs["runs"][first:], machine)
+        busy = inputs["busy"]
     by_plan: dict[str, list[dict]] = {name: [] for name in plans}
     for i, (name, plan, model, others, s) in enumerate(runs):
         pace = (paces[i] + paces[i + 1]) / 2  # the fit runs just before and just after
-        rec = _record(name, plan, model, tcfg, machine.replace(others=others), s, pace)
+        speed = (min(1.0, (busy[i] + busy[i + 1]) / 2) if busy[i] is not None
+                 else machine.core_speed)
+        rec = _record(name, plan, model, tcfg, machine.replace(others=others), s, pace,
+                      speed)
         by_plan[name].append(rec)
         log(f"{name:<18} predicted {rec['predicted_s']:.4f} s  measured "
             f"{rec['measured_s']:.4f} s  {100 * rec['error']:+.0f}%  wire "
@@ -220,6 +226,7 @@ def run_grid(names: list[str] | None = None, *, profile: str | None = None, step
             "median_abs_cpu_error": statistics.median(cpu_errs) if cpu_errs else None,
             "machine": {"eta": machine.eta, "pass_s": machine.pass_s,
                         "step_s": machine.step_s, "cores": machine.cores,
+                        "core_speed": machine.core_speed,
                         "thread_peak_flops": machine.thread_peak, "alpha_s": machine.hw.intra_alpha,
                         "bw_bytes_per_s": machine.hw.intra_bw, "wake_s": machine.wake_s,
                         "sync_cpu_s": machine.sync_cpu_s,
@@ -231,6 +238,24 @@ def run_grid(names: list[str] | None = None, *, profile: str | None = None, step
             "launches": launches}
 
 
+def _launch(plans: dict, tcfg: TrainConfig, launches: int, fit_run, log) -> list[tuple]:
+    """Train every plan ``launches`` times over, in passes, ``fit_run(i)`` (if any)
+    before the i-th launch: [(name, plan, model, the load sampled, rank 0's summary)]."""
+    from paratrain.parallel.process_groups import spawn
+
+    runs = []
+    for i, (name, (plan, model)) in enumerate([*plans.items()] * launches):
+        if fit_run is not None:
+            fit_run(i)
+        with tempfile.TemporaryDirectory(prefix="paratrain-check-") as d, _Sampler() as smp:
+            s = spawn(_train_worker, plan.world_size, asdict(model), asdict(tcfg),
+                      asdict(plan), d, timeout_s=600)[0]
+        runs.append((name, plan, model, tuple(smp.samples), s))
+        log(f"{name:<18} measured {statistics.median(s['step_times'][1:]):.4f} s "
+            f"(rank 0 got {s['cpu_share_rank0']:.2f} of a core)")
+    return runs
+
+
 def _median_launch(recs: list[dict]) -> dict:
     """One plan's record from its launches' (:data:`LAUNCHES`): the launch whose error is
     the median of theirs (the lower of the middle two for an even count; why: the module
@@ -240,22 +265,26 @@ def _median_launch(recs: list[dict]) -> dict:
     return {**mid, "wire_exact": all(r["wire_exact"] for r in recs),
             "states_exact": all(r["states_exact"] for r in recs),
             "launches": [{k: r[k] for k in ("measured_s", "predicted_s", "error", "pace",
-                                              "other_threads", "cpu_share_rank0")}
+                                              "core_speed", "other_threads",
+                                              "cpu_share_rank0")}
                          for r in recs]}
 
 
 def _record(name: str, plan: ParallelPlan, model: ModelConfig, tcfg: TrainConfig,
-            machine, s: dict, pace: float = 1.0) -> dict:
+            machine, s: dict, pace: float = 1.0, core_speed: float | None = None) -> dict:
     """One plan's record: the prediction (with the load sampled while it ran, at the
-    ``pace`` the fit runs around it measured, and for EP at the run's own routing, as
-    its bytes are judged) beside rank 0's summary ``s``; the prediction at the fit's
-    average pace is kept beside it."""
+    ``pace`` and the ``core_speed`` with every core busy that the fit runs around it
+    measured, and for EP at the run's own routing, as its bytes are judged) beside rank
+    0's summary ``s``; the prediction at the fit's average pace and core speed is kept
+    beside it."""
     from paratrain.predict import compare, predict
     from paratrain.predict.report import routing_load
 
     load = routing_load(s, plan, model)
     flat = predict(model, tcfg, plan, plan.world_size, machine, load)
-    pred = predict(model, tcfg, plan, plan.world_size, machine.at_pace(pace), load)
+    speed = machine.core_speed if core_speed is None else core_speed
+    pred = predict(model, tcfg, plan, plan.world_size,
+                   machine.at_pace(pace).replace(core_speed=speed), load)
     cmp = compare(pred, s, plan, 0, model, tcfg)
     measured = statistics.median(s["step_times"][1:])
     cpu = statistics.median(s["cpu_times"][1:])
@@ -264,7 +293,7 @@ def _record(name: str, plan: ParallelPlan, model: ModelConfig, tcfg: TrainConfig
             "others_samples": [list(o) for o in machine.others],
             "share": pred.share, "predicted_s": pred.step_s, "measured_s": measured,
             "error": pred.step_s / measured - 1, "measured_mean_s": s["step_s"],
-            "pace": pace, "predicted_at_fit_pace_s": flat.step_s,
+            "pace": pace, "core_speed": speed, "predicted_at_fit_pace_s": flat.step_s,
             "error_at_fit_pace": flat.step_s / measured - 1,
             "cpu_share_rank0": s["cpu_share_rank0"],
             "cpu_rank0_s": {"predicted": pred.cpu_rank0_s, "measured": cpu,
@@ -314,14 +343,15 @@ def format_table(result: dict) -> str:
         f"{m.get('ring_hop_s', 0) * 1e6:.0f} + {m.get('ring_hop_cpu_s', 0) * 1e6:.0f} us per "
         f"hop and {m.get('ring_byte_s', 0) * 1e9:.2f} + {m.get('ring_byte_cpu_s', 0) * 1e9:.2f} "
         "ns per byte (own thread + gloo's)",
-        f"{'plan':<27} {'procs':>5} {'others':>6} {'core':>5} {'pace':>5} {'predicted s':>11} "
-        f"{'measured s':>10} {'error':>7} {'CPU s r0':>14} {'error':>7} {'wire B/rank':>12} "
-        f"{'wire':>9} {'states':>9}  launches' errors",
+        f"{'plan':<27} {'procs':>5} {'others':>6} {'core':>5} {'pace':>5} {'busy':>5} "
+        f"{'predicted s':>11} {'measured s':>10} {'error':>7} {'CPU s r0':>14} {'error':>7} "
+        f"{'wire B/rank':>12} {'wire':>9} {'states':>9}  launches' errors",
     ]
     for r in result["records"]:
         cpu = r["cpu_rank0_s"]
         lines.append(f"{r['plan']:<27} {r['nproc']:>5} {r['other_threads']:>6.1f} "
-                     f"{r['share']:>5.2f} {r['pace']:>5.2f} {r['predicted_s']:>11.4f} "
+                     f"{r['share']:>5.2f} {r['pace']:>5.2f} {r.get('core_speed', 1.0):>5.2f} "
+                     f"{r['predicted_s']:>11.4f} "
                      f"{r['measured_s']:>10.4f} "
                      f"{100 * r['error']:>+6.0f}% {cpu['predicted']:>6.3f}/{cpu['measured']:<7.3f}"
                      f"{100 * cpu['error']:>+6.0f}% {_wire_measured(r['compare']):>12,.0f} "
@@ -337,8 +367,9 @@ def format_table(result: dict) -> str:
                  f"launches), worst {100 * result['max_abs_error']:.1f}%; wire bytes exact "
                  f"{n_w}/{k}; model states exact on every rank {n_s}/{k}")
     if result["median_abs_error_at_fit_pace"] is not None:
-        lines.append(f"at the fit's average pace instead of each plan's ('pace': the fit runs "
-                     f"just before and after it): median "
+        lines.append(f"at the fit's average pace and busy core speed instead of each plan's "
+                     f"('pace' and 'busy': the fit runs just before and after it, alone and "
+                     f"on every core at once): median "
                      f"{100 * result['median_abs_error_at_fit_pace']:.1f}%, worst "
                      f"{100 * result['max_abs_error_at_fit_pace']:.1f}%")
     lines.append(f"median absolute error of rank 0's CPU s per step (the work, whatever the "

@@ -107,21 +107,45 @@ def _fit_run_child(job: tuple[dict, dict, int, int]) -> float:
     return one_fit_run(ModelConfig(**mcfg), TrainConfig(**tcfg), gb, m)
 
 
-def busy_core_speed(mcfg: ModelConfig, tcfg: TrainConfig, gb: int, m: int, alone: float,
-                    cores: int) -> float:
-    """A core's speed on the fit run while every core runs one (``cores`` processes at
-    once), over its speed alone (``alone`` CPU s per step): what a training step's own
-    mix of matmuls and memory-bound work loses to the cores it shares caches, memory
-    bandwidth and (on a VM) physical cores with. The calibration's figure times small
-    matmuls only (0.88 on one box, where the fit run gave 0.86-1.0)."""
-    import multiprocessing as mp
+class BusyPool:
+    """``cores`` worker processes for the busy runs of :func:`busy_core_speed`, spawned
+    on first use and kept (a grid measures one beside every plan: spawning and importing
+    torch each time would cost more than the run)."""
 
+    def __init__(self, cores: int) -> None:
+        self.cores, self._pool = cores, None
+
+    def map(self, fn, jobs: list) -> list:
+        if self._pool is None:
+            import multiprocessing as mp
+
+            self._pool = mp.get_context("spawn").Pool(self.cores)
+        return self._pool.map(fn, jobs)
+
+    def __enter__(self) -> BusyPool:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._pool is not None:
+            self._pool.close()
+            self._pool.join()
+
+
+def busy_core_speed(mcfg: ModelConfig, tcfg: TrainConfig, gb: int, m: int, alone: float,
+                    cores: int, pool: BusyPool | None = None) -> float:
+    """A core's speed on the fit run while every core runs one (``cores`` processes at
+    once, in ``pool`` or a fresh one), over its speed alone (``alone`` CPU s per step):
+    what a training step's own mix of matmuls and memory-bound work loses to the cores it
+    shares caches, memory bandwidth and (on a VM) physical cores with. The calibration's
+    figure times small matmuls only (0.88 on one box, where the fit run gave 0.86-1.0).
+    Not capped: one measurement can come out above 1 (the callers cap what they price)."""
     if cores <= 1:
         return 1.0
-    job = (asdict(mcfg), asdict(tcfg), gb, m)
-    with mp.get_context("spawn").Pool(cores) as pool:
-        times = pool.map(_fit_run_child, [job] * cores)
-    return min(1.0, alone / statistics.median(times))
+    if pool is None:
+        with BusyPool(cores) as fresh:
+            return busy_core_speed(mcfg, tcfg, gb, m, alone, cores, fresh)
+    times = pool.map(_fit_run_child, [(asdict(mcfg), asdict(tcfg), gb, m)] * cores)
+    return alone / statistics.median(times)
 
 
 def profile_machine(profile: str | None):
@@ -175,8 +199,8 @@ def measure_fit(mcfg: ModelConfig, tcfg: TrainConfig, profile: str | None, log=p
         f"{own_byte * 1e9:.2f} ns per byte sent on the rank's thread, {gloo_hop * 1e6:.0f} "
         f"us and {gloo_byte * 1e9:.2f} ns on gloo's")
     gb, m, alone = runs[0]
-    (speed,) = until_stable(lambda: [busy_core_speed(mcfg, tcfg, gb, m, alone,
-                                                     machine.cores)],
+    (speed,) = until_stable(lambda: [min(1.0, busy_core_speed(mcfg, tcfg, gb, m, alone,
+                                                              machine.cores))],
                             "a core's speed with every core running the fit run",
                             default_rule(), command=again)
     log(f"a core runs the fit run at {speed:.2f} of its speed alone while every core runs "
@@ -195,6 +219,12 @@ def measure_fit(mcfg: ModelConfig, tcfg: TrainConfig, profile: str | None, log=p
     return {"machine": machine, "peak": peak, "runs": runs, "coll": coll,
             "core_speed": speed, "moe": (moe, tcfg, moe_t), "fixed": fixed, "ring": ring,
             "scalar": scalar}
+
+
+def fit_core_speed(inputs: dict) -> float:
+    """The fit's core speed with every core busy: the median of the one measured before
+    the grid and those beside each plan (``inputs["busy"]``, check-model's), at most 1."""
+    return min(1.0, statistics.median([inputs["core_speed"], *inputs.get("busy", ())]))
 
 
 def fitted_machine(mcfg: ModelConfig, inputs: dict, profile: str | None, save: bool = True,
@@ -217,7 +247,8 @@ def fitted_machine(mcfg: ModelConfig, inputs: dict, profile: str | None, save: b
         hw=machine.hw.replace(intra_alpha=alpha, intra_bw=bw), coll_call_cpu_s=call_cpu,
         coll_step_cpu_s=step_cpu, coll_byte_cpu_s=byte_cpu, wake_s=machine.wake_s,
         sync_cpu_s=machine.sync_cpu_s,
-        busy_sync_s=machine.busy_sync_s, core_speed=inputs["core_speed"], sched=machine.sched,
+        busy_sync_s=machine.busy_sync_s, core_speed=fit_core_speed(inputs),
+        sched=machine.sched,
         scalar_cpu_s=inputs.get("scalar", 0.0))
     ring = ring_costs(inputs["ring"]) if inputs.get("ring") else (0.0,) * len(RING_FIELDS)
     fitted = fitted.replace(route_s=route_cost(inputs["moe"], fitted),
