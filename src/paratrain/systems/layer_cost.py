@@ -38,7 +38,11 @@ from functools import lru_cache
 from paratrain.cost.hardware import Hardware
 from paratrain.cost.shapes import ModelShape
 from paratrain.systems.gemm import Chip, train_gemm_s
-from paratrain.systems.moe_step import expert_imbalance, moe_mlp  # noqa: F401 (re-export)
+from paratrain.systems.moe_step import (  # noqa: F401 (re-export)
+    expert_imbalance,
+    moe_kernels,
+    moe_mlp,
+)
 
 KERNELS_FWD = 14  # norms, GEMMs, RoPE, attention, adds, activation, TP collectives
 # eager attention, forward, per score element beyond what its two batched GEMMs move
@@ -147,7 +151,7 @@ def block_cost(m: ModelShape, M: int, seq_len: int, tp: int, cp: int, sp: bool, 
     elems = seq_part * (4 + 6 + (4 if m.bias else 0)) * d + M * (
         f_act + (0 if m.learned_positions else 2 * (H + G) * hd / tp))
     mem_f = (elems * 2.0 * r.fusion + scores) / (hw.hbm_bw * he)
-    kernels = KERNELS_FWD + (4 if moe else 0)
+    kernels = KERNELS_FWD + (moe_kernels(m, ep) if moe else 0)
     return BlockCost(fwd, bwd, mem_f, 2 * mem_f, 3 * kernels * r.kernel_s, attn_f)
 
 

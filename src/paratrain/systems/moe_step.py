@@ -53,6 +53,26 @@ DISPATCHERS = ("alltoall", "allgather")
 PERMUTE_ELEMS_PER_ROW = 4
 
 
+# Kernels an MoE layer launches in its forward beyond a dense block's (backward: twice as
+# many), as Megatron-Core's alltoall dispatcher and TE grouped MLP run it: the router (the
+# gating GEMM, softmax or sigmoid, top-k, the load-balancing loss's reductions), the
+# dispatcher's bookkeeping (tokens per expert, the device-to-host copy of the all-to-all's
+# split sizes, which stalls the launch queue), the permutation and the unpermutation, the
+# sort of the received chunks by local expert, the all-to-alls; and per local expert, the
+# fc1 and fc2 GEMMs a grouped linear layer launches one by one. Priced at the fitted cost
+# per kernel, like the dense block's: on fine-grained MoE (Qwen3-30B-A3B, 128 experts of
+# 768) a micro-batch's layer is a few milliseconds of GEMMs and these launches are most of
+# what is left (docs/systems-model.md, "MoE layers' fixed costs").
+MOE_KERNELS_FWD = 40
+MOE_KERNELS_PER_LOCAL_EXPERT = 2
+
+
+def moe_kernels(m: ModelShape, ep: int) -> int:
+    """Forward kernels of one MoE layer on a rank beyond a dense block's
+    (:data:`MOE_KERNELS_FWD`, :data:`MOE_KERNELS_PER_LOCAL_EXPERT` per local expert)."""
+    return MOE_KERNELS_FWD + MOE_KERNELS_PER_LOCAL_EXPERT * max(1, m.experts // ep)
+
+
 def expert_imbalance(tokens_per_expert: float, experts: int) -> float:
     """Expected busiest expert over the mean: the largest of E counts of mean mu,
     mu + sqrt(2 mu ln E) (Gaussian extreme, a balanced router's spread)."""
