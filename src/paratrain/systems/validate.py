@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from paratrain.systems import runs as runs_table
 from paratrain.systems.fitting import (
     FITTED,
     Params,
@@ -60,9 +61,7 @@ def params_dict(p: StepParams) -> dict:
 
 def heldout_ids(rows: list[dict]) -> tuple[str, ...]:
     """The table's held-out split (``split`` column), else :data:`HOLDOUT`."""
-    if rows and "split" in rows[0]:
-        return tuple(r["id"] for r in rows if (r.get("split") or "").strip() == "heldout")
-    return HOLDOUT
+    return runs_table.heldout_ids(rows) if rows and "split" in rows[0] else HOLDOUT
 
 
 def run_validate(runs: str | None, params_path: str | None, unfitted: bool, do_fit: bool,
