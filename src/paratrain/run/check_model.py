@@ -45,7 +45,7 @@ siblings slows a multi-process plan more than the one-process run shows.
 The grid covers DP, ZeRO-1/2/3, TP, PP (1F1B, interleaved), CP (ring and all-to-all) and
 EP, alone and composed, on 2-8 ranks; the EP plan trains the grid's model with a small
 MoE MLP (:func:`plan_model`). Every plan passes :meth:`ParallelPlan.check_run` before any
-run starts. The whole grid takes about 10 minutes on 2 quiet cores (5 with
+run starts. The whole grid takes about 12 minutes on 2 quiet cores (6 with
 ``--launches 1``).
 
 Importing this module does not import torch (the CLI must start instantly).
