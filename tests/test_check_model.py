@@ -305,7 +305,7 @@ def test_each_plan_is_priced_at_the_pace_of_the_fit_runs_around_it(profile):
     from paratrain.config import TrainConfig
     from paratrain.plan import ParallelPlan
     from paratrain.predict import load_machine, predict
-    from paratrain.run.check_model import GRID_MODEL, run_paces
+    from paratrain.run.check_model import GRID_MODEL, relative_paces, run_paces
 
     machine = load_machine(profile).replace(pass_s=1e-3, step_s=2e-3, route_s=1e-6,
                                             coll_call_cpu_s=1e-4, coll_byte_cpu_s=1e-9)
@@ -317,6 +317,10 @@ def test_each_plan_is_priced_at_the_pace_of_the_fit_runs_around_it(profile):
 
     runs = [(16, 1, price(16, 1)), (4, 1, 1.25 * price(4, 1)), (16, 4, price(16, 4) / 1.1)]
     assert run_paces(GRID_MODEL, tcfg, runs, machine) == pytest.approx([1.0, 0.8, 1.1])
+    # the drift alone: each pace over the median of its kind's (the fit's misfit per kind)
+    kinds = [(16, 1, 0.0), (4, 1, 0.0), (16, 1, 0.0), (4, 1, 0.0), (16, 1, 0.0)]
+    assert relative_paces(kinds, [1.0, 1.05, 0.98, 1.03, 0.99]) == pytest.approx(
+        [1 / 0.99, 1.05 / 1.04, 0.98 / 0.99, 1.03 / 1.04, 1.0])
     assert price(16, 4, machine.at_pace(0.8)) == pytest.approx(price(16, 4) / 0.8, rel=1e-12)
     slow = machine.at_pace(0.5)
     assert (slow.hw, slow.wake_s, slow.busy_sync_s) == (machine.hw, machine.wake_s,
@@ -364,8 +368,14 @@ def test_the_fit_runs_bracket_every_plan_and_set_its_pace(profile, text_file, ca
     (rec,) = out["records"]
     mcfg = ModelConfig(**out["model"])
     tcfg = TrainConfig(global_batch=8, steps=3)  # the fit runs (batch B, then B/4: fit_runs)
-    bracket = [(8, 1, 2 * (1e-3 * 8 + 2e-4 + 3e-3)), (2, 1, 2 * (1e-3 * 2 + 2e-4 + 3e-3))]
-    want = sum(cf.run_paces(mcfg, tcfg, bracket, load_machine(profile))) / 2
+    def t(gb: int, m: int) -> float:
+        return 1e-3 * gb + 2e-4 * m + 3e-3
+
+    # the fit's runs: one of each kind before the grid, then the plan's two at half speed
+    runs = [(gb, m, t(gb, m)) for gb, m in cf.fit_runs(8)]
+    runs += [(8, 1, 2 * t(8, 1)), (2, 1, 2 * t(2, 1))]
+    paces = cf.relative_paces(runs, cf.run_paces(mcfg, tcfg, runs, load_machine(profile)))
+    want = sum(paces[-2:]) / 2
     assert rec["pace"] == pytest.approx(want, rel=1e-9) and rec["pace"] < 1
     assert rec["predicted_s"] > rec["predicted_at_fit_pace_s"]
     assert rec["error_at_fit_pace"] == pytest.approx(

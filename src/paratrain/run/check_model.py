@@ -34,8 +34,9 @@ per plan put a plan's error anywhere within a spread of +/-15% (docs/train-predi
 A VM's speed drifts: the same one-process step took 0.21, 0.23 and 0.28 s within an hour
 on the 2-core box, while the grid takes 5 minutes. So each plan is priced at the pace of
 the two fit runs just before and just after it (their price on the fitted machine over
-what they measured, :func:`paratrain.run.cpu_fit.run_paces`): the same workload on one
-process seconds away, never the plan's own measurement. The record keeps the prediction
+what they measured, :func:`paratrain.run.cpu_fit.run_paces`, each over its kind's median:
+:func:`~paratrain.run.cpu_fit.relative_paces`): the same workload on one process seconds
+away, never the plan's own measurement. The record keeps the prediction
 at the fit's average pace beside it (``error_at_fit_pace``), and the table gives both
 medians. Each of those fit runs is then run again on every core at once (in a pool of
 workers kept for the grid), and the plan is priced at the core speed with every core busy
@@ -79,6 +80,7 @@ from paratrain.run.cpu_fit import (  # noqa: F401 - the fit's names, re-exported
     one_fit_run,
     plan_model,
     profile_machine,
+    relative_paces,
     route_cost,
     run_paces,
 )
@@ -201,7 +203,8 @@ def run_grid(names: list[str] | None = None, *, profile: str | None = None, step
     paces, busy = [1.0] * (len(runs) + 1), [None] * (len(runs) + 1)
     if inputs is not None:
         machine = fitted_machine(mcfg, inputs, profile, log=log)
-        paces = run_paces(mcfg, tcfg, inputs["runs"][first:], machine)
+        paces = relative_paces(inputs["runs"], run_paces(mcfg, tcfg, inputs["runs"],
+                                                          machine))[first:]
         busy = inputs["busy"]
     by_plan: dict[str, list[dict]] = {name: [] for name in plans}
     for i, (name, plan, model, others, s) in enumerate(runs):

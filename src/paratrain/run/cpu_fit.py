@@ -279,6 +279,19 @@ def run_paces(mcfg: ModelConfig, tcfg: TrainConfig, runs: list[tuple[int, int, f
                     machine).cpu_rank0_s / t for gb, m, t in runs]
 
 
+def relative_paces(runs: list[tuple[int, int, float]], paces: list[float]) -> list[float]:
+    """Each run's pace over the median pace of the fit runs of its kind (batch and
+    micro-batches): the drift alone. The fit's line misses each kind by a few percent of
+    its own (on the 2-core box the B/4 run 4% above the B run, every time), and a plan
+    bracketed by two kinds would otherwise carry their misfit as if it were the machine's
+    speed: over a whole grid the raw paces averaged 1.016 and 1.018."""
+    kinds: dict[tuple[int, int], list[float]] = {}
+    for (gb, m, _), pace in zip(runs, paces, strict=True):
+        kinds.setdefault((gb, m), []).append(pace)
+    mid = {k: statistics.median(v) for k, v in kinds.items()}
+    return [pace / mid[(gb, m)] for (gb, m, _), pace in zip(runs, paces, strict=True)]
+
+
 def route_cost(moe_run: tuple[ModelConfig, TrainConfig, float], machine) -> float:
     """CPU s per routed assignment of an MoE block (forward + backward): what the
     one-process MoE run (``moe_run``: its model, settings and CPU s per step) took beyond
