@@ -179,8 +179,6 @@ def run_grid(names: list[str] | None = None, *, profile: str | None = None, step
     tcfg = TrainConfig(steps=steps, global_batch=global_batch, lr=1e-3, warmup_steps=1,
                        eval_every=0, eval_batches=1, data=data)
     inputs = measure_fit(mcfg, tcfg, profile, log) if fit else None
-    if inputs is not None:
-        inputs["busy"] = []
     machine = None if fit else profile_machine(profile)
     plans = {name: (GRID[name], plan_model(GRID[name], mcfg)) for name in names}
     for plan, model in plans.values():
@@ -200,17 +198,17 @@ def run_grid(names: list[str] | None = None, *, profile: str | None = None, step
                        log)
         if inputs is not None:
             fit_run(len(runs), pool)
-    paces, busy = [1.0] * (len(runs) + 1), [None] * (len(runs) + 1)
     if inputs is not None:
         machine = fitted_machine(mcfg, inputs, profile, log=log)
         paces = relative_paces(inputs["runs"], run_paces(mcfg, tcfg, inputs["runs"],
                                                           machine))[first:]
         busy = inputs["busy"]
+    else:  # the saved fit's, for every plan
+        paces, busy = [1.0] * (len(runs) + 1), [machine.core_speed] * (len(runs) + 1)
     by_plan: dict[str, list[dict]] = {name: [] for name in plans}
     for i, (name, plan, model, others, s) in enumerate(runs):
-        pace = (paces[i] + paces[i + 1]) / 2  # the fit runs just before and just after
-        speed = (min(1.0, (busy[i] + busy[i + 1]) / 2) if busy[i] is not None
-                 else machine.core_speed)
+        # the fit runs just before and just after: their pace, and alone / on every core
+        pace, speed = (paces[i] + paces[i + 1]) / 2, min(1.0, (busy[i] + busy[i + 1]) / 2)
         rec = _record(name, plan, model, tcfg, machine.replace(others=others), s, pace,
                       speed)
         by_plan[name].append(rec)
@@ -274,7 +272,7 @@ def _median_launch(recs: list[dict]) -> dict:
 
 
 def _record(name: str, plan: ParallelPlan, model: ModelConfig, tcfg: TrainConfig,
-            machine, s: dict, pace: float = 1.0, core_speed: float | None = None) -> dict:
+            machine, s: dict, pace: float, core_speed: float) -> dict:
     """One plan's record: the prediction (with the load sampled while it ran, at the
     ``pace`` and the ``core_speed`` with every core busy that the fit runs around it
     measured, and for EP at the run's own routing, as its bytes are judged) beside rank
@@ -285,9 +283,8 @@ def _record(name: str, plan: ParallelPlan, model: ModelConfig, tcfg: TrainConfig
 
     load = routing_load(s, plan, model)
     flat = predict(model, tcfg, plan, plan.world_size, machine, load)
-    speed = machine.core_speed if core_speed is None else core_speed
     pred = predict(model, tcfg, plan, plan.world_size,
-                   machine.at_pace(pace).replace(core_speed=speed), load)
+                   machine.at_pace(pace).replace(core_speed=core_speed), load)
     cmp = compare(pred, s, plan, 0, model, tcfg)
     measured = statistics.median(s["step_times"][1:])
     cpu = statistics.median(s["cpu_times"][1:])
@@ -296,7 +293,7 @@ def _record(name: str, plan: ParallelPlan, model: ModelConfig, tcfg: TrainConfig
             "others_samples": [list(o) for o in machine.others],
             "share": pred.share, "predicted_s": pred.step_s, "measured_s": measured,
             "error": pred.step_s / measured - 1, "measured_mean_s": s["step_s"],
-            "pace": pace, "core_speed": speed, "predicted_at_fit_pace_s": flat.step_s,
+            "pace": pace, "core_speed": core_speed, "predicted_at_fit_pace_s": flat.step_s,
             "error_at_fit_pace": flat.step_s / measured - 1,
             "cpu_share_rank0": s["cpu_share_rank0"],
             "cpu_rank0_s": {"predicted": pred.cpu_rank0_s, "measured": cpu,

@@ -217,14 +217,15 @@ def measure_fit(mcfg: ModelConfig, tcfg: TrainConfig, profile: str | None, log=p
         f"step, {bw / 1e9:.3f} GB/s (the profile's: {machine.hw.intra_alpha * 1e6:.1f} us, "
         f"{machine.hw.intra_bw / 1e9:.3f} GB/s)")
     return {"machine": machine, "peak": peak, "runs": runs, "coll": coll,
-            "core_speed": speed, "moe": (moe, tcfg, moe_t), "fixed": fixed, "ring": ring,
+            "core_speed": speed, "busy": [], "moe": (moe, tcfg, moe_t), "fixed": fixed,
+            "ring": ring,
             "scalar": scalar}
 
 
 def fit_core_speed(inputs: dict) -> float:
     """The fit's core speed with every core busy: the median of the one measured before
     the grid and those beside each plan (``inputs["busy"]``, check-model's), at most 1."""
-    return min(1.0, statistics.median([inputs["core_speed"], *inputs.get("busy", ())]))
+    return min(1.0, statistics.median([inputs["core_speed"], *inputs["busy"]]))
 
 
 def fitted_machine(mcfg: ModelConfig, inputs: dict, profile: str | None, save: bool = True,

@@ -17,13 +17,13 @@ def moe_stats(engine, experts: int, plan: ParallelPlan) -> list[float]:
     summed over the world in one collective: the totals, and each data rank's routing."""
     mine = take_moe_stats(engine.model, experts, per_layer_load(plan))
     head, layers = mine[:3 + experts], mine[3 + experts:]
-    by_rank = [0.0] * (engine.dp_size * experts)
-    r = engine.dp_rank * experts
-    by_rank[r:r + experts] = head[3:]
-    by_layer = [0.0] * (engine.dp_size * len(layers))
-    r = engine.dp_rank * len(layers)
-    by_layer[r:r + len(layers)] = layers
-    return engine.all_sum(head + by_rank + by_layer)
+
+    def own_row(values: list[float]) -> list[float]:  # dp rows, this rank's filled
+        n = len(values)
+        return [0.0] * (engine.dp_rank * n) + values + [0.0] * (
+            (engine.dp_size - 1 - engine.dp_rank) * n)
+
+    return engine.all_sum(head + own_row(head[3:]) + own_row(layers))
 
 
 def per_layer_load(plan: ParallelPlan) -> bool:
