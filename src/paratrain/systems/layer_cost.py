@@ -28,6 +28,16 @@ f / tp and writes one (GELU: one and one), RoPE reads and writes q and k; with b
 (GPT-style) the bias-dropout-add adds 2 x 2d. Sequence parallelism runs the norms and adds
 on M / tp tokens. Backward moves twice the forward's bytes. Every kernel also pays a
 fixed launch cost (``KERNELS_FWD`` per block forward, twice that backward).
+
+FP8 training (Transformer Engine's recipe; torchao's float8 the same way) runs the
+linear layers' GEMMs (qkv, out, mlp, experts; not the router, the attention core or the
+output layer) on FP8 operands: at the FP8 peak (``Rates.fp8_hw``, whose machine balance
+also sets the tile's epilogue in :func:`paratrain.systems.gemm.k_fixed`) times the
+fitted ``fp8_eff`` of the 16-bit efficiency, and each GEMM's operands are cast first.
+A fused cast-transpose reads the 16-bit tensor and writes it and its transpose in FP8
+(``FP8_CAST_BYTES`` per element): forward, every linear layer's input; backward, every
+linear layer's output gradient; one kernel per linear layer, counted with the block's
+others (weights are cast once per step, which this per-micro-batch count leaves out).
 """
 
 from __future__ import annotations
@@ -55,6 +65,8 @@ EAGER_BYTES_PER_SCORE = 4.0
 # (4 + 4, kept for backward); backward scales the saved softmax (4 + 4) and casts it back
 # (4 + 2). For a 1.7B model with a 131K vocabulary that is a tenth of the step.
 LOSS_BYTES_PER_LOGIT = 52.0
+FP8_CAST_BYTES = 4.0  # read 2, write the FP8 copy and its transpose (1 + 1), per element
+FP8_CLASSES = ("qkv", "out", "mlp", "experts")  # the linear layers FP8 recipes cast
 GEMM_CLASSES = ("qkv", "attention", "out", "mlp", "router", "experts")
 
 
@@ -62,11 +74,13 @@ GEMM_CLASSES = ("qkv", "attention", "out", "mlp", "router", "experts")
 class Rates:
     """The physical efficiencies the compute terms use."""
 
-    gemm_eff: float  # of the 16-bit peak (x FP8/BF16 peak ratio for FP8 GEMMs)
+    gemm_eff: float  # of the 16-bit peak
     attn_eff: float
     hbm_eff: float
     kernel_s: float
     fusion: float = 1.0  # element-wise bytes over the fused count (overlap.Engine.fusion)
+    fp8_hw: Hardware | None = None  # FP8 GEMMs: the chip at its FP8 peak (module docstring)
+    fp8_eff: float = 1.0  # FP8 GEMMs' share of their peak over gemm_eff
 
 
 @dataclass(frozen=True)
@@ -108,9 +122,16 @@ def block_cost(m: ModelShape, M: int, seq_len: int, tp: int, cp: int, sp: bool, 
     d, hd, H, G = m.d_model, m.head_dim, m.n_heads, m.kv_heads
     ge, he = r.gemm_eff, r.hbm_eff
     fwd, bwd = {}, {}
+    cast = [0.0, 0.0, 0]  # FP8 casts: forward elements, backward elements, kernels
 
     def lin(name: str, N: int, K: int, rows: int = M, count: int = 1) -> None:
-        f, b = train_gemm_s(rows, N, K, hw, chip, ge, he, count)
+        if r.fp8_hw is not None and name in FP8_CLASSES:
+            f, b = train_gemm_s(rows, N, K, r.fp8_hw, chip, ge * r.fp8_eff, he, count)
+            cast[0] += rows * K * count
+            cast[1] += rows * N * count
+            cast[2] += 1
+        else:
+            f, b = train_gemm_s(rows, N, K, hw, chip, ge, he, count)
         fwd[name] = fwd.get(name, 0.0) + f
         bwd[name] = bwd.get(name, 0.0) + b
 
@@ -151,8 +172,10 @@ def block_cost(m: ModelShape, M: int, seq_len: int, tp: int, cp: int, sp: bool, 
     elems = seq_part * (4 + 6 + (4 if m.bias else 0)) * d + M * (
         f_act + (0 if m.learned_positions else 2 * (H + G) * hd / tp))
     mem_f = (elems * 2.0 * r.fusion + scores) / (hw.hbm_bw * he)
-    kernels = KERNELS_FWD + (moe_kernels(m, ep) if moe else 0)
-    return BlockCost(fwd, bwd, mem_f, 2 * mem_f, 3 * kernels * r.kernel_s, attn_f)
+    cast_f, cast_b = (FP8_CAST_BYTES * n / (hw.hbm_bw * he) for n in cast[:2])
+    kernels = KERNELS_FWD + (moe_kernels(m, ep) if moe else 0) + cast[2]
+    return BlockCost(fwd, bwd, mem_f + cast_f, 2 * mem_f + cast_b,
+                     3 * kernels * r.kernel_s, attn_f)
 
 
 @lru_cache(maxsize=4096)

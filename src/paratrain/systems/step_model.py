@@ -317,7 +317,8 @@ def predict_step(model, plan: ParallelPlan, hw: Hardware, tokens_per_step: int,
     (flash or eager) defaults to the engine's kernel; ``shard_group`` (hybrid sharding,
     HSDP / multi-slice FSDP): ZeRO runs over that many data ranks, replicas all-reduce;
     default: the plan's dp x cp / ``dp_replicate``, where the runtime shards; ``fp8``:
-    the linear layers' GEMMs run at the accelerator's FP8 peak (attention and
+    the linear layers' GEMMs run at the accelerator's FP8 peak, their operands cast
+    first (:mod:`paratrain.systems.layer_cost`; attention, the output layer and
     element-wise work stay 16-bit; MFU stays relative to the BF16 peak)."""
     m = as_shape(model)
     sp = params or StepParams()
@@ -327,9 +328,9 @@ def predict_step(model, plan: ParallelPlan, hw: Hardware, tokens_per_step: int,
     mb, M = plan.micro_batches, batch.micro_batch * batch.local_seq
     kernel = attention or eng.attention
     rates = dataclasses.replace(sp.rates(hw.name, kernel), fusion=eng.fusion)
-    if fp8 and hw.peak_flops_fp8:  # the GEMM roofline's compute term at the FP8 peak
-        rates = dataclasses.replace(rates, gemm_eff=rates.gemm_eff * hw.peak_flops_fp8
-                                    / hw.peak_flops)
+    if fp8 and hw.peak_flops_fp8:  # the linear layers' GEMMs at the FP8 peak (layer_cost)
+        rates = dataclasses.replace(rates, fp8_hw=hw.replace(peak_flops=hw.peak_flops_fp8),
+                                    fp8_eff=sp.fp8_eff)
     blk = _block_summary(m, M, seq_len, plan.tp, plan.cp, plan.sp, plan.ep, hw, chip, rates,
                          kernel, plan.recompute, eng.selective, plan.etp, eng.dispatcher,
                          eng.dead_tail)
