@@ -1,6 +1,6 @@
 """The step-time model's free parameters: few, physical, each with its provenance.
 
-Fourteen numbers (with the table's four TPU generations), all efficiencies in (0, 1] of a
+Sixteen numbers (with the table's four TPU generations), all efficiencies in (0, 1] of a
 catalogue figure, except one latency (a family's efficiencies keep their start values
 when a table has too few rows on it):
 
@@ -12,6 +12,8 @@ gemm_eff[a100]     0.85     the big-square figure the shape curve of gemm.py sat
                             multiplication background" guide's A100 curves)
 gemm_eff[h100]     0.75     ~740 of 989 TF/s for large bf16 GEMMs on H100 SXM
                             (NVIDIA's Transformer Engine / cuBLAS figures)
+gemm_eff[b200]     0.75     B200 and GB200 (one die): H100's start, no published GEMM
+                            sweep at hand; the Blackwell rows of the table fit it
 gemm_eff[tpu-v*]   0.85     large matmuls on the 128 x 128 MXUs (Jouppi et al. 2023), one
                             per generation as for GPUs: v4, v5e and v5p differ in MXUs per
                             core, HBM per FLOP and compiler generation (one shared figure
@@ -21,6 +23,8 @@ attn_eff[a100]     0.60     FlashAttention-2 forward+backward at ~50-70% of peak
                             (Dao 2023); bounded by 0.75 (its best forward is 73%)
 attn_eff[h100]     0.35     FlashAttention-2 on H100 reaches ~35-40% of peak: it does not
                             use Hopper's asynchronous tensor cores (Shah et al. 2024)
+attn_eff[b200]     0.35     FlashAttention-2 class on Blackwell, which it does not use
+                            natively either: H100's start (no row runs it; not pinned)
 attn3_eff          0.60     native fused attention: Hopper's (FlashAttention-3, cuDNN's, as
                             Transformer Engine runs it: ~600-750 of 989 TF/s forward,
                             Shah et al. 2024) and the TPU compiler's, bounded by 0.8;
@@ -65,8 +69,8 @@ from dataclasses import dataclass, field
 from paratrain.systems.gemm import TPU_CHIPS, family, is_tpu
 from paratrain.systems.layer_cost import Rates
 
-GEMM_EFF = {"a100": 0.85, "h100": 0.75, **dict.fromkeys(TPU_CHIPS, 0.85)}
-ATTN_EFF = {"a100": 0.60, "h100": 0.35}
+GEMM_EFF = {"a100": 0.85, "h100": 0.75, "b200": 0.75, **dict.fromkeys(TPU_CHIPS, 0.85)}
+ATTN_EFF = {"a100": 0.60, "h100": 0.35, "b200": 0.35}
 # the share of a hidden data-parallel transfer's time that still slows the step; a fixed
 # physical figure, not one of the fitted parameters (module docstring)
 OVERLAP_TAX = 0.2
