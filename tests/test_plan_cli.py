@@ -51,6 +51,30 @@ def test_flags_change_the_plan(capsys):
     assert s["hfu_sync"] > s["mfu_sync"]  # selective recomputation
 
 
+def test_fp8_prices_the_step_models_fp8_gemms_and_search_ranks_with_them(capsys):
+    """--fp8 goes to the step model (the same call validate makes for an FP8 row): a
+    shorter step than BF16's, said in the JSON; memory is bf16-adam's either way; the
+    search prices every layout so."""
+    base = ["plan", "--json", "--model", "llama3-70b", "--gpus", "64", "--tp", "8",
+            "--pp", "2", "--sp", "--micro-batches", "16"]
+    reps = []
+    for extra in ([], ["--fp8"]):
+        assert main(base + extra) == 0
+        reps.append(json.loads(capsys.readouterr().out))
+    bf, f8 = (r["predicted"] for r in reps)
+    assert (bf["fp8"], f8["fp8"]) == (False, True)
+    assert 1.1 < bf["step_s"] / f8["step_s"] < 2.0
+    assert reps[0]["memory"] == reps[1]["memory"]
+    tops = []
+    for extra in ([], ["--fp8"]):
+        assert main(["plan", "--search", "--json", "--model", "llama3-70b", "--gpus", "64",
+                     "--top", "1", *extra]) == 0
+        res = json.loads(capsys.readouterr().out)
+        tops.append(res["top"][0]["step_s"])
+        assert res["fp8"] == bool(extra)
+    assert tops[1] < tops[0]
+
+
 def _is_png(path) -> bool:
     return path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -81,6 +105,8 @@ def test_plot_writes_valid_pngs(tmp_path, capsys):
     (["--tokens", "1000"], "not a multiple of seq_len"),
     (["--eta", "1.5"], "eta"),
     (["--sp"], "sequence parallelism"),
+    (["--fp8", "--hardware", "a100"], "has no FP8 peak"),
+    (["--fp8", "--reference"], "drop --reference"),
 ])
 def test_bad_inputs_exit_2_with_one_line(args, msg, capsys):
     assert main(["plan", *args]) == 2

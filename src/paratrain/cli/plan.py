@@ -77,6 +77,8 @@ HELP = {
     "reference": "Price with docs/design.md's reference model only (one eta, flat ring); "
                  "--search too.",
     "params": "Step-model parameters (default: the shipped data/fitted.toml).",
+    "fp8": "Price the linear layers' GEMMs in FP8 (Transformer Engine's recipe: FP8 peak, "
+           "operand casts; memory as bf16-adam). Needs hardware with an FP8 peak.",
     "nproc": "With --search: rank the layouts of the run `paratrain train --nproc N` "
              "trains (same model, batch, --config) on THIS machine's calibrated profile.",
     "verify": "With --search --nproc N: train the top K layouts and K random ones for a "
@@ -107,6 +109,7 @@ def plan(
     explain: Annotated[bool, Opt("--explain", help=HELP["explain"])] = False,
     reference: Annotated[bool, Opt("--reference", help=HELP["reference"])] = False,
     params: Annotated[str | None, Opt(help=HELP["params"])] = None,
+    fp8: Annotated[bool, Opt("--fp8", help=HELP["fp8"])] = False,
     nproc: Annotated[int | None, Opt(help=HELP["nproc"])] = None,
     verify: Annotated[int, Opt(help=HELP["verify"])] = 0,
     verify_steps: Annotated[int, Opt(help=HELP["verify_steps"])] = 6,
@@ -141,13 +144,14 @@ def plan(
     attention = kernel(m.attention)
     hw = load_hardware(hardware)
     eng, step_params = _step_model(engine, search, reference, params)
+    _check_fp8(fp8, hw, reference)
     if search and emit_config:
         from paratrain.cli.plan_machine import runtime_model
 
         runtime_model(m)  # refused before the search
     if search:
         out = _search(m, hw, gpus, tokens, seq, top, eta, json_out, plot, attention,
-                      step_params, eng.name)
+                      step_params, eng.name, fp8)
         if emit_config:
             from paratrain.cli.plan_machine import emit_cluster_winner
 
@@ -155,7 +159,7 @@ def plan(
                                 hw.name)
         return out
     rep = _report(m, hw, p, gpus, tokens, seq, eta, precision, attention, step_params, eng,
-                  explain)
+                  explain, fp8)
     if run is not None:
         rep["run"] = run_bytes(*run)
     from paratrain.cli.plan_render import print_report
@@ -222,6 +226,15 @@ def _step_model(engine: str | None, search: bool, reference: bool, params: str |
     return eng, load_params(params)
 
 
+def _check_fp8(fp8: bool, hw, reference: bool) -> None:
+    """--fp8 is the step model's (systems/layer_cost.py), on a chip with an FP8 peak."""
+    if fp8 and reference:
+        raise ValueError("--fp8 prices FP8 GEMMs with the step model; drop --reference")
+    if fp8 and not hw.peak_flops_fp8:
+        raise ValueError(f"--fp8: {hw.name} has no FP8 peak in the catalogue (FP8 tensor "
+                         "cores came with Hopper); drop --fp8 or pick e.g. --hardware h100")
+
+
 def _undeprecate(flags: dict, seq_len: int | None) -> dict:
     """``flags`` in today's names: --seq-len is --context, --attention flash is sdpa
     (one warning line each)."""
@@ -269,7 +282,7 @@ def run_bytes(mcfg: ModelConfig, tcfg: TrainConfig, p: ParallelPlan) -> dict:
 
 
 def _report(m, hw, p, gpus, tokens, seq, eta, precision, attention, step_params, eng,
-            explain) -> dict:
+            explain, fp8: bool = False) -> dict:
     """The reference model's report of plan ``p``, and the step model's prediction."""
     from paratrain.systems.report import build_report
 
@@ -283,8 +296,8 @@ def _report(m, hw, p, gpus, tokens, seq, eta, precision, attention, step_params,
         from paratrain.systems.explain import explain_lines
         from paratrain.systems.step_model import predict_step
 
-        bd = predict_step(m, p, hw, tokens, seq, step_params, eng)
-        rep["predicted"] = bd.as_dict()
+        bd = predict_step(m, p, hw, tokens, seq, step_params, eng, fp8=fp8)
+        rep["predicted"] = {**bd.as_dict(), "fp8": fp8}
         if explain:
             rep["predicted"]["explain"] = explain_lines(bd)
     return rep
@@ -330,7 +343,7 @@ def _progress_line():
 
 
 def _search(m, hw, gpus, tokens, seq_len, top, eta, json_out, plot, attention,
-            step_params, engine) -> PlanOutput:
+            step_params, engine, fp8: bool = False) -> PlanOutput:
     from paratrain.systems.search import candidate_record, explain, render_search, search
 
     if top < 1:
@@ -338,7 +351,7 @@ def _search(m, hw, gpus, tokens, seq_len, top, eta, json_out, plot, attention,
     tty = sys.stderr.isatty()
     res = search(m, hw, gpus, tokens, seq_len, top=top, eta=eta, keep_points=bool(plot),
                  attention=attention, reference=step_params is None, params=step_params,
-                 engine=engine, progress=_progress_line() if tty else None)
+                 engine=engine, fp8=fp8, progress=_progress_line() if tty else None)
     if tty:  # clear the progress line
         print("\r\033[K", end="", file=sys.stderr, flush=True)
     hw = hw if eta is None else hw.replace(eta=eta)
@@ -347,14 +360,15 @@ def _search(m, hw, gpus, tokens, seq_len, top, eta, json_out, plot, attention,
         import json
 
         print(json.dumps({"model": m.name, "hardware": hw.name, "gpus": gpus,
-                          "tokens_per_step": tokens, "seq_len": seq_len,
+                          "tokens_per_step": tokens, "seq_len": seq_len, "fp8": fp8,
                           "scored": res.scored, "fitting": res.fitting,
                           "elapsed_s": res.elapsed_s, "layouts_per_s": res.layouts_per_s,
                           "top": [candidate_record(c) for c in res.top], "why": lines},
                          indent=2))
     else:
-        render_search(res, lines, f"{m.name} on {gpus} x {hw.name}, {tokens:,} tokens/step, "
-                                  f"sequence {seq_len}: fastest layouts that fit")
+        fmt = ", FP8" if fp8 else ""
+        render_search(res, lines, f"{m.name} on {gpus} x {hw.name}{fmt}, {tokens:,} "
+                                  f"tokens/step, sequence {seq_len}: fastest layouts that fit")
     return PlanOutput("search", res, f"{m.name} on {gpus} x {hw.name}")
 
 

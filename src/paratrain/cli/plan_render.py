@@ -38,8 +38,9 @@ def _render_predicted(rep: dict, con) -> None:
     from paratrain.systems.report import fmt_sig
 
     pred, ref = rep["predicted"], rep["step"]
-    con.print(f"[bold]prediction[/]: the step model (engine {pred['engine']}, parameters "
-              "fitted to published runs, `paratrain validate`) predicts a step of "
+    fp8 = ", FP8 GEMMs" if pred.get("fp8") else ""
+    con.print(f"[bold]prediction[/]: the step model (engine {pred['engine']}{fp8}, "
+              "parameters fitted to published runs, `paratrain validate`) predicts a step of "
               f"[bold]{pred['step_s']:.3g} s[/], MFU {100 * pred['mfu']:.1f} %, HFU "
               f"{100 * pred['hfu']:.1f} %; the table above is the reference model's "
               "hand-checkable arithmetic.", highlight=False)

@@ -317,9 +317,8 @@ def predict_step(model, plan: ParallelPlan, hw: Hardware, tokens_per_step: int,
     (flash or eager) defaults to the engine's kernel; ``shard_group`` (hybrid sharding,
     HSDP / multi-slice FSDP): ZeRO runs over that many data ranks, replicas all-reduce;
     default: the plan's dp x cp / ``dp_replicate``, where the runtime shards; ``fp8``:
-    the linear layers' GEMMs run at the accelerator's FP8 peak, their operands cast
-    first (:mod:`paratrain.systems.layer_cost`; attention, the output layer and
-    element-wise work stay 16-bit; MFU stays relative to the BF16 peak)."""
+    the linear layers' GEMMs in FP8, their operands cast first (:mod:`paratrain.systems.
+    layer_cost`, which says what stays 16-bit; MFU stays relative to the BF16 peak)."""
     m = as_shape(model)
     sp = params or StepParams()
     eng = engine_name if isinstance(engine_name, Engine) else engine(engine_name)
