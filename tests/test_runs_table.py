@@ -174,6 +174,26 @@ def test_tokens_per_second_rows_are_priced_as_model_tflops():
         row_to_case({**row, "metric": "speed"})
 
 
+def test_the_engine_cell_says_how_its_engine_ran_and_notes_never_do():
+    """torchtitan's rows: "torch.compile" in the engine cell fuses the element-wise work
+    (fusion 1, a faster step), "vanilla TP" blocks on the tensor-parallel collectives (a
+    slower one); the same words in ``notes`` change nothing; --explain says why."""
+    from paratrain.systems.row_engine import case_engine
+
+    row = {**BY_ID["titan_llama3_8b_h100_64_tp8"], "notes": ""}
+    plain = row_to_case({**row, "engine": "torchtitan (FSDP2 + TP)"})
+    said = {w: row_to_case({**row, "engine": f"torchtitan (FSDP2 + TP, {w})"})
+            for w in ("torch.compile", "vanilla TP")}
+    noted = row_to_case({**row, "engine": "torchtitan (FSDP2 + TP)",
+                         "notes": "torch.compile on; vanilla TP column"})
+    assert case_engine(plain).fusion == 3.0 and case_engine(plain).tp == 0.5
+    assert case_engine(said["torch.compile"]).fusion == 1.0
+    assert case_engine(said["vanilla TP"]).tp == 0.0
+    assert "'torch.compile': the compiler fuses" in said["torch.compile"].engine_why
+    assert predict(said["torch.compile"]) > predict(plain) > predict(said["vanilla TP"])
+    assert predict(noted) == predict(plain) and noted.engine_why == plain.engine_why
+
+
 def test_tpu_slices_set_the_fast_domain():
     case = row_to_case(BY_ID["maxtext_v4_22b_8x64"])
     assert case.hw.gpus_per_node == 64 and case.plan.dp == 512 and case.hw.topology == "torus"

@@ -62,16 +62,39 @@ def row_engine(row: dict) -> tuple[str, str]:
                             f"{DEFAULT_ENGINE} (Megatron-LM's defaults)")
 
 
+# words of a row's ``engine`` column that say how its engine ran, not which engine it is:
+# (word, the Engine fields it sets, why); the engine column only, never ``notes``
+ENGINE_OPTIONS = (
+    ("torch.compile", (("fusion", 1.0),),
+     "the compiler fuses the element-wise chains (overlap.Engine.fusion 1)"),
+    ("vanilla tp", (("tp", 0.0),), "tensor-parallel collectives block, no async TP"),
+    ("no async tp", (("tp", 0.0),), "tensor-parallel collectives block"),
+)
+
+
+def engine_options(row: dict) -> tuple[tuple[tuple[str, float], ...], str]:
+    """(Engine fields to replace, why) from the option words of a row's ``engine`` cell
+    (:data:`ENGINE_OPTIONS`): torchtitan's benchmarks run with and without torch.compile,
+    with and without async TP, and the same engine prices both only if the row says
+    which."""
+    low = (row.get("engine") or "").lower()
+    hits = [(w, fields, why) for w, fields, why in ENGINE_OPTIONS if w in low]
+    fields = tuple(f for _, fs, _ in hits for f in fs)
+    return fields, "".join(f"; {w!r}: {why}" for w, _, why in hits)
+
+
 def precision_says(case, word: str) -> bool:
     """Whether a case's ``precision`` column names ``word`` (fp16, fp8, ...)."""
     return word in (getattr(case, "precision", "") or "").lower()
 
 
 def case_engine(case) -> Engine:
-    """The engine a case was priced with (``Case.engine``, set by :func:`row_engine`); a
-    run whose ``precision`` says fp16 has no fp32 gradient copies to add each
-    micro-batch into (``Engine.hp_grad_bytes``: DeepSpeed's BF16 optimizer's)."""
-    eng = engine(getattr(case, "engine", None))
+    """The engine a case was priced with (``Case.engine``, set by :func:`row_engine`,
+    with the row's :func:`engine_options`); a run whose ``precision`` says fp16 has no
+    fp32 gradient copies to add each micro-batch into (``Engine.hp_grad_bytes``:
+    DeepSpeed's BF16 optimizer's)."""
+    eng = replace(engine(getattr(case, "engine", None)),
+                  **dict(getattr(case, "engine_options", ())))
     if precision_says(case, "fp16"):
         return replace(eng, hp_grad_bytes=0.0)
     return eng

@@ -33,7 +33,7 @@ from paratrain.cost.hardware import Hardware, load_hardware, resolve_hardware
 from paratrain.cost.moe_layout import default_etp
 from paratrain.cost.shapes import FLOP_COUNTS, ModelShape
 from paratrain.plan import ParallelPlan
-from paratrain.systems.row_engine import case_engine, row_engine
+from paratrain.systems.row_engine import case_engine, engine_options, row_engine
 from paratrain.systems.row_fields import Default, Skip
 from paratrain.systems.row_fields import num as _num
 from paratrain.systems.row_layout import axes, batch, schedule
@@ -67,6 +67,7 @@ class Case:
     reported: float  # fraction for mfu/hfu, TFLOP/s for tflops
     engine: str = ""  # the engine it is priced as (overlap.ENGINES; systems.row_engine)
     engine_why: str = ""  # which column and word chose it
+    engine_options: tuple = ()  # Engine fields the engine cell's words set (row_engine)
     split: str = "fit"  # fit or heldout (docs/runs.md)
     precision: str = ""
     step_time_s: float | None = None  # as published, when published
@@ -233,8 +234,10 @@ def row_to_case(row: dict) -> Case:
     eng, why = row_engine(row)
     if why.startswith("no column"):
         out.append(("engine", eng, why))
+    options, said = engine_options(row)
     case = Case(row.get("id", "?"), source_key(row), hw_key, hw, model, plan, tokens, seq,
-                metric, kind, rep, engine=eng, engine_why=why, split=split,
+                metric, kind, rep, engine=eng, engine_why=why + said,
+                engine_options=options, split=split,
                 precision=(row.get("precision") or "").strip(),
                 step_time_s=_num(row, "step_time_s"),
                 tokens_per_s=_num(row, "tokens_per_s_per_accel"),
