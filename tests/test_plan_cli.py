@@ -75,6 +75,24 @@ def test_fp8_prices_the_step_models_fp8_gemms_and_search_ranks_with_them(capsys)
     assert tops[1] < tops[0]
 
 
+def test_engine_options_price_in_plan_as_in_the_runs_table(capsys):
+    """`--engine "torchtitan, torch.compile"` is read as a runs table's engine cell
+    (row_engine.engine_as_said): the fused element-wise work shortens the step, and the
+    search ranks with the same engine."""
+    base = ["plan", "--json", "--model", "llama3-8b", "--gpus", "8", "--micro-batches", "4"]
+    steps = []
+    for eng in ("torchtitan", "torchtitan, torch.compile", "torchtitan (FSDP2, torch.compile)"):
+        assert main(base + ["--engine", eng]) == 0
+        steps.append(json.loads(capsys.readouterr().out)["predicted"]["step_s"])
+    assert steps[1] < steps[0] and steps[1] == steps[2]
+    tops = []
+    for eng in ("torchtitan", "torchtitan, torch.compile"):
+        assert main(["plan", "--search", "--json", "--model", "llama3-8b", "--gpus", "8",
+                     "--top", "1", "--engine", eng]) == 0
+        tops.append(json.loads(capsys.readouterr().out)["top"][0]["step_s"])
+    assert tops[1] < tops[0]
+
+
 def _is_png(path) -> bool:
     return path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

@@ -69,9 +69,9 @@ HELP = {
     "plot": "Write memory and step-time PNGs to DIR (with --search: the Pareto front).",
     "search": "Search every layout that fits; rank by predicted step time.",
     "top": "With --search: how many layouts to show.",
-    "engine": "Training engine whose overlap and collectives the step model prices: "
-              "megatron, nemo, megascale, deepspeed, fsdp, torchtitan or xla (default: "
-              "megatron; nemo for --search).",
+    "engine": "Engine whose overlap and collectives the step model prices: megatron, nemo, "
+              "megascale, deepspeed, fsdp, torchtitan or xla (default: megatron; nemo for "
+              "--search); options as a runs table says them: 'torchtitan, torch.compile'.",
     "explain": "Show the step model's breakdown: compute per GEMM class, memory-bound "
                "work, each axis' exposed communication, bubble.",
     "reference": "Price with docs/design.md's reference model only (one eta, flat ring); "
@@ -151,7 +151,7 @@ def plan(
         runtime_model(m)  # refused before the search
     if search:
         out = _search(m, hw, gpus, tokens, seq, top, eta, json_out, plot, attention,
-                      step_params, eng.name, fp8)
+                      step_params, eng, fp8)
         if emit_config:
             from paratrain.cli.plan_machine import emit_cluster_winner
 
@@ -213,12 +213,12 @@ def _what(model: str | None, config: str | None, flags: dict, gpus: int | None,
 
 
 def _step_model(engine: str | None, search: bool, reference: bool, params: str | None):
-    """(the engine the step model prices, its fitted parameters; None: the reference
-    model only)."""
+    """(the engine the step model prices, read as a runs table's engine cell is; its
+    fitted parameters, None: the reference model only)."""
     from paratrain.systems.overlap import DEFAULT_ENGINE, SEARCH_ENGINE
-    from paratrain.systems.overlap import engine as find_engine
+    from paratrain.systems.row_engine import engine_as_said
 
-    eng = find_engine(engine or (SEARCH_ENGINE if search else DEFAULT_ENGINE))
+    eng = engine_as_said(engine or (SEARCH_ENGINE if search else DEFAULT_ENGINE))
     if reference:
         return eng, None
     from paratrain.systems.fitting import load_params

@@ -83,6 +83,12 @@ def engine_options(row: dict) -> tuple[tuple[tuple[str, float], ...], str]:
     return fields, "".join(f"; {w!r}: {why}" for w, _, why in hits)
 
 
+def engine_as_said(text: str) -> Engine:
+    """The engine ``text`` names, with the options its words set (:func:`engine_options`):
+    `paratrain plan --engine "torchtitan, torch.compile"` prices as that engine cell."""
+    return replace(engine(text), **dict(engine_options({"engine": text})[0]))
+
+
 def precision_says(case, word: str) -> bool:
     """Whether a case's ``precision`` column names ``word`` (fp16, fp8, ...)."""
     return word in (getattr(case, "precision", "") or "").lower()
