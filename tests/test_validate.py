@@ -129,6 +129,21 @@ def test_cli_json_records(capsys):
     assert "Narayanan et al." in res["summary"]["per_source"]
 
 
+def test_a_fitted_family_loads_even_without_a_start_value(tmp_path):
+    """A fit gives every chip family with enough rows its efficiencies (V100 and MI300X
+    have no start value); loading keeps them, and drops a key that is no chip family. A
+    fitted B200 was once lost this way: --fit printed 0.53, --params priced 0.75."""
+    from paratrain.systems.fitting import write_params
+    from paratrain.systems.step_params import StepParams
+
+    fitted = StepParams().replace(gemm_eff={**StepParams().gemm_eff, "v100": 0.61,
+                                            "mi300x": 0.52, "no-such-chip": 0.5})
+    path = write_params(fitted, tmp_path / "fitted.toml", ["test"])
+    p = load_params(path)
+    assert p.gemm_for("V100-SXM2-32GB") == 0.61 and p.gemm_eff["mi300x"] == 0.52
+    assert "no-such-chip" not in p.gemm_eff
+
+
 def test_cli_fit_writes_parameters_and_holdout(tmp_path, capsys):
     rows = read_runs()
     keep = [r for r in rows if r["id"].startswith(("narayanan21_t1", "dgxc_gpt3"))]

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from paratrain.config import read_toml
-from paratrain.systems.gemm import family, is_tpu
+from paratrain.systems.gemm import FAMILIES, family, is_tpu
 from paratrain.systems.row_engine import case_engine, precision_says
 from paratrain.systems.runs import DATA_DIR, Case, Record
 from paratrain.systems.step_model import Breakdown, predict_step
@@ -61,8 +61,10 @@ def load_params(path: str | Path | None = None) -> StepParams:
         table = d.get(t, {})
         if not isinstance(table, dict):
             raise ValueError(f"{t} in {str(p)!r} must be a table [{t}] of family = value")
+        # any chip family a fit can write (gemm.FAMILIES), not only those with a start
+        # value: a family that first gets rows is fitted and must load; others are stale
         known[t] = {k: _param(p, f"{t}.{k}", v, BOUNDS[t]) for k, v in table.items()
-                    if k in getattr(base, t)}  # a stale family key is no parameter
+                    if k in FAMILIES}
     return base.replace(gemm_eff={**base.gemm_eff, **known["gemm_eff"]},
                         attn_eff={**base.attn_eff, **known["attn_eff"]}, **kw)
 

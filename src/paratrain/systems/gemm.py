@@ -75,6 +75,8 @@ _CHIPS = {
     "tpu-v5p": Chip("tpu-v5p", 128, 128, 1),
 }
 TPU_CHIPS = tuple(name for name in _CHIPS if name.startswith("tpu-"))
+# every family a fit can give efficiencies to (a chip's family or its own generation)
+FAMILIES = tuple(dict.fromkeys(c.family or c.generation for c in _CHIPS.values()))
 # first match wins: the longer names before the ones they contain
 _NAME_KEYS = (("h100-pcie", "h100-pcie"), ("h100 pcie", "h100-pcie"), ("a100", "a100"),
               ("h100", "h100"), ("h800", "h100"), ("h200", "h100"), ("gh200", "h100"),
