@@ -12,10 +12,10 @@ from paratrain.config import ModelConfig
 from paratrain.cost.hardware import load_hardware
 from paratrain.cost.shapes import as_shape, load_model
 from paratrain.plan import ParallelPlan
+from paratrain.systems.fitting import load_params
 from paratrain.systems.gemm import chip_of, k_fixed
 from paratrain.systems.layer_cost import FP8_CAST_BYTES, Rates, block_cost, head_cost
 from paratrain.systems.step_model import predict_step
-from paratrain.systems.step_params import StepParams
 
 H100 = load_hardware("h100")
 CHIP = chip_of(H100.name)
@@ -64,14 +64,15 @@ def test_fp8_gemms_gain_less_than_the_peak_ratio_and_fp8_eff_scales_them():
         head_cost(m, 8192, 1, H100, CHIP, _rates(False))
 
 
-def test_an_fp8_step_is_faster_than_bf16_but_not_twice():
-    """Llama 3.1 70B on 64 H100s in NeMo's layout: FP8 shortens the step by less than
-    the linear layers' share of it could at twice the rate (published: 14.61 s BF16,
-    10.46 s FP8, NVIDIA/dgxc-benchmarking v25.02)."""
+def test_an_fp8_step_is_faster_than_bf16_as_published():
+    """Llama 3.1 70B on 64 H100s in NeMo's layout, shipped parameters: the FP8 step is
+    shorter than the BF16 one by the published ratio to 3% (14.61 s BF16, 10.46 s FP8,
+    NVIDIA/dgxc-benchmarking v25.02; the FP8 row is held out of the fit), where pricing
+    every GEMM at twice the rate alone gave 1.6x."""
     plan = ParallelPlan(dp=2, tp=4, pp=4, cp=2, sp=True, virtual_stages=5, schedule="interleaved",
                         micro_batches=64, zero=1)
     run = load_model("llama3.1-70b")
-    p = StepParams()
+    p = load_params()
     bf, f8 = (predict_step(run, plan, H100, 128 * 8192, 8192, p, "nemo", fp8=x)
               for x in (False, True))
-    assert 1.2 < bf.step_s / f8.step_s < 1.7
+    assert bf.step_s / f8.step_s == pytest.approx(14.61 / 10.46, rel=0.03)
