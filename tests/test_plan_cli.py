@@ -53,8 +53,9 @@ def test_flags_change_the_plan(capsys):
 
 def test_fp8_prices_the_step_models_fp8_gemms_and_search_ranks_with_them(capsys):
     """--fp8 goes to the step model (the same call validate makes for an FP8 row): a
-    shorter step than BF16's, said in the JSON; memory is bf16-adam's either way; the
-    search prices every layout so."""
+    shorter step than BF16's, said in the JSON; memory is fp8-adam's (bf16-adam's
+    states, the linear inputs kept in FP8: fewer activation bytes); the search prices
+    every layout so."""
     base = ["plan", "--json", "--model", "llama3-70b", "--gpus", "64", "--tp", "8",
             "--pp", "2", "--sp", "--micro-batches", "16"]
     reps = []
@@ -75,7 +76,14 @@ def test_fp8_prices_the_step_models_fp8_gemms_and_search_ranks_with_them(capsys)
                             1_048_576, 4096, load_params(), "megatron", fp8=fp8)
         assert rec["step_s"] == pytest.approx(want.step_s, rel=1e-12)
     assert f8["step_s"] < bf["step_s"]
-    assert reps[0]["memory"] == reps[1]["memory"]
+    from paratrain.cost.memory import memory
+
+    (b16, m8), states = (r["memory"] for r in reps), ("weights_bytes", "grads_bytes",
+                                                        "optimizer_bytes")
+    assert [b16[k] for k in states] == [m8[k] for k in states]
+    want = memory(load_model("llama3-70b"), plan, load_hardware("h100"), 1_048_576, 4096,
+                  "fp8-adam", "flash")
+    assert m8["activations_bytes"] == want.activations_bytes < b16["activations_bytes"]
     tops = []
     for extra in ([], ["--fp8"]):
         assert main(["plan", "--search", "--json", "--model", "llama3-70b", "--gpus", "64",

@@ -13,6 +13,7 @@ import pytest
 
 from paratrain.cli import main
 from paratrain.systems.fitting import load_params, predict
+from paratrain.systems.partial_recompute import share_words
 from paratrain.systems.row_memory import RECOMPUTE_ORDER, rank_memory
 from paratrain.systems.runs import Skip, read_runs, row_to_case
 from paratrain.systems.validate import run_validate
@@ -131,12 +132,21 @@ def test_a_blank_recompute_is_the_least_that_fits_and_marked_inferred(rid):
     row = {**BY_ID[rid], "recompute": ""}
     case = row_to_case(row)
     att = "flash" if case.engine != "deepspeed" and "fp16" not in case.precision else "eager"
-    fits = [m for m in RECOMPUTE_ORDER
-            if rank_memory(case.model, dataclasses.replace(case.plan, recompute=m), case.hw,
-                           case.tokens, case.seq_len, att, case.shard_group).fits]
+    mem = {m: rank_memory(case.model, dataclasses.replace(case.plan, recompute=m), case.hw,
+                          case.tokens, case.seq_len, att, case.shard_group,
+                          "fp8" in case.precision.lower()) for m in RECOMPUTE_ORDER}
+    fits = [m for m in RECOMPUTE_ORDER if mem[m].fits]
     assert case.plan.recompute == fits[0]
     (d,) = [d for d in case.defaults if d[0] == "recompute"]
-    assert d[1] == fits[0] and d[2].startswith("inferred: the least of none < selective")
+    assert d[2].startswith("inferred: the least of none < selective")
+    share = case.recompute_share
+    if fits[0] != "full":
+        assert d[1] == fits[0] and share == 1.0
+    else:  # the least share of the blocks whose memory fits: the HBM's bytes exactly
+        none, full = mem["none"].total_bytes, mem["full"].total_bytes
+        assert 0 < share <= 1 and d[1] == (share_words(share) if share < 1 else "full")
+        kept = none - share * (none - full)
+        assert share == 1 or kept == pytest.approx(mem["none"].hbm_bytes)
     stated = row_to_case({**row, "recompute": "full"})
     assert stated.plan.recompute == "full" and "recompute" not in {x[0] for x in
                                                                   stated.defaults}

@@ -63,8 +63,9 @@ HELP = {
     "tokens": "Global batch in tokens per optimizer step (with --config: global_batch * "
               "context).",
     "eta": "Matmul efficiency (default: the hardware's, 0.473 for H100).",
-    "precision": "bf16-adam (16 B/param) or fp32-adam (default bf16-adam; with --config "
-                 "from \\[train] dtype).",
+    "precision": "bf16-adam (16 B/param), fp32-adam or fp8-adam (bf16-adam's states, "
+                 "linear inputs kept in FP8; --fp8's default) (default bf16-adam; with "
+                 "--config from \\[train] dtype).",
     "json": "Print the numbers as JSON.",
     "plot": "Write memory and step-time PNGs to DIR (with --search: the Pareto front).",
     "search": "Search every layout that fits; rank by predicted step time.",
@@ -144,7 +145,7 @@ def plan(
     attention = kernel(m.attention)
     hw = load_hardware(hardware)
     eng, step_params = _step_model(engine, search, reference, params)
-    _check_fp8(fp8, hw, reference)
+    precision = _check_fp8(fp8, hw, reference, precision)
     if search and emit_config:
         from paratrain.cli.plan_machine import runtime_model
 
@@ -200,7 +201,9 @@ def _what(model: str | None, config: str | None, flags: dict, gpus: int | None,
         run = _run_settings(config, flags, gpus)
         mcfg, tcfg, p = run
         precision = precision or ("bf16-adam" if tcfg.dtype == "bfloat16" else "fp32-adam")
-        return (_run_model(mcfg), p, p.world_size, tcfg.global_batch * mcfg.context,
+        from paratrain.cost.shapes import as_shape  # the run's model as the model's shape
+
+        return (as_shape(mcfg), p, p.world_size, tcfg.global_batch * mcfg.context,
                 mcfg.context, precision, run)
     m, gpus = _catalogue_model(model, flags["model"]), 64 if gpus is None else gpus
     seq = flags["model"].get("context", CATALOGUE_CONTEXT)
@@ -226,13 +229,15 @@ def _step_model(engine: str | None, search: bool, reference: bool, params: str |
     return eng, load_params(params)
 
 
-def _check_fp8(fp8: bool, hw, reference: bool) -> None:
-    """--fp8 is the step model's (systems/layer_cost.py), on a chip with an FP8 peak."""
+def _check_fp8(fp8: bool, hw, reference: bool, precision: str) -> str:
+    """--fp8 is the step model's (systems/layer_cost.py), on a chip with an FP8 peak; the
+    precision recipe it prices memory with (bf16-adam's states: fp8-adam)."""
     if fp8 and reference:
         raise ValueError("--fp8 prices FP8 GEMMs with the step model; drop --reference")
     if fp8 and not hw.peak_flops_fp8:
         raise ValueError(f"--fp8: {hw.name} has no FP8 peak in the catalogue (FP8 tensor "
                          "cores came with Hopper); drop --fp8 or pick e.g. --hardware h100")
+    return "fp8-adam" if fp8 and precision == "bf16-adam" else precision
 
 
 def _undeprecate(flags: dict, seq_len: int | None) -> dict:
@@ -324,13 +329,6 @@ def _catalogue_model(name: str | None, values: dict):
     # how the experts split over ranks is the plan's (--ep, --etp), not the shape's
     return m.replace(experts=experts, top_k=top_k, moe_ffn=values.get("moe_ffn"),
                      shared_experts=values.get("shared_experts", 0), first_dense_layers=0)
-
-
-def _run_model(mcfg: ModelConfig):
-    """The run's model as the systems model's shape."""
-    from paratrain.cost.shapes import as_shape
-
-    return as_shape(mcfg)
 
 
 def _progress_line():

@@ -65,6 +65,7 @@ def validate(
 def _explain_row(runs, params, unfitted, row_id, json_out) -> None:
     from paratrain.systems.explain import case_lines, explain_lines
     from paratrain.systems.fitting import _figure, breakdown, source_count
+    from paratrain.systems.partial_recompute import recompute_words
     from paratrain.systems.runs import Skip, read_runs, row_to_case
     from paratrain.systems.validate import UNFITTED, load_params
 
@@ -90,7 +91,7 @@ def _explain_row(runs, params, unfitted, row_id, json_out) -> None:
     lines = [f"{row_id}: {case.model.name} on {case.plan.world_size} x {case.hw.name}, "
              f"dp {case.plan.dp} tp {case.plan.tp} pp {case.plan.pp} cp {case.plan.cp} "
              f"ep {case.plan.ep}, ZeRO-{case.plan.zero}, {case.plan.micro_batches} "
-             f"micro-batches, recompute {case.plan.recompute}"] + case_lines(case) + \
+             f"micro-batches, recompute {recompute_words(case)}"] + case_lines(case) + \
         explain_lines(bd, rep)
     if json_out:
         import json

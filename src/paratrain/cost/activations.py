@@ -32,22 +32,30 @@ def _check_kinds(recompute: str, attention: str) -> None:
 
 def layer_activation_bytes(seq: int, batch: int, hidden: int, heads: int, tp: int = 1,
                            sp: bool = False, recompute: str = "none",
-                           attention: str = "eager") -> float:
+                           attention: str = "eager", fp8: bool = False) -> float:
     """Korthikanti et al. 2022, Table 2: activation bytes one GPT layer (LayerNorm, GeLU
     MLP, dropout) keeps for backward at 16 bit. ``attention="eager"`` (their setting, the
     default here so the published figures are reproduced) keeps the 5 a s^2 b bytes of
-    scores, softmax output and dropout mask; ``"flash"`` keeps none of them."""
+    scores, softmax output and dropout mask; ``"flash"`` keeps none of them.
+
+    ``fp8`` (FP8 linear layers, Transformer Engine's recipe: each linear layer keeps its
+    input for the weight gradient as the FP8 copy it multiplied with): the four linear
+    inputs of the 34 s b h, QKV's (2), the output projection's (2), the first MLP
+    matrix's (2) and the second's (8), take half the bytes, 7 s b h less: 10 + 24 / t
+    becomes 8 + 19 / t (QKV's and the first MLP matrix's inputs are the replicated ones).
+    Full recompute keeps the block's 16-bit input either way."""
     _check_kinds(recompute, attention)
     sbh = seq * batch * hidden
     t = tp
     if recompute == "full":
         return 2 * sbh / (t if sp else 1)
+    whole, split = (8, 19) if fp8 else (10, 24)  # replicated / split over tp, x s b h
     if recompute == "selective":
-        return 34 * sbh / t if sp else sbh * (10 + 24 / t)
+        return (whole + split) * sbh / t if sp else sbh * (whole + split / t)
     attn = 5 * heads * seq / hidden if attention == "eager" else 0.0
     if sp:
-        return sbh * (34 + attn) / t
-    return sbh * (10 + 24 / t + attn / t)
+        return sbh * (whole + split + attn) / t
+    return sbh * (whole + split / t + attn / t)
 
 
 def is_paratrain_block(model: ModelConfig, etp: int = 1) -> bool:
@@ -68,7 +76,8 @@ def block_activation_bytes(model: ModelConfig, seq: int, *, tp: int = 1, sp: boo
                            recompute: str = "none", attention: str = "flash",
                            element_bytes: float = 2.0, cp: int = 1,
                            cp_algorithm: str = "ring", layer: int | None = None,
-                           ep: int = 1, etp: int = 1, ours: bool = True) -> float:
+                           ep: int = 1, etp: int = 1, ours: bool = True,
+                           fp8: bool = False) -> float:
     """Bytes one layer keeps for backward, per sequence of ``seq`` tokens held by this
     rank (T / cp under context parallelism), on one tensor-parallel rank of ``tp`` (with
     sequence parallelism if ``sp``), at ``element_bytes`` per element. The one
@@ -109,13 +118,16 @@ def block_activation_bytes(model: ModelConfig, seq: int, *, tp: int = 1, sp: boo
 
     MoE layers keep :func:`mlp_activation_bytes` in place of the SwiGLU row. Other
     shapes: :func:`_published_block_bytes` (Korthikanti et al. 2022).
+
+    ``fp8``: FP8 linear layers (:func:`layer_activation_bytes`), which paratrain's runtime
+    does not train with, so every shape gets the published figure with FP8 inputs.
     """
     _check_kinds(recompute, attention)
     m = as_shape(model)
     ring = cp > 1 and cp_algorithm == "ring"
-    if not (ours and is_paratrain_block(m, etp)):
+    if fp8 or not (ours and is_paratrain_block(m, etp)):
         return _published_block_bytes(m, seq, tp, sp, recompute, attention, element_bytes,
-                                      cp, ring)
+                                      cp, ring, fp8)
     s, h, t = seq, m.d_model, tp
     u = t if sp else 1
     if recompute == "full":
@@ -128,15 +140,15 @@ def block_activation_bytes(model: ModelConfig, seq: int, *, tp: int = 1, sp: boo
 
 
 def _published_block_bytes(m: ModelShape, seq: int, tp: int, sp: bool, recompute: str,
-                           attention: str, element_bytes: float, cp: int, ring: bool
-                           ) -> float:
+                           attention: str, element_bytes: float, cp: int, ring: bool,
+                           fp8: bool = False) -> float:
     """Shapes paratrain's block does not implement: Korthikanti's per-sequence figure
     scaled from 2 bytes to ``element_bytes`` (:func:`layer_activation_bytes`; ``flash``
-    drops 5 a s^2); the ring keeps no scores; all-to-all, unfused, keeps each rank's
-    a / cp heads' T x T = cp s x s scores."""
+    drops 5 a s^2; ``fp8`` its linear inputs in FP8); the ring keeps no scores;
+    all-to-all, unfused, keeps each rank's a / cp heads' T x T = cp s x s scores."""
     def korthikanti(kind: str) -> float:
         return layer_activation_bytes(seq, 1, m.d_model, m.n_heads, tp, sp, recompute,
-                                      kind) * element_bytes / 2.0
+                                      kind, fp8) * element_bytes / 2.0
     if ring or attention == "flash" or cp == 1:
         return korthikanti("flash" if ring else attention)
     return korthikanti("eager") + (cp - 1) * (korthikanti("eager") - korthikanti("flash"))

@@ -31,7 +31,8 @@ tokens, b sequences, h width, a heads, t tensor-parallel ranks, 16-bit:
 
 The 5 a s / h term is the attention scores, softmax output and dropout mask of an
 unfused kernel; a fused (flash) kernel keeps none of them, so ``attention="flash"``
-drops it.
+drops it. FP8 linear layers (the ``fp8-adam`` recipe) keep their four inputs in FP8:
+8 + 19/t in place of 10 + 24/t (:func:`layer_activation_bytes`).
 
 Either is multiplied by the layers the busiest pipeline stage holds and the
 micro-batches in flight on it.
@@ -71,6 +72,7 @@ class Precision:
     grad_bytes: float
     optim_bytes: float
     act_bytes: float = 2.0
+    fp8: bool = False  # FP8 linear layers: their saved inputs in FP8 (cost.activations)
 
     @property
     def total_bytes(self) -> float:
@@ -81,6 +83,10 @@ _BF16, _FP32 = ELEMENT_BYTES["bfloat16"], ELEMENT_BYTES["float32"]
 RECIPES = {  # mixed precision: fp32 master + m + v; fp32: the weights are the master
     "bf16-adam": Precision("bf16-adam", _BF16, _BF16, 3 * _FP32),
     "fp32-adam": Precision("fp32-adam", _FP32, _FP32, 2 * _FP32, act_bytes=_FP32),
+    # FP8 linear layers (Transformer Engine, torchao float8): the states of bf16-adam
+    # (16-bit weights and gradients, fp32 master and moments), the inputs the linear
+    # layers keep for backward in FP8
+    "fp8-adam": Precision("fp8-adam", _BF16, _BF16, 3 * _FP32, fp8=True),
 }
 
 
@@ -223,7 +229,7 @@ class Memory:
 def activation_bytes(model: ModelConfig, plan: ParallelPlan, tokens_per_step: int,
                      seq_len: int, attention: str = "eager",
                      element_bytes: float = 2.0, *, runtime: bool = False,
-                     ours: bool = True) -> float:
+                     ours: bool = True, fp8: bool = False) -> float:
     """Activations on the busiest GPU: per layer x layers per stage x in-flight
     micro-batches. ``attention`` defaults to Korthikanti's unfused kernel (``eager``);
     ``paratrain plan`` passes ``flash`` unless told otherwise.
@@ -232,9 +238,10 @@ def activation_bytes(model: ModelConfig, plan: ParallelPlan, tokens_per_step: in
     :func:`rank_activation_peaks` instead, which adds the terms outside the blocks
     (embedding ids, final norm, head input, the loss's logits), the RoPE tables, the
     runtime's block split and the micro-batches in flight read off the schedule.
-    ``ours``: :func:`block_activation_bytes`'s (False for a published run)."""
+    ``ours``: :func:`block_activation_bytes`'s (False for a published run); ``fp8``: FP8
+    linear layers (:data:`RECIPES` ``fp8-adam``)."""
     m = as_shape(model)
-    if runtime and is_paratrain_block(m, plan.etp):
+    if runtime and is_paratrain_block(m, plan.etp) and not fp8:
         return max(rank_activation_peaks(model, plan, tokens_per_step, seq_len, attention,
                                          element_bytes))
     batch = split_batch(tokens_per_step, seq_len, plan)
@@ -242,7 +249,7 @@ def activation_bytes(model: ModelConfig, plan: ParallelPlan, tokens_per_step: in
         m, batch.local_seq, tp=plan.tp, sp=plan.sp, recompute=plan.recompute,
         attention=attention, element_bytes=element_bytes, cp=plan.cp,
         cp_algorithm=plan.cp_algorithm, ep=plan.ep, etp=plan.etp,
-        ours=ours)
+        ours=ours, fp8=fp8)
     layers = stage_layers(m.n_layers, plan.pp)
     inflight = micro_batches_in_flight(plan.schedule, plan.pp, plan.micro_batches,
                                        virtual_stages(plan))
@@ -258,7 +265,7 @@ def memory(model: ModelConfig, plan: ParallelPlan, hw: Hardware, tokens_per_step
     prec = recipe(precision) if isinstance(precision, str) else precision
     st = model_states(model, plan, prec)
     act = activation_bytes(m, plan, tokens_per_step, seq_len, attention,
-                           ours=ours)
+                           ours=ours, fp8=prec.fp8)
     batch = split_batch(tokens_per_step, seq_len, plan)
     logits = 4.0 * batch.local_seq * batch.micro_batch * m.vocab_size / plan.tp \
         if plan.pp == 1 else 0.0

@@ -20,11 +20,13 @@ warm-started from the full fit.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
 from paratrain.config import read_toml
 from paratrain.systems.gemm import FAMILIES, family, is_tpu
+from paratrain.systems.partial_recompute import blend
 from paratrain.systems.row_engine import case_engine, precision_says
 from paratrain.systems.runs import DATA_DIR, Case, Record
 from paratrain.systems.step_model import Breakdown, predict_step
@@ -84,10 +86,17 @@ def case_attention(case: Case) -> str | None:
 
 
 def breakdown(case: Case, params: StepParams) -> Breakdown:
-    return predict_step(case.model, case.plan, case.hw, case.tokens, case.seq_len, params,
-                        case_engine(case), case_attention(case),
-                        getattr(case, "shard_group", None),
-                        precision_says(case, "fp8"))
+    """The step model's breakdown of a case; one that recomputes a share of its blocks
+    is the blend of none and all (:mod:`paratrain.systems.partial_recompute`)."""
+    def at(plan):
+        return predict_step(case.model, plan, case.hw, case.tokens, case.seq_len, params,
+                            case_engine(case), case_attention(case),
+                            getattr(case, "shard_group", None), precision_says(case, "fp8"))
+
+    share = getattr(case, "recompute_share", 1.0)
+    if case.plan.recompute != "full" or share >= 1.0:
+        return at(case.plan)
+    return blend(at(dataclasses.replace(case.plan, recompute="none")), at(case.plan), share)
 
 
 def source_count(case: Case) -> str:

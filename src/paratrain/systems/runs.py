@@ -33,7 +33,13 @@ from paratrain.cost.hardware import Hardware, load_hardware, resolve_hardware
 from paratrain.cost.moe_layout import default_etp
 from paratrain.cost.shapes import FLOP_COUNTS, ModelShape
 from paratrain.plan import ParallelPlan
-from paratrain.systems.row_engine import case_engine, engine_options, row_engine
+from paratrain.systems.partial_recompute import share_words
+from paratrain.systems.row_engine import (
+    case_engine,
+    engine_options,
+    precision_says,
+    row_engine,
+)
 from paratrain.systems.row_fields import Default, Skip
 from paratrain.systems.row_fields import num as _num
 from paratrain.systems.row_layout import axes, batch, schedule
@@ -76,6 +82,8 @@ class Case:
     # how the source counts model FLOPs (models.FLOP_COUNTS); empty = its engine's way
     flops_count: str = ""
     defaults: tuple[Default, ...] = ()  # every blank filled in, in the order applied
+    # with recompute full: the share of the blocks recomputed (systems.partial_recompute)
+    recompute_share: float = 1.0
 
 
 def _defaults_dicts(defaults: tuple) -> list[dict]:
@@ -251,15 +259,19 @@ def _fit_memory(case: Case, stated: bool, out: list) -> Case:
     from paratrain.systems.fitting import case_attention
 
     att = case_attention(case) or case_engine(case).attention
-    mode, mem = fitting_recompute(case.model, case.plan, case.hw, case.tokens,
-                                  case.seq_len, att, case.shard_group)
+    mode, mem, share = fitting_recompute(case.model, case.plan, case.hw, case.tokens,
+                                         case.seq_len, att, case.shard_group,
+                                         precision_says(case, "fp8"))
     if mode is None:
         raise Skip(refusal(mem, case.hw), out)
     if not stated:
-        out.append(("recompute", mode, f"inferred: the least of none < selective < full "
-                                       f"that fits ({mem.total_bytes / 1e9:,.1f} GB of "
+        said = share_words(share) if share < 1 else mode
+        out.append(("recompute", said, f"inferred: the least of none < selective < full "
+                                       f"(on the least share of the blocks) that fits "
+                                       f"({mem.total_bytes / 1e9:,.1f} GB of "
                                        f"{mem.hbm_bytes / 1e9:,.1f} GB HBM)"))
-        case = dataclasses.replace(case, plan=dataclasses.replace(case.plan, recompute=mode))
+        case = dataclasses.replace(case, plan=dataclasses.replace(case.plan, recompute=mode),
+                                   recompute_share=share)
     return dataclasses.replace(case, defaults=tuple(out))
 
 

@@ -212,7 +212,8 @@ def search(model: ModelConfig, hw: Hardware, gpus: int, tokens_per_step: int, se
         scored += 1
         if progress is not None and scored % PROGRESS_EVERY == 0:
             progress(scored, fitting, best[0].step_s if best else None)
-        mem = memory(m, plan, hw, tokens_per_step, seq_len, attention=attention)
+        mem = memory(m, plan, hw, tokens_per_step, seq_len, "fp8-adam" if fp8 else "bf16-adam",
+                     attention=attention)
         if not mem.fits:
             continue
         fitting += 1
