@@ -194,6 +194,32 @@ def test_the_engine_cell_says_how_its_engine_ran_and_notes_never_do():
     assert predict(noted) == predict(plain) and noted.engine_why == plain.engine_why
 
 
+def test_a_full_iteration_cuda_graph_leaves_each_kernel_only_the_gpus_gap():
+    """Megatron-Bridge's 26.08 Qwen3-30B-A3B on 8 GB200 (MXFP8) replays its step from a
+    CUDA graph (the release's recipe): its kernels cost GRAPH_KERNEL_S each, not the
+    fitted launch cost, so its launches take a tenth of the time; the words in notes
+    alone change nothing, and `plan --engine` reads them the same way."""
+    from paratrain.systems.fitting import breakdown, load_params
+    from paratrain.systems.overlap import GRAPH_KERNEL_S
+    from paratrain.systems.row_engine import case_engine, engine_as_said
+
+    row = BY_ID["mb2608_qwen3_30b_gb200_mx_8"]
+    assert "full-iteration CUDA graph" in row["engine"]
+    graphed = row_to_case(row)
+    plain = row_to_case({**row, "engine": "NeMo (Megatron-Bridge)"})
+    assert case_engine(graphed).graphed and not case_engine(plain).graphed
+    assert "'full-iteration cuda graph': the step's kernels replay" in graphed.engine_why
+    p = load_params()
+    g, b = breakdown(graphed, p), breakdown(plain, p)
+    assert g.overhead_s == pytest.approx(b.overhead_s * GRAPH_KERNEL_S / p.kernel_s)
+    assert g.step_s < b.step_s and g.comm == b.comm
+    noted = row_to_case({**row, "engine": "NeMo (Megatron-Bridge)",
+                         "notes": "full-iteration CUDA graph"})
+    assert predict(noted) == predict(plain)
+    assert engine_as_said("nemo, full-iteration CUDA graph").graphed
+    assert case_engine(graphed).kernel_s(1e-5) == GRAPH_KERNEL_S
+
+
 def test_tpu_slices_set_the_fast_domain():
     case = row_to_case(BY_ID["maxtext_v4_22b_8x64"])
     assert case.hw.gpus_per_node == 64 and case.plan.dp == 512 and case.hw.topology == "torus"

@@ -75,10 +75,13 @@ def test_every_shipped_row_is_priced_and_fitted_defaults_are_good():
     assert all(s.skipped_reason.startswith("confirmed=no") for s in skips if s not in refused)
     assert len(cases) == sum(r["confirmed"] != "no" for r in rows) - len(refused) > 150
     res = run_validate(None, None, False, False, None, None)
-    # 8.2% since the Blackwell rows of 2025 joined (two software eras up to 40% apart on
-    # one chip, docs/systems-model.md); the rows before them stay at 4.8 / 6.7%
-    assert res["summary"]["overall"]["mape"] < 9
-    assert res["summary_heldout"]["overall"]["mape"] < 10
+    # 9.7% (held out 10.0%) since Megatron-Bridge's 26.xx rows joined (a release can move
+    # the same MoE layout by 1.5x, docs/systems-model.md); the rows before them stay 8.4%
+    assert res["summary"]["overall"]["mape"] < 10.5
+    assert res["summary_heldout"]["overall"]["mape"] < 11
+    before = [r for r in res["records"]
+              if r["predicted"] is not None and not r["id"].startswith("mb26")]
+    assert sum(r["abs_pct_error"] for r in before) / len(before) < 9
     p = load_params()
     assert 0.3 <= min(p.gemm_eff.values()) and max(p.gemm_eff.values()) <= 1.0
 

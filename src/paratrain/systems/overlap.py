@@ -79,6 +79,14 @@ pass too) adds the bf16 gradients into it: zero the bf16 gradient (2 B), cast it
 every stage's critical path. With ZeRO 2/3 the gradients are reduced per micro-batch
 into the rank's shard instead (priced with the data-parallel sync).
 
+``graphed``: the engine replays the whole step's kernels from a CUDA graph
+(Megatron-Core's ``cuda_graph_impl = "full_iteration"``, which Megatron-Bridge's MXFP8 MoE
+recipes on GB200 run from its 26.06 container on; a runs-table engine cell says
+"full-iteration CUDA graph"): no kernel is launched from the host, so each pays only the
+GPU's own gap between kernels, :data:`GRAPH_KERNEL_S` (2 us, ``kernel_s``'s lower bound:
+CUDA's launch latency), in place of the fitted ``kernel_s``. Graphs that capture only
+some modules (``cuda_graph_scope`` attention, router) are not this and are not priced.
+
 ``gather`` is how a ZeRO-3/FSDP engine gathers weights: ``bucket`` (whole-stage buckets
 on NCCL rings), ``unit`` (one collective per block), ``param`` (DeepSpeed ZeRO-3 gathers each
 submodule's parameters with its own coalesced all-gather: attention's projections, its
@@ -92,6 +100,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 COLLECTIVES_PER_BLOCK = {"bucket": 1, "unit": 1, "param": 4}
+GRAPH_KERNEL_S = 2e-6  # a kernel's fixed cost replayed from a CUDA graph (``graphed``)
 
 
 @dataclass(frozen=True)
@@ -111,6 +120,11 @@ class Engine:
     dispatcher: str = "alltoall"  # MoE token dispatch (systems.moe_step.DISPATCHERS)
     dead_tail: bool = False  # full recompute skips the GEMMs whose outputs backward never reads
     hp_grad_bytes: float = 0.0  # HBM bytes per local parameter per micro-batch (ZeRO 0/1)
+    graphed: bool = False  # the step's kernels replayed from a CUDA graph (GRAPH_KERNEL_S)
+
+    def kernel_s(self, fitted: float) -> float:
+        """A kernel's fixed cost under this engine: the fitted one, or a graph's."""
+        return min(fitted, GRAPH_KERNEL_S) if self.graphed else fitted
 
 
 ENGINES = {

@@ -1,8 +1,8 @@
 """Partial recomputation: a published run that recomputes some of its blocks, not all.
 
 Engines recompute less than every block when less is enough: Megatron-LM and NeMo
-recompute the first K blocks of each pipeline chunk (``--recompute-method block
---recompute-num-layers K``) or chosen modules of every block (``--recompute-modules``),
+recompute the first K blocks of each pipeline chunk (``recompute_method`` block,
+``recompute_num_layers`` K) or chosen modules of every block (``recompute_modules``),
 torchtitan every n-th block, and a tuned recipe sets them to the least that fits. A
 runs-table row whose recompute is blank is inferred as the least recomputation that fits
 its HBM (:mod:`paratrain.systems.row_memory`): none, selective, then full recomputation

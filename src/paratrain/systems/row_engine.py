@@ -69,6 +69,9 @@ ENGINE_OPTIONS = (
      "the compiler fuses the element-wise chains (overlap.Engine.fusion 1)"),
     ("vanilla tp", (("tp", 0.0),), "tensor-parallel collectives block, no async TP"),
     ("no async tp", (("tp", 0.0),), "tensor-parallel collectives block"),
+    ("full-iteration cuda graph", (("graphed", True),),
+     "the step's kernels replay from a CUDA graph, none launched from the host "
+     "(overlap.Engine.graphed)"),
 )
 
 

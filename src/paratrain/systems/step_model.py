@@ -326,7 +326,8 @@ def predict_step(model, plan: ParallelPlan, hw: Hardware, tokens_per_step: int,
     chip = chip_of(hw.name)
     mb, M = plan.micro_batches, batch.micro_batch * batch.local_seq
     kernel = attention or eng.attention
-    rates = dataclasses.replace(sp.rates(hw.name, kernel), fusion=eng.fusion)
+    rates = dataclasses.replace(sp.rates(hw.name, kernel), fusion=eng.fusion,
+                                kernel_s=eng.kernel_s(sp.kernel_s))
     if fp8 and hw.peak_flops_fp8:  # the linear layers' GEMMs at the FP8 peak (layer_cost)
         rates = dataclasses.replace(rates, fp8_hw=hw.replace(peak_flops=hw.peak_flops_fp8),
                                     fp8_eff=sp.fp8_eff)
@@ -393,8 +394,7 @@ def predict_step(model, plan: ParallelPlan, hw: Hardware, tokens_per_step: int,
     opt_s = hbm_s(shard * OPTIMIZER_BYTES_PER_PARAM)
 
     per_token, extra = _flops_per_token(m, seq_len, plan.recompute)
-    model_flops = per_token * tokens_per_step
-    hw_flops = (per_token + extra) * tokens_per_step
-    return Breakdown(gemm, mem_s, over_s, head_s, comm, exposed, bubble, opt_s, model_flops,
-                     hw_flops, plan.world_size, hw.peak_flops, eng.name, blocks, mb,
+    return Breakdown(gemm, mem_s, over_s, head_s, comm, exposed, bubble, opt_s,
+                     per_token * tokens_per_step, (per_token + extra) * tokens_per_step,
+                     plan.world_size, hw.peak_flops, eng.name, blocks, mb,
                      accum_s=mb * accum_s)
