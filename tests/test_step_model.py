@@ -178,8 +178,9 @@ def _published_layouts():
 
 def test_search_self_check_on_published_runs():
     """The search's best layout is predicted no slower than each published layout it could
-    have chosen (a valid plan, power-of-two tp, that fits in memory): same model, engine,
-    parameters, ZeRO stage and recomputation."""
+    have chosen (a valid plan, power-of-two tp, that fits in memory): same model, engine
+    (with the options its row's engine cell sets, e.g. torch.compile), parameters, ZeRO
+    stage and recomputation."""
     from paratrain.cost.memory import memory
     from paratrain.systems.fitting import case_attention, case_engine
 
@@ -194,7 +195,7 @@ def test_search_self_check_on_published_runs():
         pub = predict_step(c.model, c.plan, c.hw, c.tokens, c.seq_len, p, eng,
                            case_attention(c)).step_s
         res = search(c.model, c.hw, c.plan.world_size, c.tokens, c.seq_len, top=1,
-                     keep_points=False, params=p, engine=eng.name, attention="flash",
+                     keep_points=False, params=p, engine=eng, attention="flash",
                      zero_stages=(c.plan.zero,), recomputes=(c.plan.recompute,))
         assert res.top[0].step_s <= pub * (1 + 1e-9), c.id
         checked += 1
