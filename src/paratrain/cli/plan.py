@@ -237,7 +237,9 @@ def _check_fp8(fp8: bool, hw, reference: bool, precision: str) -> str:
     if fp8 and not hw.peak_flops_fp8:
         raise ValueError(f"--fp8: {hw.name} has no FP8 peak in the catalogue (FP8 tensor "
                          "cores came with Hopper); drop --fp8 or pick e.g. --hardware h100")
-    return "fp8-adam" if fp8 and precision == "bf16-adam" else precision
+    from paratrain.cost.memory import mixed_recipe
+
+    return mixed_recipe(fp8) if precision == "bf16-adam" else precision
 
 
 def _undeprecate(flags: dict, seq_len: int | None) -> dict:

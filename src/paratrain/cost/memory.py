@@ -90,6 +90,11 @@ RECIPES = {  # mixed precision: fp32 master + m + v; fp32: the weights are the m
 }
 
 
+def mixed_recipe(fp8: bool) -> str:
+    """The mixed-precision recipe's name: bf16-adam, or with FP8 linear layers fp8-adam."""
+    return "fp8-adam" if fp8 else "bf16-adam"
+
+
 def recipe(name: str) -> Precision:
     if name not in RECIPES:
         raise ValueError(f"precision {name!r} is unknown; choose one of {', '.join(RECIPES)}")

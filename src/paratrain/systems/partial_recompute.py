@@ -52,10 +52,10 @@ def blend(none: Breakdown, full: Breakdown, share: float) -> Breakdown:
             return {k: mix(a.get(k, 0.0), b.get(k, 0.0)) for k in {**a, **b}}
         return a + share * (b - a)
 
-    numbers = ("gemm", "memory_s", "overhead_s", "head_s", "comm", "exposed", "bubble_s",
-               "optimizer_s", "model_flops", "hardware_flops", "accum_s")
-    return dataclasses.replace(full, **{k: mix(getattr(none, k), getattr(full, k))
-                                        for k in numbers})
+    # every float and table of floats (seconds, FLOPs); counts, names and notes are full's
+    return dataclasses.replace(full, **{
+        f.name: mix(getattr(none, f.name), getattr(full, f.name))
+        for f in dataclasses.fields(Breakdown) if isinstance(getattr(full, f.name), (float, dict))})
 
 
 def share_words(share: float) -> str:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 
 from paratrain.cost.hardware import Hardware
-from paratrain.cost.memory import Memory, memory
+from paratrain.cost.memory import Memory, memory, mixed_recipe
 from paratrain.cost.shapes import ModelShape
 from paratrain.plan import ParallelPlan
 from paratrain.systems.partial_recompute import least_share
@@ -47,8 +47,8 @@ def rank_memory(model: ModelShape, plan: ParallelPlan, hw: Hardware, tokens: int
             pass  # a layout HSDP does not run with: the states over every DP rank
     # a published engine's block keeps the published figure, not what paratrain's runtime
     # keeps (cost.activations.block_activation_bytes)
-    return memory(model, plan, hw, tokens, seq, "fp8-adam" if fp8 else "bf16-adam",
-                  attention=kernel, ours=False)
+    return memory(model, plan, hw, tokens, seq, mixed_recipe(fp8), attention=kernel,
+                  ours=False)
 
 
 def _gb(x: float) -> str:

@@ -33,7 +33,7 @@ from paratrain.cost.hardware import Hardware, load_hardware, resolve_hardware
 from paratrain.cost.moe_layout import default_etp
 from paratrain.cost.shapes import FLOP_COUNTS, ModelShape
 from paratrain.plan import ParallelPlan
-from paratrain.systems.partial_recompute import share_words
+from paratrain.systems.partial_recompute import recompute_words
 from paratrain.systems.row_engine import (
     case_engine,
     engine_options,
@@ -265,13 +265,12 @@ def _fit_memory(case: Case, stated: bool, out: list) -> Case:
     if mode is None:
         raise Skip(refusal(mem, case.hw), out)
     if not stated:
-        said = share_words(share) if share < 1 else mode
-        out.append(("recompute", said, f"inferred: the least of none < selective < full "
-                                       f"(on the least share of the blocks) that fits "
-                                       f"({mem.total_bytes / 1e9:,.1f} GB of "
-                                       f"{mem.hbm_bytes / 1e9:,.1f} GB HBM)"))
         case = dataclasses.replace(case, plan=dataclasses.replace(case.plan, recompute=mode),
                                    recompute_share=share)
+        out.append(("recompute", recompute_words(case),
+                    f"inferred: the least of none < selective < full (on the least share "
+                    f"of the blocks) that fits ({mem.total_bytes / 1e9:,.1f} GB of "
+                    f"{mem.hbm_bytes / 1e9:,.1f} GB HBM)"))
     return dataclasses.replace(case, defaults=tuple(out))
 
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 from paratrain.config import ModelConfig
 from paratrain.cost.hardware import Hardware
-from paratrain.cost.memory import Memory, memory
+from paratrain.cost.memory import Memory, memory, mixed_recipe
 from paratrain.cost.shapes import as_shape
 from paratrain.plan import ParallelPlan, infer_dp
 from paratrain.systems.overlap import SEARCH_ENGINE
@@ -212,7 +212,7 @@ def search(model: ModelConfig, hw: Hardware, gpus: int, tokens_per_step: int, se
         scored += 1
         if progress is not None and scored % PROGRESS_EVERY == 0:
             progress(scored, fitting, best[0].step_s if best else None)
-        mem = memory(m, plan, hw, tokens_per_step, seq_len, "fp8-adam" if fp8 else "bf16-adam",
+        mem = memory(m, plan, hw, tokens_per_step, seq_len, mixed_recipe(fp8),
                      attention=attention)
         if not mem.fits:
             continue
