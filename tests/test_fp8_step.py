@@ -77,3 +77,24 @@ def test_an_fp8_step_is_faster_than_bf16_as_published():
     bf, f8 = (predict_step(run, plan, H100, 128 * 8192, 8192, p, "nemo", fp8=x)
               for x in (False, True))
     assert bf.step_s / f8.step_s == pytest.approx(14.61 / 10.46, rel=0.04)
+
+
+def test_int8_on_a_tpu_is_priced_as_fp8_on_a_gpu_at_the_chips_8bit_peak():
+    """MaxText's GPT-3 175B on 512 TPU v5p (tpu-recipes) trains with AQT int8 matmuls: a
+    precision that says int8 runs the linear layers at the catalogue's 8-bit peak (twice
+    v5p's bf16) with their casts, as FP8 does on a GPU; said bf16, the same row is
+    slower, by less than the 2x of the peaks."""
+    from paratrain.systems.fitting import breakdown
+    from paratrain.systems.row_engine import eight_bit
+    from paratrain.systems.runs import read_runs, row_to_case
+
+    v5p = load_hardware("tpu-v5p")
+    assert v5p.peak_flops_fp8 == 2 * v5p.peak_flops
+    row = next(r for r in read_runs() if r["id"] == "tpur_v5p_gpt3_175b_512")
+    i8, b16 = row_to_case(row), row_to_case({**row, "precision": "bf16"})
+    assert eight_bit(i8) and not eight_bit(b16)
+    p = load_params()
+    a, b = breakdown(i8, p), breakdown(b16, p)
+    for name in ("qkv", "out", "mlp"):
+        assert 1.2 < b.gemm[name] / a.gemm[name] < 2, name
+    assert a.step_s < b.step_s

@@ -14,7 +14,7 @@ from paratrain.cost.hardware import Hardware, hardware_names, load_hardware
 from paratrain.cost.shapes import load_model, model_names
 
 REQUIRED_HW = ["v100", "a100-40gb", "a100", "h100", "h100-pcie", "h100-nvl", "h100-96gb",
-               "h200", "b200", "gb200", "mi300x", "tpu-v4", "tpu-v5p"]
+               "h200", "b200", "gb200", "b300", "gb300", "mi300x", "tpu-v4", "tpu-v5p"]
 
 
 def test_importing_systems_does_not_import_torch():
@@ -66,6 +66,7 @@ def test_h100_variants_blackwell_domains_and_tpu_v5p():
         load_hardware("h100-96gb")
     assert load_hardware("gb200").gpus_per_node == 72  # NVL72: one NVLink domain
     assert load_hardware("b200").gpus_per_node == 8
+    assert load_hardware("gb300").gpus_per_node == 72 and load_hardware("b300").gpus_per_node == 8
     v5p = load_hardware("tpu-v5p")
     assert v5p.topology == "torus" and v5p.hbm_bytes == 96e9
 

@@ -67,23 +67,29 @@ _CHIPS = {
     "h100": Chip("h100", 128, 256, 132),
     "h100-pcie": Chip("h100-pcie", 128, 256, 114, "h100"),  # the PCIe card's GH100 has 114 SMs
     "b200": Chip("b200", 128, 256, 148),
+    # Blackwell Ultra (B300, GB300): a die of its own, 160 SMs enabled (NVIDIA, "Inside
+    # NVIDIA Blackwell Ultra"), twice the B200's softmax exponent rate and a higher power
+    # limit (1,100-1,400 W against 1,000-1,200 W): its own fitted efficiencies
+    "b300": Chip("b300", 128, 256, 160),
     "v100": Chip("v100", 128, 128, 80),
     "mi300x": Chip("mi300x", 256, 256, 304),
     "tpu-v3": Chip("tpu-v3", 128, 128, 1),
     "tpu-v4": Chip("tpu-v4", 128, 128, 1),
     "tpu-v5e": Chip("tpu-v5e", 128, 128, 1),
     "tpu-v5p": Chip("tpu-v5p", 128, 128, 1),
+    "tpu-v6e": Chip("tpu-v6e", 256, 256, 1),  # Trillium's MXUs are 256 x 256
 }
 TPU_CHIPS = tuple(name for name in _CHIPS if name.startswith("tpu-"))
 # every family a fit can give efficiencies to (a chip's family or its own generation)
 FAMILIES = tuple(dict.fromkeys(c.family or c.generation for c in _CHIPS.values()))
 # first match wins: the longer names before the ones they contain
 _NAME_KEYS = (("h100-pcie", "h100-pcie"), ("h100 pcie", "h100-pcie"), ("a100", "a100"),
-              ("h100", "h100"), ("h800", "h100"), ("h200", "h100"), ("gh200", "h100"),
-              ("b200", "b200"), ("gb200", "b200"), ("v100", "v100"), ("mi300", "mi300x"),
-              ("tpu-v3", "tpu-v3"), ("tpu v3", "tpu-v3"), ("tpu-v4", "tpu-v4"),
-              ("tpu v4", "tpu-v4"), ("tpu-v5e", "tpu-v5e"), ("tpu v5e", "tpu-v5e"),
-              ("tpu-v5p", "tpu-v5p"), ("tpu v5p", "tpu-v5p"))
+              ("a800", "a100"), ("h100", "h100"), ("h800", "h100"), ("h200", "h100"),
+              ("gh200", "h100"), ("b200", "b200"), ("gb200", "b200"), ("b300", "b300"),
+              ("v100", "v100"), ("mi300", "mi300x"), ("tpu-v3", "tpu-v3"), ("tpu v3", "tpu-v3"),
+              ("tpu-v4", "tpu-v4"), ("tpu v4", "tpu-v4"), ("tpu-v5e", "tpu-v5e"),
+              ("tpu v5e", "tpu-v5e"), ("tpu-v5p", "tpu-v5p"), ("tpu v5p", "tpu-v5p"),
+              ("tpu-v6e", "tpu-v6e"), ("tpu v6e", "tpu-v6e"), ("trillium", "tpu-v6e"))
 
 
 @lru_cache(maxsize=64)

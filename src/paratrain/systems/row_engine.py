@@ -97,6 +97,13 @@ def precision_says(case, word: str) -> bool:
     return word in (getattr(case, "precision", "") or "").lower()
 
 
+def eight_bit(case) -> bool:
+    """Whether a case's linear layers multiply in 8 bits: FP8 on GPUs, int8 on TPUs
+    (MaxText's AQT ``quantization: int8``), priced alike at the chip's 8-bit peak
+    (``Hardware.peak_flops_fp8``) with its casts (:mod:`paratrain.systems.layer_cost`)."""
+    return precision_says(case, "fp8") or precision_says(case, "int8")
+
+
 def case_engine(case) -> Engine:
     """The engine a case was priced with (``Case.engine``, set by :func:`row_engine`,
     with the row's :func:`engine_options`); a run whose ``precision`` says fp16 has no

@@ -36,14 +36,20 @@ from paratrain.plan import ParallelPlan
 from paratrain.systems.partial_recompute import recompute_words
 from paratrain.systems.row_engine import (
     case_engine,
+    eight_bit,
     engine_options,
-    precision_says,
     row_engine,
 )
 from paratrain.systems.row_fields import Default, Skip
 from paratrain.systems.row_fields import num as _num
 from paratrain.systems.row_layout import axes, batch, schedule
-from paratrain.systems.row_memory import fitting_recompute, refusal
+from paratrain.systems.row_memory import (
+    admitted_why,
+    fitting_recompute,
+    least_bytes,
+    offloaded,
+    refusal,
+)
 from paratrain.systems.row_shape import (  # noqa: F401 - the table's readers, re-exported
     MOE_COLUMNS,
     SHAPE_COLUMNS,
@@ -250,20 +256,27 @@ def row_to_case(row: dict) -> Case:
                 step_time_s=_num(row, "step_time_s"),
                 tokens_per_s=_num(row, "tokens_per_s_per_accel"),
                 shard_group=_num(row, "shard_group", int), flops_count=count)
-    return _fit_memory(case, recompute_stated(row.get("recompute") or ""), out)
+    words = row.get("recompute") or ""
+    return _fit_memory(case, recompute_stated(words), offloaded(words), out)
 
 
-def _fit_memory(case: Case, stated: bool, out: list) -> Case:
+def _fit_memory(case: Case, stated: bool, offload: bool, out: list) -> Case:
     """The case with its recompute inferred (blank: the least that fits), or Skip when the
-    layout does not fit even with full recomputation."""
+    layout does not fit even with full recomputation (:mod:`paratrain.systems.
+    row_memory`: the least an engine runs it in)."""
     from paratrain.systems.fitting import case_attention
 
     att = case_attention(case) or case_engine(case).attention
     mode, mem, share = fitting_recompute(case.model, case.plan, case.hw, case.tokens,
                                          case.seq_len, att, case.shard_group,
-                                         precision_says(case, "fp8"))
+                                         eight_bit(case))
     if mode is None:
-        raise Skip(refusal(mem, case.hw), out)
+        if least_bytes(mem, offload) > mem.hbm_bytes:
+            raise Skip(refusal(mem, case.hw, offload), out)
+        case = dataclasses.replace(case, plan=dataclasses.replace(case.plan,
+                                                                  recompute="full"))
+        out.append(("recompute", "full", admitted_why(mem, offload)))
+        return dataclasses.replace(case, defaults=tuple(out))
     if not stated:
         case = dataclasses.replace(case, plan=dataclasses.replace(case.plan, recompute=mode),
                                    recompute_share=share)

@@ -1,6 +1,6 @@
 """The step-time model's free parameters: few, physical, each with its provenance.
 
-Sixteen numbers (with the table's four TPU generations), all efficiencies in (0, 1] of a
+Nineteen numbers (with the table's five TPU generations), all efficiencies in (0, 1] of a
 catalogue figure, except one latency (a family's efficiencies keep their start values
 when a table has too few rows on it):
 
@@ -14,17 +14,21 @@ gemm_eff[h100]     0.75     ~740 of 989 TF/s for large bf16 GEMMs on H100 SXM
                             (NVIDIA's Transformer Engine / cuBLAS figures)
 gemm_eff[b200]     0.75     B200 and GB200 (one die): H100's start, no published GEMM
                             sweep at hand; the Blackwell rows of the table fit it
-gemm_eff[tpu-v*]   0.85     large matmuls on the 128 x 128 MXUs (Jouppi et al. 2023), one
-                            per generation as for GPUs: v4, v5e and v5p differ in MXUs per
-                            core, HBM per FLOP and compiler generation (one shared figure
-                            left MaxText's v4 rows up to 9% fast, its v5e rows up to 16%
-                            slow)
+gemm_eff[b300]     0.75     B300 and GB300 (Blackwell Ultra, its own die and power limit):
+                            B200's start; the table's GB300 and B300 rows fit it
+gemm_eff[tpu-v*]   0.85     large matmuls on the 128 x 128 MXUs (Jouppi et al. 2023; v6e's
+                            are 256 x 256), one per generation as for GPUs: v4, v5e, v5p
+                            and v6e differ in MXUs per core, HBM per FLOP and compiler
+                            generation (one shared figure left MaxText's v4 rows up to 9%
+                            fast, its v5e rows up to 16% slow)
 attn_eff[a100]     0.60     FlashAttention-2 forward+backward at ~50-70% of peak on A100
                             (Dao 2023); bounded by 0.75 (its best forward is 73%)
 attn_eff[h100]     0.35     FlashAttention-2 on H100 reaches ~35-40% of peak: it does not
                             use Hopper's asynchronous tensor cores (Shah et al. 2024)
 attn_eff[b200]     0.35     FlashAttention-2 class on Blackwell, which it does not use
                             natively either: H100's start (no row runs it; not pinned)
+attn_eff[b300]     0.35     the same start for Blackwell Ultra (no row runs FlashAttention-2
+                            class kernels on it: not pinned)
 attn3_eff          0.60     native fused attention: Hopper's (FlashAttention-3, cuDNN's, as
                             Transformer Engine runs it: ~600-750 of 989 TF/s forward,
                             Shah et al. 2024) and the TPU compiler's, bounded by 0.8;
@@ -69,8 +73,12 @@ from dataclasses import dataclass, field
 from paratrain.systems.gemm import TPU_CHIPS, family, is_tpu
 from paratrain.systems.layer_cost import Rates
 
-GEMM_EFF = {"a100": 0.85, "h100": 0.75, "b200": 0.75, **dict.fromkeys(TPU_CHIPS, 0.85)}
-ATTN_EFF = {"a100": 0.60, "h100": 0.35, "b200": 0.35}
+GEMM_EFF = {"a100": 0.85, "h100": 0.75, "b200": 0.75, "b300": 0.75,
+            **dict.fromkeys(TPU_CHIPS, 0.85)}
+ATTN_EFF = {"a100": 0.60, "h100": 0.35, "b200": 0.35, "b300": 0.35}
+# GPU families with a native fused attention kernel ("flash3": cuDNN's through Transformer
+# Engine, FlashAttention-3): Hopper and Blackwell
+NATIVE_ATTENTION = ("h100", "b200", "b300")
 # the share of a hidden data-parallel transfer's time that still slows the step; a fixed
 # physical figure, not one of the fitted parameters (module docstring)
 OVERLAP_TAX = 0.2
@@ -94,8 +102,15 @@ class StepParams:
     overlap_tax: float = OVERLAP_TAX  # fixed, not fitted (module docstring)
 
     def gemm_for(self, hw_name: str) -> float:
+        """The GEMM efficiency of this chip's family; a family no parameter names (MI300X,
+        V100: no run of the table pins them) takes the mean of its kind's (the GPU or
+        the TPU families'), what the published runs say of chips in general, rather
+        than a start value no run has tested."""
         fam = family(hw_name)
-        return self.gemm_eff.get(fam, GEMM_EFF.get(fam, 0.75))
+        if fam in self.gemm_eff:
+            return self.gemm_eff[fam]
+        kind = [v for k, v in self.gemm_eff.items() if is_tpu(k) == is_tpu(fam)]
+        return sum(kind) / len(kind) if kind else 0.75
 
     def attn_for(self, hw_name: str, kernel: str = "flash") -> float:
         """Attention efficiency of ``kernel`` on this chip: the chip's native fused
@@ -103,7 +118,7 @@ class StepParams:
         fused kernel, always) at attn3_eff; FlashAttention-2 class at the generation's
         attn_eff."""
         fam = family(hw_name)
-        if is_tpu(fam) or (kernel == "flash3" and fam in ("h100", "b200")):
+        if is_tpu(fam) or (kernel == "flash3" and fam in NATIVE_ATTENTION):
             return self.attn3_eff
         return self.attn_eff.get(fam, ATTN_EFF.get(fam, self.gemm_for(hw_name) * 0.7))
 
