@@ -268,6 +268,8 @@ def test_catalogue_moe_models_match_published_totals(name, total, active):
     ("nemotron4-340b", 341.0e9), ("nemotron4-15b", 15.6e9), ("bloom-176b", 176.2e9),
     ("opt-175b", 175e9), ("mt-nlg-530b", 530e9), ("gemma2-9b", 9.24e9), ("gemma2-27b", 27.2e9),
     ("olmo-7b", 6.89e9), ("gpt3-6.7b", 6.7e9), ("llama3.1-405b", 405.9e9),
+    # Gemma 3 report (arXiv:2503.19786) Table 1, embedding + non-embedding, text decoder
+    ("gemma3-4b", 3.884e9), ("gemma3-12b", 11.771e9), ("gemma3-27b", 27.016e9),
 ])
 def test_catalogue_dense_models_match_published_sizes(name, params):
     assert load_model(name).num_params() == pytest.approx(params, rel=0.01)
