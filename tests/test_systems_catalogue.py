@@ -13,8 +13,9 @@ from paratrain.cost import collectives as coll
 from paratrain.cost.hardware import Hardware, hardware_names, load_hardware
 from paratrain.cost.shapes import load_model, model_names
 
-REQUIRED_HW = ["v100", "a100-40gb", "a100", "h100", "h100-pcie", "h100-nvl", "h100-96gb",
-               "h200", "b200", "gb200", "b300", "gb300", "mi300x", "tpu-v4", "tpu-v5p"]
+REQUIRED_HW = ["v100", "a100-40gb", "a100", "a800", "h100", "h100-pcie", "h100-nvl",
+               "h100-96gb", "h200", "b200", "gb200", "b300", "gb300", "mi300x", "mi325x",
+               "tpu-v4", "tpu-v5p", "tpu-v6e"]
 
 
 def test_importing_systems_does_not_import_torch():

@@ -86,10 +86,11 @@ FAMILIES = tuple(dict.fromkeys(c.family or c.generation for c in _CHIPS.values()
 _NAME_KEYS = (("h100-pcie", "h100-pcie"), ("h100 pcie", "h100-pcie"), ("a100", "a100"),
               ("a800", "a100"), ("h100", "h100"), ("h800", "h100"), ("h200", "h100"),
               ("gh200", "h100"), ("b200", "b200"), ("gb200", "b200"), ("b300", "b300"),
-              ("v100", "v100"), ("mi300", "mi300x"), ("tpu-v3", "tpu-v3"), ("tpu v3", "tpu-v3"),
-              ("tpu-v4", "tpu-v4"), ("tpu v4", "tpu-v4"), ("tpu-v5e", "tpu-v5e"),
-              ("tpu v5e", "tpu-v5e"), ("tpu-v5p", "tpu-v5p"), ("tpu v5p", "tpu-v5p"),
-              ("tpu-v6e", "tpu-v6e"), ("tpu v6e", "tpu-v6e"), ("trillium", "tpu-v6e"))
+              ("v100", "v100"), ("mi300", "mi300x"), ("mi325", "mi300x"), ("tpu-v3", "tpu-v3"),
+              ("tpu v3", "tpu-v3"), ("tpu-v4", "tpu-v4"), ("tpu v4", "tpu-v4"),
+              ("tpu-v5e", "tpu-v5e"), ("tpu v5e", "tpu-v5e"), ("tpu-v5p", "tpu-v5p"),
+              ("tpu v5p", "tpu-v5p"), ("tpu-v6e", "tpu-v6e"), ("tpu v6e", "tpu-v6e"),
+              ("trillium", "tpu-v6e"))
 
 
 @lru_cache(maxsize=64)
