@@ -256,6 +256,7 @@ def test_heldout_split_is_disjoint_spread_and_follows_its_rule():
     ("qwen2-57b-a14b", 57e9, 14e9), ("dbrx", 132e9, 36e9), ("olmoe-1b-7b", 6.9e9, 1.3e9),
     ("llama4-scout", 109e9, 17e9), ("llama4-maverick", 400e9, 17e9),
     ("kimi-k2", 1.04e12, 32.6e9), ("gpt-oss-120b", 116.8e9, None), ("gpt-oss-20b", 20.9e9, None),
+    ("qwen3-480b-a35b", 480e9, 35e9),
 ])
 def test_catalogue_moe_models_match_published_totals(name, total, active):
     m = load_model(name)
@@ -270,6 +271,9 @@ def test_catalogue_moe_models_match_published_totals(name, total, active):
     ("olmo-7b", 6.89e9), ("gpt3-6.7b", 6.7e9), ("llama3.1-405b", 405.9e9),
     # Gemma 3 report (arXiv:2503.19786) Table 1, embedding + non-embedding, text decoder
     ("gemma3-4b", 3.884e9), ("gemma3-12b", 11.771e9), ("gemma3-27b", 27.016e9),
+    # the model cards' counts (Mistral 7B: arXiv:2310.06825's 7.3B)
+    ("mistral-7b", 7.3e9), ("qwen2.5-7b", 7.61e9), ("qwen2.5-14b", 14.7e9),
+    ("qwen3-4b", 4.0e9), ("qwen3-8b", 8.2e9), ("qwen3-14b", 14.8e9), ("qwen3-32b", 32.8e9),
 ])
 def test_catalogue_dense_models_match_published_sizes(name, params):
     assert load_model(name).num_params() == pytest.approx(params, rel=0.01)
