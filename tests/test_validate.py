@@ -149,6 +149,18 @@ def test_a_fitted_family_loads_even_without_a_start_value(tmp_path):
     assert "no-such-chip" not in p.gemm_eff
 
 
+def test_only_rows_that_run_a_flashattention2_kernel_fit_its_efficiency():
+    """Every B200 / GB200 and B300 / GB300 row runs cuDNN's native attention (attn3_eff),
+    so the fit leaves those generations' attn_eff at their start; H100's torchtitan rows
+    (FlashAttention-2 class) still fit H100's."""
+    from paratrain.systems.fitting import _names
+    from paratrain.systems.runs import cases_and_skips
+
+    names = _names(cases_and_skips(read_runs())[0])
+    assert {("gemm_eff", "b200"), ("gemm_eff", "b300"), ("attn_eff", "h100")} <= set(names)
+    assert not {("attn_eff", "b200"), ("attn_eff", "b300")} & set(names)
+
+
 def test_a_chip_no_parameter_names_takes_the_mean_of_its_kind():
     """MI300X and V100 have no row in the table, so no fitted efficiency: they take the
     mean of the GPU families' (a TPU family the mean of the TPUs'), not a start value."""

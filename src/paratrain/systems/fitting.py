@@ -30,7 +30,7 @@ from paratrain.systems.partial_recompute import blend
 from paratrain.systems.row_engine import case_engine, eight_bit, precision_says
 from paratrain.systems.runs import DATA_DIR, Case, Record
 from paratrain.systems.step_model import Breakdown, predict_step
-from paratrain.systems.step_params import BOUNDS, SCALARS, StepParams
+from paratrain.systems.step_params import BOUNDS, NATIVE_ATTENTION, SCALARS, StepParams
 
 FITTED = DATA_DIR / "fitted.toml"
 Params = StepParams
@@ -165,16 +165,31 @@ AT_BOUND = 1e-3  # within 0.1% of its range of a bound: the bound holds it, not 
 NOT_PINNED = 0.25  # a standard deviation over a quarter of its range: the rows leave it free
 
 
+def _prices_attn_eff(c: Case) -> bool:
+    """Whether a case's attention core runs at its generation's ``attn_eff``: a
+    FlashAttention-2 class kernel (``StepParams.attn_for``), not the chip's native fused
+    one (``attn3_eff``), not eager attention's batched GEMMs, not a TPU's compiler."""
+    kernel = case_attention(c) or case_engine(c).attention
+    g = generation(c.hw.name)
+    return not is_tpu(g) and kernel != "eager" and not (
+        kernel == "flash3" and g in NATIVE_ATTENTION)
+
+
 def _names(cases: list[Case]) -> list[tuple[str, str | None]]:
-    """The parameters the rows can inform: each generation's GEMM (and FlashAttention-2)
-    efficiency when it has MIN_ROWS rows, and the scalars."""
-    count: dict = {}
+    """The parameters the rows can inform: each generation's GEMM efficiency when it has
+    MIN_ROWS rows, its FlashAttention-2 efficiency when MIN_ROWS of them run such a
+    kernel (B200's rows all run cuDNN's native attention: left free, a fit once pushed
+    its ``attn_eff`` to the bound, and ``plan`` on B200 with torchtitan priced that),
+    and the scalars."""
+    rows: dict = {}
+    attn: dict = {}
     for c in cases:
         g = generation(c.hw.name)
-        count[g] = count.get(g, 0) + 1
-    gens = sorted(g for g, n in count.items() if n >= MIN_ROWS)
+        rows[g] = rows.get(g, 0) + 1
+        attn[g] = attn.get(g, 0) + _prices_attn_eff(c)
+    gens = sorted(g for g, n in rows.items() if n >= MIN_ROWS)
     return ([("gemm_eff", g) for g in gens]
-            + [("attn_eff", g) for g in gens if not is_tpu(g)]
+            + [("attn_eff", g) for g in gens if attn[g] >= MIN_ROWS]
             + [(s, None) for s in SCALARS])
 
 
