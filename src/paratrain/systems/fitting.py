@@ -25,12 +25,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from paratrain.config import read_toml
-from paratrain.systems.gemm import FAMILIES, family, is_tpu
+from paratrain.systems.gemm import FAMILIES, family
 from paratrain.systems.partial_recompute import blend
 from paratrain.systems.row_engine import case_engine, eight_bit, precision_says
 from paratrain.systems.runs import DATA_DIR, Case, Record
 from paratrain.systems.step_model import Breakdown, predict_step
-from paratrain.systems.step_params import BOUNDS, NATIVE_ATTENTION, SCALARS, StepParams
+from paratrain.systems.step_params import BOUNDS, SCALARS, StepParams, native_attention
 
 FITTED = DATA_DIR / "fitted.toml"
 Params = StepParams
@@ -170,9 +170,7 @@ def _prices_attn_eff(c: Case) -> bool:
     FlashAttention-2 class kernel (``StepParams.attn_for``), not the chip's native fused
     one (``attn3_eff``), not eager attention's batched GEMMs, not a TPU's compiler."""
     kernel = case_attention(c) or case_engine(c).attention
-    g = generation(c.hw.name)
-    return not is_tpu(g) and kernel != "eager" and not (
-        kernel == "flash3" and g in NATIVE_ATTENTION)
+    return kernel != "eager" and not native_attention(generation(c.hw.name), kernel)
 
 
 def _names(cases: list[Case]) -> list[tuple[str, str | None]]:

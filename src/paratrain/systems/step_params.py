@@ -79,6 +79,16 @@ ATTN_EFF = {"a100": 0.60, "h100": 0.35, "b200": 0.35, "b300": 0.35}
 # GPU families with a native fused attention kernel ("flash3": cuDNN's through Transformer
 # Engine, FlashAttention-3): Hopper and Blackwell
 NATIVE_ATTENTION = ("h100", "b200", "b300")
+
+
+def native_attention(fam: str, kernel: str) -> bool:
+    """Whether ``kernel`` on a chip family runs at the native fused rate (``attn3_eff``):
+    a TPU's compiled attention always, ``flash3`` on :data:`NATIVE_ATTENTION`; otherwise a
+    fused kernel runs at the family's FlashAttention-2 class ``attn_eff`` (eager attention
+    is priced as its batched GEMMs, :mod:`paratrain.systems.layer_cost`)."""
+    return is_tpu(fam) or (kernel == "flash3" and fam in NATIVE_ATTENTION)
+
+
 # the share of a hidden data-parallel transfer's time that still slows the step; a fixed
 # physical figure, not one of the fitted parameters (module docstring)
 OVERLAP_TAX = 0.2
@@ -118,7 +128,7 @@ class StepParams:
         fused kernel, always) at attn3_eff; FlashAttention-2 class at the generation's
         attn_eff."""
         fam = family(hw_name)
-        if is_tpu(fam) or (kernel == "flash3" and fam in NATIVE_ATTENTION):
+        if native_attention(fam, kernel):
             return self.attn3_eff
         return self.attn_eff.get(fam, ATTN_EFF.get(fam, self.gemm_for(hw_name) * 0.7))
 

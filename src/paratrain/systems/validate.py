@@ -221,9 +221,7 @@ def _uncertainty_lines(u: dict) -> list[str]:
     for k, e in u["params"].items():
         side = f" (at its {e['bound']} bound)" if e["bound"] else ""
         if not e["fitted"]:
-            note = ("  not fitted (too few rows on its family run a FlashAttention-2 "
-                    "kernel)" if k.startswith("attn_eff") else
-                    "  not fitted (too few rows on its family)")
+            note = "  not fitted (too few rows inform it)"
         elif e["sigma"] is None:
             note = f"  not pinned{side}"
         else:
