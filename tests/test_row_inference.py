@@ -211,3 +211,42 @@ def test_a_run_over_its_hbm_only_by_what_engines_avoid_is_priced_not_refused():
         row_to_case({**row, "recompute": "full (remat_policy full)"})
     need = float(str(e.value).split("needs ")[1].split(" GB")[0])
     assert need == pytest.approx((lean + mem.activations_bytes) / 1e9, abs=0.06)
+
+
+def test_selective_under_an_engine_that_checkpoints_blocks_is_the_least_share_that_fits():
+    # fms-fsdp's "Selective AC" wraps a share of the blocks (PyTorch FSDP1's checkpoint
+    # wrapper): Llama 2 70B at 2 x 4096 tokens per A100 keeps 196 GB without it
+    row = BY_ID["fms_llama2_70b_a100_128"]
+    case = row_to_case(row)
+    assert case.engine == "fsdp" and case.plan.recompute == "full"
+    mem = {m: rank_memory(case.model, dataclasses.replace(case.plan, recompute=m), case.hw,
+                          case.tokens, case.seq_len, "flash", case.shard_group)
+           for m in ("none", "full")}
+    none, full = mem["none"].total_bytes, mem["full"].total_bytes
+    assert none > 2 * mem["none"].hbm_bytes and 0 < case.recompute_share < 1
+    kept = none - case.recompute_share * (none - full)
+    assert kept == pytest.approx(mem["none"].hbm_bytes)
+    (d,) = [d for d in case.defaults if d[0] == "recompute"]
+    assert d[1] == share_words(case.recompute_share) and "wraps whole blocks" in d[2]
+    # the same words under Megatron-LM mean its attention-core recompute, kept as stated
+    megatron = row_to_case({**row, "engine": "Megatron-LM"})
+    assert megatron.plan.recompute == "selective" and "recompute" not in {
+        x[0] for x in megatron.defaults}
+    # and a layout that fits with nothing recomputed recomputes nothing
+    small = row_to_case({**row, "microbatch": "1", "global_batch_seqs": "128",
+                         "tokens_per_step": str(128 * 4096), "model_key": "llama2-7b"})
+    assert small.plan.recompute == "none"
+
+
+@pytest.mark.parametrize("engine, zero", [("Megatron-LM", 0), ("NeMo 24.03", 1),
+                                          ("torchtitan", 3), ("MaxText (JAX)", 3),
+                                          ("DeepSpeed", 0), ("PyTorch FSDP1", 3)])
+def test_a_blank_sharding_is_the_engines_default_and_says_so(engine, zero):
+    row = {**BY_ID["dgxc_llama31_8b_8"], "engine": engine, "zero_or_fsdp": ""}
+    case = row_to_case(row)
+    assert case.plan.zero == zero
+    (d,) = [d for d in case.defaults if d[0] == "zero_or_fsdp"]
+    assert d[1] == f"ZeRO-{zero}" and d[2] == f"blank: {case.engine}'s default " \
+                                              "(overlap.Engine.zero)"
+    stated = row_to_case({**row, "zero_or_fsdp": "none (data parallel all-reduce)"})
+    assert stated.plan.zero == 0 and "zero_or_fsdp" not in {x[0] for x in stated.defaults}

@@ -50,7 +50,13 @@ kernels, each reading and writing the activations).
 ``selective`` is what "selective" recomputation reruns besides the attention core
 (Korthikanti et al. 2022's selective recompute, Megatron's: nothing else); torchtitan's
 op-level selective checkpointing saves every other matmul's output and recomputes the rest
-of the forward: half its GEMMs and all its element-wise work.
+of the forward: half its GEMMs and all its element-wise work. ``selective_blocks``: the
+engine's "selective" checkpointing wraps whole blocks, some of them, not modules inside
+each block: PyTorch FSDP1's ``apply_activation_checkpointing`` takes a ``check_fn`` that
+picks blocks (fms-fsdp's ``selective_checkpointing`` p checkpoints a share p of them), so
+a row of such an engine that says "selective" is priced as full recomputation of the
+least share of its blocks that fits the HBM (:mod:`paratrain.systems.row_memory`), the
+share a tuned recipe sets.
 
 ``dead_tail`` says what "full" recomputation reruns: the whole forward of the block
 (False: ``torch.utils.checkpoint`` and Megatron's and DeepSpeed's checkpointing call the
@@ -78,6 +84,14 @@ pass too) adds the bf16 gradients into it: zero the bf16 gradient (2 B), cast it
 (read 2, write 4), add (read 4 + 4, write 4): 20 B per parameter per micro-batch, on
 every stage's critical path. With ZeRO 2/3 the gradients are reduced per micro-batch
 into the rank's shard instead (priced with the data-parallel sync).
+
+``zero``: the ZeRO stage the engine's data parallelism runs out of the box, which a
+runs-table row that names none is priced with: Megatron-LM 0 (``--use-distributed-
+optimizer`` is off unless set), NeMo 1 (every NeMo 2 and Megatron-Bridge recipe turns the
+distributed optimizer on), DeepSpeed 0 (``zero_optimization.stage`` defaults to 0), FSDP
+3 (``ShardingStrategy.FULL_SHARD``), torchtitan 3 (``data_parallel_shard_degree`` -1:
+FSDP2 over every data rank), XLA 3 (MaxText's ``ici_fsdp_parallelism`` -1), DeepSeek's
+HAI-LLM 1 (the DeepSeek-V3 report's ZeRO-1).
 
 ``graphed``: the engine replays the whole step's kernels from a CUDA graph
 (Megatron-Core's ``cuda_graph_impl = "full_iteration"``, which Megatron-Bridge's MXFP8 MoE
@@ -121,6 +135,8 @@ class Engine:
     dead_tail: bool = False  # full recompute skips the GEMMs whose outputs backward never reads
     hp_grad_bytes: float = 0.0  # HBM bytes per local parameter per micro-batch (ZeRO 0/1)
     graphed: bool = False  # the step's kernels replayed from a CUDA graph (GRAPH_KERNEL_S)
+    selective_blocks: bool = False  # "selective" checkpoints a share of whole blocks
+    zero: int = 0  # the ZeRO stage its data parallelism runs when a row does not say
 
     def kernel_s(self, fitted: float) -> float:
         """A kernel's fixed cost under this engine: the fitted one, or a graph's."""
@@ -130,14 +146,16 @@ class Engine:
 ENGINES = {
     "megatron": Engine("megatron", 0.0, 0.0, 1.0, 1.0, 0.0, "bucket", "flash",
                        dispatcher="allgather"),
-    "nemo": Engine("nemo", 0.8, 1.0, 1.0, 1.0, 0.5, "bucket", "flash3"),
+    "nemo": Engine("nemo", 0.8, 1.0, 1.0, 1.0, 0.5, "bucket", "flash3", zero=1),
     "megascale": Engine("megascale", 0.8, 1.0, 1.0, 1.0, 0.5, "bucket", "flash"),
     "deepspeed": Engine("deepspeed", 0.0, 0.0, 1.0, 0.5, 0.0, "param", "eager", 1.5,
                         p2p_split=False, hp_grad_bytes=20.0),
-    "fsdp": Engine("fsdp", 0.0, 0.0, 1.0, 1.0, 0.0, "unit", "flash", 2.0),
-    "torchtitan": Engine("torchtitan", 0.5, 0.5, 1.0, 1.0, 0.5, "unit", "flash", 3.0, 0.5),
-    "xla": Engine("xla", 0.5, 0.5, 1.0, 1.0, 0.5, "unit", "flash", dead_tail=True),
-    "dualpipe": Engine("dualpipe", 0.0, 1.0, 1.0, 1.0, 1.0, "bucket", "flash"),
+    "fsdp": Engine("fsdp", 0.0, 0.0, 1.0, 1.0, 0.0, "unit", "flash", 2.0,
+                   selective_blocks=True, zero=3),
+    "torchtitan": Engine("torchtitan", 0.5, 0.5, 1.0, 1.0, 0.5, "unit", "flash", 3.0, 0.5,
+                         zero=3),
+    "xla": Engine("xla", 0.5, 0.5, 1.0, 1.0, 0.5, "unit", "flash", dead_tail=True, zero=3),
+    "dualpipe": Engine("dualpipe", 0.0, 1.0, 1.0, 1.0, 1.0, "bucket", "flash", zero=1),
 }
 DEFAULT_ENGINE = "megatron"
 # The search recommends a layout for a run someone would start today, so it prices the

@@ -27,7 +27,9 @@ That count is approximate (fp32 logits kept whole, no allocator fragmentation, a
 dispatch buffers priced roughly), so the rule is deliberately one-sided: a row is
 refused only when even the least it can be run in (full recomputation, what
 :func:`least_bytes` leaves out) is more than its HBM; a stated recompute is never
-second-guessed.
+second-guessed, except that an engine whose "selective" checkpoints a share of whole
+blocks (``overlap.Engine.selective_blocks``) is given the least share that fits, over
+:data:`BLOCK_ORDER`.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from paratrain.plan import ParallelPlan
 from paratrain.systems.partial_recompute import least_share
 
 RECOMPUTE_ORDER = ("none", "selective", "full")  # least recomputation first
+BLOCK_ORDER = ("none", "full")  # an engine whose "selective" is a share of whole blocks
 
 
 def rank_memory(model: ModelShape, plan: ParallelPlan, hw: Hardware, tokens: int, seq: int,
@@ -68,13 +71,14 @@ def _gb(x: float) -> str:
 
 def fitting_recompute(model: ModelShape, plan: ParallelPlan, hw: Hardware, tokens: int,
                       seq: int, attention: str, shard_group: int | None = None,
-                      fp8: bool = False) -> tuple[str | None, Memory, float]:
-    """(the least recomputation whose memory fits the HBM, its memory, the share of the
-    blocks it recomputes), or (None, the memory under full recomputation, 1) when none
-    does. Full recomputation comes with the least share of blocks that fits
+                      fp8: bool = False, order: tuple[str, ...] = RECOMPUTE_ORDER
+                      ) -> tuple[str | None, Memory, float]:
+    """(the least recomputation of ``order`` whose memory fits the HBM, its memory, the
+    share of the blocks it recomputes), or (None, the memory under full recomputation, 1)
+    when none does. Full recomputation comes with the least share of blocks that fits
     (:func:`paratrain.systems.partial_recompute.least_share`) and its memory."""
     mems = {}
-    for mode in RECOMPUTE_ORDER:
+    for mode in order:
         mem = mems[mode] = rank_memory(model, dataclasses.replace(plan, recompute=mode), hw,
                                        tokens, seq, attention, shard_group, fp8)
         if mem.fits and mode == "full":

@@ -33,6 +33,7 @@ from paratrain.cost.hardware import Hardware, load_hardware, resolve_hardware
 from paratrain.cost.moe_layout import default_etp
 from paratrain.cost.shapes import FLOP_COUNTS, ModelShape
 from paratrain.plan import ParallelPlan
+from paratrain.systems.overlap import ENGINES
 from paratrain.systems.partial_recompute import recompute_words
 from paratrain.systems.row_engine import (
     case_engine,
@@ -44,6 +45,7 @@ from paratrain.systems.row_fields import Default, Skip
 from paratrain.systems.row_fields import num as _num
 from paratrain.systems.row_layout import axes, batch, schedule
 from paratrain.systems.row_memory import (
+    BLOCK_ORDER,
     admitted_why,
     fitting_recompute,
     least_bytes,
@@ -166,7 +168,8 @@ def _hardware(name: str) -> tuple[str, Hardware]:
 
 def _zero(text: str) -> int:
     t = text.lower()
-    if "zero-3" in t or "2d sharding" in t or ("fsdp" in t and "not resharded" not in t):
+    if "zero-3" in t or "2d sharding" in t or "hsdp" in t or (
+            "fsdp" in t and "not resharded" not in t):
         return 3
     if "zero-2" in t or "fsdp" in t:
         return 2
@@ -221,10 +224,13 @@ def row_to_case(row: dict) -> Case:
     tokens, m = batch(row, seq, dp, pp, out)
     sched, v = schedule(row, pp, m, L, out)
     sharding = (row.get("zero_or_fsdp") or "").strip()
-    if not _zero(sharding) and not sharding.lower().startswith("none"):
-        out.append(("zero_or_fsdp", "ZeRO-0", f"{sharding!r} names no ZeRO stage: states "
-                                              "replicated over DP" if sharding else
-                    "blank: states replicated over DP"))
+    eng, why = row_engine(row)
+    zero = _zero(sharding)
+    if not zero and not sharding.lower().startswith("none"):
+        zero = ENGINES[eng].zero
+        said = f"{sharding!r} names no ZeRO stage" if sharding else "blank"
+        out.append(("zero_or_fsdp", f"ZeRO-{zero}", f"{said}: {eng}'s default "
+                                                      "(overlap.Engine.zero)"))
     etp = _num(row, "ETP", int)
     if etp is None and ep > 1:
         etp = default_etp(dp, cp, tp, ep)
@@ -233,7 +239,7 @@ def row_to_case(row: dict) -> Case:
     try:
         # expert parallelism as given, folded over dp*cp*tp (plan.py)
         plan = ParallelPlan(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, etp=etp or 1,
-                            zero=_zero(row.get("zero_or_fsdp") or ""), sp=tp > 1,
+                            zero=zero, sp=tp > 1,
                             micro_batches=m, schedule=sched, virtual_stages=v,
                             recompute=_recompute(row.get("recompute") or ""))
         split_batch(tokens, seq, plan)
@@ -245,7 +251,6 @@ def row_to_case(row: dict) -> Case:
     split = (row.get("split") or "fit").strip() or "fit"
     if split not in SPLITS:
         raise Skip(f"split {split!r} is unknown; use one of {', '.join(SPLITS)}", out)
-    eng, why = row_engine(row)
     if why.startswith("no column"):
         out.append(("engine", eng, why))
     options, said = engine_options(row)
@@ -277,12 +282,20 @@ def _fit_memory(case: Case, stated: bool, offload: bool, out: list) -> Case:
                                                                   recompute="full"))
         out.append(("recompute", "full", admitted_why(mem, offload)))
         return dataclasses.replace(case, defaults=tuple(out))
-    if not stated:
+    blocks = stated and case.plan.recompute == "selective" and case_engine(
+        case).selective_blocks
+    if blocks:  # the engine's "selective" is a share of whole blocks (overlap.Engine)
+        mode, mem, share = fitting_recompute(
+            case.model, dataclasses.replace(case.plan, recompute="none"), case.hw,
+            case.tokens, case.seq_len, att, case.shard_group, eight_bit(case), BLOCK_ORDER)
+    if not stated or blocks:
         case = dataclasses.replace(case, plan=dataclasses.replace(case.plan, recompute=mode),
                                    recompute_share=share)
+        what = (f"{case.engine}'s selective checkpointing wraps whole blocks: the least "
+                "share of them that fits" if blocks else "inferred: the least of none < "
+                "selective < full (on the least share of the blocks) that fits")
         out.append(("recompute", recompute_words(case),
-                    f"inferred: the least of none < selective < full (on the least share "
-                    f"of the blocks) that fits ({mem.total_bytes / 1e9:,.1f} GB of "
+                    f"{what} ({mem.total_bytes / 1e9:,.1f} GB of "
                     f"{mem.hbm_bytes / 1e9:,.1f} GB HBM)"))
     return dataclasses.replace(case, defaults=tuple(out))
 
