@@ -250,3 +250,15 @@ def test_a_blank_sharding_is_the_engines_default_and_says_so(engine, zero):
                                               "(overlap.Engine.zero)"
     stated = row_to_case({**row, "zero_or_fsdp": "none (data parallel all-reduce)"})
     assert stated.plan.zero == 0 and "zero_or_fsdp" not in {x[0] for x in stated.defaults}
+
+
+def test_an_engine_cell_naming_cudnn_runs_the_native_attention():
+    # MaxText on B200 with attention: cudnn_flash_te (Google's gpu-recipes)
+    row = BY_ID["gpur_a4_70b_256_fp8"]
+    case = row_to_case(row)
+    assert case.engine == "xla" and "cudnn" in case.engine_why
+    from paratrain.systems.row_engine import case_engine
+
+    assert case_engine(case).attention == "flash3"
+    plain = row_to_case({**row, "engine": "MaxText (JAX)"})
+    assert case_engine(plain).attention == "flash"

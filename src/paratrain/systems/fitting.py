@@ -30,7 +30,13 @@ from paratrain.systems.partial_recompute import blend
 from paratrain.systems.row_engine import case_engine, eight_bit, precision_says
 from paratrain.systems.runs import DATA_DIR, Case, Record
 from paratrain.systems.step_model import Breakdown, predict_step
-from paratrain.systems.step_params import BOUNDS, SCALARS, StepParams, native_attention
+from paratrain.systems.step_params import (
+    BOUNDS,
+    LEGACY_MMA,
+    SCALARS,
+    StepParams,
+    native_attention,
+)
 
 FITTED = DATA_DIR / "fitted.toml"
 Params = StepParams
@@ -184,10 +190,11 @@ def _names(cases: list[Case]) -> list[tuple[str, str | None]]:
     for c in cases:
         g = generation(c.hw.name)
         rows[g] = rows.get(g, 0) + 1
-        attn[g] = attn.get(g, 0) + _prices_attn_eff(c)
+        a = LEGACY_MMA.get(g, g)  # Blackwell's FlashAttention-2 rows inform Hopper's
+        attn[a] = attn.get(a, 0) + _prices_attn_eff(c)
     gens = sorted(g for g, n in rows.items() if n >= MIN_ROWS)
     return ([("gemm_eff", g) for g in gens]
-            + [("attn_eff", g) for g in gens if attn[g] >= MIN_ROWS]
+            + [("attn_eff", g) for g in gens if attn.get(g, 0) >= MIN_ROWS]
             + [(s, None) for s in SCALARS])
 
 

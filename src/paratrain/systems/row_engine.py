@@ -69,13 +69,15 @@ ENGINE_OPTIONS = (
      "the compiler fuses the element-wise chains (overlap.Engine.fusion 1)"),
     ("vanilla tp", (("tp", 0.0),), "tensor-parallel collectives block, no async TP"),
     ("no async tp", (("tp", 0.0),), "tensor-parallel collectives block"),
+    ("cudnn", (("attention", "flash3"),),
+     "cuDNN's fused attention, the chip's native kernel (overlap.Engine.attention flash3)"),
     ("full-iteration cuda graph", (("graphed", True),),
      "the step's kernels replay from a CUDA graph, none launched from the host "
      "(overlap.Engine.graphed)"),
 )
 
 
-def engine_options(row: dict) -> tuple[tuple[tuple[str, float], ...], str]:
+def engine_options(row: dict) -> tuple[tuple[tuple[str, object], ...], str]:
     """(Engine fields to replace, why) from the option words of a row's ``engine`` cell
     (:data:`ENGINE_OPTIONS`): torchtitan's benchmarks run with and without torch.compile,
     with and without async TP, and the same engine prices both only if the row says

@@ -326,7 +326,7 @@ def predict_step(model, plan: ParallelPlan, hw: Hardware, tokens_per_step: int,
     chip = chip_of(hw.name)
     mb, M = plan.micro_batches, batch.micro_batch * batch.local_seq
     kernel = attention or eng.attention
-    rates = dataclasses.replace(sp.rates(hw.name, kernel), fusion=eng.fusion,
+    rates = dataclasses.replace(sp.rates(hw.name, kernel, hw.peak_flops), fusion=eng.fusion,
                                 kernel_s=eng.kernel_s(sp.kernel_s))
     if fp8 and hw.peak_flops_fp8:  # the linear layers' GEMMs at the FP8 peak (layer_cost)
         rates = dataclasses.replace(rates, fp8_hw=hw.replace(peak_flops=hw.peak_flops_fp8),

@@ -1,6 +1,6 @@
 """The step-time model's free parameters: few, physical, each with its provenance.
 
-Nineteen numbers (with the table's five TPU generations), all efficiencies in (0, 1] of a
+Seventeen numbers (with the table's five TPU generations), all efficiencies in (0, 1] of a
 catalogue figure, except one latency (a family's efficiencies keep their start values
 when a table has too few rows on it):
 
@@ -25,10 +25,6 @@ attn_eff[a100]     0.60     FlashAttention-2 forward+backward at ~50-70% of peak
                             (Dao 2023); bounded by 0.75 (its best forward is 73%)
 attn_eff[h100]     0.35     FlashAttention-2 on H100 reaches ~35-40% of peak: it does not
                             use Hopper's asynchronous tensor cores (Shah et al. 2024)
-attn_eff[b200]     0.35     FlashAttention-2 class on Blackwell, which it does not use
-                            natively either: H100's start (no row runs it; not pinned)
-attn_eff[b300]     0.35     the same start for Blackwell Ultra (no row runs FlashAttention-2
-                            class kernels on it: not pinned)
 attn3_eff          0.60     native fused attention: Hopper's (FlashAttention-3, cuDNN's, as
                             Transformer Engine runs it: ~600-750 of 989 TF/s forward,
                             Shah et al. 2024) and the TPU compiler's, bounded by 0.8;
@@ -48,6 +44,16 @@ net_eff            0.80     NCCL bus bandwidth ~40 of 50 GB/s per 400 Gb/s NIC (
 kernel_s           4e-6     fixed cost of one kernel launch / collective call (CUDA launch
                             latency 3-5 us); bounded to 2-20 us
 =================  =======  ==============================================================
+
+Blackwell (B200, B300 and their Grace pairings) has no FlashAttention-2 efficiency of its
+own (:data:`LEGACY_MMA`): FlashAttention-2 class kernels (PyTorch's SDPA flash backend,
+flash-attn 2) issue Ampere's warp-level ``mma.sync``, which Blackwell's fifth-generation
+tensor cores (``tcgen05``) do not accelerate; on a B200 they reach about what they reach on
+an H100 (some 350 TF/s forward), a third of what cuDNN's native kernel does. So such a
+kernel runs there at Hopper's absolute rate, ``attn_eff[h100]`` x 989 TF/s / the chip's
+BF16 peak, and the Blackwell rows that run one inform ``attn_eff[h100]``. (As a free
+parameter with a 0.35 start it priced torchtitan's Llama 3 8B on 8 B200 73% fast, its
+attention at 790 TF/s.)
 
 One more figure is fixed, not fitted: ``overlap_tax`` = 0.2, the share of a hidden
 data-parallel transfer's time (DDP buckets, ZeRO reduce-scatters and gathers, FSDP's
@@ -70,12 +76,16 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from paratrain.cost.hardware import load_hardware
 from paratrain.systems.gemm import TPU_CHIPS, family, is_tpu
 from paratrain.systems.layer_cost import Rates
 
 GEMM_EFF = {"a100": 0.85, "h100": 0.75, "b200": 0.75, "b300": 0.75,
             **dict.fromkeys(TPU_CHIPS, 0.85)}
-ATTN_EFF = {"a100": 0.60, "h100": 0.35, "b200": 0.35, "b300": 0.35}
+ATTN_EFF = {"a100": 0.60, "h100": 0.35}
+# chip families whose FlashAttention-2 class kernels run at another family's absolute rate
+# (module docstring): Blackwell's, at Hopper's
+LEGACY_MMA = {"b200": "h100", "b300": "h100"}
 # GPU families with a native fused attention kernel ("flash3": cuDNN's through Transformer
 # Engine, FlashAttention-3): Hopper and Blackwell
 NATIVE_ATTENTION = ("h100", "b200", "b300")
@@ -122,19 +132,26 @@ class StepParams:
         kind = [v for k, v in self.gemm_eff.items() if is_tpu(k) == is_tpu(fam)]
         return sum(kind) / len(kind) if kind else 0.75
 
-    def attn_for(self, hw_name: str, kernel: str = "flash") -> float:
-        """Attention efficiency of ``kernel`` on this chip: the chip's native fused
-        attention (FlashAttention-3 / cuDNN on Hopper, "flash3"; on TPUs the compiler's
-        fused kernel, always) at attn3_eff; FlashAttention-2 class at the generation's
-        attn_eff."""
+    def attn_for(self, hw_name: str, kernel: str = "flash",
+                 peak_flops: float | None = None) -> float:
+        """Attention efficiency of ``kernel`` on this chip (BF16 peak ``peak_flops``): the
+        chip's native fused attention (FlashAttention-3 / cuDNN on Hopper, "flash3"; on
+        TPUs the compiler's fused kernel, always) at attn3_eff; FlashAttention-2 class at
+        the generation's attn_eff, on Blackwell at Hopper's absolute rate
+        (:data:`LEGACY_MMA`)."""
         fam = family(hw_name)
         if native_attention(fam, kernel):
             return self.attn3_eff
+        ref = LEGACY_MMA.get(fam)
+        if ref is not None and peak_flops:
+            return self.attn_eff.get(ref, ATTN_EFF[ref]) * load_hardware(ref).peak_flops \
+                / peak_flops
         return self.attn_eff.get(fam, ATTN_EFF.get(fam, self.gemm_for(hw_name) * 0.7))
 
-    def rates(self, hw_name: str, kernel: str = "flash") -> Rates:
-        return Rates(self.gemm_for(hw_name), self.attn_for(hw_name, kernel), self.hbm_eff,
-                     self.kernel_s)
+    def rates(self, hw_name: str, kernel: str = "flash",
+              peak_flops: float | None = None) -> Rates:
+        return Rates(self.gemm_for(hw_name), self.attn_for(hw_name, kernel, peak_flops),
+                     self.hbm_eff, self.kernel_s)
 
     def replace(self, **kw) -> StepParams:
         return dataclasses.replace(self, **kw)
