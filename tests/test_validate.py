@@ -75,11 +75,13 @@ def test_every_shipped_row_is_priced_and_fitted_defaults_are_good():
     assert all(s.skipped_reason.startswith("confirmed=no") for s in skips if s not in refused)
     assert len(cases) == sum(r["confirmed"] != "no" for r in rows) - len(refused) > 150
     res = run_validate(None, None, False, False, None, None)
-    # 10.3% (held out 11.9%) since Megatron-Bridge's 26.xx and Blackwell Ultra rows joined
+    # 10.1% (held out 11.6%) since Megatron-Bridge's 26.xx and Blackwell Ultra rows joined
     # (a release can move the same MoE layout by 1.5x, gpt-oss in BF16 on Blackwell is
-    # 30-110% fast: docs/systems-model.md); the rows before them stay near 8.7%
+    # 30-110% fast: docs/systems-model.md), and fms-fsdp's, flash-attention's, NeMo
+    # 24.07's, gpu-recipes' and torchtitan's Blackwell rows (6.5%); the rows before them
+    # stay near 8.7%
     assert res["summary"]["overall"]["mape"] < 10.5
-    assert res["summary_heldout"]["overall"]["mape"] < 12.5
+    assert res["summary_heldout"]["overall"]["mape"] < 12
     later = {r["id"] for r in rows if r["id"].startswith(("mb26", "tpur_"))
              or r["accelerator"].startswith(("GB300", "B300"))}
     before = [r for r in res["records"] if r["predicted"] is not None and r["id"] not in later]

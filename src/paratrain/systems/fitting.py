@@ -182,9 +182,9 @@ def _prices_attn_eff(c: Case) -> bool:
 def _names(cases: list[Case]) -> list[tuple[str, str | None]]:
     """The parameters the rows can inform: each generation's GEMM efficiency when it has
     MIN_ROWS rows, its FlashAttention-2 efficiency when MIN_ROWS of them run such a
-    kernel (B200's rows all run cuDNN's native attention: left free, a fit once pushed
-    its ``attn_eff`` to the bound, and ``plan`` on B200 with torchtitan priced that),
-    and the scalars."""
+    kernel (freed with fewer, a fit once pushed B200's to its bound; Blackwell's rows
+    that run one count toward Hopper's, at whose rate they run:
+    :data:`~paratrain.systems.step_params.LEGACY_MMA`), and the scalars."""
     rows: dict = {}
     attn: dict = {}
     for c in cases:
