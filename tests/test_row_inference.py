@@ -262,3 +262,17 @@ def test_an_engine_cell_naming_cudnn_runs_the_native_attention():
     assert case_engine(case).attention == "flash3"
     plain = row_to_case({**row, "engine": "MaxText (JAX)"})
     assert case_engine(plain).attention == "flash"
+
+
+def test_sdpa_is_flashattention2_class_unless_the_cell_says_cudnn():
+    """PyTorch's SDPA runs its flash backend (FlashAttention-2 class) before cuDNN's until
+    torch 2.11: NeMo AutoModel's Llama 3.1 70B run (attn_implementation sdpa) is priced so,
+    though its engine is NeMo's, whose own attention is cuDNN's through TE."""
+    from paratrain.systems.row_engine import case_engine
+
+    row = BY_ID["automodel_llama3_70b_64"]
+    assert case_engine(row_to_case(row)).attention == "flash"
+    te = row_to_case({**row, "engine": "NeMo AutoModel (FSDP2, TE)"})
+    assert case_engine(te).attention == "flash3"
+    both = row_to_case({**row, "engine": "torchtitan (FSDP2, SDPA with its cuDNN backend)"})
+    assert case_engine(both).attention == "flash3"

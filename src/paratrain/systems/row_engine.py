@@ -69,6 +69,12 @@ ENGINE_OPTIONS = (
      "the compiler fuses the element-wise chains (overlap.Engine.fusion 1)"),
     ("vanilla tp", (("tp", 0.0),), "tensor-parallel collectives block, no async TP"),
     ("no async tp", (("tp", 0.0),), "tensor-parallel collectives block"),
+    # PyTorch's SDPA picks its flash backend (FlashAttention-2 class) before cuDNN's on
+    # Hopper and Blackwell until torch 2.11 (pytorch/pytorch#138522 made cuDNN opt-in
+    # after 2.5); a cell saying both ("SDPA, cuDNN backend") means cuDNN: it comes later
+    ("sdpa", (("attention", "flash"),),
+     "PyTorch's SDPA, whose default backend is FlashAttention-2 class "
+     "(overlap.Engine.attention flash)"),
     ("cudnn", (("attention", "flash3"),),
      "cuDNN's fused attention, the chip's native kernel (overlap.Engine.attention flash3)"),
     ("full-iteration cuda graph", (("graphed", True),),
