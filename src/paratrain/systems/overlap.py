@@ -86,8 +86,8 @@ every stage's critical path. With ZeRO 2/3 the gradients are reduced per micro-b
 into the rank's shard instead (priced with the data-parallel sync).
 
 ``zero``: the ZeRO stage the engine's data parallelism runs out of the box, which a
-runs-table row that names none is priced with: Megatron-LM 0 (``--use-distributed-
-optimizer`` is off unless set), NeMo 1 (every NeMo 2 and Megatron-Bridge recipe turns the
+runs-table row that names none is priced with: Megatron-LM 0 (its distributed
+optimizer is off unless asked for), NeMo 1 (every NeMo 2 and Megatron-Bridge recipe turns the
 distributed optimizer on), DeepSpeed 0 (``zero_optimization.stage`` defaults to 0), FSDP
 3 (``ShardingStrategy.FULL_SHARD``), torchtitan 3 (``data_parallel_shard_degree`` -1:
 FSDP2 over every data rank), XLA 3 (MaxText's ``ici_fsdp_parallelism`` -1), DeepSeek's
