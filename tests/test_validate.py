@@ -225,6 +225,36 @@ def test_cli_fit_writes_parameters_and_holdout(tmp_path, capsys):
     assert "not pinned by the runs: " in text.getvalue()
 
 
+def test_each_source_left_out_is_predicted_by_a_fit_that_never_saw_it():
+    """Rows of six sources priced by known parameters: leaving any one out, the others pin
+    the same efficiencies, so its rows come back as priced (within the warm-started
+    fit's few iterations). A source on a chip no other source has gets no help from the
+    full fit: that family goes back to its unfitted start (here 0.75 against a truth of
+    0.5), so its rows are priced as a new chip's would be."""
+    from paratrain.systems.fitting import _unseen_start, leave_source_out
+
+    cases = _synthetic_cases()
+    truth = TRUTH.replace(gemm_eff={**TRUTH.gemm_eff, "b200": 0.5})
+    b200 = [c for c in (row_to_case(r) for r in read_runs()
+                        if r["id"].startswith("mb2509_") and r["accelerator"] == "B200")][:3]
+    b200 = [c.__class__(**{**c.__dict__, "source": "B200 only",
+                           "reported": predict(c, truth)}) for c in b200]
+    assert len({c.source for c in cases}) == 6 and len(b200) == 3
+    recs = leave_source_out(cases + b200, cases + b200, truth)
+    assert sorted(r.id for r in recs) == sorted(c.id for c in cases + b200)
+    for r in recs:
+        assert (r.abs_pct_error > 20) == (r.source == "B200 only"), (r.id, r.abs_pct_error)
+        assert r.source == "B200 only" or r.abs_pct_error < 5, (r.id, r.abs_pct_error)
+    seen = _unseen_start(truth.replace(gemm_eff={**truth.gemm_eff, "mi300x": 0.5}), cases)
+    assert seen.gemm_eff["a100"] == 0.7 and seen.gemm_eff["b200"] == Params().gemm_eff["b200"]
+    assert "mi300x" not in seen.gemm_eff
+
+
+def test_cli_by_source_needs_the_fit(capsys):
+    assert main(["validate", "--by-source"]) == 2
+    assert "add --fit" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("args, msg", [
     (["--runs", "/nonexistent.csv"], "does not exist"),
     (["--fit", "--holdout", "no_such_row"], "no_such_row"),

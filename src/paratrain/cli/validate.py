@@ -31,6 +31,11 @@ def validate(
     holdout: str = typer.Option("", help="With --fit: comma-separated row ids kept out of "
                                          "the fit (default: the table's split=heldout "
                                          "rows)."),
+    by_source: bool = typer.Option(False, "--by-source", help="With --fit: refit without "
+                                                             "each source in turn and "
+                                                             "predict its rows (the error "
+                                                             "on a source the fit never "
+                                                             "saw; a few minutes more)."),
     explain: str | None = typer.Option(None, help="Print one row's breakdown (compute per "
                                                   "GEMM class, memory-bound work, each "
                                                   "axis' exposed communication, bubble) "
@@ -42,6 +47,9 @@ def validate(
     if explain:
         _explain_row(runs, params, unfitted, explain, json_out)
         return
+    if by_source and not fit:
+        raise ValueError("--by-source refits without each source; add --fit (or drop "
+                         "--by-source)")
     if out is not None:
         if not fit:
             raise ValueError("--out writes fitted parameters; add --fit (or drop --out)")
@@ -53,7 +61,8 @@ def validate(
 
         load_params(params)  # a bad --params file is refused before any work
     ids = tuple(x.strip() for x in holdout.split(",") if x.strip()) or None
-    res = run_validate(runs, params, unfitted, fit, ids, out, reference=reference)
+    res = run_validate(runs, params, unfitted, fit, ids, out, reference=reference,
+                       by_source=by_source)
     if json_out:
         import json
 

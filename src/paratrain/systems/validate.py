@@ -25,6 +25,7 @@ from paratrain.systems.fitting import (
     fit_with_errors,
     generation,
     leave_one_out,
+    leave_source_out,
     load_params,
     predict,
     score,
@@ -66,9 +67,10 @@ def heldout_ids(rows: list[dict]) -> tuple[str, ...]:
 
 def run_validate(runs: str | None, params_path: str | None, unfitted: bool, do_fit: bool,
                  holdout: tuple[str, ...] | None, out: str | None, *,
-                 reference: bool = False, loo: bool = True) -> dict:
+                 reference: bool = False, loo: bool = True, by_source: bool = False) -> dict:
     """Everything `paratrain validate` reports, as one dict (``holdout`` None: the
-    table's own split)."""
+    table's own split; ``by_source``: with the fit, also leave each source out in turn,
+    :func:`~paratrain.systems.fitting.leave_source_out`)."""
     rows = read_runs(runs)
     cases, skips = cases_and_skips(rows)
     result: dict = {"runs": str(runs or DEFAULT_RUNS),
@@ -94,6 +96,11 @@ def run_validate(runs: str | None, params_path: str | None, unfitted: bool, do_f
             result["fit"]["loo_records"] = [r.as_dict() for r in recs]
         if held:
             result["fit"]["holdout"] = summarize(score(held, params))
+        if by_source:
+            recs = leave_source_out(train, cases, params)
+            result["fit"]["by_source"] = summarize(recs)
+            result["fit"]["by_source"]["median"] = _median([r.abs_pct_error for r in recs])
+            result["fit"]["by_source_records"] = [r.as_dict() for r in recs]
         if out:
             f = result["fit"]
             prov = [
@@ -123,6 +130,12 @@ def run_validate(runs: str | None, params_path: str | None, unfitted: bool, do_f
     if held:
         result["summary_heldout"] = summarize(held)
     return result
+
+
+def _median(xs: list[float]) -> float | None:
+    import statistics
+
+    return statistics.median(xs) if xs else None
 
 
 def _runs_name(runs: str) -> str:
@@ -207,6 +220,12 @@ def render_validate(res: dict, console=None) -> None:
         if "holdout" in f:
             con.print(line(f"held-out ({len(f['holdout_ids'])} rows)",
                            f["holdout"]["overall"]))
+        if "by_source" in f:
+            b = f["by_source"]
+            con.print(line("each source left out of the fit", b["overall"])
+                      + f", median {b['median']:.2f}%")
+            for src, s in b["per_source"].items():
+                con.print("  " + line(src, s))
         if "written" in f:
             con.print(f"wrote {f['written']}")
 
