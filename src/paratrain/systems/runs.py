@@ -46,6 +46,7 @@ from paratrain.systems.row_fields import num as _num
 from paratrain.systems.row_layout import axes, batch, schedule
 from paratrain.systems.row_memory import (
     BLOCK_ORDER,
+    RECOMPUTE_ORDER,
     admitted_why,
     fitting_recompute,
     least_bytes,
@@ -271,10 +272,14 @@ def _fit_memory(case: Case, stated: bool, offload: bool, out: list) -> Case:
     row_memory`: the least an engine runs it in)."""
     from paratrain.systems.fitting import case_attention
 
-    att = case_attention(case) or case_engine(case).attention
+    eng = case_engine(case)
+    att = case_attention(case) or eng.attention
+    # the engine's "selective" is a share of whole blocks (overlap.Engine.selective_blocks)
+    blocks = stated and case.plan.recompute == "selective" and eng.selective_blocks
     mode, mem, share = fitting_recompute(case.model, case.plan, case.hw, case.tokens,
                                          case.seq_len, att, case.shard_group,
-                                         eight_bit(case))
+                                         eight_bit(case),
+                                         BLOCK_ORDER if blocks else RECOMPUTE_ORDER)
     if mode is None:
         if least_bytes(mem, offload) > mem.hbm_bytes:
             raise Skip(refusal(mem, case.hw, offload), out)
@@ -282,12 +287,6 @@ def _fit_memory(case: Case, stated: bool, offload: bool, out: list) -> Case:
                                                                   recompute="full"))
         out.append(("recompute", "full", admitted_why(mem, offload)))
         return dataclasses.replace(case, defaults=tuple(out))
-    blocks = stated and case.plan.recompute == "selective" and case_engine(
-        case).selective_blocks
-    if blocks:  # the engine's "selective" is a share of whole blocks (overlap.Engine)
-        mode, mem, share = fitting_recompute(
-            case.model, dataclasses.replace(case.plan, recompute="none"), case.hw,
-            case.tokens, case.seq_len, att, case.shard_group, eight_bit(case), BLOCK_ORDER)
     if not stated or blocks:
         case = dataclasses.replace(case, plan=dataclasses.replace(case.plan, recompute=mode),
                                    recompute_share=share)

@@ -75,6 +75,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from functools import cache
 
 from paratrain.cost.hardware import load_hardware
 from paratrain.systems.gemm import TPU_CHIPS, family, is_tpu
@@ -97,6 +98,12 @@ def native_attention(fam: str, kernel: str) -> bool:
     fused kernel runs at the family's FlashAttention-2 class ``attn_eff`` (eager attention
     is priced as its batched GEMMs, :mod:`paratrain.systems.layer_cost`)."""
     return is_tpu(fam) or (kernel == "flash3" and fam in NATIVE_ATTENTION)
+
+
+@cache
+def _peak(key: str) -> float:
+    """A catalogue chip's BF16 peak, read once (``attn_for`` runs for every priced row)."""
+    return load_hardware(key).peak_flops
 
 
 # the share of a hidden data-parallel transfer's time that still slows the step; a fixed
@@ -144,8 +151,7 @@ class StepParams:
             return self.attn3_eff
         ref = LEGACY_MMA.get(fam)
         if ref is not None and peak_flops:
-            return self.attn_eff.get(ref, ATTN_EFF[ref]) * load_hardware(ref).peak_flops \
-                / peak_flops
+            return self.attn_eff.get(ref, ATTN_EFF[ref]) * _peak(ref) / peak_flops
         return self.attn_eff.get(fam, ATTN_EFF.get(fam, self.gemm_for(hw_name) * 0.7))
 
     def rates(self, hw_name: str, kernel: str = "flash",
