@@ -75,6 +75,14 @@ def test_the_engine_column_decides_when_filled_and_nothing_is_default_silently()
     other = row_to_case({**BY_ID[ZERO3], "engine": "an in-house stack"})
     assert other.engine == "megatron" and "'an in-house stack' is none we model" in \
         other.engine_why
+    # on a TPU a stack we do not name is still compiled by XLA: the accelerator decides
+    tpu = BY_ID["maxtext_v4_22b_8x64"]
+    jax = row_to_case({**tpu, "engine": "an in-house JAX trainer"})
+    assert jax.engine == "xla" and "says 'jax'" in jax.engine_why
+    own = row_to_case({**tpu, "engine": "an in-house stack"})
+    assert own.engine == "xla" and "XLA compiles whatever stack runs on a TPU" in \
+        own.engine_why
+    assert row_to_case({**tpu, "engine": "Levanter"}).engine == "xla"
     bare = {**_without(BY_ID["narayanan21_t1_1.7B"], "engine"), "model": "GPT 1.7B",
             "source": "a lab", "source_location": ""}
     case = row_to_case(bare)

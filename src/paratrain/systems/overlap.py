@@ -176,7 +176,9 @@ _KEYWORDS = (("dualpipe", "dualpipe"), ("hai-llm", "dualpipe"),
              ("megatron-bridge", "nemo"), ("deepspeed", "deepspeed"),
              ("torchtitan", "torchtitan"), ("fsdp2", "torchtitan"), ("fsdp", "fsdp"),
              ("composer", "fsdp"), ("llm-foundry", "fsdp"), ("mosaic", "fsdp"),
-             ("pax", "xla"), ("jax", "xla"), ("t5x", "xla"), ("maxtext", "xla"), ("tpu", "xla"),
+             ("pax", "xla"), ("jax", "xla"), ("t5x", "xla"), ("maxtext", "xla"),
+             ("levanter", "xla"), ("axlearn", "xla"), ("praxis", "xla"), ("easydel", "xla"),
+             ("tpu", "xla"),
              ("megatron", "megatron"), ("megascale", "megascale"))
 
 

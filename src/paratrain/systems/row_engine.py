@@ -8,7 +8,9 @@ winning:
 
 1. ``engine`` (the stack that ran it): a filled cell decides; an engine we model by its
    name, any other stack (Meta's Llama 3 stack, an unpublished one) as Megatron-LM's
-   defaults, since the row's sharding words then name a technique, not the stack;
+   defaults, since the row's sharding words then name a technique, not the stack; except
+   on a TPU, where any stack we do not name (a JAX trainer, PyTorch/XLA) is compiled by
+   XLA, so the accelerator decides;
 2. ``accelerator`` (a TPU runs XLA, whatever its sharding is called: MaxText's "FSDP" is
    XLA's, not PyTorch's);
 3. ``zero_or_fsdp`` (how the states were sharded: "FSDP" is PyTorch's, "ZeRO" DeepSpeed's
@@ -56,6 +58,11 @@ def row_engine(row: dict) -> tuple[str, str]:
         if found:
             return found[0], f"{col} {text!r} says {found[1]!r}"
         if text and col == "engine":
+            tpu = _in_column("accelerator", (row.get("accelerator") or "").strip())
+            if tpu and tpu[0] == "xla":
+                return tpu[0], (f"engine {text!r} is none we model, on accelerator "
+                                f"{row['accelerator'].strip()!r}, which says {tpu[1]!r}: "
+                                "XLA compiles whatever stack runs on a TPU")
             return DEFAULT_ENGINE, (f"engine {text!r} is none we model ({', '.join(ENGINES)})"
                                     f": {DEFAULT_ENGINE} (Megatron-LM's defaults)")
     return DEFAULT_ENGINE, (f"no column of {', '.join(COLUMNS)} names an engine: "
