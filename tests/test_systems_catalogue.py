@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from paratrain.cost import collectives as coll
-from paratrain.cost.hardware import Hardware, hardware_names, load_hardware
+from paratrain.cost.hardware import Hardware, hardware_names, load_hardware, resolve_hardware
 from paratrain.cost.shapes import load_model, model_names
 
 REQUIRED_HW = ["v100", "a100-40gb", "a100", "a800", "h100", "h100-pcie", "h100-nvl",
@@ -70,6 +70,23 @@ def test_h100_variants_blackwell_domains_and_tpu_v5p():
     assert load_hardware("gb300").gpus_per_node == 72 and load_hardware("b300").gpus_per_node == 8
     v5p = load_hardware("tpu-v5p")
     assert v5p.topology == "torus" and v5p.hbm_bytes == 96e9
+
+
+def test_tpu_v3_and_one_mi250x_die_are_named_as_papers_name_them():
+    """TPU v3 (Gopher, T5) and MI250X (Frontier: per-GPU figures are per die, GCD) are
+    priced, not refused; each is its own chip family, which no row of the table fits, so
+    v3 keeps the TPUs' start and MI250X takes the GPU families' mean, as MI300X does."""
+    from paratrain.systems.fitting import load_params
+    from paratrain.systems.gemm import chip_of, family
+
+    v3 = load_hardware(resolve_hardware("TPU v3 (4096 chips)"))
+    assert v3.name == "TPU-v3" and v3.topology == "torus" and v3.peak_flops == 123e12
+    assert family(v3.name) == "tpu-v3" and chip_of(v3.name).tile_m == 128
+    gcd = load_hardware(resolve_hardware("AMD MI250X"))
+    assert gcd.name == "MI250X-GCD" and gcd.gpus_per_node == 8 and gcd.hbm_bytes == 64e9
+    assert family(gcd.name) == "mi250x" and chip_of(gcd.name).sms == 110
+    p = load_params()
+    assert p.gemm_for(gcd.name) == p.gemm_for("MI300X") and p.gemm_for(v3.name) == 0.85
 
 
 @pytest.mark.parametrize("name, params", [
