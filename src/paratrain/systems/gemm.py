@@ -88,7 +88,7 @@ _NAME_KEYS = (("h100-pcie", "h100-pcie"), ("h100 pcie", "h100-pcie"), ("a100", "
               ("a800", "a100"), ("h100", "h100"), ("h800", "h100"), ("h200", "h100"),
               ("gh200", "h100"), ("b200", "b200"), ("gb200", "b200"), ("b300", "b300"),
               ("v100", "v100"), ("mi300", "mi300x"), ("mi325", "mi300x"),
-              ("mi250", "mi250x"), ("tpu-v3", "tpu-v3"),
+              ("mi250x", "mi250x"), ("tpu-v3", "tpu-v3"),
               ("tpu v3", "tpu-v3"), ("tpu-v4", "tpu-v4"), ("tpu v4", "tpu-v4"),
               ("tpu-v5e", "tpu-v5e"), ("tpu v5e", "tpu-v5e"), ("tpu-v5p", "tpu-v5p"),
               ("tpu v5p", "tpu-v5p"), ("tpu-v6e", "tpu-v6e"), ("tpu v6e", "tpu-v6e"),
