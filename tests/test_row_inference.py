@@ -260,6 +260,26 @@ def test_a_blank_sharding_is_the_engines_default_and_says_so(engine, zero):
     assert stated.plan.zero == 0 and "zero_or_fsdp" not in {x[0] for x in stated.defaults}
 
 
+def test_a_blank_sharding_that_cannot_fit_is_the_least_stage_that_does():
+    """Mixtral 8x7B on 64 H100 at tp 2 with no sharding stated: at Megatron-LM's default
+    (ZeRO-0) its 16 bytes of states per parameter need 372 GB a GPU even with full
+    recompute, yet the run ran; so the least stage that fits (ZeRO-3 here), said so. A row
+    that states its sharding is refused as before."""
+    row = {**BY_ID["dgxc_llama31_8b_8"], "engine": "", "model": "Mixtral 8x7B",
+           "model_key": "mixtral-8x7b", "num_accel": "64", "TP": "2", "PP": "1", "DP": "",
+           "CP": "1", "EP": "1", "seq_len": "4096", "global_batch_seqs": "256",
+           "tokens_per_step": "", "microbatch": "", "zero_or_fsdp": "", "recompute": "",
+           "source": "a lab", "source_location": ""}
+    case = row_to_case(row)
+    assert case.plan.zero == 3
+    (d,) = [d for d in case.defaults if d[0] == "zero_or_fsdp"]
+    assert d[1] == "ZeRO-3" and "ZeRO-0 (megatron's default) does not fit" in d[2]
+    with pytest.raises(Skip, match="even with full recompute"):
+        row_to_case({**row, "zero_or_fsdp": "none (data parallel all-reduce)"})
+    with pytest.raises(Skip, match="even with full recompute"):
+        row_to_case({**row, "zero_or_fsdp": "ZeRO-1"})
+
+
 def test_an_engine_cell_naming_cudnn_runs_the_native_attention():
     # MaxText on B200 with attention: cudnn_flash_te (Google's gpu-recipes)
     row = BY_ID["gpur_a4_70b_256_fp8"]

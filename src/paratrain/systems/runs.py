@@ -263,7 +263,31 @@ def row_to_case(row: dict) -> Case:
                 tokens_per_s=_num(row, "tokens_per_s_per_accel"),
                 shard_group=_num(row, "shard_group", int), flops_count=count)
     words = row.get("recompute") or ""
-    return _fit_memory(case, recompute_stated(words), offloaded(words), out)
+    stated = recompute_stated(words), offloaded(words)
+    try:
+        return _fit_memory(case, *stated, list(out))
+    except Skip:
+        if _zero(sharding) or sharding.lower().startswith("none"):
+            raise  # the row says how its states were sharded: a refusal stands
+        return _least_zero(case, stated, out)
+
+
+def _least_zero(case: Case, stated: tuple, out: list) -> Case:
+    """A row that states no sharding and does not fit at its engine's default stage: the
+    run ran, so its states fit; the least ZeRO stage above the default that fits (with the
+    row's recompute, stated or inferred), said so among the defaults, else the default's
+    refusal."""
+    kept = [d for d in out if d[0] != "zero_or_fsdp"]
+    for z in range(case.plan.zero + 1, 4):
+        plan = dataclasses.replace(case.plan, zero=z)
+        why = (f"not stated, and ZeRO-{case.plan.zero} ({case.engine}'s default) does not "
+               f"fit: the least stage that does")
+        try:
+            return _fit_memory(dataclasses.replace(case, plan=plan), *stated,
+                               kept + [("zero_or_fsdp", f"ZeRO-{z}", why)])
+        except Skip:
+            continue
+    return _fit_memory(case, *stated, list(out))
 
 
 def _fit_memory(case: Case, stated: bool, offload: bool, out: list) -> Case:
