@@ -227,7 +227,8 @@ def row_to_case(row: dict) -> Case:
     sharding = (row.get("zero_or_fsdp") or "").strip()
     eng, why = row_engine(row)
     zero = _zero(sharding)
-    if not zero and not sharding.lower().startswith("none"):
+    zero_said = bool(zero) or sharding.lower().startswith("none")
+    if not zero_said:
         zero = ENGINES[eng].zero
         said = f"{sharding!r} names no ZeRO stage" if sharding else "blank"
         out.append(("zero_or_fsdp", f"ZeRO-{zero}", f"{said}: {eng}'s default "
@@ -267,27 +268,27 @@ def row_to_case(row: dict) -> Case:
     try:
         return _fit_memory(case, *stated, list(out))
     except Skip:
-        if _zero(sharding) or sharding.lower().startswith("none"):
-            raise  # the row says how its states were sharded: a refusal stands
-        return _least_zero(case, stated, out)
+        fitted = None if zero_said else _least_zero(case, stated, out)
+        if fitted is None:
+            raise  # a stated sharding, or no stage fits: the default's refusal stands
+        return fitted
 
 
-def _least_zero(case: Case, stated: tuple, out: list) -> Case:
+def _least_zero(case: Case, stated: tuple, out: list) -> Case | None:
     """A row that states no sharding and does not fit at its engine's default stage: the
     run ran, so its states fit; the least ZeRO stage above the default that fits (with the
-    row's recompute, stated or inferred), said so among the defaults, else the default's
-    refusal."""
+    row's recompute, stated or inferred), said so among the defaults; None if none does."""
     kept = [d for d in out if d[0] != "zero_or_fsdp"]
+    why = (f"not stated, and ZeRO-{case.plan.zero} ({case.engine}'s default) does not fit: "
+           "the least stage that does")
     for z in range(case.plan.zero + 1, 4):
         plan = dataclasses.replace(case.plan, zero=z)
-        why = (f"not stated, and ZeRO-{case.plan.zero} ({case.engine}'s default) does not "
-               f"fit: the least stage that does")
         try:
             return _fit_memory(dataclasses.replace(case, plan=plan), *stated,
                                kept + [("zero_or_fsdp", f"ZeRO-{z}", why)])
         except Skip:
             continue
-    return _fit_memory(case, *stated, list(out))
+    return None
 
 
 def _fit_memory(case: Case, stated: bool, offload: bool, out: list) -> Case:
