@@ -239,6 +239,29 @@ def test_zero3_under_a_pipeline_gathers_for_every_micro_batch():
     assert dp[16] / dp[4] == pytest.approx(4, rel=0.1)
 
 
+@pytest.mark.parametrize("zero", [0, 2, 3])
+def test_an_engine_that_reduces_in_fp32_moves_twice_the_gradient_bytes(zero):
+    """torchtitan reduces gradients in float32 (its ``mixed_precision_reduce``, which
+    admits no other value) while gathering bf16 weights: its reductions carry 4 bytes a
+    parameter, the gathers 2 (``overlap.Engine.reduce_bytes``)."""
+    import dataclasses
+
+    from paratrain.systems.overlap import ENGINES
+
+    m, p = load_model("llama3-8b"), load_params()
+    titan = ENGINES["torchtitan"]
+    assert titan.reduce_bytes == 4.0 and ENGINES["megatron"].reduce_bytes == 2.0
+    half = dataclasses.replace(titan, reduce_bytes=2.0)
+    plan = ParallelPlan(dp=8, zero=zero, micro_batches=2, bucket_mb=1e4)
+    dp = {e.reduce_bytes: predict_step(m, plan, H100, 8 * 2 * 8192, 8192, p, e).comm["dp"]
+          for e in (titan, half)}
+    # ZeRO-3: per block and micro-batch, gathers for forward and backward and one
+    # reduce-scatter (2 + 2 against 2 + 1); ZeRO-2: two reduce-scatters and a gather
+    # (4 + 1 against 2 + 1); DDP: the all-reduce alone
+    ratio = {3: 4 / 3, 2: 5 / 3, 0: 2.0}[zero]
+    assert dp[4.0] / dp[2.0] == pytest.approx(ratio, rel=0.02)
+
+
 def test_loss_reads_and_writes_every_logit_as_the_unfused_chain_does():
     from paratrain.systems.gemm import train_gemm_s
     from paratrain.systems.layer_cost import LOSS_BYTES_PER_LOGIT, Rates, head_cost

@@ -85,6 +85,15 @@ pass too) adds the bf16 gradients into it: zero the bf16 gradient (2 B), cast it
 every stage's critical path. With ZeRO 2/3 the gradients are reduced per micro-batch
 into the rank's shard instead (priced with the data-parallel sync).
 
+``reduce_bytes``: bytes per parameter the engine's gradient reductions (all-reduce,
+reduce-scatter) move; the ZeRO-3 gathers move the 16-bit weights, 2. torchtitan reduces in
+float32 (``mixed_precision_reduce``, whose only admitted value is "float32"; FSDP2's
+``MixedPrecisionPolicy(reduce_dtype=float32)``), 4; the others 2 (Megatron's
+``grad_reduce_in_fp32`` is off by default; DeepSpeed's ``communication_data_type`` is the
+model's dtype). With FSDP every micro-batch reduce-scatters, so a short micro-batch of a
+wide model has the fp32 reduction exposed: OLMo-core's 13B on 8 H100 at one 4,096-token
+micro-batch was priced 13.1% fast with 2 bytes, 10.6% with 4 (docs/systems-model.md).
+
 ``zero``: the ZeRO stage the engine's data parallelism runs out of the box, which a
 runs-table row that names none is priced with: Megatron-LM 0 (its distributed
 optimizer is off unless asked for), NeMo 1 (every NeMo 2 and Megatron-Bridge recipe turns the
@@ -137,6 +146,7 @@ class Engine:
     graphed: bool = False  # the step's kernels replayed from a CUDA graph (GRAPH_KERNEL_S)
     selective_blocks: bool = False  # "selective" checkpoints a share of whole blocks
     zero: int = 0  # the ZeRO stage its data parallelism runs when a row does not say
+    reduce_bytes: float = 2.0  # bytes per parameter its gradient reductions move
 
     def kernel_s(self, fitted: float) -> float:
         """A kernel's fixed cost under this engine: the fitted one, or a graph's."""
@@ -153,7 +163,7 @@ ENGINES = {
     "fsdp": Engine("fsdp", 0.0, 0.0, 1.0, 1.0, 0.0, "unit", "flash", 2.0,
                    selective_blocks=True, zero=3),
     "torchtitan": Engine("torchtitan", 0.5, 0.5, 1.0, 1.0, 0.5, "unit", "flash", 3.0, 0.5,
-                         zero=3),
+                         zero=3, reduce_bytes=4.0),
     "xla": Engine("xla", 0.5, 0.5, 1.0, 1.0, 0.5, "unit", "flash", dead_tail=True, zero=3),
     "dualpipe": Engine("dualpipe", 0.0, 1.0, 1.0, 1.0, 1.0, "bucket", "flash", zero=1),
 }

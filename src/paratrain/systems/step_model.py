@@ -249,14 +249,15 @@ def _dp_sync(plan: ParallelPlan, payloads, hw: Hardware, sp: StepParams, eng: En
     stride = plan.tp * plan.cp
     bucket = plan.bucket_mb * 1e6
     for payload, d, shard in payloads:
+        grad = payload * eng.reduce_bytes / 2.0  # payloads are 16-bit; Engine.reduce_bytes
         if d == 1 or payload == 0:
             continue
         if plan.zero >= 1 and shard < d:
             # hybrid sharding: ZeRO over ``shard`` neighbouring ranks, then the gradient
             # shards all-reduced across the d / shard replicas, under the backward
             a, bw = ct.ring_bw(stride * shard, d // shard, hw, sp.nvlink_eff, sp.net_eff)
-            ar = ct.ring_s("all_reduce", d // shard, payload / shard, a, bw)
-            tail = ct.ring_s("all_reduce", d // shard, min(bucket, payload) / shard, a, bw)
+            ar = ct.ring_s("all_reduce", d // shard, grad / shard, a, bw)
+            tail = ct.ring_s("all_reduce", d // shard, min(bucket, grad) / shard, a, bw)
             total += ar
             exposed += _hidden(ar, eng.dp * stage_b, tail)
             d = shard
@@ -264,15 +265,15 @@ def _dp_sync(plan: ParallelPlan, payloads, hw: Hardware, sp: StepParams, eng: En
                 continue
         a, bw = ct.ring_bw(stride, d, hw, sp.nvlink_eff, sp.net_eff)
         if plan.zero == 3:
-            t, x = _zero3_gathers(d, payload, blocks, a, bw, hw, sp, eng, blk_f, blk_b)
+            t, x = _zero3_gathers(d, payload, grad, blocks, a, bw, hw, sp, eng, blk_f, blk_b)
             total, exposed = total + m * t, exposed + m * x
             continue
         if plan.zero == 0:
-            ar, tail = _with_tail("all_reduce", d, payload, bucket, a, bw)
+            ar, tail = _with_tail("all_reduce", d, grad, bucket, a, bw)
             total += ar
             exposed += _hidden(ar, eng.dp * stage_b, tail)
             continue
-        rs, rs_tail = _with_tail("reduce_scatter", d, payload, bucket, a, bw)
+        rs, rs_tail = _with_tail("reduce_scatter", d, grad, bucket, a, bw)
         ag, ag_tail = _with_tail("all_gather", d, payload, bucket, a, bw)
         if plan.zero == 1:  # distributed optimizer: one of each per step
             total += rs + ag
@@ -285,15 +286,15 @@ def _dp_sync(plan: ParallelPlan, payloads, hw: Hardware, sp: StepParams, eng: En
     return total, exposed
 
 
-def _zero3_gathers(d: int, payload: float, blocks: int, a: float, bw: float, hw: Hardware,
-                   sp: StepParams, eng: Engine, blk_f: float, blk_b: float
+def _zero3_gathers(d: int, payload: float, grad: float, blocks: int, a: float, bw: float,
+                   hw: Hardware, sp: StepParams, eng: Engine, blk_f: float, blk_b: float
                    ) -> tuple[float, float]:
-    """(total, exposed) seconds of one micro-batch's ZeRO-3/FSDP traffic: each block's
-    weights gathered for the forward and again for the backward, its gradients
-    reduce-scattered; the weights stay sharded between micro-batches (as the memory
-    model counts them), pipeline stages included. Each gather hides under the previous
-    block's compute, each reduce-scatter under the next block's backward, so the first
-    block's forward gather and the last block's reduce-scatter have nothing to hide
+    """(total, exposed) seconds of one micro-batch's ZeRO-3/FSDP traffic: the blocks'
+    weights (``payload``) gathered for the forward and the backward, their gradients
+    (``grad``) reduce-scattered; the weights stay sharded between micro-batches (as the
+    memory model counts them), pipeline stages included. Each gather hides under the
+    previous block's compute, each reduce-scatter under the next block's backward, so the
+    first block's forward gather and the last block's reduce-scatter have nothing to hide
     under: a fixed cost per micro-batch that short micro-batches cannot amortise."""
     n_coll = COLLECTIVES_PER_BLOCK[eng.gather]
     if eng.gather == "param" and a > hw.intra_alpha:
@@ -302,7 +303,7 @@ def _zero3_gathers(d: int, payload: float, blocks: int, a: float, bw: float, hw:
         bw = min(bw, hw.inter_bw * sp.net_eff)
     per = payload / blocks / n_coll
     ag = n_coll * (ct.ring_s("all_gather", d, per, a, bw) + sp.kernel_s)
-    rs = n_coll * (ct.ring_s("reduce_scatter", d, per, a, bw) + sp.kernel_s)
+    rs = n_coll * (ct.ring_s("reduce_scatter", d, grad / blocks / n_coll, a, bw) + sp.kernel_s)
     wait_f = blocks * max(0.0, ag - eng.dp * blk_f)  # gathers longer than a block
     wait_b = blocks * max(0.0, ag + rs - eng.dp * blk_b)
     first = min(ag, eng.dp * blk_f) + min(rs, eng.dp * blk_b)  # what those could not hide
@@ -381,12 +382,11 @@ def predict_step(model, plan: ParallelPlan, hw: Hardware, tokens_per_step: int,
     comm["pp"] = 2 * mb * virtual_stages(plan) * send
     exposed["pp"] = comm["pp"] * (1 - eng.pp)
 
-    grad = 2.0
     d_dense, d_exp = plan.dp * plan.cp, expert_data_ranks(plan)
     sg = shard_group or d_dense // plan.dp_replicate  # HSDP: the plan's replica size
     if d_dense % sg:
         raise ValueError(f"shard_group={sg} does not divide dp*cp={d_dense}; pick a divisor")
-    payloads = [(p.dense * grad, d_dense, sg), (p.expert * grad, d_exp, min(sg, d_exp))]
+    payloads = [(2.0 * p.dense, d_dense, sg), (2.0 * p.expert, d_exp, min(sg, d_exp))]
     comm["dp"], dp_x = _dp_sync(plan, payloads, hw, sp, eng, blk_f, blk_b, blocks,
                                 blocks * blk_f, blocks * blk_b)
     exposed["dp"] = _taxed(comm["dp"], dp_x, sp.overlap_tax)
