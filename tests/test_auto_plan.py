@@ -161,6 +161,7 @@ def test_plan_search_verify_runs_the_layouts_and_reports_tau(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # calibration and the CPU fit: about 4 minutes on 2 quiet cores
 def test_train_plan_auto_calibrates_a_fresh_machine_then_trains_the_winner(tmp_path,
                                                                            text_file):
     """`paratrain train --plan auto` from a fresh profile (HOME is empty): it says it
