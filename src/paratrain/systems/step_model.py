@@ -241,17 +241,17 @@ def _with_tail(op: str, d: int, payload: float, bucket: float, alpha: float, bw:
 def _dp_sync(plan: ParallelPlan, payloads, hw: Hardware, sp: StepParams, eng: Engine,
              blk_f: float, blk_b: float, blocks: int, stage_f: float, stage_b: float
              ) -> tuple[float, float]:
-    """(total, exposed) data-parallel seconds per step; ``payloads`` is a list of (bytes,
-    group size, sharding group size) for the dense and expert gradients. Every ring is
-    NCCL's hierarchical-latency ring (:func:`paratrain.systems.comm_time.ring_bw`)."""
+    """(total, exposed) data-parallel seconds per step; ``payloads``: (parameters, group
+    size, sharding group size) for the dense and the expert ones, weights at 16 bits and
+    gradients at ``Engine.reduce_bytes``, on NCCL's rings (:func:`.comm_time.ring_bw`)."""
     total = exposed = 0.0
     m = plan.micro_batches
     stride = plan.tp * plan.cp
     bucket = plan.bucket_mb * 1e6
-    for payload, d, shard in payloads:
-        grad = payload * eng.reduce_bytes / 2.0  # payloads are 16-bit; Engine.reduce_bytes
-        if d == 1 or payload == 0:
+    for n, d, shard in payloads:
+        if d == 1 or n == 0:
             continue
+        payload, grad = 2.0 * n, eng.reduce_bytes * n  # weights' bytes, gradients'
         if plan.zero >= 1 and shard < d:
             # hybrid sharding: ZeRO over ``shard`` neighbouring ranks, then the gradient
             # shards all-reduced across the d / shard replicas, under the backward
@@ -386,7 +386,7 @@ def predict_step(model, plan: ParallelPlan, hw: Hardware, tokens_per_step: int,
     sg = shard_group or d_dense // plan.dp_replicate  # HSDP: the plan's replica size
     if d_dense % sg:
         raise ValueError(f"shard_group={sg} does not divide dp*cp={d_dense}; pick a divisor")
-    payloads = [(2.0 * p.dense, d_dense, sg), (2.0 * p.expert, d_exp, min(sg, d_exp))]
+    payloads = [(p.dense, d_dense, sg), (p.expert, d_exp, min(sg, d_exp))]
     comm["dp"], dp_x = _dp_sync(plan, payloads, hw, sp, eng, blk_f, blk_b, blocks,
                                 blocks * blk_f, blocks * blk_b)
     exposed["dp"] = _taxed(comm["dp"], dp_x, sp.overlap_tax)
