@@ -12,13 +12,8 @@ the way the step runs on the busiest pipeline rank (docs/systems-model.md):
    (:mod:`paratrain.systems.overlap`), a ring's K/V passes hidden only under the block's
    attention;
 3. the pipeline bubble (the schedule's closed form) and its point-to-point sends;
-4. data-parallel sync by the engine's algorithm: bucketed NCCL rings hidden under the
-   last micro-batch's backward (and the next forward for the distributed optimizer's
-   all-gather) except their last bucket, or ZeRO-3/FSDP gathers block by block, each
-   hidden only under the previous block's compute (the first gather and the last
-   reduce-scatter of each micro-batch under none), so when a micro-batch's compute is
-   short (strong scaling at a fixed global batch) the gathers' latency and bytes show;
-   what hides still costs the overlap tax (NCCL's SMs and HBM share);
+4. data-parallel sync by the engine's algorithm (:mod:`paratrain.systems.dp_sync`):
+   bucketed rings under the backward, or ZeRO-3/FSDP gathers block by block;
 5. the optimizer step (memory-bound over this rank's shard of the states).
 """
 
@@ -38,10 +33,11 @@ from paratrain.cost.shapes import as_shape
 from paratrain.cost.stages import rank_blocks, stage_costs
 from paratrain.plan import ParallelPlan
 from paratrain.systems import comm_time as ct
+from paratrain.systems.dp_sync import dp_sync, taxed
 from paratrain.systems.gemm import chip_of
 from paratrain.systems.layer_cost import GEMM_CLASSES, block_cost, head_cost
 from paratrain.systems.moe_step import moe_comm_s
-from paratrain.systems.overlap import COLLECTIVES_PER_BLOCK, Engine, engine
+from paratrain.systems.overlap import Engine, engine
 from paratrain.systems.step_params import StepParams
 from paratrain.systems.step_time import recompute_flops_per_token
 
@@ -207,107 +203,12 @@ def _busiest(m, seq_len: int, pp: int, v: int, block_s: float, head_s: float,
         else (rest, False)
 
 
-def _taxed(total: float, exposed: float, tax: float) -> float:
-    """Exposed seconds of a transfer of ``total`` seconds of which ``exposed`` does not
-    hide, plus ``tax`` of the part that does: overlap is not free, the collective's
-    kernels occupy SMs (one per NCCL channel) and HBM bandwidth the overlapped compute
-    would have used (``StepParams.overlap_tax``)."""
-    return exposed + tax * max(0.0, total - exposed)
-
-
 def _overlapped(t: float, share: float, window: float) -> float:
     """Exposed seconds of a per-block transfer of ``t`` of which the engine overlaps
     ``share`` (:class:`paratrain.systems.overlap.Engine`) under a compute ``window``:
     overlap hides at most the window, so a transfer longer than its compute shows the
     excess whatever the engine's share."""
     return max(t * (1 - share), t - window)
-
-
-def _hidden(t: float, window: float, tail: float) -> float:
-    """Seconds of a bucketed sync of ``t`` that a compute ``window`` does not hide: the
-    buckets run under the window, but the last one (the first layers' gradients, ready
-    only when the backward ends; or the first layers' weights, needed before the forward
-    starts) waits for nothing to hide under, so at least ``tail`` is exposed."""
-    return max(t - window, min(t, tail))
-
-
-def _with_tail(op: str, d: int, payload: float, bucket: float, alpha: float, bw: float
-               ) -> tuple[float, float]:
-    """(the bucketed collective over d ranks, its last bucket alone)."""
-    return (ct.ring_s(op, d, payload, alpha, bw),
-            ct.ring_s(op, d, min(bucket, payload), alpha, bw))
-
-
-def _dp_sync(plan: ParallelPlan, payloads, hw: Hardware, sp: StepParams, eng: Engine,
-             blk_f: float, blk_b: float, blocks: int, stage_f: float, stage_b: float
-             ) -> tuple[float, float]:
-    """(total, exposed) data-parallel seconds per step; ``payloads``: (parameters, group
-    size, sharding group size) for the dense and the expert ones, weights at 16 bits and
-    gradients at ``Engine.reduce_bytes``, on NCCL's rings (:func:`.comm_time.ring_bw`)."""
-    total = exposed = 0.0
-    m = plan.micro_batches
-    stride = plan.tp * plan.cp
-    bucket = plan.bucket_mb * 1e6
-    for n, d, shard in payloads:
-        if d == 1 or n == 0:
-            continue
-        payload, grad = 2.0 * n, eng.reduce_bytes * n  # weights' bytes, gradients'
-        if plan.zero >= 1 and shard < d:
-            # hybrid sharding: ZeRO over ``shard`` neighbouring ranks, then the gradient
-            # shards all-reduced across the d / shard replicas, under the backward
-            a, bw = ct.ring_bw(stride * shard, d // shard, hw, sp.nvlink_eff, sp.net_eff)
-            ar = ct.ring_s("all_reduce", d // shard, grad / shard, a, bw)
-            tail = ct.ring_s("all_reduce", d // shard, min(bucket, grad) / shard, a, bw)
-            total += ar
-            exposed += _hidden(ar, eng.dp * stage_b, tail)
-            d = shard
-            if d == 1:
-                continue
-        a, bw = ct.ring_bw(stride, d, hw, sp.nvlink_eff, sp.net_eff)
-        if plan.zero == 3:
-            t, x = _zero3_gathers(d, payload, grad, blocks, a, bw, hw, sp, eng, blk_f, blk_b)
-            total, exposed = total + m * t, exposed + m * x
-            continue
-        if plan.zero == 0:
-            ar, tail = _with_tail("all_reduce", d, grad, bucket, a, bw)
-            total += ar
-            exposed += _hidden(ar, eng.dp * stage_b, tail)
-            continue
-        rs, rs_tail = _with_tail("reduce_scatter", d, grad, bucket, a, bw)
-        ag, ag_tail = _with_tail("all_gather", d, payload, bucket, a, bw)
-        if plan.zero == 1:  # distributed optimizer: one of each per step
-            total += rs + ag
-        else:  # ZeRO-2: gradients stay sharded, one reduce-scatter per micro-batch
-            total += m * rs + ag
-            exposed += (m - 1) * max(0.0, rs - eng.dp * stage_b)
-        # the reduce-scatter under the last backward, the gather under the next forward
-        exposed += _hidden(rs, eng.dp * stage_b, rs_tail) + _hidden(ag, eng.dp * stage_f,
-                                                                    ag_tail)
-    return total, exposed
-
-
-def _zero3_gathers(d: int, payload: float, grad: float, blocks: int, a: float, bw: float,
-                   hw: Hardware, sp: StepParams, eng: Engine, blk_f: float, blk_b: float
-                   ) -> tuple[float, float]:
-    """(total, exposed) seconds of one micro-batch's ZeRO-3/FSDP traffic: the blocks'
-    weights (``payload``) gathered for the forward and the backward, their gradients
-    (``grad``) reduce-scattered; the weights stay sharded between micro-batches (as the
-    memory model counts them), pipeline stages included. Each gather hides under the
-    previous block's compute, each reduce-scatter under the next block's backward, so the
-    first block's forward gather and the last block's reduce-scatter have nothing to hide
-    under: a fixed cost per micro-batch that short micro-batches cannot amortise."""
-    n_coll = COLLECTIVES_PER_BLOCK[eng.gather]
-    if eng.gather == "param" and a > hw.intra_alpha:
-        # small per-submodule gathers run on one or two NCCL channels: one NIC's
-        # bandwidth per node, not the node's aggregate
-        bw = min(bw, hw.inter_bw * sp.net_eff)
-    per = payload / blocks / n_coll
-    ag = n_coll * (ct.ring_s("all_gather", d, per, a, bw) + sp.kernel_s)
-    rs = n_coll * (ct.ring_s("reduce_scatter", d, grad / blocks / n_coll, a, bw) + sp.kernel_s)
-    wait_f = blocks * max(0.0, ag - eng.dp * blk_f)  # gathers longer than a block
-    wait_b = blocks * max(0.0, ag + rs - eng.dp * blk_b)
-    first = min(ag, eng.dp * blk_f) + min(rs, eng.dp * blk_b)  # what those could not hide
-    return blocks * (2 * ag + rs), wait_f + wait_b + first
 
 
 def predict_step(model, plan: ParallelPlan, hw: Hardware, tokens_per_step: int,
@@ -387,9 +288,9 @@ def predict_step(model, plan: ParallelPlan, hw: Hardware, tokens_per_step: int,
     if d_dense % sg:
         raise ValueError(f"shard_group={sg} does not divide dp*cp={d_dense}; pick a divisor")
     payloads = [(p.dense, d_dense, sg), (p.expert, d_exp, min(sg, d_exp))]
-    comm["dp"], dp_x = _dp_sync(plan, payloads, hw, sp, eng, blk_f, blk_b, blocks,
+    comm["dp"], dp_x = dp_sync(plan, payloads, hw, sp, eng, blk_f, blk_b, blocks,
                                 blocks * blk_f, blocks * blk_b)
-    exposed["dp"] = _taxed(comm["dp"], dp_x, sp.overlap_tax)
+    exposed["dp"] = taxed(comm["dp"], dp_x, sp.overlap_tax)
     shard = (p.dense / sg + p.expert / min(sg, d_exp) if plan.zero >= 1 else p.total)
     opt_s = hbm_s(shard * OPTIMIZER_BYTES_PER_PARAM)
 
