@@ -228,6 +228,25 @@ def test_tpu_slices_set_the_fast_domain():
     assert case.engine_why == "engine 'MaxText (JAX)' says 'jax'"
 
 
+def test_a_stated_network_replaces_the_catalogues_and_explain_says_so():
+    """InternEvo's A100 cluster: 4 x 100 Gb RoCE per 8 GPUs, 50 Gb/s per GPU against the
+    catalogue's DGX A100 200 Gb/s: the row's ``inter_gbps`` sets the network, and a
+    gradient all-reduce across 128 nodes takes longer on it."""
+    from paratrain.systems.explain import case_lines
+    from paratrain.systems.fitting import breakdown, load_params
+
+    row = BY_ID["internevo_7b_a100_1024_tp1_zero8"]
+    case = row_to_case(row)
+    assert row["inter_gbps"] == "50" and case.hw.inter_bw == 50e9 / 8
+    assert case.engine == "internevo" and case.shard_group == 8
+    assert "network: 50 Gb/s per accelerator between nodes" in "\n".join(case_lines(case))
+    default = row_to_case({**row, "inter_gbps": ""})
+    assert default.hw.inter_bw == 25e9
+    assert "network" not in "\n".join(case_lines(default))
+    p = load_params()
+    assert breakdown(case, p).comm["dp"] > 1.5 * breakdown(default, p).comm["dp"]
+
+
 def test_heldout_split_is_disjoint_spread_and_follows_its_rule():
     assert {r["split"] for r in ROWS} <= set(SPLITS)
     held = set(heldout_ids(ROWS))

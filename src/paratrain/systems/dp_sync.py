@@ -2,14 +2,26 @@
 cost per step, and how much of it hides under compute.
 
 Bucketed NCCL rings hide under the last micro-batch's backward (and the distributed
-optimizer's all-gather under the next forward) except their last bucket; ZeRO-3/FSDP
+optimizer's all-gather under the next forward) except their last bucket; each bucket is
+its own collective and pays the ring's latency, at the engine's bucket size
+(``Engine.bucket_bytes``: Megatron-Core's max(40M, 1M x dp) parameters); ZeRO-3/FSDP
 gathers go block by block, each hidden only under the previous block's compute, so the
 first gather and the last reduce-scatter of each micro-batch hide under nothing; what
 hides still pays the overlap tax (NCCL's SMs and HBM share). Hybrid sharding (HSDP,
-multi-slice FSDP) shards over a group smaller than the data ranks.
+InternEvo's ``zero1`` groups) shards over a group smaller than the data ranks.
+
+Engines whose ZeRO-1 descends from Colossal-AI's low-level ZeRO (InternEvo:
+``Engine.zero1_broadcast``) all-reduce every gradient bucket over the whole data group,
+twice a reduce-scatter's bytes, and then broadcast each rank's updated shard to its
+sharding group after the optimizer step, where nothing runs beside it: priced as the
+all-gather those broadcasts add up to plus a launch each, all of it exposed. (What each
+of 1,024 broadcasts costs beyond that, about 2.6 ms in InternEvo's table, is not priced:
+docs/systems-model.md.)
 """
 
 from __future__ import annotations
+
+import math
 
 from paratrain.cost.hardware import Hardware
 from paratrain.plan import ParallelPlan
@@ -36,8 +48,10 @@ def _hidden(t: float, window: float, tail: float) -> float:
 
 def _with_tail(op: str, d: int, payload: float, bucket: float, alpha: float, bw: float
                ) -> tuple[float, float]:
-    """(the bucketed collective over d ranks, its last bucket alone)."""
-    return (ct.ring_s(op, d, payload, alpha, bw),
+    """(the bucketed collective over d ranks, its last bucket alone): each bucket is its
+    own collective and pays the ring's latency."""
+    n_b = max(1, math.ceil(payload / bucket))
+    return (ct.ring_s(op, d, payload, alpha, bw) + (n_b - 1) * ct.ring_s(op, d, 0.0, alpha, bw),
             ct.ring_s(op, d, min(bucket, payload), alpha, bw))
 
 
@@ -50,17 +64,21 @@ def dp_sync(plan: ParallelPlan, payloads, hw: Hardware, sp: StepParams, eng: Eng
     total = exposed = 0.0
     m = plan.micro_batches
     stride = plan.tp * plan.cp
-    bucket = plan.bucket_mb * 1e6
     for n, d, shard in payloads:
         if d == 1 or n == 0:
             continue
+        bucket = eng.bucket_bytes(d, eng.reduce_bytes, plan.bucket_mb * 1e6)
         payload, grad = 2.0 * n, eng.reduce_bytes * n  # weights' bytes, gradients'
+        if plan.zero == 1 and eng.zero1_broadcast:
+            t, x = _broadcast_zero1(d, shard, stride, payload, grad, bucket, hw, sp, eng,
+                                    stage_b)
+            total, exposed = total + t, exposed + x
+            continue
         if plan.zero >= 1 and shard < d:
             # hybrid sharding: ZeRO over ``shard`` neighbouring ranks, then the gradient
             # shards all-reduced across the d / shard replicas, under the backward
             a, bw = ct.ring_bw(stride * shard, d // shard, hw, sp.nvlink_eff, sp.net_eff)
-            ar = ct.ring_s("all_reduce", d // shard, grad / shard, a, bw)
-            tail = ct.ring_s("all_reduce", d // shard, min(bucket, grad) / shard, a, bw)
+            ar, tail = _with_tail("all_reduce", d // shard, grad / shard, bucket / shard, a, bw)
             total += ar
             exposed += _hidden(ar, eng.dp * stage_b, tail)
             d = shard
@@ -87,6 +105,21 @@ def dp_sync(plan: ParallelPlan, payloads, hw: Hardware, sp: StepParams, eng: Eng
         exposed += _hidden(rs, eng.dp * stage_b, rs_tail) + _hidden(ag, eng.dp * stage_f,
                                                                     ag_tail)
     return total, exposed
+
+
+def _broadcast_zero1(d: int, shard: int, stride: int, payload: float, grad: float,
+                     bucket: float, hw: Hardware, sp: StepParams, eng: Engine,
+                     stage_b: float) -> tuple[float, float]:
+    """(total, exposed) seconds of a Colossal-AI-lineage ZeRO-1 step
+    (``Engine.zero1_broadcast``): every gradient bucket all-reduced over the ``d`` data
+    ranks under the last backward, then each of the ``shard`` ranks of a sharding group
+    broadcasts its updated weights to the group, one launch each, after the optimizer
+    step with nothing to hide under: the bytes of the all-gather those add up to."""
+    a, bw = ct.ring_bw(stride, d, hw, sp.nvlink_eff, sp.net_eff)
+    ar, tail = _with_tail("all_reduce", d, grad, bucket, a, bw)
+    a, bw = ct.ring_bw(stride, shard, hw, sp.nvlink_eff, sp.net_eff)
+    bc = ct.ring_s("all_gather", shard, payload, a, bw) + shard * sp.kernel_s
+    return ar + bc, _hidden(ar, eng.dp * stage_b, tail) + bc
 
 
 def _zero3_gathers(d: int, payload: float, grad: float, blocks: int, a: float, bw: float,

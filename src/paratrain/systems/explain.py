@@ -9,6 +9,7 @@ computed from it.
 
 from __future__ import annotations
 
+from paratrain.cost.hardware import load_hardware
 from paratrain.systems.step_model import AXES, Breakdown
 
 AXIS_NAMES = {"tp": "tensor parallel", "cp": "context parallel", "ep": "expert parallel",
@@ -58,6 +59,9 @@ def case_lines(case) -> list[str]:
     """The engine a :class:`paratrain.systems.runs.Case` is priced as, with the column and
     word that chose it, then each default applied (column = value: why)."""
     lines = [f"engine {case.engine}: {case.engine_why}"]
+    if case.hw.inter_bw != load_hardware(case.hw_key).inter_bw:
+        lines.append(f"network: {case.hw.inter_bw * 8 / 1e9:g} Gb/s per accelerator between "
+                     "nodes, as the row's inter_gbps states")
     if case.defaults:
         lines.append(f"defaults applied ({len(case.defaults)}):")
         lines += [f"  {col} = {value}: {why}" for col, value, why in case.defaults]

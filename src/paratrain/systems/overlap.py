@@ -31,6 +31,9 @@ dualpipe    0     1     1     1     1     bucket   DeepSeek's HAI-LLM: DualPipe 
                                                    backward so the expert all-to-alls and
                                                    PP sends hide under them ("full
                                                    overlap", DeepSeek-V3 report Sec. 3.2.1)
+internevo   0     0     1     1     0     bucket   InternEvo (InternLM's trainer): TP as
+                                                   Megatron's; ZeRO-1 the Colossal-AI
+                                                   way (``zero1_broadcast``)
 ==========  ====  ====  ====  ====  ====  =======  ======================================
 
 ``attention`` is the kernel an engine runs by default: ``flash3`` (Hopper-native fused
@@ -100,7 +103,17 @@ optimizer is off unless asked for), NeMo 1 (every NeMo 2 and Megatron-Bridge rec
 distributed optimizer on), DeepSpeed 0 (``zero_optimization.stage`` defaults to 0), FSDP
 3 (``ShardingStrategy.FULL_SHARD``), torchtitan 3 (``data_parallel_shard_degree`` -1:
 FSDP2 over every data rank), XLA 3 (MaxText's ``ici_fsdp_parallelism`` -1), DeepSeek's
-HAI-LLM 1 (the DeepSeek-V3 report's ZeRO-1).
+HAI-LLM 1 (the DeepSeek-V3 report's ZeRO-1), InternEvo 1 (its ``zero1`` setting).
+
+``zero1_broadcast``: ZeRO-1 as Colossal-AI's low-level ZeRO optimizer runs it, which
+InternEvo's ``HybridZeroOptimizer`` (InternLM/InternEvo, ``internlm/solver/optimizer/
+hybrid_zero_optim.py``) keeps: each gradient bucket is all-reduced over the whole data
+group (``reduce_tensor`` with no destination rank), twice a reduce-scatter's bytes, and
+after the optimizer step every rank of a sharding group broadcasts its updated shard
+(``broadcast_params(overlap=False)``), one NCCL broadcast per rank with nothing beside
+it to hide under (:mod:`paratrain.systems.dp_sync`). Its ``zero1`` size is the row's
+``shard_group``: the optimizer states shard within a node and replicate across nodes, so
+the broadcasts stay on NVLink.
 
 ``graphed``: the engine replays the whole step's kernels from a CUDA graph
 (Megatron-Core's ``cuda_graph_impl = "full_iteration"``, which Megatron-Bridge's MXFP8 MoE
@@ -147,25 +160,40 @@ class Engine:
     selective_blocks: bool = False  # "selective" checkpoints a share of whole blocks
     zero: int = 0  # the ZeRO stage its data parallelism runs when a row does not say
     reduce_bytes: float = 2.0  # bytes per parameter its gradient reductions move
+    zero1_broadcast: bool = False  # ZeRO-1 all-reduces, then broadcasts shards (dp_sync)
+    bucket_params: float = 0.0  # parameters per gradient bucket (0: the plan's bucket_mb)
+    bucket_per_rank: float = 0.0  # ... at least this many per data rank
+
+    def bucket_bytes(self, d: int, width: float, default: float) -> float:
+        """Bytes of one gradient bucket over ``d`` data ranks at ``width`` bytes each."""
+        n = max(self.bucket_params, self.bucket_per_rank * d)
+        return n * width if n else default
 
     def kernel_s(self, fitted: float) -> float:
         """A kernel's fixed cost under this engine: the fitted one, or a graph's."""
         return min(fitted, GRAPH_KERNEL_S) if self.graphed else fitted
 
 
+# Megatron-Core's DistributedDataParallelConfig.bucket_size default: max(40M, 1M x dp)
+_MCORE_BUCKET = {"bucket_params": 40e6, "bucket_per_rank": 1e6}
 ENGINES = {
     "megatron": Engine("megatron", 0.0, 0.0, 1.0, 1.0, 0.0, "bucket", "flash",
-                       dispatcher="allgather"),
-    "nemo": Engine("nemo", 0.8, 1.0, 1.0, 1.0, 0.5, "bucket", "flash3", zero=1),
-    "megascale": Engine("megascale", 0.8, 1.0, 1.0, 1.0, 0.5, "bucket", "flash"),
+                       dispatcher="allgather", **_MCORE_BUCKET),
+    "nemo": Engine("nemo", 0.8, 1.0, 1.0, 1.0, 0.5, "bucket", "flash3", zero=1,
+                   **_MCORE_BUCKET),
+    "megascale": Engine("megascale", 0.8, 1.0, 1.0, 1.0, 0.5, "bucket", "flash",
+                        **_MCORE_BUCKET),
     "deepspeed": Engine("deepspeed", 0.0, 0.0, 1.0, 0.5, 0.0, "param", "eager", 1.5,
-                        p2p_split=False, hp_grad_bytes=20.0),
+                        p2p_split=False, hp_grad_bytes=20.0, bucket_params=5e8),
     "fsdp": Engine("fsdp", 0.0, 0.0, 1.0, 1.0, 0.0, "unit", "flash", 2.0,
                    selective_blocks=True, zero=3),
     "torchtitan": Engine("torchtitan", 0.5, 0.5, 1.0, 1.0, 0.5, "unit", "flash", 3.0, 0.5,
                          zero=3, reduce_bytes=4.0),
     "xla": Engine("xla", 0.5, 0.5, 1.0, 1.0, 0.5, "unit", "flash", dead_tail=True, zero=3),
-    "dualpipe": Engine("dualpipe", 0.0, 1.0, 1.0, 1.0, 1.0, "bucket", "flash", zero=1),
+    "dualpipe": Engine("dualpipe", 0.0, 1.0, 1.0, 1.0, 1.0, "bucket", "flash", zero=1,
+                       **_MCORE_BUCKET),
+    "internevo": Engine("internevo", 0.0, 0.0, 1.0, 1.0, 0.0, "bucket", "flash", zero=1,
+                        zero1_broadcast=True, bucket_params=512 * 2**20),
 }
 DEFAULT_ENGINE = "megatron"
 # The search recommends a layout for a run someone would start today, so it prices the
@@ -182,6 +210,7 @@ SEARCH_ENGINE = "nemo"
 # the table above); which columns of a runs-table row are read, and in what order:
 # paratrain.systems.row_engine
 _KEYWORDS = (("dualpipe", "dualpipe"), ("hai-llm", "dualpipe"),
+             ("internevo", "internevo"), ("internlm", "internevo"),
              ("nemo", "nemo"), ("dgxc", "nemo"), ("megatron-core", "nemo"), ("mcore", "nemo"),
              ("megatron-bridge", "nemo"), ("deepspeed", "deepspeed"),
              ("torchtitan", "torchtitan"), ("fsdp2", "torchtitan"), ("fsdp", "fsdp"),

@@ -221,6 +221,9 @@ def row_to_case(row: dict) -> Case:
     domain = _num(row, "accel_per_domain", int)
     if domain:  # the job's fast-interconnect domain (a TPU slice) differs from the catalogue's
         hw = dataclasses.replace(hw, gpus_per_node=domain)
+    net = _num(row, "inter_gbps")
+    if net:  # the cluster's network as the source states it, Gb/s per accelerator
+        hw = dataclasses.replace(hw, inter_bw=net * 1e9 / 8)
     tp, pp, cp, ep, dp = axes(row, gpus, out)
     tokens, m = batch(row, seq, dp, pp, out)
     sched, v = schedule(row, pp, m, L, out)
