@@ -183,6 +183,30 @@ def test_flashattention2_on_blackwell_runs_at_hoppers_absolute_rate():
     assert p.attn_for(h100.name, "flash", h100.peak_flops) == 0.25
 
 
+def test_the_first_flashattention_runs_at_half_flashattention2s_rate():
+    """FlashAttention-2 is about twice as fast as FlashAttention (Dao 2023): a row whose
+    engine cell names FlashAttention 1 (InternEvo's 1.0.5) prices its attention at half
+    the family's FlashAttention-2 rate, and says so."""
+    from paratrain.cost.hardware import load_hardware
+    from paratrain.systems.fitting import breakdown, load_params
+    from paratrain.systems.runs import row_to_case
+    from paratrain.systems.step_params import FLASH1_SPEED, StepParams
+
+    p = StepParams().replace(attn_eff={"a100": 0.6, "h100": 0.25})
+    for key in ("a100", "h100", "b200"):
+        hw = load_hardware(key)
+        assert p.attn_for(hw.name, "flash1", hw.peak_flops) == pytest.approx(
+            FLASH1_SPEED * p.attn_for(hw.name, "flash", hw.peak_flops)), key
+    row = {r["id"]: r for r in read_runs()}["internevo_7b_a100_8_tp1_zero8"]
+    case = row_to_case(row)
+    assert dict(case.engine_options)["attention"] == "flash1"
+    assert "'flashattention 1'" in case.engine_why
+    fa2 = row_to_case({**row, "engine": "InternEvo"})
+    assert dict(fa2.engine_options).get("attention") is None
+    att = [breakdown(c, load_params()).gemm["attention"] for c in (case, fa2)]
+    assert att[0] > 1.5 * att[1]  # the attention core's time; its GEMMs less so
+
+
 def test_a_chip_no_parameter_names_takes_the_mean_of_its_kind():
     """MI300X and V100 have no row in the table, so no fitted efficiency: they take the
     mean of the GPU families' (a TPU family the mean of the TPUs'), not a start value."""

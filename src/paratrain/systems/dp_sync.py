@@ -15,7 +15,7 @@ Engines whose ZeRO-1 descends from Colossal-AI's low-level ZeRO (InternEvo:
 twice a reduce-scatter's bytes, and then broadcast each rank's updated shard to its
 sharding group after the optimizer step, where nothing runs beside it: priced as the
 all-gather those broadcasts add up to plus a launch each, all of it exposed. (What each
-of 1,024 broadcasts costs beyond that, about 2.6 ms in InternEvo's table, is not priced:
+of 256-1,024 broadcasts costs beyond that, about 2.4 ms in InternEvo's table, is not priced:
 docs/systems-model.md.)
 """
 

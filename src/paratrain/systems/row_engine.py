@@ -82,6 +82,9 @@ ENGINE_OPTIONS = (
     ("sdpa", (("attention", "flash"),),
      "PyTorch's SDPA, whose default backend is FlashAttention-2 class "
      "(overlap.Engine.attention flash)"),
+    ("flashattention 1", (("attention", "flash1"),),
+     "the first FlashAttention, at half FlashAttention-2's rate "
+     "(overlap.Engine.attention flash1, step_params.FLASH1_SPEED)"),
     ("cudnn", (("attention", "flash3"),),
      "cuDNN's fused attention, the chip's native kernel (overlap.Engine.attention flash3)"),
     ("full-iteration cuda graph", (("graphed", True),),

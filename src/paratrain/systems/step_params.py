@@ -92,6 +92,12 @@ LEGACY_MMA = {"b200": "h100", "b300": "h100"}
 NATIVE_ATTENTION = ("h100", "b200", "b300")
 
 
+# FlashAttention (the first, 2022) over FlashAttention-2's rate on the same chip: "about 2x
+# faster than FlashAttention" (Dao 2023, FlashAttention-2, Sec. 4.1, A100 forward and
+# backward); a row whose engine cell names it (row_engine.ENGINE_OPTIONS) runs "flash1"
+FLASH1_SPEED = 0.5
+
+
 def native_attention(fam: str, kernel: str) -> bool:
     """Whether ``kernel`` on a chip family runs at the native fused rate (``attn3_eff``):
     a TPU's compiled attention always, ``flash3`` on :data:`NATIVE_ATTENTION`; otherwise a
@@ -145,7 +151,10 @@ class StepParams:
         chip's native fused attention (FlashAttention-3 / cuDNN on Hopper, "flash3"; on
         TPUs the compiler's fused kernel, always) at attn3_eff; FlashAttention-2 class at
         the generation's attn_eff, on Blackwell at Hopper's absolute rate
-        (:data:`LEGACY_MMA`)."""
+        (:data:`LEGACY_MMA`); the first FlashAttention ("flash1") at
+        :data:`FLASH1_SPEED` of FlashAttention-2's."""
+        if kernel == "flash1":
+            return FLASH1_SPEED * self.attn_for(hw_name, "flash", peak_flops)
         fam = family(hw_name)
         if native_attention(fam, kernel):
             return self.attn3_eff
