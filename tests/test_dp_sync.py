@@ -50,7 +50,7 @@ def test_one_micro_batch_always_exposes_the_last_bucket():
     untaxed = dataclasses.replace(P, overlap_tax=0.0)
     plan = ParallelPlan(dp=64, micro_batches=1)
     b = _dp(m, plan, 64 * 8 * 8192, 8192, params=untaxed)  # 64K tokens per GPU: long bwd
-    bucket = ENGINES["megatron"].bucket_bytes(64, 2.0, plan.bucket_mb * 1e6)
+    bucket = 2.0 * ENGINES["megatron"].bucket(64, plan.bucket_mb * 1e6 / 2.0)
     assert bucket == 128e6  # Megatron-Core's max(40M, 1M x dp) parameters, 2 bytes each
     a, bw = ct.ring_bw(1, 64, H100, P.nvlink_eff, P.net_eff)
     tail = ct.ring_s("all_reduce", 64, bucket, a, bw)
@@ -113,8 +113,8 @@ def test_each_gradient_bucket_pays_the_rings_latency_and_megatron_sizes_them_by_
     """Megatron-Core's buckets hold max(40M, 1M x dp) parameters, so a 1,024-rank sync
     runs few of them; each is its own collective, latency and all."""
     e = ENGINES["megatron"]
-    assert e.bucket_bytes(8, 2.0, 25e6) == 80e6 and e.bucket_bytes(1024, 2.0, 25e6) == 2048e6
-    assert ENGINES["torchtitan"].bucket_bytes(8, 4.0, 25e6) == 25e6  # the plan's
+    assert e.bucket(8, 12.5e6) == 40e6 and e.bucket(1024, 12.5e6) == 1024e6
+    assert ENGINES["torchtitan"].bucket(8, 6.25e6) == 6.25e6  # the plan's
     m = load_model("llama3-8b")
     plan = ParallelPlan(dp=8, zero=0, micro_batches=4)
     b = predict_step(m, plan, H100, 8 * 4 * 4096, 4096, P, e)

@@ -4,7 +4,7 @@ cost per step, and how much of it hides under compute.
 Bucketed NCCL rings hide under the last micro-batch's backward (and the distributed
 optimizer's all-gather under the next forward) except their last bucket; each bucket is
 its own collective and pays the ring's latency, at the engine's bucket size
-(``Engine.bucket_bytes``: Megatron-Core's max(40M, 1M x dp) parameters); ZeRO-3/FSDP
+(``Engine.bucket``: Megatron-Core's max(40M, 1M x dp) parameters); ZeRO-3/FSDP
 gathers go block by block, each hidden only under the previous block's compute, so the
 first gather and the last reduce-scatter of each micro-batch hide under nothing; what
 hides still pays the overlap tax (NCCL's SMs and HBM share). Hybrid sharding (HSDP,
@@ -67,10 +67,11 @@ def dp_sync(plan: ParallelPlan, payloads, hw: Hardware, sp: StepParams, eng: Eng
     for n, d, shard in payloads:
         if d == 1 or n == 0:
             continue
-        bucket = eng.bucket_bytes(d, eng.reduce_bytes, plan.bucket_mb * 1e6)
+        per = eng.bucket(d, plan.bucket_mb * 1e6 / eng.reduce_bytes)  # parameters
         payload, grad = 2.0 * n, eng.reduce_bytes * n  # weights' bytes, gradients'
+        w_bucket, g_bucket = 2.0 * per, eng.reduce_bytes * per
         if plan.zero == 1 and eng.zero1_broadcast:
-            t, x = _broadcast_zero1(d, shard, stride, payload, grad, bucket, hw, sp, eng,
+            t, x = _broadcast_zero1(d, shard, stride, payload, grad, g_bucket, hw, sp, eng,
                                     stage_b)
             total, exposed = total + t, exposed + x
             continue
@@ -78,7 +79,7 @@ def dp_sync(plan: ParallelPlan, payloads, hw: Hardware, sp: StepParams, eng: Eng
             # hybrid sharding: ZeRO over ``shard`` neighbouring ranks, then the gradient
             # shards all-reduced across the d / shard replicas, under the backward
             a, bw = ct.ring_bw(stride * shard, d // shard, hw, sp.nvlink_eff, sp.net_eff)
-            ar, tail = _with_tail("all_reduce", d // shard, grad / shard, bucket / shard, a, bw)
+            ar, tail = _with_tail("all_reduce", d // shard, grad / shard, g_bucket / shard, a, bw)
             total += ar
             exposed += _hidden(ar, eng.dp * stage_b, tail)
             d = shard
@@ -90,12 +91,12 @@ def dp_sync(plan: ParallelPlan, payloads, hw: Hardware, sp: StepParams, eng: Eng
             total, exposed = total + m * t, exposed + m * x
             continue
         if plan.zero == 0:
-            ar, tail = _with_tail("all_reduce", d, grad, bucket, a, bw)
+            ar, tail = _with_tail("all_reduce", d, grad, g_bucket, a, bw)
             total += ar
             exposed += _hidden(ar, eng.dp * stage_b, tail)
             continue
-        rs, rs_tail = _with_tail("reduce_scatter", d, grad, bucket, a, bw)
-        ag, ag_tail = _with_tail("all_gather", d, payload, bucket, a, bw)
+        rs, rs_tail = _with_tail("reduce_scatter", d, grad, g_bucket, a, bw)
+        ag, ag_tail = _with_tail("all_gather", d, payload, w_bucket, a, bw)
         if plan.zero == 1:  # distributed optimizer: one of each per step
             total += rs + ag
         else:  # ZeRO-2: gradients stay sharded, one reduce-scatter per micro-batch

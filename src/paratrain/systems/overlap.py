@@ -165,10 +165,10 @@ class Engine:
     bucket_params: float = 0.0  # parameters per gradient bucket (0: the plan's bucket_mb)
     bucket_per_rank: float = 0.0  # ... at least this many per data rank
 
-    def bucket_bytes(self, d: int, width: float, default: float) -> float:
-        """Bytes of one gradient bucket over ``d`` data ranks at ``width`` bytes each."""
-        n = max(self.bucket_params, self.bucket_per_rank * d)
-        return n * width if n else default
+    def bucket(self, d: int, plan_params: float) -> float:
+        """Parameters per gradient bucket over ``d`` data ranks: the engine's rule, else
+        ``plan_params`` (the plan's ``bucket_mb`` of gradients)."""
+        return max(self.bucket_params, self.bucket_per_rank * d) or plan_params
 
     def kernel_s(self, fitted: float) -> float:
         """A kernel's fixed cost under this engine: the fitted one, or a graph's."""
