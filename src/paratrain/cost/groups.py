@@ -31,7 +31,7 @@ def group_link(plan: ParallelPlan, axis: str, hw: Hardware, size: int | None = N
                ) -> tuple[float, float]:
     """(alpha_s, bw) of the slowest link the ``axis`` group crosses."""
     n = getattr(plan, axis) if size is None else size
-    return hw.link(span(n, strides(plan)[axis]))
+    return hw.link(span(n, strides(plan)[axis]), n)
 
 
 def per_node(plan: ParallelPlan, axis: str, hw: Hardware, size: int) -> int:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from paratrain.cost.catalogue import lookup
 
-TOPOLOGIES = ("switch", "torus")
+TOPOLOGIES = ("switch", "torus", "mesh")
 
 
 @dataclass(frozen=True)
@@ -22,6 +22,13 @@ class Hardware:
     bandwidths are bytes/s per direction per GPU, alphas the latency of one collective
     step in seconds. ``eta`` is the achieved fraction of ``peak_flops`` on large matrix
     multiplies (0.473: docs/design.md's fitted H100 figure).
+
+    ``topology`` says what ``intra_bw`` is. "switch" (NVSwitch) and "torus" (a TPU's ICI
+    axis): what any group inside the node moves per rank. "mesh": every GPU of a node has
+    a link of its own to every other and no switch (AMD's MI300X platform: seven Infinity
+    Fabric links per GPU); ``intra_bw`` is one link, and a group of g ranks in the node
+    moves over its g - 1 links to the others at once (:meth:`intra_group_bw`: RCCL's
+    rings over a fully connected node run on disjoint links).
     """
 
     name: str
@@ -62,11 +69,20 @@ class Hardware:
     def replace(self, **changes) -> Hardware:
         return dataclasses.replace(self, **changes)
 
-    def link(self, span_gpus: int) -> tuple[float, float]:
-        """(alpha_s, bw_bytes_per_s) of the slowest link a group of ``span_gpus``
-        consecutive ranks crosses: the intra-node link if it fits in one node."""
+    def intra_group_bw(self, members: int) -> float:
+        """Bytes/s per rank of a group of ``members`` ranks inside one node: ``intra_bw``
+        on a switch or torus; on a mesh one link per peer the group reaches (class
+        docstring)."""
+        if self.topology == "mesh":
+            return self.intra_bw * max(1, min(members, self.gpus_per_node) - 1)
+        return self.intra_bw
+
+    def link(self, span_gpus: int, members: int | None = None) -> tuple[float, float]:
+        """(alpha_s, bw_bytes_per_s) of the slowest link a group of ``members`` ranks
+        (default: ``span_gpus``, consecutive) spanning ``span_gpus`` crosses: the
+        intra-node links (:meth:`intra_group_bw`) if it fits in one node."""
         if span_gpus <= self.gpus_per_node:
-            return self.intra_alpha, self.intra_bw
+            return self.intra_alpha, self.intra_group_bw(members or span_gpus)
         return self.inter_alpha, self.inter_bw
 
 

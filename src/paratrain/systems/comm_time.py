@@ -1,17 +1,18 @@
 """Each parallel axis' communication time per micro-batch or step, at achieved bandwidths.
 
 Achieved bandwidth of a group (:func:`group_bw`): inside one node, the NVLink/ICI link x
-``nvlink_eff``. Across nodes NCCL builds its rings over every NIC the group's GPUs own
-(each GPU of a DGX/HGX node has its own NIC), so a group with g members per node moves
-g x the per-GPU network bandwidth x ``net_eff`` across each node boundary, and never more
-than its NVLink hops carry. A ring across nodes pays the network's latency only on the hops
-that cross a node boundary (n of its p hops for a group on n nodes) and NVLink's on the
-others (:func:`ring_bw`), as NCCL's own tuning model prices a ring (its ``nInterSteps``:
-about 2 n network steps for an all-reduce, the rest at the intra-node latency): a flat
-ring charging 2 (p - 1) network latencies makes a 1024-rank gradient sync 8x too
-latency-bound. Times are the alpha-beta forms of
-:mod:`paratrain.cost.collectives` (ring steps x latency + bytes / bandwidth); wire
-bytes come from the homes that count them for the runtime
+``nvlink_eff`` (on a fully connected node without a switch, one link per peer of the
+group: :meth:`paratrain.cost.hardware.Hardware.intra_group_bw`). Across nodes NCCL builds
+its rings over every NIC the group's GPUs own (each GPU of a DGX/HGX node has its own
+NIC), so a group with g members per node moves g x the per-GPU network bandwidth x
+``net_eff`` across each node boundary, and never more than its NVLink hops carry. A ring
+across nodes pays the network's latency only on the hops that cross a node boundary (n of
+its p hops for a group on n nodes) and NVLink's on the others (:func:`ring_bw`), as NCCL's
+own tuning model prices a ring (its ``nInterSteps``: about 2 n network steps for an all-
+reduce, the rest at the intra-node latency): a flat ring charging 2 (p - 1) network
+latencies makes a 1024-rank gradient sync 8x too latency-bound. Times are the alpha-beta
+forms of :mod:`paratrain.cost.collectives` (ring steps x latency + bytes / bandwidth);
+wire bytes come from the homes that count them for the runtime
 (:mod:`paratrain.cost.tp_bytes`, :mod:`paratrain.cost.cp_bytes`).
 """
 
@@ -38,9 +39,10 @@ def strided_bw(stride: int, size: int, hw: Hardware, nvlink_eff: float, net_eff:
                ) -> tuple[float, float]:
     """(alpha_s, achieved bytes/s per rank) of ``size`` ranks ``stride`` apart."""
     if span(size, stride) <= hw.gpus_per_node:
-        return hw.intra_alpha, hw.intra_bw * nvlink_eff
+        return hw.intra_alpha, hw.intra_group_bw(size) * nvlink_eff
     g = max(1, min(size, hw.gpus_per_node // stride))
-    bw = min(g * hw.inter_bw * net_eff, hw.intra_bw * nvlink_eff if g > 1 else float("inf"))
+    bw = min(g * hw.inter_bw * net_eff,
+             hw.intra_group_bw(g) * nvlink_eff if g > 1 else float("inf"))
     return hw.inter_alpha, bw
 
 

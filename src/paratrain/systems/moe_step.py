@@ -146,7 +146,7 @@ def all_to_all_s(plan: ParallelPlan, payload: float, hw: Hardware, nvlink_eff: f
         return ct.ep_s(plan, payload, hw, nvlink_eff, net_eff)
     g = max(1, min(p, hw.gpus_per_node // stride))
     off = payload * (p - g) / p / (hw.inter_bw * net_eff)
-    on = payload * (g - 1) / p / (hw.intra_bw * nvlink_eff)
+    on = payload * (g - 1) / p / (hw.intra_group_bw(g) * nvlink_eff)
     return (p - 1) * hw.inter_alpha + max(off, on)
 
 

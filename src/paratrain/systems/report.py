@@ -39,12 +39,12 @@ def build_report(model: ModelConfig, hw: Hardware, plan: ParallelPlan, tokens_pe
     d = plan.dp * plan.cp
     payload = params_per_gpu(m, plan).total * prec.grad_bytes
     node = min(hw.gpus_per_node, plan.world_size)
-    a_d, bw_d = hw.link((d - 1) * plan.tp + 1)
+    a_d, bw_d = hw.link((d - 1) * plan.tp + 1, d)
     sync = {
         "payload_bytes": payload,
         "node_gpus": node,
         "ring_allreduce_node_s": coll.time_s("all_reduce", "ring", node, payload,
-                                             hw.intra_alpha, hw.intra_bw),
+                                             hw.intra_alpha, hw.intra_group_bw(node)),
         "dp_gpus": d,
         "dp_link": "intra" if (d - 1) * plan.tp + 1 <= hw.gpus_per_node else "inter",
         "ring_allreduce_dp_s": coll.time_s("all_reduce", "ring", d, payload, a_d, bw_d),

@@ -226,11 +226,11 @@ def _dp_sync(m: ModelConfig, plan: ParallelPlan, hw: Hardware, prec: Precision,
             continue
         r = plan.dp_replicate if stride == plan.tp else 1  # HSDP: the dense reducer only
         payload = params * prec.grad_bytes
-        a, bw = hw.link(span(d, stride))
+        a, bw = hw.link(span(d, stride), d)
         algo, g = _dp_algorithm(dp_algorithm, d, max(1, min(d, hw.gpus_per_node // stride)),
                                 span(d, stride) > hw.gpus_per_node)
         kw = {"gpus_per_node": g, "intra_alpha_s": hw.intra_alpha,
-              "intra_bw_bytes_per_s": hw.intra_bw}
+              "intra_bw_bytes_per_s": hw.intra_group_bw(g)}
         dp_wire += dp_sync_wire_bytes(payload, d, plan.zero, plan.micro_batches, plan.pp > 1,
                                       r)
         t, exposed = _dp_group_time(plan, algo, d // r, payload, a, bw, kw, compute_mb,
