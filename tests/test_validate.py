@@ -208,13 +208,13 @@ def test_the_first_flashattention_runs_at_half_flashattention2s_rate():
 
 
 def test_a_chip_no_parameter_names_takes_the_mean_of_its_kind():
-    """MI300X and V100 have no row in the table, so no fitted efficiency: they take the
+    """MI250X and V100 have no row in the table, so no fitted efficiency: they take the
     mean of the GPU families' (a TPU family the mean of the TPUs'), not a start value."""
     from paratrain.systems.step_params import StepParams
 
     p = StepParams().replace(gemm_eff={"a100": 0.7, "h100": 0.6, "tpu-v4": 0.8,
                                        "tpu-v5p": 0.9})
-    assert p.gemm_for("MI300X") == pytest.approx(0.65)
+    assert p.gemm_for("MI250X-GCD") == pytest.approx(0.65)
     assert p.gemm_for("V100-SXM2-32GB") == pytest.approx(0.65)
     assert p.gemm_for("TPU-v6e") == pytest.approx(0.85)
     assert p.gemm_for("H100-SXM5-80GB") == 0.6

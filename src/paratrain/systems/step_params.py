@@ -1,8 +1,8 @@
 """The step-time model's free parameters: few, physical, each with its provenance.
 
-Seventeen numbers (with the table's five TPU generations), all efficiencies in (0, 1] of a
-catalogue figure, except one latency (a family's efficiencies keep their start values
-when a table has too few rows on it):
+Nineteen numbers (with the table's five TPU generations and MI300X), all efficiencies in
+(0, 1] of a catalogue figure, except one latency (a family's efficiencies keep their start
+values when a table has too few rows on it):
 
 =================  =======  ==============================================================
 parameter          start    provenance of the starting value and bound
@@ -21,6 +21,10 @@ gemm_eff[tpu-v*]   0.85     large matmuls on the 128 x 128 MXUs (Jouppi et al. 2
                             and v6e differ in MXUs per core, HBM per FLOP and compiler
                             generation (one shared figure left MaxText's v4 rows up to 9%
                             fast, its v5e rows up to 16% slow)
+gemm_eff[mi300x]   (mean)   no start of its own: the GPU families' mean (``gemm_for``), as
+                            for any chip the table does not run; torchao's four MI300X
+                            runs fit it (and ``attn_eff[mi300x]``, whose start is 0.7 x
+                            the GEMM figure)
 attn_eff[a100]     0.60     FlashAttention-2 forward+backward at ~50-70% of peak on A100
                             (Dao 2023); bounded by 0.75 (its best forward is 73%)
 attn_eff[h100]     0.35     FlashAttention-2 on H100 reaches ~35-40% of peak: it does not
