@@ -246,7 +246,8 @@ def explain(result: SearchResult, model: ModelConfig, hw: Hardware) -> list[str]
     if p.tp > 1:
         where = "inside one node" if p.tp <= hw.gpus_per_node else "across nodes"
         lines.append(
-            f"tensor parallel {p.tp} {where} ({hw.intra_bw / gb:.0f} GB/s links): its "
+            f"tensor parallel {p.tp} {where} ({hw.intra_group_bw(p.tp) / gb:.0f} GB/s "
+            "per rank over the node's links): its "
             f"per-layer collectives cost {st.tp_comm_s:.3g} s per step, cheap only on the "
             "node's fast links; sequence parallelism splits the remaining activations")
     else:
