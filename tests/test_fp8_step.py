@@ -13,8 +13,14 @@ from paratrain.cost.hardware import load_hardware
 from paratrain.cost.shapes import as_shape, load_model
 from paratrain.plan import ParallelPlan
 from paratrain.systems.fitting import load_params
-from paratrain.systems.gemm import chip_of, k_fixed
-from paratrain.systems.layer_cost import FP8_CAST_BYTES, Rates, block_cost, head_cost
+from paratrain.systems.gemm import chip_of, gemm_s, k_fixed
+from paratrain.systems.layer_cost import (
+    FP8_CAST_BYTES,
+    FP8_RECIPES,
+    Rates,
+    block_cost,
+    head_cost,
+)
 from paratrain.systems.step_model import predict_step
 
 H100 = load_hardware("h100")
@@ -22,9 +28,11 @@ CHIP = chip_of(H100.name)
 FP8_HW = H100.replace(peak_flops=H100.peak_flops_fp8)
 
 
-def _rates(fp8: bool, fp8_eff: float = 1.0) -> Rates:
+def _rates(fp8: bool, fp8_eff: float = 1.0, recipe: str = "tensorwise",
+           rowwise_eff: float = 1.0) -> Rates:
     r = Rates(0.7, 0.5, 0.8, 10e-6)
-    return dataclasses.replace(r, fp8_hw=FP8_HW, fp8_eff=fp8_eff) if fp8 else r
+    return dataclasses.replace(r, fp8_hw=FP8_HW, fp8_eff=fp8_eff, fp8_recipe=recipe,
+                               fp8_rowwise_eff=rowwise_eff) if fp8 else r
 
 
 def test_casts_read_each_linear_input_forward_and_each_output_gradient_backward():
@@ -101,3 +109,65 @@ def test_int8_on_a_tpu_is_priced_as_fp8_on_a_gpu_at_the_chips_8bit_peak():
     # priced alike: the same row said FP8 gives the same step, part by part
     f8 = breakdown(row_to_case({**row, "precision": "fp8"}), p)
     assert f8.gemm == a.gemm and f8.step_s == a.step_s
+
+
+def test_rowwise_scaling_casts_each_operand_twice_and_runs_slower_gemms():
+    """torchao's rowwise recipe (torchao's roofline, layer_cost.py): 6 bytes per cast
+    element in two kernels per linear layer, against tensorwise's 4 in one; its GEMMs at
+    fp8_rowwise_eff of tensorwise's rate (equal at 1, twice as long at 0.5);
+    rowwise_with_gw_hp casts 1 byte per element and computes each weight gradient
+    dW[K,N] = X^T dY (over the M tokens) at the 16-bit rate."""
+    assert (FP8_RECIPES["tensorwise"].cast_bytes, FP8_RECIPES["rowwise"].cast_bytes,
+            FP8_RECIPES["rowwise_with_gw_hp"].cast_bytes) == (FP8_CAST_BYTES, 6.0, 1.0)
+    m = as_shape(ModelConfig(d_model=1024, n_heads=8, n_kv_heads=2, d_ff=4096,
+                             context=2048))
+    M = 4096
+
+    def cost(r):
+        return block_cost(m, M, 2048, 1, 1, False, 1, H100, CHIP, r, False)
+
+    bf, tw, rw, slow, gw = (cost(r) for r in (
+        _rates(False), _rates(True), _rates(True, recipe="rowwise"),
+        _rates(True, recipe="rowwise", rowwise_eff=0.5),
+        _rates(True, recipe="rowwise_with_gw_hp", rowwise_eff=0.5)))
+    assert tw.fwd == rw.fwd and tw.bwd == rw.bwd  # at fp8_rowwise_eff 1
+    tw_cast = tw.mem_fwd_s - bf.mem_fwd_s
+    assert rw.mem_fwd_s - bf.mem_fwd_s == pytest.approx(tw_cast * 6.0 / FP8_CAST_BYTES)
+    assert gw.mem_fwd_s - bf.mem_fwd_s == pytest.approx(tw_cast * 1.0 / FP8_CAST_BYTES)
+    assert rw.overhead_s - tw.overhead_s == pytest.approx(3 * 4 * 10e-6)  # 4 linears
+    assert gw.overhead_s == tw.overhead_s
+    d, f, qkv = 1024, 4096, (8 + 2 * 2) * 128
+    for name, layers in (("qkv", [(qkv, d)]), ("out", [(d, d)]),
+                         ("mlp", [(2 * f, d), (d, f)])):
+        assert slow.fwd[name] == pytest.approx(2 * rw.fwd[name], rel=1e-9), name
+        assert gw.fwd[name] == slow.fwd[name]
+        # backward: the input gradient row-scaled in FP8, the weight gradient in BF16
+        want = slow.bwd[name] + sum(
+            gemm_s(K, N, M, H100, CHIP, 0.7, 0.8) - gemm_s(K, N, M, FP8_HW, CHIP, 0.35, 0.8)
+            for N, K in layers)
+        assert gw.bwd[name] == pytest.approx(want, rel=1e-9), name
+
+
+def test_a_rows_precision_names_its_fp8_scaling():
+    """The precision cell decides the recipe (row_engine.fp8_scaling): torchao's rowwise
+    rows by name, its bf16-weight-gradient variant as rowwise_with_gw_hp, per-tensor
+    and MXFP8 rows as True (tensorwise), BF16 rows False; the breakdown of a rowwise row
+    is the step model's at that recipe."""
+    from paratrain.systems.fitting import breakdown
+    from paratrain.systems.row_engine import case_engine, fp8_scaling
+    from paratrain.systems.runs import read_runs, row_to_case
+
+    rows = {r["id"]: r for r in read_runs()}
+    want = {"ao_llama3_8b_h100_8_rw": "rowwise", "ao_llama3_8b_mi300x_8_rwgw":
+            "rowwise_with_gw_hp", "ao_llama3_8b_h100_8_tw": True,
+            "mb2604_dsv3_gb200_mx_256": True, "ao_llama3_8b_h100_8_bf16": False}
+    for rid, scaling in want.items():
+        assert fp8_scaling(row_to_case(rows[rid])) == scaling, rid
+    p = load_params()
+    case = row_to_case(rows["ao_llama3_8b_h100_8_rw"])
+    direct = predict_step(case.model, case.plan, case.hw, case.tokens, case.seq_len, p,
+                          case_engine(case), None, None, "rowwise")
+    tensorwise = row_to_case({**rows["ao_llama3_8b_h100_8_rw"],
+                              "precision": "fp8 (torchao Float8, tensorwise scaling)"})
+    assert breakdown(case, p).step_s == pytest.approx(direct.step_s, rel=1e-12)
+    assert breakdown(case, p).step_s > breakdown(tensorwise, p).step_s

@@ -94,6 +94,28 @@ def test_fp8_prices_the_step_models_fp8_gemms_and_search_ranks_with_them(capsys)
     assert tops[1] < tops[0]
 
 
+def test_fp8_scaling_names_the_recipe_the_step_model_prices(capsys):
+    """--fp8-scaling rowwise (torchao's row-scaled recipe: more casts, slower GEMMs,
+    systems/layer_cost.py) is the library's price at that recipe, said in the JSON, and
+    a longer step than tensorwise's (the default, what --fp8 alone prices)."""
+    from paratrain.cost.hardware import load_hardware
+    from paratrain.cost.shapes import load_model
+    from paratrain.plan import ParallelPlan
+    from paratrain.systems.fitting import load_params
+    from paratrain.systems.step_model import predict_step
+
+    base = ["plan", "--json", "--model", "llama3-8b", "--gpus", "8", "--fp8"]
+    reps = {}
+    for scaling in ("tensorwise", "rowwise", None):
+        assert main(base + (["--fp8-scaling", scaling] if scaling else [])) == 0
+        reps[scaling] = json.loads(capsys.readouterr().out)["predicted"]
+    assert (reps["rowwise"]["fp8"], reps[None]["fp8"]) == ("rowwise", True)
+    assert reps["tensorwise"]["step_s"] == reps[None]["step_s"] < reps["rowwise"]["step_s"]
+    want = predict_step(load_model("llama3-8b"), ParallelPlan(dp=8), load_hardware("h100"),
+                        1_048_576, 4096, load_params(), "megatron", fp8="rowwise")
+    assert reps["rowwise"]["step_s"] == pytest.approx(want.step_s, rel=1e-12)
+
+
 def test_engine_options_price_in_plan_as_in_the_runs_table(capsys):
     """`--engine "torchtitan, torch.compile"` is read as a runs table's engine cell
     (row_engine.engine_as_said): the fused element-wise work shortens the step, and the
@@ -144,6 +166,8 @@ def test_plot_writes_valid_pngs(tmp_path, capsys):
     (["--sp"], "sequence parallelism"),
     (["--fp8", "--hardware", "a100"], "has no FP8 peak"),
     (["--fp8", "--reference"], "drop --reference"),
+    (["--fp8-scaling", "rowwise"], "add --fp8"),
+    (["--fp8", "--fp8-scaling", "colwise"], "'colwise' is unknown"),
 ])
 def test_bad_inputs_exit_2_with_one_line(args, msg, capsys):
     assert main(["plan", *args]) == 2

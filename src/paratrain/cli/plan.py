@@ -21,6 +21,7 @@ from typing import Annotated, Any, NamedTuple
 
 import typer
 
+from paratrain.cli.plan_fp8 import fp8_options
 from paratrain.cli.settings import DEFAULT_NPROC, read_tables, resolve, with_settings
 from paratrain.config import ModelConfig, TrainConfig, build
 from paratrain.plan import ParallelPlan, infer_dp
@@ -80,6 +81,9 @@ HELP = {
     "params": "Step-model parameters (default: the shipped data/fitted.toml).",
     "fp8": "Price the linear layers' GEMMs in FP8 (Transformer Engine's recipe: FP8 peak, "
            "operand casts; memory as bf16-adam). Needs hardware with an FP8 peak.",
+    "fp8_scaling": "With --fp8: the scaling recipe, tensorwise (per-tensor scales, as "
+                   "Transformer Engine and MXFP8; default), rowwise or rowwise_with_gw_hp "
+                   "(torchao's row-scaled recipes: more casts, their own GEMM kernels).",
     "nproc": "With --search: rank the layouts of the run `paratrain train --nproc N` "
              "trains (same model, batch, --config) on THIS machine's calibrated profile.",
     "verify": "With --search --nproc N: train the top K layouts and K random ones for a "
@@ -111,6 +115,7 @@ def plan(
     reference: Annotated[bool, Opt("--reference", help=HELP["reference"])] = False,
     params: Annotated[str | None, Opt(help=HELP["params"])] = None,
     fp8: Annotated[bool, Opt("--fp8", help=HELP["fp8"])] = False,
+    fp8_scaling: Annotated[str | None, Opt(help=HELP["fp8_scaling"])] = None,
     nproc: Annotated[int | None, Opt(help=HELP["nproc"])] = None,
     verify: Annotated[int, Opt(help=HELP["verify"])] = 0,
     verify_steps: Annotated[int, Opt(help=HELP["verify_steps"])] = 6,
@@ -145,7 +150,7 @@ def plan(
     attention = kernel(m.attention)
     hw = load_hardware(hardware)
     eng, step_params = _step_model(engine, search, reference, params)
-    precision = _check_fp8(fp8, hw, reference, precision)
+    precision, fp8 = fp8_options(fp8, fp8_scaling, hw, reference, precision)
     if search and emit_config:
         from paratrain.cli.plan_machine import runtime_model
 
@@ -229,19 +234,6 @@ def _step_model(engine: str | None, search: bool, reference: bool, params: str |
     return eng, load_params(params)
 
 
-def _check_fp8(fp8: bool, hw, reference: bool, precision: str) -> str:
-    """--fp8 is the step model's (systems/layer_cost.py), on a chip with an FP8 peak; the
-    precision recipe it prices memory with (bf16-adam's states: fp8-adam)."""
-    if fp8 and reference:
-        raise ValueError("--fp8 prices FP8 GEMMs with the step model; drop --reference")
-    if fp8 and not hw.peak_flops_fp8:
-        raise ValueError(f"--fp8: {hw.name} has no FP8 peak in the catalogue (FP8 tensor "
-                         "cores came with Hopper); drop --fp8 or pick e.g. --hardware h100")
-    from paratrain.cost.memory import mixed_recipe
-
-    return mixed_recipe(fp8) if precision == "bf16-adam" else precision
-
-
 def _undeprecate(flags: dict, seq_len: int | None) -> dict:
     """``flags`` in today's names: --seq-len is --context, --attention flash is sdpa
     (one warning line each)."""
@@ -289,7 +281,7 @@ def run_bytes(mcfg: ModelConfig, tcfg: TrainConfig, p: ParallelPlan) -> dict:
 
 
 def _report(m, hw, p, gpus, tokens, seq, eta, precision, attention, step_params, eng,
-            explain, fp8: bool = False) -> dict:
+            explain, fp8: bool | str = False) -> dict:
     """The reference model's report of plan ``p``, and the step model's prediction."""
     from paratrain.systems.report import build_report
 
@@ -343,7 +335,7 @@ def _progress_line():
 
 
 def _search(m, hw, gpus, tokens, seq_len, top, eta, json_out, plot, attention,
-            step_params, engine, fp8: bool = False) -> PlanOutput:
+            step_params, engine, fp8: bool | str = False) -> PlanOutput:
     from paratrain.systems.search import candidate_record, explain, render_search, search
 
     if top < 1:

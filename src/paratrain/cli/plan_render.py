@@ -38,7 +38,9 @@ def _render_predicted(rep: dict, con) -> None:
     from paratrain.systems.report import fmt_sig
 
     pred, ref = rep["predicted"], rep["step"]
-    fp8 = ", FP8 GEMMs" if pred.get("fp8") else ""
+    scaling = pred.get("fp8")
+    fp8 = "" if not scaling else ", FP8 GEMMs" + (f" ({scaling})" if scaling is not True
+                                                  else "")
     con.print(f"[bold]prediction[/]: the step model (engine {pred['engine']}{fp8}, "
               "parameters fitted to published runs, `paratrain validate`) predicts a step of "
               f"[bold]{pred['step_s']:.3g} s[/], MFU {100 * pred['mfu']:.1f} %, HFU "

@@ -27,7 +27,7 @@ from pathlib import Path
 from paratrain.config import read_toml
 from paratrain.systems.gemm import FAMILIES, family
 from paratrain.systems.partial_recompute import blend
-from paratrain.systems.row_engine import case_engine, eight_bit, precision_says
+from paratrain.systems.row_engine import case_engine, fp8_scaling, precision_says
 from paratrain.systems.runs import DATA_DIR, Case, Record
 from paratrain.systems.step_model import Breakdown, predict_step
 from paratrain.systems.step_params import (
@@ -97,7 +97,7 @@ def breakdown(case: Case, params: StepParams) -> Breakdown:
     def at(plan):
         return predict_step(case.model, plan, case.hw, case.tokens, case.seq_len, params,
                             case_engine(case), case_attention(case),
-                            getattr(case, "shard_group", None), eight_bit(case))
+                            getattr(case, "shard_group", None), fp8_scaling(case))
 
     share = getattr(case, "recompute_share", 1.0)
     if case.plan.recompute != "full" or share >= 1.0:

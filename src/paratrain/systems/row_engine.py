@@ -122,6 +122,21 @@ def eight_bit(case) -> bool:
     return precision_says(case, "fp8") or precision_says(case, "int8")
 
 
+def fp8_scaling(case) -> bool | str:
+    """How a case's linear layers run, for the step model's ``fp8`` argument: False in 16
+    bits; torchao's row-scaled recipes by name when the ``precision`` cell says
+    "rowwise" ("rowwise_with_gw_hp" when it adds that the weight gradient stays in
+    bf16, torchao's rowwise_with_gw_hp); else True, per-tensor scaling (and MXFP8's
+    hardware block scales), priced alike (:data:`paratrain.systems.layer_cost.
+    FP8_RECIPES`)."""
+    if not eight_bit(case):
+        return False
+    if not precision_says(case, "rowwise"):
+        return True
+    gw_hp = precision_says(case, "weight gradient in bf16") or precision_says(case, "gw_hp")
+    return "rowwise_with_gw_hp" if gw_hp else "rowwise"
+
+
 def case_engine(case) -> Engine:
     """The engine a case was priced with (``Case.engine``, set by :func:`row_engine`,
     with the row's :func:`engine_options`); a run whose ``precision`` says fp16 has no

@@ -183,14 +183,15 @@ def search(model: ModelConfig, hw: Hardware, gpus: int, tokens_per_step: int, se
            *, top: int = 10, eta: float | None = None, keep_points: bool = True,
            step_kwargs: dict | None = None, attention: str = "eager",
            reference: bool = False, params: StepParams | None = None,
-           engine=None, fp8: bool = False, progress=None,
+           engine=None, fp8: bool | str = False, progress=None,
            **enum_kw) -> SearchResult:
     """Price every layout; return the ``top`` fitting ones by predicted step time: the
     step model under ``params`` and ``engine`` (default), or with ``reference`` the
     reference :func:`step_time` (``step_kwargs`` go to it); ``attention`` goes to
     :func:`memory`. ``engine`` (a name or an :class:`~paratrain.systems.overlap.Engine`)
     defaults to :data:`SEARCH_ENGINE` (why: overlap.py).
-    ``fp8``: the linear layers' GEMMs in FP8 (the step model's pricing).
+    ``fp8``: the linear layers' GEMMs in FP8 (the step model's pricing; a scaling
+    recipe's name, ``layer_cost.FP8_RECIPES``, or True for per-tensor scaling).
     ``progress(scored, fitting, best_step_s)`` is called every :data:`PROGRESS_EVERY`
     layouts (an MoE model's search runs a minute or more: the CLI shows it)."""
     if tokens_per_step % seq_len:

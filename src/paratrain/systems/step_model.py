@@ -35,7 +35,7 @@ from paratrain.plan import ParallelPlan
 from paratrain.systems import comm_time as ct
 from paratrain.systems.dp_sync import dp_sync, taxed
 from paratrain.systems.gemm import chip_of
-from paratrain.systems.layer_cost import GEMM_CLASSES, block_cost, head_cost
+from paratrain.systems.layer_cost import GEMM_CLASSES, block_cost, fp8_recipe_name, head_cost
 from paratrain.systems.moe_step import moe_comm_s
 from paratrain.systems.overlap import Engine, engine
 from paratrain.systems.step_params import StepParams
@@ -214,13 +214,14 @@ def _overlapped(t: float, share: float, window: float) -> float:
 def predict_step(model, plan: ParallelPlan, hw: Hardware, tokens_per_step: int,
                  seq_len: int, params: StepParams | None = None,
                  engine_name: str | Engine | None = None, attention: str | None = None,
-                 shard_group: int | None = None, fp8: bool = False) -> Breakdown:
+                 shard_group: int | None = None, fp8: bool | str = False) -> Breakdown:
     """Price one optimizer step of ``plan`` (see the module docstring); ``attention``
     (flash or eager) defaults to the engine's kernel; ``shard_group`` (hybrid sharding,
     HSDP / multi-slice FSDP): ZeRO runs over that many data ranks, replicas all-reduce;
     default: the plan's dp x cp / ``dp_replicate``, where the runtime shards; ``fp8``:
     the linear layers' GEMMs in FP8, their operands cast first (:mod:`paratrain.systems.
-    layer_cost`, which says what stays 16-bit; MFU stays relative to the BF16 peak)."""
+    layer_cost`, which says what stays 16-bit; MFU stays relative to the BF16 peak):
+    True for per-tensor scaling, or a scaling recipe's name (``layer_cost.FP8_RECIPES``)."""
     m = as_shape(model)
     sp = params or StepParams()
     eng = engine_name if isinstance(engine_name, Engine) else engine(engine_name)
@@ -232,7 +233,8 @@ def predict_step(model, plan: ParallelPlan, hw: Hardware, tokens_per_step: int,
                                 kernel_s=eng.kernel_s(sp.kernel_s))
     if fp8 and hw.peak_flops_fp8:  # the linear layers' GEMMs at the FP8 peak (layer_cost)
         rates = dataclasses.replace(rates, fp8_hw=hw.replace(peak_flops=hw.peak_flops_fp8),
-                                    fp8_eff=sp.fp8_eff)
+                                    fp8_eff=sp.fp8_eff, fp8_recipe=fp8_recipe_name(fp8),
+                                    fp8_rowwise_eff=sp.fp8_rowwise_eff)
     blk = _block_summary(m, M, seq_len, plan.tp, plan.cp, plan.sp, plan.ep, hw, chip, rates,
                          kernel, plan.recompute, eng.selective, plan.etp, eng.dispatcher,
                          eng.dead_tail)
