@@ -1,6 +1,6 @@
 """The step-time model's free parameters: few, physical, each with its provenance.
 
-Nineteen numbers (with the table's five TPU generations and MI300X), all efficiencies in
+Twenty numbers (with the table's five TPU generations and MI300X), all efficiencies in
 (0, 1] of a catalogue figure, except one latency (a family's efficiencies keep their start
 values when a table has too few rows on it):
 
