@@ -73,6 +73,43 @@ def test_dispatch_bytes_alltoall_vs_allgather():
         moe_step.dispatch_payloads(MOE, plan, M, "ring")
 
 
+def test_flex_dispatch_crosses_the_network_once_per_node():
+    """DeepEP / HybridEP (``flex``): across nodes a token goes once to each node that
+    holds any of its experts, not once per expert. Qwen3-235B (top 8 of 128) over ep 32
+    on four H100 nodes: the expected remote nodes n (1 - C(E - E/n, k) / C(E, k)) minus
+    the own one, over the remote experts k (n - 1) / n, by hand; k = 1 or one node: no
+    change; inside a node flex prices as alltoall; the engine cell's word sets it."""
+    from math import comb
+
+    from paratrain.systems.row_engine import engine_as_said
+
+    assert moe_step.node_dedup(128, 8, 4) == pytest.approx(
+        4 * (1 - comb(96, 8) / comb(128, 8)) / 8)
+    assert moe_step.node_dedup(128, 8, 4) == pytest.approx(0.4536, abs=1e-4)
+    assert moe_step.node_dedup(64, 1, 4) == pytest.approx(1.0)
+    assert moe_step.node_dedup(128, 8, 1) == 1.0
+    m = as_shape(load_model("qwen3-235b-a22b"))
+    M = 4096
+    plan = ParallelPlan(dp=16, tp=2, pp=8, ep=32, etp=1, sp=True)
+    pay = moe_step.dispatch_payloads(m, plan, M, "flex")["all_to_all"]
+    assert pay == moe_step.dispatch_payloads(m, plan, M, "alltoall")["all_to_all"]
+    g, p = 8, 32  # eight ep members per node (stride 1), four nodes
+    off = pay * (p - g) / p / (H100.inter_bw * 0.8)
+    on = pay * (g - 1) / p / (H100.intra_group_bw(g) * 0.8)
+    assert off > on
+    want = {"alltoall": (p - 1) * H100.inter_alpha + off,
+            "flex": (p - 1) * H100.inter_alpha + max(off * moe_step.node_dedup(128, 8, 4),
+                                                     on)}
+    for d, t in want.items():
+        assert moe_step.dispatch_s(m, plan, M, H100, 0.8, 0.8, d) == pytest.approx(t), d
+    inside = ParallelPlan(dp=4, tp=2, ep=8, etp=1, sp=True)
+    assert moe_step.dispatch_s(m, inside, M, H100, 0.8, 0.8, "flex") == \
+        moe_step.dispatch_s(m, inside, M, H100, 0.8, 0.8, "alltoall")
+    assert engine_as_said("Megatron-Core, DeepEP").dispatcher == "flex"
+    assert engine_as_said("NeMo, HybridEP").dispatcher == "flex"
+    assert engine_as_said("NeMo").dispatcher == "alltoall"
+
+
 def test_engines_dispatch_as_they_run():
     assert engine("megatron").dispatcher == "allgather"  # Megatron-LM's default
     assert {engine(n).dispatcher for n in ("nemo", "dualpipe", "torchtitan")} == {"alltoall"}

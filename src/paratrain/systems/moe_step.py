@@ -34,6 +34,16 @@ runs by default);
 runtime) run. Each is four collectives a layer (dispatch and combine, forward and
 backward), six with full recompute. An all-to-all that leaves the node is priced at the
 rank's own NIC for its off-node share (:func:`all_to_all_s`).
+
+``flex`` is Megatron-Core's dispatcher over DeepEP or HybridEP: inside a node the same
+bytes as ``alltoall``, but across nodes a token crosses the network once per node that
+holds any of its experts, to the rank of the same local index there, which forwards it
+over NVLink to the experts' ranks (and the combine reduces within the node before
+sending back): DeepSeek-V3's report (arXiv:2412.19437, section 3.2.2) and DeepEP's
+README. So the off-node bytes are a token's expected distinct remote nodes, not its
+remote experts (:func:`node_dedup`): for Qwen3-235B's top 8 of 128 experts over four
+nodes, 2.7 remote copies where ``alltoall`` sends 6. The NVLink leg keeps the
+``alltoall`` count (the forwarding runs beside the network leg, which bounds the time).
 """
 
 from __future__ import annotations
@@ -47,7 +57,7 @@ from paratrain.cost.shapes import ModelShape
 from paratrain.plan import ParallelPlan
 from paratrain.systems import comm_time as ct
 
-DISPATCHERS = ("alltoall", "allgather")
+DISPATCHERS = ("alltoall", "allgather", "flex")
 # elements per routed row and hidden unit through HBM: the permutation reads and writes
 # each row (h), and so does the un-permutation after the combine
 PERMUTE_ELEMS_PER_ROW = 4
@@ -132,13 +142,27 @@ def dispatch_payloads(m: ModelShape, plan: ParallelPlan, M: int, dispatcher: str
     return out
 
 
+def node_dedup(experts: int, top_k: int, nodes: int) -> float:
+    """The ``flex`` dispatcher's off-node bytes over ``alltoall``'s (module docstring):
+    a token's expected remote nodes holding any of its ``top_k`` experts (chosen without
+    replacement from ``experts`` spread evenly over ``nodes``), over its expected remote
+    experts, top_k (nodes - 1) / nodes."""
+    if nodes <= 1 or top_k <= 1:
+        return 1.0
+    per_node = experts / nodes
+    miss = math.comb(round(experts - per_node), top_k) / math.comb(experts, top_k)
+    return nodes * (1.0 - miss) / top_k
+
+
 def all_to_all_s(plan: ParallelPlan, payload: float, hw: Hardware, nvlink_eff: float,
-                 net_eff: float) -> float:
+                 net_eff: float, dedup=None) -> float:
     """One all-to-all over the ep group of the ``payload`` each rank holds (it keeps
     1 / ep). Inside a node: pairwise over NVLink (:func:`paratrain.systems.comm_time.
     ep_s`). Across nodes every GPU of a node is in some ep group at once, so a rank's
     off-node share, (ep - g) / ep with g members per node, leaves through its own NIC
-    (not g NICs, as a ring's would), while the rest crosses NVLink beside it."""
+    (not g NICs, as a ring's would), while the rest crosses NVLink beside it;
+    ``dedup(nodes)`` scales the off-node share (the ``flex`` dispatcher's
+    :func:`node_dedup`)."""
     if plan.ep == 1:
         return 0.0
     stride, p = moe_layout.ep_stride(plan), plan.ep
@@ -146,6 +170,8 @@ def all_to_all_s(plan: ParallelPlan, payload: float, hw: Hardware, nvlink_eff: f
         return ct.ep_s(plan, payload, hw, nvlink_eff, net_eff)
     g = max(1, min(p, hw.gpus_per_node // stride))
     off = payload * (p - g) / p / (hw.inter_bw * net_eff)
+    if dedup is not None:
+        off *= dedup(p // g)
     on = payload * (g - 1) / p / (hw.intra_group_bw(g) * nvlink_eff)
     return (p - 1) * hw.inter_alpha + max(off, on)
 
@@ -154,7 +180,11 @@ def dispatch_s(m: ModelShape, plan: ParallelPlan, M: int, hw: Hardware, nvlink_e
                net_eff: float, dispatcher: str) -> float:
     """Seconds of one dispatch (or combine) on a rank, from :func:`dispatch_payloads`."""
     pay = dispatch_payloads(m, plan, M, dispatcher)
-    s = all_to_all_s(plan, pay.get("all_to_all", 0.0), hw, nvlink_eff, net_eff)
+    dedup = None
+    if dispatcher == "flex":
+        def dedup(nodes):
+            return node_dedup(m.experts, m.top_k, nodes)
+    s = all_to_all_s(plan, pay.get("all_to_all", 0.0), hw, nvlink_eff, net_eff, dedup)
     if "etp_all_gather" in pay:  # etp innermost: consecutive ranks
         a, bw = ct.strided_bw(1, plan.etp, hw, nvlink_eff, net_eff)
         s += ct.ring_s("all_gather", plan.etp, pay["etp_all_gather"], a, bw)

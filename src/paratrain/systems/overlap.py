@@ -76,7 +76,10 @@ still adds a whole forward, as the published HFU formulas do.
 ``dispatcher`` is how an engine moves an MoE layer's tokens to its experts
 (:mod:`paratrain.systems.moe_step`): Megatron-LM's ``moe_token_dispatcher_type`` setting
 defaults to ``allgather``; NeMo's MoE recipes, DeepSeek's HAI-LLM, DeepSpeed-MoE,
-torchtitan and the others (paratrain's runtime too) run ``alltoall``.
+torchtitan and the others (paratrain's runtime too) run ``alltoall``; ``flex`` (DeepEP,
+HybridEP) sends a token across the network once per node, which a runs table's engine
+cell says by naming DeepEP or HybridEP (:data:`paratrain.systems.row_engine.
+ENGINE_OPTIONS`).
 
 ``hp_grad_bytes`` is the HBM traffic per local parameter of each micro-batch's gradient
 accumulation outside the GEMMs, with the optimizer states sharded at most (ZeRO 0/1).
