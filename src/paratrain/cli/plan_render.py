@@ -39,8 +39,8 @@ def _render_predicted(rep: dict, con) -> None:
 
     pred, ref = rep["predicted"], rep["step"]
     scaling = pred.get("fp8")
-    fp8 = "" if not scaling else ", FP8 GEMMs" + (f" ({scaling})" if scaling is not True
-                                                  else "")
+    fp8 = f", FP8 GEMMs ({scaling})" if isinstance(scaling, str) else (
+        ", FP8 GEMMs" if scaling else "")
     con.print(f"[bold]prediction[/]: the step model (engine {pred['engine']}{fp8}, "
               "parameters fitted to published runs, `paratrain validate`) predicts a step of "
               f"[bold]{pred['step_s']:.3g} s[/], MFU {100 * pred['mfu']:.1f} %, HFU "

@@ -10,6 +10,7 @@ computed from it.
 from __future__ import annotations
 
 from paratrain.cost.hardware import load_hardware
+from paratrain.systems.layer_cost import fp8_recipe_name
 from paratrain.systems.row_engine import fp8_scaling
 from paratrain.systems.step_model import AXES, Breakdown
 
@@ -65,8 +66,8 @@ def case_lines(case) -> list[str]:
                      "nodes, as the row's inter_gbps states")
     scaling = fp8_scaling(case)
     if scaling:
-        lines.append(f"8-bit linear layers: {'tensorwise' if scaling is True else scaling} "
-                     "scaling, as the row's precision says (layer_cost.FP8_RECIPES)")
+        lines.append(f"8-bit linear layers: {fp8_recipe_name(scaling)} scaling, as the "
+                     "row's precision says (layer_cost.FP8_RECIPES)")
     if case.defaults:
         lines.append(f"defaults applied ({len(case.defaults)}):")
         lines += [f"  {col} = {value}: {why}" for col, value, why in case.defaults]

@@ -202,11 +202,14 @@ def gemm_s(M: int, N: int, K: int, hw: Hardware, chip: Chip, gemm_eff: float,
 
 
 def train_gemm_s(M: int, N: int, K: int, hw: Hardware, chip: Chip, gemm_eff: float,
-                 hbm_eff: float, count: int = 1) -> tuple[float, float]:
+                 hbm_eff: float, count: int = 1,
+                 wgrad: tuple[Hardware, float] | None = None) -> tuple[float, float]:
     """(forward, backward) seconds of one linear layer's GEMMs for M tokens: forward
     Y[M,N] = X[M,K] W[K,N]; backward the input gradient dX[M,K] = dY W^T (an M x K output
-    over N) and the weight gradient dW[K,N] = X^T dY (a K x N output over M)."""
+    over N) and the weight gradient dW[K,N] = X^T dY (a K x N output over M), on
+    ``wgrad`` = (chip at its peak, efficiency) when it runs at another precision."""
+    w_hw, w_eff = wgrad or (hw, gemm_eff)
     f = gemm_s(M, N, K, hw, chip, gemm_eff, hbm_eff, count=count)
     b = gemm_s(M, K, N, hw, chip, gemm_eff, hbm_eff, count=count) + \
-        gemm_s(K, N, M, hw, chip, gemm_eff, hbm_eff, count=count)
+        gemm_s(K, N, M, w_hw, chip, w_eff, hbm_eff, count=count)
     return f, b

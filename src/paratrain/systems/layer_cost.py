@@ -62,7 +62,7 @@ from functools import lru_cache
 
 from paratrain.cost.hardware import Hardware
 from paratrain.cost.shapes import ModelShape
-from paratrain.systems.gemm import Chip, gemm_s, train_gemm_s
+from paratrain.systems.gemm import Chip, train_gemm_s
 from paratrain.systems.moe_step import (  # noqa: F401 (re-export)
     expert_imbalance,
     moe_kernels,
@@ -175,10 +175,8 @@ def block_cost(m: ModelShape, M: int, seq_len: int, tp: int, cp: int, sp: bool, 
     def lin(name: str, N: int, K: int, rows: int = M, count: int = 1) -> None:
         if r.fp8_hw is not None and name in FP8_CLASSES:
             e8 = ge * r.fp8_eff * (r.fp8_rowwise_eff if rec.rowwise else 1.0)
-            f, b = train_gemm_s(rows, N, K, r.fp8_hw, chip, e8, he, count)
-            if not rec.wgrad_fp8:  # the weight gradient dW = X^T dY in 16 bits
-                b += gemm_s(K, N, rows, hw, chip, ge, he, count=count) - \
-                    gemm_s(K, N, rows, r.fp8_hw, chip, e8, he, count=count)
+            f, b = train_gemm_s(rows, N, K, r.fp8_hw, chip, e8, he, count,
+                                None if rec.wgrad_fp8 else (hw, ge))  # dW in 16 bits
             cast[0] += rec.cast_bytes * rows * K * count
             cast[1] += rec.cast_bytes * rows * N * count
             cast[2] += rec.cast_kernels

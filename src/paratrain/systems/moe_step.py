@@ -155,14 +155,14 @@ def node_dedup(experts: int, top_k: int, nodes: int) -> float:
 
 
 def all_to_all_s(plan: ParallelPlan, payload: float, hw: Hardware, nvlink_eff: float,
-                 net_eff: float, dedup=None) -> float:
+                 net_eff: float, routing: tuple[int, int] | None = None) -> float:
     """One all-to-all over the ep group of the ``payload`` each rank holds (it keeps
     1 / ep). Inside a node: pairwise over NVLink (:func:`paratrain.systems.comm_time.
     ep_s`). Across nodes every GPU of a node is in some ep group at once, so a rank's
     off-node share, (ep - g) / ep with g members per node, leaves through its own NIC
     (not g NICs, as a ring's would), while the rest crosses NVLink beside it;
-    ``dedup(nodes)`` scales the off-node share (the ``flex`` dispatcher's
-    :func:`node_dedup`)."""
+    ``routing`` = (experts, top_k) sends each token once per node (the ``flex``
+    dispatcher: :func:`node_dedup` scales the off-node share)."""
     if plan.ep == 1:
         return 0.0
     stride, p = moe_layout.ep_stride(plan), plan.ep
@@ -170,8 +170,8 @@ def all_to_all_s(plan: ParallelPlan, payload: float, hw: Hardware, nvlink_eff: f
         return ct.ep_s(plan, payload, hw, nvlink_eff, net_eff)
     g = max(1, min(p, hw.gpus_per_node // stride))
     off = payload * (p - g) / p / (hw.inter_bw * net_eff)
-    if dedup is not None:
-        off *= dedup(p // g)
+    if routing is not None:
+        off *= node_dedup(*routing, p // g)
     on = payload * (g - 1) / p / (hw.intra_group_bw(g) * nvlink_eff)
     return (p - 1) * hw.inter_alpha + max(off, on)
 
@@ -180,11 +180,8 @@ def dispatch_s(m: ModelShape, plan: ParallelPlan, M: int, hw: Hardware, nvlink_e
                net_eff: float, dispatcher: str) -> float:
     """Seconds of one dispatch (or combine) on a rank, from :func:`dispatch_payloads`."""
     pay = dispatch_payloads(m, plan, M, dispatcher)
-    dedup = None
-    if dispatcher == "flex":
-        def dedup(nodes):
-            return node_dedup(m.experts, m.top_k, nodes)
-    s = all_to_all_s(plan, pay.get("all_to_all", 0.0), hw, nvlink_eff, net_eff, dedup)
+    routing = (m.experts, m.top_k) if dispatcher == "flex" else None
+    s = all_to_all_s(plan, pay.get("all_to_all", 0.0), hw, nvlink_eff, net_eff, routing)
     if "etp_all_gather" in pay:  # etp innermost: consecutive ranks
         a, bw = ct.strided_bw(1, plan.etp, hw, nvlink_eff, net_eff)
         s += ct.ring_s("all_gather", plan.etp, pay["etp_all_gather"], a, bw)

@@ -87,12 +87,9 @@ ENGINE_OPTIONS = (
      "(overlap.Engine.attention flash1, step_params.FLASH1_SPEED)"),
     ("cudnn", (("attention", "flash3"),),
      "cuDNN's fused attention, the chip's native kernel (overlap.Engine.attention flash3)"),
-    ("deepep", (("dispatcher", "flex"),),
-     "MoE tokens cross nodes once per node (DeepEP; overlap.Engine.dispatcher flex, "
-     "moe_step.node_dedup)"),
-    ("hybridep", (("dispatcher", "flex"),),
-     "MoE tokens cross nodes once per node (HybridEP; overlap.Engine.dispatcher flex, "
-     "moe_step.node_dedup)"),
+    *((word.lower(), (("dispatcher", "flex"),),
+       f"MoE tokens cross nodes once per node ({word}; overlap.Engine.dispatcher flex, "
+       "moe_step.node_dedup)") for word in ("DeepEP", "HybridEP")),
     ("full-iteration cuda graph", (("graphed", True),),
      "the step's kernels replay from a CUDA graph, none launched from the host "
      "(overlap.Engine.graphed)"),
