@@ -27,7 +27,8 @@ achieved bandwidth. Forward, per token, in elements: each norm reads and writes 
 f / tp and writes one (GELU: one and one), RoPE reads and writes q and k; with biases
 (GPT-style) the bias-dropout-add adds 2 x 2d. Sequence parallelism runs the norms and adds
 on M / tp tokens. Backward moves twice the forward's bytes. Every kernel also pays a
-fixed launch cost (``KERNELS_FWD`` per block forward, twice that backward).
+fixed launch cost (``KERNELS_FWD`` per block forward, twice that backward), or the GPU's
+own gap for those a CUDA graph replays (:mod:`paratrain.systems.graph_scopes`).
 
 FP8 training (Transformer Engine's recipe; torchao's float8 the same way) runs the
 linear layers' GEMMs (qkv, out, mlp, experts; not the router, the attention core or the
@@ -63,7 +64,10 @@ from functools import lru_cache
 from paratrain.cost.hardware import Hardware
 from paratrain.cost.shapes import ModelShape
 from paratrain.systems.gemm import Chip, train_gemm_s
+from paratrain.systems.graph_scopes import graphed_kernels
 from paratrain.systems.moe_step import (  # noqa: F401 (re-export)
+    MOE_PREPROCESS_KERNELS_FWD,
+    MOE_ROUTER_KERNELS_FWD,
     expert_imbalance,
     moe_kernels,
     moe_mlp,
@@ -128,6 +132,8 @@ class Rates:
     fp8_eff: float = 1.0  # FP8 GEMMs' share of their peak over gemm_eff
     fp8_recipe: str = "tensorwise"  # FP8_RECIPES: the scaling, its casts and GEMM kernels
     fp8_rowwise_eff: float = 1.0  # row-scaled FP8 GEMMs' rate over tensorwise's
+    graph_scopes: tuple[str, ...] = ()  # parts of a layer replayed from CUDA graphs
+    graph_kernel_s: float = 0.0  # ... whose kernels cost this instead of kernel_s
 
 
 @dataclass(frozen=True)
@@ -170,6 +176,7 @@ def block_cost(m: ModelShape, M: int, seq_len: int, tp: int, cp: int, sp: bool, 
     ge, he = r.gemm_eff, r.hbm_eff
     fwd, bwd = {}, {}
     cast = [0.0, 0.0, 0]  # FP8 casts: forward bytes, backward bytes, kernels
+    cast_kernels: dict[str, int] = {}  # ... the kernels per GEMM class
     rec = FP8_RECIPES[r.fp8_recipe]
 
     def lin(name: str, N: int, K: int, rows: int = M, count: int = 1) -> None:
@@ -180,6 +187,7 @@ def block_cost(m: ModelShape, M: int, seq_len: int, tp: int, cp: int, sp: bool, 
             cast[0] += rec.cast_bytes * rows * K * count
             cast[1] += rec.cast_bytes * rows * N * count
             cast[2] += rec.cast_kernels
+            cast_kernels[name] = cast_kernels.get(name, 0) + rec.cast_kernels
         else:
             f, b = train_gemm_s(rows, N, K, hw, chip, ge, he, count)
         fwd[name] = fwd.get(name, 0.0) + f
@@ -223,9 +231,12 @@ def block_cost(m: ModelShape, M: int, seq_len: int, tp: int, cp: int, sp: bool, 
         f_act + (0 if m.learned_positions else 2 * (H + G) * hd / tp))
     mem_f = (elems * 2.0 * r.fusion + scores) / (hw.hbm_bw * he)
     cast_f, cast_b = (n / (hw.hbm_bw * he) for n in cast[:2])
-    kernels = KERNELS_FWD + (moe_kernels(m, ep) if moe else 0) + cast[2]
-    return BlockCost(fwd, bwd, mem_f + cast_f, 2 * mem_f + cast_b,
-                     3 * kernels * r.kernel_s, attn_f)
+    moe_k = moe_kernels(m, ep) if moe else 0
+    kernels = KERNELS_FWD + moe_k + cast[2]
+    graphed = graphed_kernels(r.graph_scopes, KERNELS_FWD, moe_k, MOE_ROUTER_KERNELS_FWD,
+                              MOE_PREPROCESS_KERNELS_FWD, cast_kernels)
+    launches = (kernels - graphed) * r.kernel_s + graphed * r.graph_kernel_s
+    return BlockCost(fwd, bwd, mem_f + cast_f, 2 * mem_f + cast_b, 3 * launches, attn_f)
 
 
 @lru_cache(maxsize=4096)

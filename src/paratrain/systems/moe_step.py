@@ -75,6 +75,12 @@ PERMUTE_ELEMS_PER_ROW = 4
 # what is left (docs/systems-model.md, "MoE layers' fixed costs").
 MOE_KERNELS_FWD = 40
 MOE_KERNELS_PER_LOCAL_EXPERT = 2
+# of MOE_KERNELS_FWD, the router's (gating GEMM, score function, top-k, the routing map,
+# the balancing loss's reductions) and the dispatcher's bookkeeping before the exchange
+# (tokens per expert, their exchange over the ep group, the split sizes): what the
+# ``moe_router`` and ``moe_preprocess`` CUDA graph scopes replay (systems.graph_scopes)
+MOE_ROUTER_KERNELS_FWD = 12
+MOE_PREPROCESS_KERNELS_FWD = 8
 
 
 def moe_kernels(m: ModelShape, ep: int) -> int:

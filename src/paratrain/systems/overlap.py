@@ -124,8 +124,13 @@ the broadcasts stay on NVLink.
 recipes on GB200 run from its 26.06 container on; a runs-table engine cell says
 "full-iteration CUDA graph"): no kernel is launched from the host, so each pays only the
 GPU's own gap between kernels, :data:`GRAPH_KERNEL_S` (2 us, ``kernel_s``'s lower bound:
-CUDA's launch latency), in place of the fitted ``kernel_s``. Graphs that capture only
-some modules (``cuda_graph_scope`` attention, router) are not this and are not priced.
+CUDA's launch latency), in place of the fitted ``kernel_s``.
+
+``graph_scopes``: the parts of each layer the engine replays from CUDA graphs, the rest
+launched from the host (Megatron-Core's ``cuda_graph_impl = "transformer_engine"`` with
+its ``cuda_graph_scope`` list; a runs-table engine cell says "CUDA graph scope attn
+moe_router moe_preprocess"): those kernels pay :data:`GRAPH_KERNEL_S`, the others the
+fitted ``kernel_s`` (:mod:`paratrain.systems.graph_scopes` counts them).
 
 ``gather`` is how a ZeRO-3/FSDP engine gathers weights: ``bucket`` (whole-stage buckets
 on NCCL rings), ``unit`` (one collective per block), ``param`` (DeepSpeed ZeRO-3 gathers each
@@ -161,6 +166,7 @@ class Engine:
     dead_tail: bool = False  # full recompute skips the GEMMs whose outputs backward never reads
     hp_grad_bytes: float = 0.0  # HBM bytes per local parameter per micro-batch (ZeRO 0/1)
     graphed: bool = False  # the step's kernels replayed from a CUDA graph (GRAPH_KERNEL_S)
+    graph_scopes: tuple[str, ...] = ()  # parts of each layer replayed (graph_scopes)
     selective_blocks: bool = False  # "selective" checkpoints a share of whole blocks
     zero: int = 0  # the ZeRO stage its data parallelism runs when a row does not say
     reduce_bytes: float = 2.0  # bytes per parameter its gradient reductions move
@@ -176,6 +182,10 @@ class Engine:
     def kernel_s(self, fitted: float) -> float:
         """A kernel's fixed cost under this engine: the fitted one, or a graph's."""
         return min(fitted, GRAPH_KERNEL_S) if self.graphed else fitted
+
+    def graph_kernel_s(self, fitted: float) -> float:
+        """A kernel's fixed cost inside a graph-replayed scope (``graph_scopes``)."""
+        return min(fitted, GRAPH_KERNEL_S)
 
 
 # Megatron-Core's DistributedDataParallelConfig.bucket_size default: max(40M, 1M x dp)

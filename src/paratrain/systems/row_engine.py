@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from paratrain.systems.graph_scopes import SCOPES, scopes_said, unknown_scopes
 from paratrain.systems.overlap import DEFAULT_ENGINE, ENGINES, Engine, engine, named_engine
 
 COLUMNS = ("engine", "accelerator", "zero_or_fsdp", "precision", "model", "source")
@@ -103,13 +104,24 @@ def engine_options(row: dict) -> tuple[tuple[tuple[str, object], ...], str]:
     which."""
     low = (row.get("engine") or "").lower()
     hits = [(w, fields, why) for w, fields, why in ENGINE_OPTIONS if w in low]
+    scopes = scopes_said(low)
+    if scopes:
+        hits.append((f"cuda graph scope {' '.join(scopes)}", (("graph_scopes", scopes),),
+                     "these parts of each layer replay from CUDA graphs, the rest "
+                     "launched from the host (overlap.Engine.graph_scopes)"))
     fields = tuple(f for _, fs, _ in hits for f in fs)
     return fields, "".join(f"; {w!r}: {why}" for w, _, why in hits)
 
 
 def engine_as_said(text: str) -> Engine:
     """The engine ``text`` names, with the options its words set (:func:`engine_options`):
-    `paratrain plan --engine "torchtitan, torch.compile"` prices as that engine cell."""
+    `paratrain plan --engine "torchtitan, torch.compile"` prices as that engine cell; a
+    CUDA graph scope it does not know is a ValueError naming the scopes."""
+    bad = unknown_scopes(text)
+    if bad:
+        raise ValueError(f"CUDA graph scope {' '.join(bad)!r} is unknown; name some of "
+                         f"{', '.join(SCOPES)}, e.g. --engine \"nemo, CUDA graph scope "
+                         "attn moe_router\"")
     return replace(engine(text), **dict(engine_options({"engine": text})[0]))
 
 

@@ -230,7 +230,9 @@ def predict_step(model, plan: ParallelPlan, hw: Hardware, tokens_per_step: int,
     mb, M = plan.micro_batches, batch.micro_batch * batch.local_seq
     kernel = attention or eng.attention
     rates = dataclasses.replace(sp.rates(hw.name, kernel, hw.peak_flops), fusion=eng.fusion,
-                                kernel_s=eng.kernel_s(sp.kernel_s))
+                                kernel_s=eng.kernel_s(sp.kernel_s),
+                                graph_scopes=eng.graph_scopes,
+                                graph_kernel_s=eng.graph_kernel_s(sp.kernel_s))
     if fp8 and hw.peak_flops_fp8:  # the linear layers' GEMMs at the FP8 peak (layer_cost)
         rates = dataclasses.replace(rates, fp8_hw=hw.replace(peak_flops=hw.peak_flops_fp8),
                                     fp8_eff=sp.fp8_eff, fp8_recipe=fp8_recipe_name(fp8),
