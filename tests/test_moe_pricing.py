@@ -129,10 +129,34 @@ def test_layouts_follow_the_runtimes_fold():
         group = [f.rank(0, 0, e, 0, 0) for e in range(plan.ep)]
         gaps = {b - a for a, b in zip(group[:-1], group[1:], strict=True)}
         assert gaps == {moe_layout.ep_stride(plan)}, plan
+        edp = moe_layout.expert_data_ranks(plan)
+        copies = [f.rank(0, i, 0, 0, 0) for i in range(edp)]
+        assert {b - a for a, b in zip(copies[:-1], copies[1:], strict=True)} <= {
+            moe_layout.edp_stride(plan)}, plan
         assert moe_layout.expert_data_ranks(plan) * plan.ep * plan.etp * (
             plan.tp // f.fold_tp) == plan.dp * plan.cp * plan.tp, plan
     assert [moe_layout.ep_stride(p) for p in plans] == [2, 1, 4, 1]
     assert [moe_layout.expert_data_ranks(p) for p in plans] == [4, 1, 2, 1]
+
+
+def test_expert_gradients_reduce_across_nodes_when_ep_fills_the_node():
+    """gpt-oss-120b on 64 B300s with ep 8 (Megatron-Bridge's 26.04 recipe): each expert's
+    eight copies sit one per node (edp outermost in the fold), so its gradients' reduce-
+    scatter and the weights' all-gather cross the network, not NVLink: the data-parallel
+    sync costs what 14.3B expert parameters cost on the NICs."""
+    from paratrain.cost.groups import per_node, strides
+    from paratrain.cost.hardware import load_hardware
+    from paratrain.systems.fitting import breakdown, load_params
+    from paratrain.systems.runs import read_runs, row_to_case
+
+    plan = ParallelPlan(dp=64, ep=8)
+    assert moe_layout.edp_stride(plan) == 8 == strides(plan)["edp"]
+    assert per_node(plan, "edp", load_hardware("b300"), 8) == 1
+    row = next(r for r in read_runs() if r["id"] == "mb2604_gptoss_120b_b300_bf16_64")
+    case, p = row_to_case(row), load_params()
+    b = breakdown(case, p)
+    expert_bytes = 2 * 2 * 14.3e9 * 7 / 8  # reduce-scatter + all-gather, 16-bit
+    assert b.comm["dp"] > expert_bytes / (case.hw.inter_bw * p.net_eff)
 
 
 def _row(**over) -> dict:

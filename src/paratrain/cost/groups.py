@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from paratrain.config import ModelConfig
 from paratrain.cost.hardware import Hardware
-from paratrain.cost.moe_layout import ep_stride
+from paratrain.cost.moe_layout import edp_stride, ep_stride
 from paratrain.cost.stages import rank_blocks, stage_costs
 from paratrain.plan import ParallelPlan
 
@@ -24,7 +24,7 @@ def span(size: int, stride: int) -> int:
 
 def strides(plan: ParallelPlan) -> dict[str, int]:
     return {"tp": 1, "cp": plan.tp, "dp": plan.tp * plan.cp, "ep": ep_stride(plan),
-            "pp": plan.tp * plan.cp * plan.dp}
+            "edp": edp_stride(plan), "pp": plan.tp * plan.cp * plan.dp}
 
 
 def group_link(plan: ParallelPlan, axis: str, hw: Hardware, size: int | None = None

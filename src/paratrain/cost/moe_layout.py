@@ -44,6 +44,15 @@ def ep_stride(plan: ParallelPlan) -> int:
     return plan.etp if Fold.of(plan).fold_tp == plan.tp else plan.etp * plan.tp
 
 
+def edp_stride(plan: ParallelPlan) -> int:
+    """Global ranks between neighbours of an edp group (the ranks that reduce one expert
+    shard's gradients): edp is outermost in the fold, so ep x :func:`ep_stride` apart;
+    Megatron-Core's expert data-parallel group the same (its expert rank order
+    tp-ep-dp). Eight experts groups of a 64-GPU data group put each edp group's eight
+    ranks on eight nodes, not in one."""
+    return ep_stride(plan) * plan.ep
+
+
 def expert_data_ranks(plan: ParallelPlan) -> int:
     """edp: the ranks holding the same expert shard, whose gradients reduce together and
     over which ZeRO shards the expert states (:attr:`paratrain.cost.ranks.Fold.edp`)."""

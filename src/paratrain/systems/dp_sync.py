@@ -59,12 +59,12 @@ def dp_sync(plan: ParallelPlan, payloads, hw: Hardware, sp: StepParams, eng: Eng
              blk_f: float, blk_b: float, blocks: int, stage_f: float, stage_b: float
              ) -> tuple[float, float]:
     """(total, exposed) data-parallel seconds per step; ``payloads``: (parameters, group
-    size, sharding group size) for the dense and the expert ones, weights at 16 bits and
-    gradients at ``Engine.reduce_bytes``, on NCCL's rings (:func:`.comm_time.ring_bw`)."""
+    size, sharding group size, global ranks between group members) for the dense and the
+    expert ones, weights at 16 bits and gradients at ``Engine.reduce_bytes``, on NCCL's
+    rings (:func:`.comm_time.ring_bw`)."""
     total = exposed = 0.0
     m = plan.micro_batches
-    stride = plan.tp * plan.cp
-    for n, d, shard in payloads:
+    for n, d, shard, stride in payloads:
         if d == 1 or n == 0:
             continue
         per = eng.bucket(d, plan.bucket_mb * 1e6 / eng.reduce_bytes)  # parameters
