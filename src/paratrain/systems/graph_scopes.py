@@ -73,19 +73,20 @@ def graphed_kernels(scopes: tuple[str, ...], dense_fwd: int, moe_fwd: int,
 _SAID = re.compile(r"cuda graph scopes?:?\s+([a-z_ +&]+)")
 
 
+def _words(text: str) -> list[str]:
+    """The words after "CUDA graph scope" in ``text`` (up to a comma or bracket)."""
+    hit = _SAID.search(text.lower())
+    return [w for w in re.split(r"[\s+&]+", hit.group(1)) if w and w != "and"] if hit else []
+
+
 def scopes_said(text: str) -> tuple[str, ...]:
     """The scopes a runs-table engine cell (or ``plan --engine``) names after "CUDA graph
     scope": "NeMo (Megatron-Bridge), CUDA graph scope attn moe_router moe_preprocess"
     gives ("attn", "moe_router", "moe_preprocess"); words that are no scope are left
     out (:func:`unknown_scopes` names them)."""
-    hit = _SAID.search(text.lower())
-    words = re.split(r"[\s+&]+", hit.group(1)) if hit else []
-    return tuple(w for w in words if w in SCOPES)
+    return tuple(w for w in _words(text) if w in SCOPES)
 
 
 def unknown_scopes(text: str) -> tuple[str, ...]:
-    """The words after "CUDA graph scope" in ``text`` that are no scope of :data:`SCOPES`
-    (besides "and")."""
-    hit = _SAID.search(text.lower())
-    words = re.split(r"[\s+&]+", hit.group(1)) if hit else []
-    return tuple(w for w in words if w and w not in SCOPES and w != "and")
+    """The words after "CUDA graph scope" in ``text`` that are no scope of :data:`SCOPES`."""
+    return tuple(w for w in _words(text) if w not in SCOPES)
