@@ -28,7 +28,7 @@ def test_each_scope_replays_its_own_kernels():
     casts = {"qkv": 1, "out": 1, "experts": 4, "router": 0}
 
     def n(*scopes, moe_fwd=moe, c=None):
-        return graphed_kernels(scopes, KERNELS_FWD, moe_fwd, ROUTER, PRE, c or {})
+        return graphed_kernels(scopes, KERNELS_FWD, moe_fwd, c or {})
 
     assert n() == 0
     assert n("attn") == ATTN_KERNELS_FWD

@@ -37,6 +37,8 @@ from __future__ import annotations
 
 import re
 
+from paratrain.systems.moe_step import MOE_PREPROCESS_KERNELS_FWD, MOE_ROUTER_KERNELS_FWD
+
 # the attention half of a dense block's forward kernels (layer_cost.KERNELS_FWD's 14):
 # norm, QKV GEMM, RoPE, attention, output GEMM, residual add, and one of the TP pair
 ATTN_KERNELS_FWD = 7
@@ -47,11 +49,12 @@ _CAST_CLASSES = {"attn": ("qkv", "out"), "mlp": ("mlp",),
 
 
 def graphed_kernels(scopes: tuple[str, ...], dense_fwd: int, moe_fwd: int,
-                    router_fwd: int, preprocess_fwd: int, casts: dict[str, int]) -> int:
+                    casts: dict[str, int]) -> int:
     """Forward kernels of one block that ``scopes`` replay from graphs: ``dense_fwd`` the
-    block's dense kernels, ``moe_fwd`` its MoE layer's beyond them (0 for a dense block),
-    of which ``router_fwd`` and ``preprocess_fwd`` are the router's and the dispatcher's
-    bookkeeping; ``casts`` the FP8 cast kernels per GEMM class."""
+    block's dense kernels, ``moe_fwd`` its MoE layer's beyond them (0 for a dense block;
+    of them, the router's and the dispatcher's bookkeeping are :data:`paratrain.systems.
+    moe_step.MOE_ROUTER_KERNELS_FWD` and ``MOE_PREPROCESS_KERNELS_FWD``); ``casts`` the
+    FP8 cast kernels per GEMM class."""
     s = set(scopes)
     every = dense_fwd + moe_fwd + sum(casts.values())
     if "layer" in s:
@@ -64,7 +67,8 @@ def graphed_kernels(scopes: tuple[str, ...], dense_fwd: int, moe_fwd: int,
     if moe_fwd and "moe" in s:
         n += dense_fwd - ATTN_KERNELS_FWD + moe_fwd + cast("moe")
     elif moe_fwd:
-        n += router_fwd * ("moe_router" in s) + preprocess_fwd * ("moe_preprocess" in s)
+        n += (MOE_ROUTER_KERNELS_FWD * ("moe_router" in s)
+              + MOE_PREPROCESS_KERNELS_FWD * ("moe_preprocess" in s))
     elif "mlp" in s:
         n += dense_fwd - ATTN_KERNELS_FWD + cast("mlp")
     return min(n, every)

@@ -66,8 +66,6 @@ from paratrain.cost.shapes import ModelShape
 from paratrain.systems.gemm import Chip, train_gemm_s
 from paratrain.systems.graph_scopes import graphed_kernels
 from paratrain.systems.moe_step import (  # noqa: F401 (re-export)
-    MOE_PREPROCESS_KERNELS_FWD,
-    MOE_ROUTER_KERNELS_FWD,
     expert_imbalance,
     moe_kernels,
     moe_mlp,
@@ -175,8 +173,8 @@ def block_cost(m: ModelShape, M: int, seq_len: int, tp: int, cp: int, sp: bool, 
     d, hd, H, G = m.d_model, m.head_dim, m.n_heads, m.kv_heads
     ge, he = r.gemm_eff, r.hbm_eff
     fwd, bwd = {}, {}
-    cast = [0.0, 0.0, 0]  # FP8 casts: forward bytes, backward bytes, kernels
-    cast_kernels: dict[str, int] = {}  # ... the kernels per GEMM class
+    cast = [0.0, 0.0]  # FP8 casts: forward bytes, backward bytes
+    cast_kernels: dict[str, int] = {}  # ... and their kernels per GEMM class
     rec = FP8_RECIPES[r.fp8_recipe]
 
     def lin(name: str, N: int, K: int, rows: int = M, count: int = 1) -> None:
@@ -186,7 +184,6 @@ def block_cost(m: ModelShape, M: int, seq_len: int, tp: int, cp: int, sp: bool, 
                                 None if rec.wgrad_fp8 else (hw, ge))  # dW in 16 bits
             cast[0] += rec.cast_bytes * rows * K * count
             cast[1] += rec.cast_bytes * rows * N * count
-            cast[2] += rec.cast_kernels
             cast_kernels[name] = cast_kernels.get(name, 0) + rec.cast_kernels
         else:
             f, b = train_gemm_s(rows, N, K, hw, chip, ge, he, count)
@@ -230,11 +227,10 @@ def block_cost(m: ModelShape, M: int, seq_len: int, tp: int, cp: int, sp: bool, 
     elems = seq_part * (4 + 6 + (4 if m.bias else 0)) * d + M * (
         f_act + (0 if m.learned_positions else 2 * (H + G) * hd / tp))
     mem_f = (elems * 2.0 * r.fusion + scores) / (hw.hbm_bw * he)
-    cast_f, cast_b = (n / (hw.hbm_bw * he) for n in cast[:2])
+    cast_f, cast_b = (n / (hw.hbm_bw * he) for n in cast)
     moe_k = moe_kernels(m, ep) if moe else 0
-    kernels = KERNELS_FWD + moe_k + cast[2]
-    graphed = graphed_kernels(r.graph_scopes, KERNELS_FWD, moe_k, MOE_ROUTER_KERNELS_FWD,
-                              MOE_PREPROCESS_KERNELS_FWD, cast_kernels)
+    kernels = KERNELS_FWD + moe_k + sum(cast_kernels.values())
+    graphed = graphed_kernels(r.graph_scopes, KERNELS_FWD, moe_k, cast_kernels)
     launches = (kernels - graphed) * r.kernel_s + graphed * r.graph_kernel_s
     return BlockCost(fwd, bwd, mem_f + cast_f, 2 * mem_f + cast_b, 3 * launches, attn_f)
 

@@ -181,7 +181,7 @@ class Engine:
 
     def kernel_s(self, fitted: float) -> float:
         """A kernel's fixed cost under this engine: the fitted one, or a graph's."""
-        return min(fitted, GRAPH_KERNEL_S) if self.graphed else fitted
+        return self.graph_kernel_s(fitted) if self.graphed else fitted
 
     def graph_kernel_s(self, fitted: float) -> float:
         """A kernel's fixed cost inside a graph-replayed scope (``graph_scopes``)."""

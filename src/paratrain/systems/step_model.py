@@ -23,10 +23,10 @@ import dataclasses
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from paratrain.cost.groups import split_batch
+from paratrain.cost.groups import split_batch, strides
 from paratrain.cost.hardware import Hardware
 from paratrain.cost.memory import params_per_gpu
-from paratrain.cost.moe_layout import edp_stride, expert_data_ranks
+from paratrain.cost.moe_layout import expert_data_ranks
 from paratrain.cost.ranks import virtual_stages
 from paratrain.cost.schedule import V_SHAPED, bubble_over_compute
 from paratrain.cost.shapes import as_shape
@@ -291,8 +291,9 @@ def predict_step(model, plan: ParallelPlan, hw: Hardware, tokens_per_step: int,
     sg = shard_group or d_dense // plan.dp_replicate  # HSDP: the plan's replica size
     if d_dense % sg:
         raise ValueError(f"shard_group={sg} does not divide dp*cp={d_dense}; pick a divisor")
-    payloads = [(p.dense, d_dense, sg, plan.tp * plan.cp),
-                (p.expert, d_exp, min(sg, d_exp), edp_stride(plan))]
+    apart = strides(plan)
+    payloads = [(p.dense, d_dense, sg, apart["dp"]),
+                (p.expert, d_exp, min(sg, d_exp), apart["edp"])]
     comm["dp"], dp_x = dp_sync(plan, payloads, hw, sp, eng, blk_f, blk_b, blocks,
                                 blocks * blk_f, blocks * blk_b)
     exposed["dp"] = taxed(comm["dp"], dp_x, sp.overlap_tax)
