@@ -78,7 +78,9 @@ def test_flex_dispatch_crosses_the_network_once_per_node():
     holds any of its experts, not once per expert. Qwen3-235B (top 8 of 128) over ep 32
     on four H100 nodes: the expected remote nodes n (1 - C(E - E/n, k) / C(E, k)) minus
     the own one, over the remote experts k (n - 1) / n, by hand; k = 1 or one node: no
-    change; inside a node flex prices as alltoall; the engine cell's word sets it."""
+    change; inside a node flex prices as alltoall; the engine cell's word sets it. Its
+    network leg runs at DeepEP's measured share of the NIC (FLEX_NET_EFF), whatever the
+    fitted efficiency of NCCL's collectives."""
     from math import comb
 
     from paratrain.systems.row_engine import engine_as_said
@@ -97,11 +99,14 @@ def test_flex_dispatch_crosses_the_network_once_per_node():
     off = pay * (p - g) / p / (H100.inter_bw * 0.8)
     on = pay * (g - 1) / p / (H100.intra_group_bw(g) * 0.8)
     assert off > on
+    flex_off = pay * (p - g) / p / (H100.inter_bw * moe_step.FLEX_NET_EFF)
     want = {"alltoall": (p - 1) * H100.inter_alpha + off,
-            "flex": (p - 1) * H100.inter_alpha + max(off * moe_step.node_dedup(128, 8, 4),
-                                                     on)}
+            "flex": (p - 1) * H100.inter_alpha + max(
+                flex_off * moe_step.node_dedup(128, 8, 4), on)}
     for d, t in want.items():
         assert moe_step.dispatch_s(m, plan, M, H100, 0.8, 0.8, d) == pytest.approx(t), d
+    assert moe_step.dispatch_s(m, plan, M, H100, 0.8, 0.5, "flex") == \
+        moe_step.dispatch_s(m, plan, M, H100, 0.8, 0.8, "flex")
     inside = ParallelPlan(dp=4, tp=2, ep=8, etp=1, sp=True)
     assert moe_step.dispatch_s(m, inside, M, H100, 0.8, 0.8, "flex") == \
         moe_step.dispatch_s(m, inside, M, H100, 0.8, 0.8, "alltoall")
@@ -244,3 +249,49 @@ def test_a_folded_plan_prices_in_both_models():
     bd = predict_step(m, plan, H100, 256 * 4096, 4096, StepParams(), "nemo")
     assert bd.comm["ep"] > 0 and bd.step_s > 0
     assert step_time(m, plan, H100, 256 * 4096, 4096).step_s > 0
+
+
+def test_a_padded_expert_capacity_computes_and_sends_every_slot():
+    """Under a capacity factor C the busiest expert takes at most C x its mean load
+    (tokens beyond are dropped); padded to capacity (Megatron-Core's
+    moe_pad_expert_input_to_capacity, MaxText's dense MoE), every expert computes and
+    every rank sends exactly C x the mean, empty slots included."""
+    import dataclasses
+
+    M, plan = 64, ParallelPlan(dp=4, ep=4)
+    t, k, h = M, MOE.top_k, MOE.d_model
+    spread = expert_imbalance(t * k, 4)
+    assert spread > 1.1  # few rows: a balanced router's busiest rank is well above 1
+    dropping = dataclasses.replace(MOE, capacity_factor=1.0)
+    padded = dataclasses.replace(MOE, capacity_factor=1.25, pad_to_capacity=True)
+    assert moe_step.expert_load(MOE, t * k, 4) == spread
+    assert moe_step.expert_load(dropping, t * k, 4) == 1.0
+    assert moe_step.expert_load(padded, t * k, 4) == 1.25
+    assert moe_step.dispatch_payloads(padded, plan, M, "alltoall")["all_to_all"] == \
+        t * k * h * 2.0 * 1.25
+    rows = {}
+    for name, m in (("dropless", MOE), ("padded", padded)):
+        seen: list = []
+        moe_step.moe_mlp(m, M, 1, False, 4, 1,
+                         lambda c, N, K, r=M, n=1, out=seen: out.append((c, r)))
+        rows[name] = [r for c, r in seen if c == "experts"][0]
+    mean = M * k * 4 / MOE.experts
+    assert rows["padded"] == round(mean * 1.25)
+    assert rows["dropless"] == round(mean * expert_imbalance(mean, MOE.experts))
+    with pytest.raises(ValueError, match="pad_to_capacity needs an expert capacity"):
+        dataclasses.replace(MOE, pad_to_capacity=True)
+
+
+def test_a_rows_expert_capacity_column_sets_the_models_capacity():
+    """The runs table's ``expert_capacity``: empty = dropless, "1.25" drops beyond 1.25 x
+    the mean, "1.25 padded" also pads; anything else is refused with its fix."""
+    from paratrain.systems.row_fields import Skip
+
+    assert row_to_case(_row()).model.capacity_factor == 0.0
+    m = row_to_case(_row(expert_capacity="1.25 padded")).model
+    assert (m.capacity_factor, m.pad_to_capacity) == (1.25, True)
+    m = row_to_case(_row(expert_capacity="1.0")).model
+    assert (m.capacity_factor, m.pad_to_capacity) == (1.0, False)
+    for bad in ("big", "1.25 full", "0 padded"):
+        with pytest.raises(Skip, match="expert_capacity .* is not a capacity"):
+            row_to_case(_row(expert_capacity=bad))

@@ -52,6 +52,11 @@ class ModelShape(ModelConfig):
     local_window: int = 0
     local_kind: str = "sliding"
     global_every: int = 0
+    # under an expert capacity (ModelConfig.capacity_factor > 0), every expert computes
+    # its whole capacity, empty slots included (Megatron-Core's
+    # moe_pad_expert_input_to_capacity; MaxText's dense, non-megablox MoE): priced by
+    # paratrain.systems.moe_step.expert_load
+    pad_to_capacity: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -63,6 +68,9 @@ class ModelShape(ModelConfig):
         if self.local_kind not in LOCAL_KINDS:
             raise ValueError(f"local_kind={self.local_kind!r} is unknown; choose one of "
                              f"{', '.join(LOCAL_KINDS)}")
+        if self.pad_to_capacity and self.capacity_factor <= 0:
+            raise ValueError("pad_to_capacity needs an expert capacity: set capacity_factor "
+                             "> 0 (e.g. 1.0)")
         if self.local_window < 0 or self.global_every < 0:
             raise ValueError(f"local_window={self.local_window}, global_every="
                              f"{self.global_every}: give 0 (none) or a positive count")

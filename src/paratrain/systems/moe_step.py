@@ -12,9 +12,10 @@ part               what it does                                             pric
 router             t x h by h x E                                           a GEMM
 experts            E / ep GEMMs of mu = u k ep / E rows each, x the         the GEMM
                    expected busiest expert 1 + sqrt(2 ln E / mu)            model on the
-                   (:func:`expert_imbalance`):                              per-expert
-                   the grouped GEMM of many small experts runs at each      shape
-                   expert's (small) shape's efficiency
+                   (:func:`expert_imbalance`; under a capacity,             per-expert
+                   :func:`expert_load`): the grouped GEMM of many small     shape
+                   experts runs at each expert's (small) shape's
+                   efficiency
 shared experts     u x h by h x S f / etp (and back)                        a GEMM
 permutation        the routed rows gathered into expert order and back      4 h k rows
                    (read and written): t k rows, u k with all-gather        at HBM speed
@@ -81,6 +82,14 @@ MOE_KERNELS_PER_LOCAL_EXPERT = 2
 # ``moe_router`` and ``moe_preprocess`` CUDA graph scopes replay (systems.graph_scopes)
 MOE_ROUTER_KERNELS_FWD = 12
 MOE_PREPROCESS_KERNELS_FWD = 8
+# The flex dispatcher's share of a NIC's bandwidth across nodes: DeepEP's README measures
+# its normal (training) kernels at 43, 58 and 51 GB/s of RDMA per GPU dispatching over 16,
+# 32 and 64 ranks, and 43, 57, 50 GB/s combining, on H800 with one 400 Gb/s (~50 GB/s)
+# ConnectX-7 NIC per GPU: 50.3 GB/s on average, the line rate. Its kernels drive the NIC
+# from the GPU (NVSHMEM, IBGDA) with no proxy thread or ring protocol between, so the
+# fitted efficiency of NCCL's collectives (``StepParams.net_eff``) is not theirs; with it,
+# DeepSeek-V3 on 1024 H100 was priced 19% slow (docs/systems-model.md, stop 54).
+FLEX_NET_EFF = 1.0
 
 
 def moe_kernels(m: ModelShape, ep: int) -> int:
@@ -95,6 +104,19 @@ def expert_imbalance(tokens_per_expert: float, experts: int) -> float:
     if experts <= 1 or tokens_per_expert <= 0:
         return 1.0
     return 1.0 + math.sqrt(2.0 * math.log(experts) / tokens_per_expert)
+
+
+def expert_load(m: ModelShape, rows_per_expert: float, experts: int) -> float:
+    """Rows the busiest of ``experts`` computes (or sends) over the mean of
+    ``rows_per_expert``: a balanced router's spread (:func:`expert_imbalance`), cut at the
+    capacity factor where the model drops tokens beyond it, and exactly the capacity
+    factor where every expert's input is padded to its capacity
+    (``ModelShape.pad_to_capacity``: its GEMMs and its exchange carry the empty slots)."""
+    cap = m.capacity_factor
+    if cap > 0 and m.pad_to_capacity:
+        return cap
+    spread = expert_imbalance(rows_per_expert, experts)
+    return min(spread, cap) if cap > 0 else spread
 
 
 def check_dispatcher(name: str) -> str:
@@ -116,7 +138,7 @@ def moe_mlp(m: ModelShape, M: int, tp: int, sp: bool, ep: int, etp: int, lin,
     u = moe_layout.expert_group_tokens(M, tp, sp, etp)
     lin("router", E, d, max(1, round(t)))
     per_expert = u * k * ep / E
-    imb = expert_imbalance(per_expert, E)
+    imb = expert_load(m, per_expert, E)
     rows = max(1, round(per_expert * imb))
     lin("experts", up * fe // etp, d, rows, E // ep)
     lin("experts", d, fe // etp, rows, E // ep)
@@ -141,7 +163,7 @@ def dispatch_payloads(m: ModelShape, plan: ParallelPlan, M: int, dispatcher: str
     h, k = m.d_model, m.top_k
     if dispatcher == "allgather":
         return {"all_gather": plan.ep * plan.etp * t * h * elem}
-    a2a = t * k * h * elem * expert_imbalance(t * k, plan.ep) if plan.ep > 1 else 0.0
+    a2a = t * k * h * elem * expert_load(m, t * k, plan.ep) if plan.ep > 1 else 0.0
     out = {"all_to_all": a2a}
     if plan.sp and plan.etp > 1:
         out["etp_all_gather"] = u * k * h * elem
@@ -168,14 +190,16 @@ def all_to_all_s(plan: ParallelPlan, payload: float, hw: Hardware, nvlink_eff: f
     off-node share, (ep - g) / ep with g members per node, leaves through its own NIC
     (not g NICs, as a ring's would), while the rest crosses NVLink beside it;
     ``routing`` = (experts, top_k) sends each token once per node (the ``flex``
-    dispatcher: :func:`node_dedup` scales the off-node share)."""
+    dispatcher: :func:`node_dedup` scales the off-node share) at
+    :data:`FLEX_NET_EFF` of the NIC, not the fitted ``net_eff`` of NCCL's collectives."""
     if plan.ep == 1:
         return 0.0
     stride, p = moe_layout.ep_stride(plan), plan.ep
     if span(p, stride) <= hw.gpus_per_node:
         return ct.ep_s(plan, payload, hw, nvlink_eff, net_eff)
     g = max(1, min(p, hw.gpus_per_node // stride))
-    off = payload * (p - g) / p / (hw.inter_bw * net_eff)
+    off = payload * (p - g) / p / (hw.inter_bw * (net_eff if routing is None
+                                                  else FLEX_NET_EFF))
     if routing is not None:
         off *= node_dedup(*routing, p // g)
     on = payload * (g - 1) / p / (hw.intra_group_bw(g) * nvlink_eff)

@@ -55,7 +55,24 @@ def _moe_fields(row: dict, n_layers: int) -> dict:
     moe_layers = _num(row, "moe_layers", int)
     if moe_layers is not None and out.get("moe_every", 1) == 1:
         out["first_dense_layers"] = n_layers - moe_layers
-    return out
+    return out | expert_capacity(row.get("expert_capacity") or "")
+
+
+def expert_capacity(text: str) -> dict:
+    """The ``expert_capacity`` column as ModelShape fields: empty = dropless; "1.25" =
+    tokens beyond 1.25 x an expert's mean load are dropped; "1.25 padded" = and every
+    expert computes its whole capacity (``ModelShape.pad_to_capacity``)."""
+    words = text.lower().split()
+    if not words:
+        return {}
+    try:
+        factor = float(words[0])
+    except ValueError:
+        factor = 0.0
+    if factor <= 0 or words[1:] not in ([], ["padded"]):
+        raise Skip(f"expert_capacity {text!r} is not a capacity; give a factor > 0, "
+                   "optionally followed by 'padded' (e.g. '1.25 padded'), or leave it empty")
+    return {"capacity_factor": factor, "pad_to_capacity": words[1:] == ["padded"]}
 
 
 def _check_moe_layers(row: dict, m: ModelShape) -> ModelShape:
