@@ -57,6 +57,12 @@ class ModelShape(ModelConfig):
     # moe_pad_expert_input_to_capacity; MaxText's dense, non-megablox MoE): priced by
     # paratrain.systems.moe_step.expert_load
     pad_to_capacity: bool = False
+    # multi-token prediction (DeepSeek-V3, arXiv:2412.19437 Sec. 2.2): each depth is one
+    # more block of the model's kind, fed the 2d x d projection of [next token's
+    # embedding; hidden], with its own output layer and loss, on the last pipeline stage
+    # (Megatron-Core's MTP). Priced as work (:meth:`mtp_flops_per_token`); the parameter
+    # and FLOP counts stay the main model's, as DeepSeek's 671B leaves the module out.
+    mtp_layers: int = 0
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -71,6 +77,8 @@ class ModelShape(ModelConfig):
         if self.pad_to_capacity and self.capacity_factor <= 0:
             raise ValueError("pad_to_capacity needs an expert capacity: set capacity_factor "
                              "> 0 (e.g. 1.0)")
+        if self.mtp_layers < 0:
+            raise ValueError(f"mtp_layers={self.mtp_layers}: give 0 (none) or a count")
         if self.local_window < 0 or self.global_every < 0:
             raise ValueError(f"local_window={self.local_window}, global_every="
                              f"{self.global_every}: give 0 (none) or a positive count")
@@ -239,6 +247,18 @@ class ModelShape(ModelConfig):
         """The output layer's matmul, forward + backward: 6 V d (the embedding is a
         lookup, no FLOPs)."""
         return 6.0 * self.vocab_size * self.d_model
+
+    def mtp_projection_params(self) -> int:
+        """One multi-token-prediction depth's 2d x d projection (:attr:`mtp_layers`)."""
+        return 2 * self.d_model * self.d_model
+
+    def mtp_flops_per_token(self, seq_len: int | None = None) -> float:
+        """Forward + backward FLOPs per token of the multi-token-prediction depths, each
+        a block (weighed as a dense one, as the pipeline split weighs blocks), its
+        projection and its output layer; 0 without them."""
+        depth = (self.block_flops_per_token(None, seq_len)
+                 + 6.0 * self.mtp_projection_params() + self.head_flops_per_token())
+        return self.mtp_layers * depth
 
     def flops_per_token(self, seq_len: int | None = None, count: str = "6N") -> float:
         """Model FLOPs per token, forward + backward, as one of :data:`FLOP_COUNTS` counts

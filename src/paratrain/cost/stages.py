@@ -41,9 +41,12 @@ def stage_costs(cfg: ModelConfig, seq_len: int | None = None) -> tuple[float, fl
     """(per block, embedding, head) training FLOPs per token at ``seq_len`` (default: the
     model's context, which is what the runtime trains at). Every block is weighed as a
     dense one (:meth:`paratrain.cost.shapes.ModelShape.block_flops_per_token`), MoE
-    blocks too: the split assumes uniform blocks."""
+    blocks too: the split assumes uniform blocks. The head carries the multi-token-
+    prediction depths, which sit beside it on the last stage
+    (:meth:`~paratrain.cost.shapes.ModelShape.mtp_flops_per_token`)."""
     m = as_shape(cfg)
-    return m.block_flops_per_token(None, seq_len), 0.0, m.head_flops_per_token()
+    return (m.block_flops_per_token(None, seq_len), 0.0,
+            m.head_flops_per_token() + m.mtp_flops_per_token(seq_len))
 
 
 def _check(n: int, stages: int) -> None:

@@ -33,7 +33,8 @@ def breakdown_rows(b: Breakdown) -> list[tuple[str, float, str]]:
         rows.append(("gradient accumulation", b.accum_s,
                      "each micro-batch's gradients added into fp32 copies"))
     if b.head_s:
-        rows.append(("output layer + loss", b.head_s, "on the last pipeline stage"))
+        rows.append(("output layer + loss", b.head_s, "on the last pipeline stage"
+                     + (", with multi-token prediction's" if b.mtp_blocks else "")))
     rows.append(("pipeline bubble", b.bubble_s, "idle share of the schedule"))
     for axis in AXES:
         if b.comm[axis]:
@@ -45,7 +46,8 @@ def breakdown_rows(b: Breakdown) -> list[tuple[str, float, str]]:
 
 def explain_lines(b: Breakdown, reported: str | None = None) -> list[str]:
     """The breakdown, one part per line, then the step and utilisation it gives."""
-    lines = [f"busiest rank: {b.blocks} blocks x {b.micro_batches} micro-batches, "
+    mtp = f" ({b.mtp_blocks} multi-token prediction)" if b.mtp_blocks else ""
+    lines = [f"busiest rank: {b.blocks} blocks{mtp} x {b.micro_batches} micro-batches, "
              f"engine {b.engine}"]
     for part, s, note in breakdown_rows(b):
         lines.append(f"  {part:<34} {_ms(s):>14}  {note}")

@@ -192,7 +192,11 @@ def block_cost(m: ModelShape, M: int, seq_len: int, tp: int, cp: int, sp: bool, 
 
     if m.is_mla:
         qk = m.qk_nope_dim + m.qk_rope_dim
-        lin("qkv", (H * qk) // tp, d)
+        if m.q_lora_rank:  # the query through its compression: d -> rank -> heads
+            lin("qkv", m.q_lora_rank, d)
+            lin("qkv", (H * qk) // tp, m.q_lora_rank)
+        else:
+            lin("qkv", (H * qk) // tp, d)
         lin("qkv", m.kv_lora_rank + m.qk_rope_dim, d)
         lin("qkv", H * (m.qk_nope_dim + m.v_head_dim) // tp, m.kv_lora_rank)
         dqk, dv = qk, m.v_head_dim
@@ -240,10 +244,19 @@ def head_cost(m: ModelShape, M: int, tp: int, hw: Hardware, chip: Chip, r: Rates
               ) -> tuple[float, float]:
     """(forward, backward) seconds of the output layer and the loss on the last stage:
     the M x d by d x V / tp logits GEMM, and the softmax cross-entropy over them
-    (:data:`LOSS_BYTES_PER_LOGIT`, forward and backward)."""
+    (:data:`LOSS_BYTES_PER_LOGIT`, forward and backward); and for each multi-token-
+    prediction depth (``ModelShape.mtp_layers``) its 2d x d / tp projection and another
+    output layer and loss (its block is priced as one more block on this stage,
+    :func:`paratrain.systems.step_model.predict_step`)."""
     V = -(-m.vocab_size // tp)
     f, b = train_gemm_s(M, V, m.d_model, hw, chip, r.gemm_eff, r.hbm_eff)
     loss = LOSS_BYTES_PER_LOGIT * M * V / (hw.hbm_bw * r.hbm_eff)
-    return f + loss / 2, b + loss / 2 + 4 * r.kernel_s
+    f, b = f + loss / 2, b + loss / 2 + 4 * r.kernel_s
+    if not m.mtp_layers:
+        return f, b
+    pf, pb = train_gemm_s(M, -(-m.d_model // tp), 2 * m.d_model, hw, chip, r.gemm_eff,
+                          r.hbm_eff)
+    n = m.mtp_layers
+    return (1 + n) * f + n * pf, (1 + n) * b + n * pb
 
 

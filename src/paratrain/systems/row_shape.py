@@ -16,7 +16,8 @@ from paratrain.systems.row_fields import num as _num
 # the expert-parallel issue's column names -> ModelShape (ModelConfig) fields; moe_every:
 # an MoE MLP in every k-th block (Llama 4 Maverick's 2, Switch's 2), 1 = every block
 MOE_COLUMNS = {"experts": "experts", "top_k": "top_k", "moe_ffn_hidden": "moe_ffn",
-               "shared_experts": "shared_experts", "moe_every": "moe_every"}
+               "shared_experts": "shared_experts", "moe_every": "moe_every",
+               "mtp_layers": "mtp_layers"}
 # multi-head latent attention (DeepSeek-V2/V3, arXiv:2405.04434): the ModelShape fields
 # of the same names; q_lora_rank empty or 0 = a full-rank query projection (V2-Lite)
 MLA_COLUMNS = ("q_lora_rank", "kv_lora_rank", "qk_nope_dim", "qk_rope_dim", "v_head_dim")
@@ -156,4 +157,7 @@ def _over_catalogue(row: dict, base: ModelShape, seq: int, out: list) -> ModelSh
     if blank:
         out.append(("shape", base.name, f"blank {', '.join(blank)}: the catalogue model's "
                                         "(data/models.toml)"))
+    if base.mtp_layers and "mtp_layers" not in over:
+        out.append(("mtp_layers", base.mtp_layers, "blank: the catalogue model's "
+                    "multi-token-prediction depths, trained as its recipe trains them"))
     return dataclasses.replace(base, context=seq, **over)

@@ -66,6 +66,7 @@ class Breakdown:
     micro_batches: int
     notes: list = field(default_factory=list)
     accum_s: float = 0.0  # gradient accumulation outside the GEMMs (Engine.hp_grad_bytes)
+    mtp_blocks: int = 0  # of ``blocks``, multi-token prediction's (ModelShape.mtp_layers)
 
     @property
     def compute_s(self) -> float:
@@ -194,10 +195,11 @@ def _flops_per_token(m, seq_len: int, recompute: str) -> tuple[float, float]:
 def _busiest(m, seq_len: int, pp: int, v: int, block_s: float, head_s: float,
              v_shape: bool = False) -> tuple[int, bool]:
     """(blocks, holds the head) of the slowest pipeline rank under the runtime's split
-    (the head is on the last rank, or on rank 0 with a V placement)."""
+    (the head is on the last rank, or on rank 0 with a V placement); the head's rank also
+    runs a block per multi-token-prediction depth (``ModelShape.mtp_layers``)."""
     block_flops, _, head_flops = stage_costs(m, seq_len)
     per_rank = list(rank_blocks(m.n_layers, pp, v, block_flops, head_flops, v_shape))
-    head_blocks = per_rank.pop(0 if v_shape else -1)
+    head_blocks = per_rank.pop(0 if v_shape else -1) + m.mtp_layers
     rest = max(per_rank, default=0)
     return (head_blocks, True) if head_blocks * block_s + head_s >= rest * block_s \
         else (rest, False)
@@ -304,4 +306,4 @@ def predict_step(model, plan: ParallelPlan, hw: Hardware, tokens_per_step: int,
     return Breakdown(gemm, mem_s, over_s, head_s, comm, exposed, bubble, opt_s,
                      per_token * tokens_per_step, (per_token + extra) * tokens_per_step,
                      plan.world_size, hw.peak_flops, eng.name, blocks, mb,
-                     accum_s=mb * accum_s)
+                     accum_s=mb * accum_s, mtp_blocks=m.mtp_layers if has_head else 0)
