@@ -3,8 +3,9 @@
 ``ModelShape`` extends :class:`paratrain.config.ModelConfig` (LLaMA-style by default, so
 the runtime's model is priced as it is built) with: a GELU (two-matrix) MLP and biases
 (GPT-3), learned positions, a head size other than d_model / n_heads (PaLM), dense first
-layers in a mixture-of-experts model (DeepSeek-V3: Dai et al. 2024), and multi-head
-latent attention (DeepSeek-V2/V3, arXiv:2405.04434).
+layers in a mixture-of-experts model (DeepSeek-V3: Dai et al. 2024), multi-head
+latent attention (DeepSeek-V2/V3, arXiv:2405.04434) and multi-token prediction
+(DeepSeek-V3; priced as work, left out of the counts as its report leaves it out).
 Mixture of experts uses ModelConfig's names (``experts``, ``top_k``, ``moe_ffn``,
 ``shared_experts``, ``moe_every``; Fedus et al. 2021), so ``as_shape(cfg)`` counts what
 the runtime builds from ``cfg``. Counts are exact: parameters are summed matrix by matrix

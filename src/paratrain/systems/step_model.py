@@ -247,11 +247,6 @@ def predict_step(model, plan: ParallelPlan, hw: Hardware, tokens_per_step: int,
     frac_moe = m.moe_layers / L if m.is_moe else 0.0
     head_f, head_b = head_cost(m, M, plan.tp, hw, chip, rates)
 
-    # the busiest pipeline rank: the runtime's split of blocks, the head on the last rank
-    # (on rank 0 with a V placement)
-    blocks, has_head = _busiest(m, seq_len, plan.pp, virtual_stages(plan), blk_f + blk_b,
-                                head_f + head_b, plan.schedule in V_SHAPED)
-
     # exposed tensor / context / expert communication, per block per micro-batch
     act = M * m.d_model * 2.0
     tp_t = ct.tp_s(plan, act, hw, sp.nvlink_eff, sp.net_eff)
@@ -263,6 +258,12 @@ def predict_step(model, plan: ParallelPlan, hw: Hardware, tokens_per_step: int,
     cp_x = ct.cp_exposed_s(cp_f, cp_b, blk["attn_f"], plan.cp_algorithm, eng.cp)
     ep_t = frac_moe * moe_comm_s(m, plan, M, hw, sp.nvlink_eff, sp.net_eff, eng.dispatcher)
     ep_x = _overlapped(ep_t, eng.ep, blk_f + blk_b)  # under the other micro-batch's block
+
+    # the busiest pipeline rank: the runtime's split of blocks, the head on the last rank
+    # (on rank 0 with a V placement), each block with the communication it leaves exposed
+    blocks, has_head = _busiest(m, seq_len, plan.pp, virtual_stages(plan),
+                                blk_f + blk_b + tp_x + cp_x + ep_x, head_f + head_b,
+                                plan.schedule in V_SHAPED)
 
     def per_step(x: float) -> float:
         return mb * blocks * x
