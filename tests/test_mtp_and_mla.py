@@ -11,6 +11,7 @@ from paratrain.cost.hardware import load_hardware
 from paratrain.cost.shapes import load_model
 from paratrain.cost.stages import rank_blocks, stage_costs
 from paratrain.plan import ParallelPlan
+from paratrain.systems.fitting import load_params
 from paratrain.systems.gemm import chip_of
 from paratrain.systems.layer_cost import block_cost, train_gemm_s
 from paratrain.systems.runs import row_to_case
@@ -101,3 +102,23 @@ def test_mla_prices_the_query_through_its_compression():
     full_rank = dataclasses.replace(DSV3, q_lora_rank=0)
     assert block_cost(full_rank, M, 4096, 1, 1, False, 1, H100, chip, rates,
                       moe=False).fwd["qkv"] > 2 * cost.fwd["qkv"]
+
+
+def test_the_busiest_rank_counts_each_blocks_exposed_communication():
+    """DeepSeek-V3 at pp 16 on H100 with ep 64 across nodes: the last rank holds one
+    decoder block and the MTP depth beside two output layers, the others four blocks,
+    each waiting on its exposed expert all-to-alls. Compared by compute alone the last
+    rank looked the busiest; with each block's exposed communication a four-block rank
+    is, and the step is priced on it."""
+    from paratrain.systems.layer_cost import head_cost
+
+    plan = ParallelPlan(dp=64, pp=16, ep=64, micro_batches=32)
+    params = load_params()
+    b = predict_step(DSV3, plan, H100, 64 * 32 * 4096, 4096, params, "nemo")
+    assert (b.blocks, b.head_s, b.mtp_blocks) == (4, 0.0, 0)
+    per_block = (sum(b.gemm.values()) + b.memory_s + b.overhead_s
+                 + sum(b.exposed[a] for a in ("tp", "cp", "ep"))) / (b.micro_batches * 4)
+    rates = params.rates("h100", "flash3", H100.peak_flops)
+    hf, hb = head_cost(DSV3, 4096, 1, H100, chip_of(H100.name),
+                       dataclasses.replace(rates, kernel_s=params.kernel_s))
+    assert 4 * per_block > 2 * per_block + hf + hb
