@@ -67,6 +67,12 @@ def test_the_pipeline_split_moves_blocks_off_the_stage_that_holds_the_mtp_depth(
     without = rank_blocks(61, 4, 4, block, stage_costs(none, 4096)[2])
     assert sum(with_mtp) == sum(without) == 61
     assert with_mtp[-1] < without[-1]
+    # Megatron-Bridge's DeepSeek-V3 recipe (recipes/deepseek/deepseek_v3.py, its
+    # map_pp_vp_to_layout at the 25.09 release): decoder layers per pipeline rank
+    bridge = {(4, 1): (16, 16, 16, 13), (8, 1): (8,) * 7 + (5,), (16, 1): (4,) * 15 + (1,),
+              (4, 2): (16, 16, 16, 13), (8, 2): (8,) * 7 + (5,), (4, 4): (16, 16, 16, 13)}
+    for (pp, v), ranks in bridge.items():
+        assert rank_blocks(61, pp, v, block, head) == ranks, (pp, v)
 
 
 def test_a_rows_mtp_column_overrides_the_catalogue_and_a_blank_is_listed():
