@@ -65,3 +65,16 @@ def test_the_busiest_rank_is_waited_for_but_adds_no_work():
     assert skew.cpu_rank0_s == pytest.approx(base.cpu_rank0_s)
     assert skew.session_work_s == pytest.approx(base.session_work_s)
     assert predict(MOE, TC, ParallelPlan(dp=2), 2, m, load=1.5).expert_load == 1.0
+
+
+def test_a_capacity_caps_the_priced_load():
+    """A run that drops tokens beyond capacity C never gives an ep rank more than C x the
+    mean rows: the balanced router's spread (above 1 here) is cut at C, the same formula
+    the systems model prices published runs with (systems.moe_step.expert_load)."""
+    plan, tokens = ParallelPlan(dp=2, ep=2), TC.global_batch / 2 * MOE.context
+    spread = expert_load(MOE, plan, tokens)
+    assert spread > 1.0
+    assert expert_load(MOE.replace(capacity_factor=1.0), plan, tokens) == 1.0
+    assert expert_load(MOE.replace(capacity_factor=4.0), plan, tokens) == spread
+    assert predict(MOE.replace(capacity_factor=1.0), TC, plan, 2,
+                   _machine(4)).expert_load == 1.0

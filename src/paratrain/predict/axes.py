@@ -21,7 +21,7 @@ from paratrain.cost.hardware import Hardware
 from paratrain.cost.shapes import as_shape
 from paratrain.plan import ParallelPlan
 from paratrain.systems import comm_time as ct
-from paratrain.systems.layer_cost import expert_imbalance
+from paratrain.systems import moe_step
 
 COUNT_BYTES = 8  # the split sizes every MoE layer exchanges first are int64
 
@@ -58,11 +58,13 @@ def moe_extra_flops(mcfg: ModelConfig, plan: ParallelPlan, tokens: float) -> flo
 
 
 def expert_load(mcfg: ModelConfig, plan: ParallelPlan, tokens: float) -> float:
-    """The busiest ep rank's expert rows over the mean, expected of a balanced router
-    (:func:`paratrain.systems.layer_cost.expert_imbalance`); 1 without ep."""
+    """The busiest ep rank's expert rows over the mean, expected of a balanced router,
+    cut at the capacity factor when the model drops tokens beyond it
+    (:func:`paratrain.systems.moe_step.expert_load`); 1 without ep."""
     if plan.ep == 1:
         return 1.0
-    return expert_imbalance(routed_tokens(plan, tokens) * mcfg.top_k, plan.ep)
+    rows = routed_tokens(plan, tokens) * mcfg.top_k
+    return moe_step.expert_load(as_shape(mcfg), rows, plan.ep)
 
 
 def expert_wait_flops(mcfg: ModelConfig, plan: ParallelPlan, tokens: float,
