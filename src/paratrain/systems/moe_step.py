@@ -198,10 +198,9 @@ def all_to_all_s(plan: ParallelPlan, payload: float, hw: Hardware, nvlink_eff: f
     if span(p, stride) <= hw.gpus_per_node:
         return ct.ep_s(plan, payload, hw, nvlink_eff, net_eff)
     g = max(1, min(p, hw.gpus_per_node // stride))
-    off = payload * (p - g) / p / (hw.inter_bw * (net_eff if routing is None
-                                                  else FLEX_NET_EFF))
-    if routing is not None:
-        off *= node_dedup(*routing, p // g)
+    eff, dedup = ((net_eff, 1.0) if routing is None
+                  else (FLEX_NET_EFF, node_dedup(*routing, p // g)))
+    off = payload * (p - g) / p / (hw.inter_bw * eff) * dedup
     on = payload * (g - 1) / p / (hw.intra_group_bw(g) * nvlink_eff)
     return (p - 1) * hw.inter_alpha + max(off, on)
 
