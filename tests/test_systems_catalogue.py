@@ -15,7 +15,7 @@ from paratrain.cost.shapes import load_model, model_names
 
 REQUIRED_HW = ["v100", "a100-40gb", "a100", "a800", "h100", "h100-pcie", "h100-nvl",
                "h100-96gb", "h200", "b200", "gb200", "b300", "gb300", "mi300x", "mi325x",
-               "tpu-v4", "tpu-v5p", "tpu-v6e"]
+               "tpu-v4", "tpu-v5p", "tpu-v6e", "tpu-v7x"]
 
 
 def test_importing_systems_does_not_import_torch():
@@ -180,3 +180,16 @@ def test_hierarchical_all_reduce_uses_both_links():
     assert t == pytest.approx(expect)
     assert coll.steps("all_reduce", "hierarchical", 64) == 7 + 14 + 7
     assert t < coll.time_s("all_reduce", "ring", 64, n, a_o, b_o)
+
+
+def test_ironwood_is_found_under_the_names_its_runs_use():
+    """tpu-recipes names TPU7x slices "tpu7x-4x8x8"; Google's pages say TPU7x and
+    Ironwood: each resolves to the catalogue's TPU7x, priced on its own 256 x 256 tiles
+    and its own GEMM efficiency family."""
+    from paratrain.systems.gemm import chip_of, family
+
+    for text in ("tpu7x-4x8x8", "TPU7x (Ironwood)", "Ironwood", "TPU v7x"):
+        assert resolve_hardware(text) == "tpu-v7x"
+    hw = load_hardware("tpu-v7x")
+    assert hw.peak_flops == 2307e12 and hw.peak_flops_fp8 == 4614e12
+    assert family(hw.name) == "tpu-v7x" and chip_of(hw.name).tile_m == 256

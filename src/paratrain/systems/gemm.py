@@ -79,6 +79,7 @@ _CHIPS = {
     "tpu-v5e": Chip("tpu-v5e", 128, 128, 1),
     "tpu-v5p": Chip("tpu-v5p", 128, 128, 1),
     "tpu-v6e": Chip("tpu-v6e", 256, 256, 1),  # Trillium's MXUs are 256 x 256
+    "tpu-v7x": Chip("tpu-v7x", 256, 256, 1),  # Ironwood: Trillium's MXU size assumed
 }
 TPU_CHIPS = tuple(name for name in _CHIPS if name.startswith("tpu-"))
 # every family a fit can give efficiencies to (a chip's family or its own generation)
@@ -92,7 +93,8 @@ _NAME_KEYS = (("h100-pcie", "h100-pcie"), ("h100 pcie", "h100-pcie"), ("a100", "
               ("tpu v3", "tpu-v3"), ("tpu-v4", "tpu-v4"), ("tpu v4", "tpu-v4"),
               ("tpu-v5e", "tpu-v5e"), ("tpu v5e", "tpu-v5e"), ("tpu-v5p", "tpu-v5p"),
               ("tpu v5p", "tpu-v5p"), ("tpu-v6e", "tpu-v6e"), ("tpu v6e", "tpu-v6e"),
-              ("trillium", "tpu-v6e"))
+              ("trillium", "tpu-v6e"), ("tpu-v7", "tpu-v7x"), ("tpu v7", "tpu-v7x"),
+              ("tpu7x", "tpu-v7x"), ("ironwood", "tpu-v7x"))
 
 
 @lru_cache(maxsize=64)

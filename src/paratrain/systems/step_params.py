@@ -1,6 +1,6 @@
 """The step-time model's free parameters: few, physical, each with its provenance.
 
-Twenty numbers (with the table's five TPU generations and MI300X), all efficiencies in
+Twenty-one numbers (with the table's six TPU generations and MI300X), all efficiencies in
 (0, 1] of a catalogue figure, except one latency (a family's efficiencies keep their start
 values when a table has too few rows on it):
 
@@ -17,10 +17,10 @@ gemm_eff[b200]     0.75     B200 and GB200 (one die): H100's start, no published
 gemm_eff[b300]     0.75     B300 and GB300 (Blackwell Ultra, its own die and power limit):
                             B200's start; the table's GB300 and B300 rows fit it
 gemm_eff[tpu-v*]   0.85     large matmuls on the 128 x 128 MXUs (Jouppi et al. 2023; v6e's
-                            are 256 x 256), one per generation as for GPUs: v4, v5e, v5p
-                            and v6e differ in MXUs per core, HBM per FLOP and compiler
-                            generation (one shared figure left MaxText's v4 rows up to 9%
-                            fast, its v5e rows up to 16% slow)
+                            are 256 x 256), one per generation as for GPUs: v4, v5e, v5p,
+                            v6e and TPU7x (Ironwood, v7x) differ in MXUs per core, HBM per
+                            FLOP and compiler generation (one shared figure left MaxText's
+                            v4 rows up to 9% fast, its v5e rows up to 16% slow)
 gemm_eff[mi300x]   (mean)   no start of its own: the GPU families' mean (``gemm_for``), as
                             for any chip the table does not run; torchao's four MI300X
                             runs fit it (and ``attn_eff[mi300x]``, whose start is 0.7 x
