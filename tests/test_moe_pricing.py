@@ -295,3 +295,27 @@ def test_a_rows_expert_capacity_column_sets_the_models_capacity():
     for bad in ("big", "1.25 full", "0 padded"):
         with pytest.raises(Skip, match="expert_capacity .* is not a capacity"):
             row_to_case(_row(expert_capacity=bad))
+
+
+def test_a_tpus_grouped_expert_matmuls_run_at_the_fitted_share():
+    """On a TPU a dropless MoE's experts run as grouped matmuls (MaxText's megablox or
+    tokamax gmm) at ``tpu_gmm_eff`` of the dense rate: halving it doubles the expert
+    GEMMs' compute and nothing else; a GPU, and MaxText's capacity-padded MoE (dense
+    einsums), do not read it."""
+    import dataclasses
+
+    from paratrain.systems.gemm import chip_of
+    from paratrain.systems.layer_cost import block_cost
+
+    def experts_s(hw_name, model, gmm):
+        hw = load_hardware(hw_name)
+        r = StepParams(tpu_gmm_eff=gmm).rates(hw.name)
+        blk = block_cost(model, 4096, 4096, 1, 1, False, 1, hw, chip_of(hw.name), r, True)
+        return blk.fwd["experts"], blk.fwd["qkv"]
+
+    moe = load_model("deepseek-v3")
+    (e1, q1), (e2, q2) = (experts_s("tpu-v5p", moe, g) for g in (1.0, 0.5))
+    assert q2 == q1 and e2 > 1.9 * e1  # compute-bound: about twice (memory term unchanged)
+    assert experts_s("h100", moe, 0.5) == experts_s("h100", moe, 1.0)
+    padded = dataclasses.replace(moe, capacity_factor=1.25, pad_to_capacity=True)
+    assert experts_s("tpu-v5p", padded, 0.5) == experts_s("tpu-v5p", padded, 1.0)

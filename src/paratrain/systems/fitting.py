@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from paratrain.config import read_toml
-from paratrain.systems.gemm import FAMILIES, family
+from paratrain.systems.gemm import FAMILIES, family, is_tpu
 from paratrain.systems.partial_recompute import blend
 from paratrain.systems.row_engine import case_engine, fp8_scaling, precision_says
 from paratrain.systems.runs import DATA_DIR, Case, Record
@@ -179,12 +179,20 @@ def _prices_attn_eff(c: Case) -> bool:
     return kernel != "eager" and not native_attention(generation(c.hw.name), kernel)
 
 
+def _prices_gmm(c: Case) -> bool:
+    """Whether a case's expert GEMMs run at the TPU's grouped-matmul share
+    (``tpu_gmm_eff``): a dropless MoE on a TPU."""
+    m = c.model
+    return is_tpu(generation(c.hw.name)) and m.is_moe and not m.pad_to_capacity
+
+
 def _names(cases: list[Case]) -> list[tuple[str, str | None]]:
     """The parameters the rows can inform: each generation's GEMM efficiency when it has
     MIN_ROWS rows, its FlashAttention-2 efficiency when MIN_ROWS of them run such a
     kernel (freed with fewer, a fit once pushed B200's to its bound; Blackwell's rows
     that run one count toward Hopper's, at whose rate they run:
-    :data:`~paratrain.systems.step_params.LEGACY_MMA`), and the scalars."""
+    :data:`~paratrain.systems.step_params.LEGACY_MMA`), and the scalars (the TPU's
+    grouped-matmul share only with MIN_ROWS dropless MoE rows on TPUs)."""
     rows: dict = {}
     attn: dict = {}
     for c in cases:
@@ -195,7 +203,8 @@ def _names(cases: list[Case]) -> list[tuple[str, str | None]]:
     gens = sorted(g for g, n in rows.items() if n >= MIN_ROWS)
     return ([("gemm_eff", g) for g in gens]
             + [("attn_eff", g) for g in gens if attn.get(g, 0) >= MIN_ROWS]
-            + [(s, None) for s in SCALARS])
+            + [(s, None) for s in SCALARS
+               if s != "tpu_gmm_eff" or sum(map(_prices_gmm, cases)) >= MIN_ROWS])
 
 
 def _label(name: str, g: str | None) -> str:

@@ -130,6 +130,7 @@ class Rates:
     fp8_eff: float = 1.0  # FP8 GEMMs' share of their peak over gemm_eff
     fp8_recipe: str = "tensorwise"  # FP8_RECIPES: the scaling, its casts and GEMM kernels
     fp8_rowwise_eff: float = 1.0  # row-scaled FP8 GEMMs' rate over tensorwise's
+    gmm_eff: float = 1.0  # a dropless MoE's grouped expert GEMMs' rate over gemm_eff (TPU)
     graph_scopes: tuple[str, ...] = ()  # parts of a layer replayed from CUDA graphs
     graph_kernel_s: float = 0.0  # ... whose kernels cost this instead of kernel_s
 
@@ -171,13 +172,17 @@ def block_cost(m: ModelShape, M: int, seq_len: int, tp: int, cp: int, sp: bool, 
     ``dispatcher`` the engine's) for a micro-batch of M tokens on one rank (cached: the
     search asks for the same few shapes again and again)."""
     d, hd, H, G = m.d_model, m.head_dim, m.n_heads, m.kv_heads
-    ge, he = r.gemm_eff, r.hbm_eff
+    he = r.hbm_eff
+    # a dropless MoE's experts run as one grouped matmul over the sorted tokens, at the
+    # TPU's grouped-kernel share (Rates.gmm_eff); a capacity-padded one as dense einsums
+    grouped_eff = r.gemm_eff * (1.0 if m.pad_to_capacity else r.gmm_eff)
     fwd, bwd = {}, {}
     cast = [0.0, 0.0]  # FP8 casts: forward bytes, backward bytes
     cast_kernels: dict[str, int] = {}  # ... and their kernels per GEMM class
     rec = FP8_RECIPES[r.fp8_recipe]
 
     def lin(name: str, N: int, K: int, rows: int = M, count: int = 1) -> None:
+        ge = grouped_eff if name == "experts" else r.gemm_eff
         if r.fp8_hw is not None and name in FP8_CLASSES:
             e8 = ge * r.fp8_eff * (r.fp8_rowwise_eff if rec.rowwise else 1.0)
             f, b = train_gemm_s(rows, N, K, r.fp8_hw, chip, e8, he, count,

@@ -1,6 +1,6 @@
 """The step-time model's free parameters: few, physical, each with its provenance.
 
-Twenty-one numbers (with the table's six TPU generations and MI300X), all efficiencies in
+Twenty-two numbers (with the table's six TPU generations and MI300X), all efficiencies in
 (0, 1] of a catalogue figure, except one latency (a family's efficiencies keep their start
 values when a table has too few rows on it):
 
@@ -43,6 +43,13 @@ fp8_rowwise_eff    1.0      row-scaled FP8 GEMMs' rate over tensorwise's (torcha
                             ``rowwise`` recipes, layer_cost.py): their own kernels, no
                             published GEMM figure at hand, so 1 is the start and the
                             bound; the rowwise runs of the table fit it (bound 0.4)
+tpu_gmm_eff        1.0      a dropless MoE's expert GEMMs on a TPU (MaxText's grouped
+                            matmul kernels, megablox or tokamax ``gmm``, over the tokens
+                            sorted by expert) at this share of the dense matmul rate
+                            ``gemm_eff``: no published kernel figure at hand, so 1 is the
+                            start and the bound; the TPU MoE rows of the table fit it
+                            (bound 0.3). MaxText's capacity-padded MoE (``expert_capacity``
+                            "padded") runs dense einsums: not priced so
 hbm_eff            0.85     STREAM-like copies reach ~85-90% of nominal HBM bandwidth
 nvlink_eff         0.80     NCCL all-reduce bus bandwidth ~360 of 450 GB/s (H100 NVLink 4),
                             ~230 of 300 GB/s (A100), nccl-tests; never below 0.6 (Calculon's
@@ -123,10 +130,11 @@ def _peak(key: str) -> float:
 # the share of a hidden data-parallel transfer's time that still slows the step; a fixed
 # physical figure, not one of the fitted parameters (module docstring)
 OVERLAP_TAX = 0.2
-SCALARS = ("attn3_eff", "fp8_eff", "fp8_rowwise_eff", "hbm_eff", "nvlink_eff", "net_eff",
-           "kernel_s")
+SCALARS = ("attn3_eff", "fp8_eff", "fp8_rowwise_eff", "tpu_gmm_eff", "hbm_eff", "nvlink_eff",
+           "net_eff", "kernel_s")
 BOUNDS = {"gemm_eff": (0.3, 1.0), "attn_eff": (0.15, 0.75), "attn3_eff": (0.2, 0.8),
-          "fp8_eff": (0.4, 1.0), "fp8_rowwise_eff": (0.4, 1.0), "hbm_eff": (0.3, 1.0),
+          "fp8_eff": (0.4, 1.0), "fp8_rowwise_eff": (0.4, 1.0), "tpu_gmm_eff": (0.3, 1.0),
+          "hbm_eff": (0.3, 1.0),
           "nvlink_eff": (0.6, 1.0),
           "net_eff": (0.3, 1.0),
           "kernel_s": (2e-6, 20e-6)}
@@ -139,6 +147,7 @@ class StepParams:
     attn3_eff: float = 0.60
     fp8_eff: float = 1.0
     fp8_rowwise_eff: float = 1.0
+    tpu_gmm_eff: float = 1.0
     hbm_eff: float = 0.85
     nvlink_eff: float = 0.80
     net_eff: float = 0.80
@@ -177,7 +186,8 @@ class StepParams:
     def rates(self, hw_name: str, kernel: str = "flash",
               peak_flops: float | None = None) -> Rates:
         return Rates(self.gemm_for(hw_name), self.attn_for(hw_name, kernel, peak_flops),
-                     self.hbm_eff, self.kernel_s)
+                     self.hbm_eff, self.kernel_s,
+                     gmm_eff=self.tpu_gmm_eff if is_tpu(family(hw_name)) else 1.0)
 
     def replace(self, **kw) -> StepParams:
         return dataclasses.replace(self, **kw)
