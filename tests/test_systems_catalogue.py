@@ -14,7 +14,7 @@ from paratrain.cost.hardware import Hardware, hardware_names, load_hardware, res
 from paratrain.cost.shapes import load_model, model_names
 
 REQUIRED_HW = ["v100", "a100-40gb", "a100", "a800", "h100", "h100-pcie", "h100-nvl",
-               "h100-96gb", "h200", "b200", "gb200", "b300", "gb300", "mi300x", "mi325x",
+               "h100-96gb", "h200", "b200", "gb200", "b300", "gb300", "mi300x", "mi325x", "mi355x",
                "tpu-v4", "tpu-v5p", "tpu-v6e", "tpu-v7x"]
 
 
@@ -193,3 +193,19 @@ def test_ironwood_is_found_under_the_names_its_runs_use():
     hw = load_hardware("tpu-v7x")
     assert hw.peak_flops == 2307e12 and hw.peak_flops_fp8 == 4614e12
     assert family(hw.name) == "tpu-v7x" and chip_of(hw.name).tile_m == 256
+
+
+def test_mi355x_is_a_die_of_its_own_named_as_its_runs_name_it():
+    """MLPerf's submissions write "AMD Instinct MI355X 288GB HBM3e": it resolves to the
+    catalogue's MI355X, a CDNA 4 die whose GEMM efficiency is its own family's (no run of
+    the table pins it, so the GPU families' mean), not MI300X's."""
+    from paratrain.systems.fitting import load_params
+    from paratrain.systems.gemm import family
+
+    assert resolve_hardware("AMD Instinct MI355X 288GB HBM3e") == "mi355x"
+    hw = load_hardware("mi355x")
+    assert family(hw.name) == "mi355x" != family(load_hardware("mi300x").name)
+    p = load_params()
+    gpus = [v for k, v in p.gemm_eff.items() if not k.startswith("tpu")]
+    assert p.gemm_for(hw.name) == pytest.approx(sum(gpus) / len(gpus))
+    assert hw.intra_group_bw(8) == pytest.approx(7 * hw.intra_bw)  # a full mesh of eight

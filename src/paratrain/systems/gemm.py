@@ -73,6 +73,7 @@ _CHIPS = {
     "b300": Chip("b300", 128, 256, 160),
     "v100": Chip("v100", 128, 128, 80),
     "mi300x": Chip("mi300x", 256, 256, 304),
+    "mi355x": Chip("mi355x", 256, 256, 256),  # CDNA 4: 8 XCDs of 32 CUs, its own die
     "mi250x": Chip("mi250x", 128, 128, 110),  # one CDNA2 die (GCD): 110 compute units
     "tpu-v3": Chip("tpu-v3", 128, 128, 1),
     "tpu-v4": Chip("tpu-v4", 128, 128, 1),
@@ -89,6 +90,7 @@ _NAME_KEYS = (("h100-pcie", "h100-pcie"), ("h100 pcie", "h100-pcie"), ("a100", "
               ("a800", "a100"), ("h100", "h100"), ("h800", "h100"), ("h200", "h100"),
               ("gh200", "h100"), ("b200", "b200"), ("gb200", "b200"), ("b300", "b300"),
               ("v100", "v100"), ("mi300", "mi300x"), ("mi325", "mi300x"),
+              ("mi355", "mi355x"), ("mi350", "mi355x"),
               ("mi250x", "mi250x"), ("tpu-v3", "tpu-v3"),
               ("tpu v3", "tpu-v3"), ("tpu-v4", "tpu-v4"), ("tpu v4", "tpu-v4"),
               ("tpu-v5e", "tpu-v5e"), ("tpu v5e", "tpu-v5e"), ("tpu-v5p", "tpu-v5p"),
