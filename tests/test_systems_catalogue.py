@@ -209,3 +209,32 @@ def test_mi355x_is_a_die_of_its_own_named_as_its_runs_name_it():
     gpus = [v for k, v in p.gemm_eff.items() if not k.startswith("tpu")]
     assert p.gemm_for(hw.name) == pytest.approx(sum(gpus) / len(gpus))
     assert hw.intra_group_bw(8) == pytest.approx(7 * hw.intra_bw)  # a full mesh of eight
+
+
+@pytest.mark.parametrize("hub_id,name", [
+    ("meta-llama/Meta-Llama-3.1-405B", "Llama 3.1 405B"),
+    ("meta-llama/Llama-2-70b-hf", "LLaMA 2 70B"),
+    ("Qwen/Qwen3-30B-A3B-Base", "Qwen3-30B-A3B"),
+    ("deepseek-ai/DeepSeek-V3-Base", "DeepSeek-V3"),
+    ("openai/gpt-oss-120b", "gpt-oss-120b"),
+    ("mistralai/Mixtral-8x7B-v0.1", "Mixtral 8x7B"),
+    ("google/gemma-3-27b-pt", "Gemma 3 27B"),
+])
+def test_a_hugging_face_repository_id_names_its_catalogue_model(hub_id, name):
+    """Runs tables and plans name models by their Hugging Face id: the owner, a "Meta-"
+    prefix and release suffixes are what the id adds to the catalogue's name."""
+    assert load_model(hub_id).name == name
+
+
+def test_a_name_the_catalogue_lacks_is_still_one_error():
+    with pytest.raises(ValueError, match="unknown model 'Qwen/Qwen2.5-72B-Instruct'"):
+        load_model("Qwen/Qwen2.5-72B-Instruct")
+
+
+def test_plan_takes_the_accelerator_names_the_runs_table_takes():
+    """`paratrain plan --hardware` reads a description as the runs table does: the name
+    nvidia-smi prints, a TPU slice's name; a name nothing fits stays one error."""
+    assert load_hardware("NVIDIA H100 80GB HBM3").name == load_hardware("h100").name
+    assert load_hardware("tpu7x-4x8x8").name == "TPU-v7x"
+    with pytest.raises(ValueError, match="unknown hardware 'RTX 4090'"):
+        load_hardware("RTX 4090")

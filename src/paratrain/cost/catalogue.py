@@ -8,6 +8,7 @@ A catalogue is a TOML file of tables, one per entry, each with a ``name`` and op
 from __future__ import annotations
 
 import json
+import re
 from functools import cache
 from pathlib import Path
 
@@ -24,6 +25,28 @@ def read_catalogue(filename: str) -> dict[str, dict]:
 
 def _norm(s: str) -> str:
     return s.strip().lower().replace("_", "-").replace(" ", "-")
+
+
+# what a Hugging Face repository id adds to a model's name: the owner ("meta-llama/"), a
+# "Meta-" prefix, and a release suffix ("-hf", "-Base", "-Instruct", "-pt", "-v0.1")
+_HUB_SUFFIX = re.compile(r"-(hf|base|instruct|chat|it|pt|v\d+(\.\d+)?)$")
+
+
+def hub_variants(want: str) -> list[str]:
+    """``want`` (normalised), then the names a Hugging Face repository id such as
+    "meta-llama/Meta-Llama-3.1-405B-hf" or "Qwen/Qwen3-30B-A3B-Base" stands for: without
+    its owner, its "meta-" prefix, and its release suffixes, one at a time."""
+    out = [want]
+    name = want.rsplit("/", 1)[-1]
+    if name.startswith("meta-"):
+        name = name[len("meta-"):]
+    while True:
+        if name not in out:
+            out.append(name)
+        shorter = _HUB_SUFFIX.sub("", name)
+        if shorter == name:
+            return out
+        name = shorter
 
 
 def read_file(path: Path) -> dict:
@@ -55,12 +78,12 @@ def lookup(name_or_path: str, filename: str, kind: str) -> tuple[str, dict]:
         if not p.is_file():
             raise ValueError(f"{kind} file {name_or_path!r} does not exist; pass an existing path")
         return p.stem, read_file(p)
-    want = _norm(name_or_path)
     entries = read_catalogue(filename)
-    for key, fields in entries.items():
-        names = {key, fields.get("name", key), *fields.get("aliases", [])}
-        if want in {_norm(n) for n in names}:
-            return key, dict(fields)
+    for want in hub_variants(_norm(name_or_path)):
+        for key, fields in entries.items():
+            names = {key, fields.get("name", key), *fields.get("aliases", [])}
+            if want in {_norm(n) for n in names}:
+                return key, dict(fields)
     known = ", ".join(entries)
     raise ValueError(
         f"unknown {kind} {name_or_path!r}; choose one of {known} or pass a .toml/.json file"

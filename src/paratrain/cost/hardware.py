@@ -7,7 +7,9 @@ this machine writes a TOML/JSON file with the same keys; ``load_hardware(path)``
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
+from pathlib import Path
 
 from paratrain.cost.catalogue import lookup
 
@@ -107,8 +109,18 @@ def hardware_from_dict(values: dict, where: str) -> Hardware:
 
 
 def load_hardware(name_or_path: str) -> Hardware:
-    """A catalogue entry by name or alias (case-insensitive), or a .toml/.json file."""
-    key, fields = lookup(name_or_path, "hardware.toml", "hardware")
+    """A catalogue entry by name or alias (case-insensitive), or a .toml/.json file; else
+    the entry an accelerator's description names (:func:`resolve_hardware`: "NVIDIA H100
+    80GB HBM3", as nvidia-smi prints it, or "tpu7x-4x8x8"), as the runs table reads it."""
+    try:
+        key, fields = lookup(name_or_path, "hardware.toml", "hardware")
+    except ValueError as unknown:
+        if Path(name_or_path).suffix.lower() in (".toml", ".json"):
+            raise
+        try:
+            key, fields = lookup(resolve_hardware(name_or_path), "hardware.toml", "hardware")
+        except ValueError:
+            raise unknown from None
     return hardware_from_dict(fields, key)
 
 
@@ -130,10 +142,15 @@ def resolve_hardware(text: str) -> str:
             return lookup(c, "hardware.toml", "hardware")[0]
         except ValueError:
             continue
-    padded = f"-{_norm(text)}-"
+    padded, low = f"-{_norm(text)}-", text.lower()
+
+    def said(n: str) -> bool:  # the name as a whole word of the text ("h100" not in "h1000")
+        spaced = re.escape(_norm(n).replace("-", " "))
+        return f"-{_norm(n)}-" in padded or re.search(
+            rf"(?<![a-z0-9]){spaced}(?![a-z0-9])", low) is not None
+
     named = [(len(n), key) for key, e in read_catalogue("hardware.toml").items()
-             for n in (key, *e.get("aliases", ())) if f"-{_norm(n)}-" in padded
-             or _norm(n).replace("-", " ") in text.lower()]
+             for n in (key, *e.get("aliases", ())) if said(n)]
     if not named:
         raise ValueError(f"accelerator {text!r} is not in the hardware catalogue")
     return max(named)[1]
