@@ -83,6 +83,12 @@ def test_the_engine_column_decides_when_filled_and_nothing_is_default_silently()
     assert own.engine == "xla" and "XLA compiles whatever stack runs on a TPU" in \
         own.engine_why
     assert row_to_case({**tpu, "engine": "Levanter"}).engine == "xla"
+    # stacks named without their technique: OLMo-core and torchtune shard with FSDP2,
+    # Lightning with FSDP1, AMD's Primus is Megatron-LM's fork
+    for stack, eng in (("OLMo-core", "torchtitan"), ("torchtune", "torchtitan"),
+                       ("LitGPT", "fsdp"), ("AMD Primus", "megatron")):
+        named = row_to_case({**BY_ID[ZERO3], "engine": stack})
+        assert named.engine == eng and "none we model" not in named.engine_why, stack
     bare = {**_without(BY_ID["narayanan21_t1_1.7B"], "engine"), "model": "GPT 1.7B",
             "source": "a lab", "source_location": ""}
     case = row_to_case(bare)

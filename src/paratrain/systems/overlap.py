@@ -232,6 +232,12 @@ _KEYWORDS = (("dualpipe", "dualpipe"), ("hai-llm", "dualpipe"),
              ("pax", "xla"), ("jax", "xla"), ("t5x", "xla"), ("maxtext", "xla"),
              ("levanter", "xla"), ("axlearn", "xla"), ("praxis", "xla"), ("easydel", "xla"),
              ("tpu", "xla"),
+             # PyTorch-native stacks on FSDP2's fully_shard (torchtitan's engine) or on
+             # FSDP1 (LitGPT's pretraining, through Lightning's FSDPStrategy; Lightning
+             # itself names no sharding: its default strategy is DDP); AMD's Primus is
+             # Megatron-LM's fork
+             ("olmo-core", "torchtitan"), ("torchtune", "torchtitan"),
+             ("vescale", "torchtitan"), ("litgpt", "fsdp"), ("primus", "megatron"),
              ("megatron", "megatron"), ("megascale", "megascale"))
 
 
