@@ -310,3 +310,13 @@ def test_sdpa_is_flashattention2_class_unless_the_cell_says_cudnn():
     assert case_engine(te).attention == "flash3"
     both = row_to_case({**row, "engine": "torchtitan (FSDP2, SDPA with its cuDNN backend)"})
     assert case_engine(both).attention == "flash3"
+
+
+@pytest.mark.parametrize("precision", ["NVFP4", "MXFP4 (Transformer Engine)", "fp4"])
+def test_a_four_bit_run_is_refused_by_name_not_priced_as_bf16(precision):
+    """Megatron-Bridge publishes NVFP4 runs; the model prices FP8 and 16-bit GEMMs only,
+    so such a row is not scored, with its reason, rather than priced as BF16."""
+    row = BY_ID["mb2604_gptoss_120b_gb300_bf16_64"]
+    with pytest.raises(Skip, match="4-bit training GEMMs are not priced"):
+        row_to_case({**row, "precision": precision})
+    assert row_to_case({**row, "precision": "MXFP8"}).precision == "MXFP8"

@@ -214,6 +214,9 @@ def row_to_case(row: dict) -> Case:
     gpus = _num(row, "num_accel", int)
     if not gpus:
         raise Skip("no num_accel")
+    if re.search(r"fp4|int4", (row.get("precision") or "").lower()):
+        raise Skip(f"precision {row['precision'].strip()!r}: 4-bit training GEMMs are not "
+                   "priced (FP8 and 16-bit are); the row is not scored")
     out: list = []
     model = row_shape(row, seq, out)
     L = model.n_layers
