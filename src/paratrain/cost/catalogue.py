@@ -27,6 +27,17 @@ def _norm(s: str) -> str:
     return s.strip().lower().replace("_", "-").replace(" ", "-")
 
 
+@cache
+def _keys_by_name(filename: str) -> dict[str, str]:
+    """Each entry's key, name and aliases (normalised) -> its key; on a clash the earlier
+    entry of the file keeps the name."""
+    index: dict[str, str] = {}
+    for key, fields in read_catalogue(filename).items():
+        for n in (key, fields.get("name", key), *fields.get("aliases", [])):
+            index.setdefault(_norm(n), key)
+    return index
+
+
 # what a Hugging Face repository id adds to a model's name: the owner ("meta-llama/"), a
 # "Meta-" prefix, and a release suffix ("-hf", "-Base", "-Instruct", "-pt", "-v0.1")
 _HUB_SUFFIX = re.compile(r"-(hf|base|instruct|chat|it|pt|v\d+(\.\d+)?)$")
@@ -78,12 +89,10 @@ def lookup(name_or_path: str, filename: str, kind: str) -> tuple[str, dict]:
         if not p.is_file():
             raise ValueError(f"{kind} file {name_or_path!r} does not exist; pass an existing path")
         return p.stem, read_file(p)
-    entries = read_catalogue(filename)
+    entries, index = read_catalogue(filename), _keys_by_name(filename)
     for want in hub_variants(_norm(name_or_path)):
-        for key, fields in entries.items():
-            names = {key, fields.get("name", key), *fields.get("aliases", [])}
-            if want in {_norm(n) for n in names}:
-                return key, dict(fields)
+        if want in index:
+            return index[want], dict(entries[index[want]])
     known = ", ".join(entries)
     raise ValueError(
         f"unknown {kind} {name_or_path!r}; choose one of {known} or pass a .toml/.json file"

@@ -98,6 +98,12 @@ class ModelShape(ModelConfig):
         return self.experts > 0
 
     @property
+    def grouped_experts(self) -> bool:
+        """Whether the experts run as one grouped matmul over the tokens sorted by expert
+        (a dropless MoE), not as dense einsums over capacity slots (``pad_to_capacity``)."""
+        return self.is_moe and not self.pad_to_capacity
+
+    @property
     def is_mla(self) -> bool:
         return self.kv_lora_rank > 0
 

@@ -182,8 +182,7 @@ def _prices_attn_eff(c: Case) -> bool:
 def _prices_gmm(c: Case) -> bool:
     """Whether a case's expert GEMMs run at the TPU's grouped-matmul share
     (``tpu_gmm_eff``): a dropless MoE on a TPU."""
-    m = c.model
-    return is_tpu(generation(c.hw.name)) and m.is_moe and not m.pad_to_capacity
+    return is_tpu(generation(c.hw.name)) and c.model.grouped_experts
 
 
 def _names(cases: list[Case]) -> list[tuple[str, str | None]]:

@@ -173,9 +173,8 @@ def block_cost(m: ModelShape, M: int, seq_len: int, tp: int, cp: int, sp: bool, 
     search asks for the same few shapes again and again)."""
     d, hd, H, G = m.d_model, m.head_dim, m.n_heads, m.kv_heads
     he = r.hbm_eff
-    # a dropless MoE's experts run as one grouped matmul over the sorted tokens, at the
-    # TPU's grouped-kernel share (Rates.gmm_eff); a capacity-padded one as dense einsums
-    grouped_eff = r.gemm_eff * (1.0 if m.pad_to_capacity else r.gmm_eff)
+    # grouped expert matmuls at the TPU's grouped-kernel share (Rates.gmm_eff)
+    grouped_eff = r.gemm_eff * (r.gmm_eff if m.grouped_experts else 1.0)
     fwd, bwd = {}, {}
     cast = [0.0, 0.0]  # FP8 casts: forward bytes, backward bytes
     cast_kernels: dict[str, int] = {}  # ... and their kernels per GEMM class
