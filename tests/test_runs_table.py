@@ -352,6 +352,39 @@ def test_recompute_words():
         assert not recompute_stated(unstated)  # inferred from memory by row_to_case
 
 
+def test_a_named_recompute_module_reruns_what_it_holds_and_nothing_else():
+    """Megatron-Core's selective recompute of modules "layernorm, moe" reruns the MoE
+    layer's forward (its GEMMs and all-to-alls), not the attention core: at 128K tokens,
+    where attention is most of the step, pricing it as full recompute charged the core
+    29% more than the run did (systems.recompute_modules)."""
+    from paratrain.systems.fitting import breakdown, load_params
+    from paratrain.systems.recompute_modules import modules_said, rerun_classes
+
+    assert modules_said("selective (modules layernorm, moe)") == ("layernorm", "moe")
+    assert modules_said("selective (attention core)") == ()
+    assert rerun_classes(("layernorm", "moe_act")) == frozenset()
+    assert rerun_classes(("moe",)) == {"router", "experts", "mlp"}
+    row = BY_ID["mz_qwen3_235b_h100_256_cp8_128k"]
+    case = row_to_case(row)
+    assert case.rerun == ("layernorm", "moe") and case.plan.recompute == "full"
+    p = load_params()
+    named, full = breakdown(case, p), breakdown(dataclasses.replace(case, rerun=()), p)
+    none = breakdown(dataclasses.replace(
+        case, rerun=(), plan=dataclasses.replace(case.plan, recompute="none")), p)
+    assert named.gemm["attention"] == pytest.approx(none.gemm["attention"])
+    assert full.gemm["attention"] > 1.2 * named.gemm["attention"]
+    assert named.gemm["experts"] == pytest.approx(full.gemm["experts"])
+    assert named.gemm["experts"] > 1.2 * none.gemm["experts"]
+    assert named.comm["ep"] == pytest.approx(full.comm["ep"])
+    assert named.comm["ep"] > none.comm["ep"]
+    assert named.comm["cp"] == pytest.approx(none.comm["cp"])
+    assert named.comm["cp"] < full.comm["cp"]
+    # element-wise modules alone rerun nothing the step model prices
+    act = row_to_case({**row, "recompute": "selective (modules moe_act, layernorm)"})
+    assert act.plan.recompute == "selective"
+    assert breakdown(act, p).gemm == pytest.approx(none.gemm)
+
+
 @pytest.mark.parametrize("cell,key", [
     ("NVIDIA GB200 NVL72", "gb200"), ("NVIDIA H100 PCIe", "h100-pcie"), ("H100 NVL", "h100-nvl"),
     ("H100-SXM5-80GB", "h100"), ("TPU v4 (pod)", "tpu-v4"), ("A100-SXM4-40GB", "a100-40gb")])

@@ -97,7 +97,8 @@ def breakdown(case: Case, params: StepParams) -> Breakdown:
     def at(plan):
         return predict_step(case.model, plan, case.hw, case.tokens, case.seq_len, params,
                             case_engine(case), case_attention(case),
-                            getattr(case, "shard_group", None), fp8_scaling(case))
+                            getattr(case, "shard_group", None), fp8_scaling(case),
+                            getattr(case, "rerun", ()))
 
     share = getattr(case, "recompute_share", 1.0)
     if case.plan.recompute != "full" or share >= 1.0:

@@ -35,6 +35,7 @@ from paratrain.cost.shapes import FLOP_COUNTS, ModelShape
 from paratrain.plan import ParallelPlan
 from paratrain.systems.overlap import ENGINES
 from paratrain.systems.partial_recompute import recompute_words
+from paratrain.systems.recompute_modules import modules_said
 from paratrain.systems.row_engine import (
     case_engine,
     eight_bit,
@@ -93,6 +94,9 @@ class Case:
     defaults: tuple[Default, ...] = ()  # every blank filled in, in the order applied
     # with recompute full: the share of the blocks recomputed (systems.partial_recompute)
     recompute_share: float = 1.0
+    # the modules a selective recompute names, each rerunning what it holds
+    # (systems.recompute_modules); empty: the plan's recompute says what reruns
+    rerun: tuple[str, ...] = ()
 
 
 def _defaults_dicts(defaults: tuple) -> list[dict]:
@@ -268,7 +272,8 @@ def row_to_case(row: dict) -> Case:
                 precision=(row.get("precision") or "").strip(),
                 step_time_s=_num(row, "step_time_s"),
                 tokens_per_s=_num(row, "tokens_per_s_per_accel"),
-                shard_group=_num(row, "shard_group", int), flops_count=count)
+                shard_group=_num(row, "shard_group", int), flops_count=count,
+                rerun=modules_said(row.get("recompute") or ""))
     words = row.get("recompute") or ""
     stated = recompute_stated(words), offloaded(words)
     try:

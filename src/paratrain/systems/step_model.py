@@ -38,6 +38,7 @@ from paratrain.systems.gemm import chip_of
 from paratrain.systems.layer_cost import GEMM_CLASSES, block_cost, fp8_recipe_name, head_cost
 from paratrain.systems.moe_step import moe_comm_s
 from paratrain.systems.overlap import Engine, engine
+from paratrain.systems.recompute_modules import rerun_classes
 from paratrain.systems.step_params import StepParams
 from paratrain.systems.step_time import recompute_flops_per_token
 
@@ -148,14 +149,16 @@ def full_rerun_share(cls: str, up_matrices: int, dead_tail: bool) -> float:
 @lru_cache(maxsize=8192)
 def _block_summary(m, M: int, seq_len: int, tp: int, cp: int, sp: bool, ep: int, hw, chip,
                    rates, kernel: str, recompute: str, selective: float = 0.0,
-                   etp: int = 1, dispatcher: str = "alltoall", dead_tail: bool = False
-                   ) -> dict:
+                   etp: int = 1, dispatcher: str = "alltoall", dead_tail: bool = False,
+                   rerun: tuple[str, ...] = ()) -> dict:
     """One average block (dense and MoE blocks weighted by their counts) for a
     micro-batch: forward and backward seconds (recomputation in backward), per GEMM class,
     memory-bound and launch seconds, and the attention core's forward. ``selective``: the
     share of the other forward GEMMs (and all the element-wise work) that selective
     recomputation reruns (the engine's); ``dead_tail``: full recomputation skips the
-    GEMMs whose outputs the backward never reads (:func:`full_rerun_share`)."""
+    GEMMs whose outputs the backward never reads (:func:`full_rerun_share`); ``rerun``:
+    the recompute modules a run names, which rerun their GEMM classes' forward and no
+    other (:mod:`paratrain.systems.recompute_modules`)."""
     args = (M, seq_len, tp, cp, sp, ep, hw, chip, rates)
     dense = block_cost(m, *args, moe=False, attention=kernel)
     moe = block_cost(m, *args, moe=True, attention=kernel, etp=etp,
@@ -166,19 +169,23 @@ def _block_summary(m, M: int, seq_len: int, tp: int, cp: int, sp: bool, ep: int,
         return get(dense) * (1 - frac) + (get(moe) * frac if moe else 0.0)
 
     full, sel = recompute == "full", recompute == "selective"
+    named = rerun_classes(rerun) if rerun else None
     attn_f = avg(lambda b: b.attn_fwd_s)
     fwd = avg(lambda b: b.fwd_s)
     gemm, again = {}, 0.0
     for cls in GEMM_CLASSES:
         f = avg(lambda b, c=cls: b.fwd.get(c, 0.0))
         b_ = avg(lambda b, c=cls: b.bwd.get(c, 0.0))
-        share = (full_rerun_share(cls, m.mlp_up_matrices, dead_tail) if full
+        share = ((full_rerun_share(cls, m.mlp_up_matrices, dead_tail) if cls in named
+                  else 0.0) if named is not None
+                 else full_rerun_share(cls, m.mlp_up_matrices, dead_tail) if full
                  else 1.0 if sel and cls == "attention" else selective if sel else 0.0)
         b_ += share * f
         again += share * f
         if f + b_:
             gemm[cls] = f + b_
-    rc = 1.0 if full else selective if sel else 0.0  # element-wise work rerun
+    rc = (float(bool(named)) if named is not None  # element-wise work rerun
+          else 1.0 if full else selective if sel else 0.0)
     mem_again = rc * avg(lambda b: b.mem_fwd_s)
     bwd = avg(lambda b: b.bwd_s) + again + mem_again + rc * avg(lambda b: b.overhead_s) / 3
     return {"fwd": fwd, "bwd": bwd, "attn_f": attn_f, "gemm": gemm,
@@ -205,6 +212,15 @@ def _busiest(m, seq_len: int, pp: int, v: int, block_s: float, head_s: float,
         else (rest, False)
 
 
+def _reruns(plan: ParallelPlan, rerun: tuple[str, ...]) -> frozenset[str]:
+    """The GEMM classes a backward reruns: the named recompute modules' (``rerun``), else
+    the plan's recompute (full: all; selective: the attention core)."""
+    if rerun:
+        return rerun_classes(rerun)
+    return {"full": frozenset(GEMM_CLASSES), "selective": frozenset({"attention"})}.get(
+        plan.recompute, frozenset())
+
+
 def _overlapped(t: float, share: float, window: float) -> float:
     """Exposed seconds of a per-block transfer of ``t`` of which the engine overlaps
     ``share`` (:class:`paratrain.systems.overlap.Engine`) under a compute ``window``:
@@ -216,14 +232,16 @@ def _overlapped(t: float, share: float, window: float) -> float:
 def predict_step(model, plan: ParallelPlan, hw: Hardware, tokens_per_step: int,
                  seq_len: int, params: StepParams | None = None,
                  engine_name: str | Engine | None = None, attention: str | None = None,
-                 shard_group: int | None = None, fp8: bool | str = False) -> Breakdown:
+                 shard_group: int | None = None, fp8: bool | str = False,
+                 rerun: tuple[str, ...] = ()) -> Breakdown:
     """Price one optimizer step of ``plan`` (see the module docstring); ``attention``
     (flash or eager) defaults to the engine's kernel; ``shard_group`` (hybrid sharding,
     HSDP / multi-slice FSDP): ZeRO runs over that many data ranks, replicas all-reduce;
     default: the plan's dp x cp / ``dp_replicate``, where the runtime shards; ``fp8``:
     the linear layers' GEMMs in FP8, their operands cast first (:mod:`paratrain.systems.
     layer_cost`, which says what stays 16-bit; MFU stays relative to the BF16 peak):
-    True for per-tensor scaling, or a scaling recipe's name (``layer_cost.FP8_RECIPES``)."""
+    True for per-tensor scaling, or a scaling recipe's name (``layer_cost.FP8_RECIPES``);
+    ``rerun``: the recompute modules a run names (:func:`_reruns`)."""
     m = as_shape(model)
     sp = params or StepParams()
     eng = engine_name if isinstance(engine_name, Engine) else engine(engine_name)
@@ -241,7 +259,7 @@ def predict_step(model, plan: ParallelPlan, hw: Hardware, tokens_per_step: int,
                                     fp8_rowwise_eff=sp.fp8_rowwise_eff)
     blk = _block_summary(m, M, seq_len, plan.tp, plan.cp, plan.sp, plan.ep, hw, chip, rates,
                          kernel, plan.recompute, eng.selective, plan.etp, eng.dispatcher,
-                         eng.dead_tail)
+                         eng.dead_tail, rerun)
     blk_f, blk_b = blk["fwd"], blk["bwd"]
     L = m.n_layers
     frac_moe = m.moe_layers / L if m.is_moe else 0.0
@@ -252,11 +270,14 @@ def predict_step(model, plan: ParallelPlan, hw: Hardware, tokens_per_step: int,
     tp_t = ct.tp_s(plan, act, hw, sp.nvlink_eff, sp.net_eff)
     cp_f, cp_b = ct.cp_s(m, plan, seq_len, batch.micro_batch, hw, sp.nvlink_eff, sp.net_eff,
                          kernel_s=sp.kernel_s)
-    if plan.recompute != "none":
-        cp_b += cp_f
+    again = _reruns(plan, rerun)
+    if "attention" in again:
+        cp_b += cp_f  # the rerun attention core passes K/V round the ring again
     tp_x = _overlapped(tp_t, eng.tp, sum(blk["gemm"].values()))  # split under its GEMMs
     cp_x = ct.cp_exposed_s(cp_f, cp_b, blk["attn_f"], plan.cp_algorithm, eng.cp)
-    ep_t = frac_moe * moe_comm_s(m, plan, M, hw, sp.nvlink_eff, sp.net_eff, eng.dispatcher)
+    ep_plan = dataclasses.replace(  # a rerun MoE layer dispatches again
+        plan, recompute="full" if "experts" in again else "none")
+    ep_t = frac_moe * moe_comm_s(m, ep_plan, M, hw, sp.nvlink_eff, sp.net_eff, eng.dispatcher)
     ep_x = _overlapped(ep_t, eng.ep, blk_f + blk_b)  # under the other micro-batch's block
 
     # the busiest pipeline rank: the runtime's split of blocks, the head on the last rank
