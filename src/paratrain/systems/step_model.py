@@ -275,8 +275,8 @@ def predict_step(model, plan: ParallelPlan, hw: Hardware, tokens_per_step: int,
         cp_b += cp_f  # the rerun attention core passes K/V round the ring again
     tp_x = _overlapped(tp_t, eng.tp, sum(blk["gemm"].values()))  # split under its GEMMs
     cp_x = ct.cp_exposed_s(cp_f, cp_b, blk["attn_f"], plan.cp_algorithm, eng.cp)
-    ep_plan = dataclasses.replace(  # a rerun MoE layer dispatches again
-        plan, recompute="full" if "experts" in again else "none")
+    ep_plan = plan if ("experts" in again) == (plan.recompute == "full") else \
+        dataclasses.replace(plan, recompute="full" if "experts" in again else "none")
     ep_t = frac_moe * moe_comm_s(m, ep_plan, M, hw, sp.nvlink_eff, sp.net_eff, eng.dispatcher)
     ep_x = _overlapped(ep_t, eng.ep, blk_f + blk_b)  # under the other micro-batch's block
 
