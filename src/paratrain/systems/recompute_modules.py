@@ -1,8 +1,9 @@
 """What a selective recomputation that names its modules reruns, as Megatron-Core runs it.
 
-Megatron-Core's ``--recompute-granularity selective`` reruns, in the backward, the forward
-of the modules ``--recompute-modules`` names, and only those (``core_attn``, its default,
-is Korthikanti et al. 2022's selective recompute, the attention core). A runs-table row
+Megatron-Core's selective recomputation (``recompute_granularity`` selective) reruns, in
+the backward, the forward of the modules ``recompute_modules`` names, and only those
+(``core_attn``, its default, is Korthikanti et al. 2022's selective recompute, the
+attention core). A runs-table row
 that lists them ("selective (modules layernorm, moe)") is priced module by module, not as
 the attention core (``selective``) nor as the whole block (``full``): at 128K tokens the
 attention core is most of a step, and a list that leaves it out must not rerun it.
