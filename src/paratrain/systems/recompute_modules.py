@@ -3,10 +3,10 @@
 Megatron-Core's selective recomputation (``recompute_granularity`` selective) reruns, in
 the backward, the forward of the modules ``recompute_modules`` names, and only those
 (``core_attn``, its default, is Korthikanti et al. 2022's selective recompute, the
-attention core). A runs-table row
-that lists them ("selective (modules layernorm, moe)") is priced module by module, not as
-the attention core (``selective``) nor as the whole block (``full``): at 128K tokens the
-attention core is most of a step, and a list that leaves it out must not rerun it.
+attention core). A runs-table row that lists them ("selective (modules layernorm, moe)")
+is priced module by module, not as the attention core (``selective``) nor as the whole
+block (``full``): at 128K tokens the attention core is most of a step, and a list that
+leaves it out must not rerun it.
 
 ==================  ========================================  ==========================
 module              what it reruns                            priced as
