@@ -22,9 +22,11 @@ module              what it reruns                            priced as
 ``moe_act``, ...    wise work                                 of a block's bytes)
 ==================  ========================================  ==========================
 
-A module list that reruns a GEMM also reruns the block's element-wise work (the
-activation and the permutation of the rows it feeds); one that names only element-wise
-modules reruns nothing the step model prices.
+``mla_up_proj`` is priced as all of MLA's query and key/value GEMMs, of which the up
+projections are most (78% of DeepSeek-V3's: 1,536 x 24,576 and 512 x 32,768 of its
+7,168-wide layer's four). A module list that reruns a GEMM also reruns the block's
+element-wise work (the activation and the permutation of the rows it feeds); one that
+names only element-wise modules reruns nothing the step model prices.
 """
 
 from __future__ import annotations
