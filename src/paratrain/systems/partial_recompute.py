@@ -64,7 +64,11 @@ def share_words(share: float) -> str:
 
 
 def recompute_words(case) -> str:
-    """A runs-table case's recomputation in words: its plan's, or the share of blocks."""
+    """A runs-table case's recomputation in words: the modules it names
+    (:mod:`paratrain.systems.recompute_modules`), its plan's, or the share of blocks."""
+    rerun = getattr(case, "rerun", ())
+    if rerun:
+        return f"of modules {', '.join(rerun)}"
     share = getattr(case, "recompute_share", 1.0)
     return share_words(share) if case.plan.recompute == "full" and share < 1 else \
         case.plan.recompute
