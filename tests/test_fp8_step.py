@@ -91,7 +91,7 @@ def test_int8_on_a_tpu_is_priced_as_fp8_on_a_gpu_at_the_chips_8bit_peak():
     """MaxText's GPT-3 175B on 512 TPU v5p (tpu-recipes) trains with AQT int8 matmuls: a
     precision that says int8 runs the linear layers at the catalogue's 8-bit peak (twice
     v5p's bf16) with their casts, as FP8 does on a GPU; said bf16, the same row is
-    slower, by less than the 2x of the peaks; said fp8, it is priced exactly alike."""
+    slower, by at most the 2x of the peaks; said fp8, it is priced exactly alike."""
     from paratrain.systems.fitting import breakdown
     from paratrain.systems.row_engine import eight_bit
     from paratrain.systems.runs import read_runs, row_to_case
@@ -103,8 +103,8 @@ def test_int8_on_a_tpu_is_priced_as_fp8_on_a_gpu_at_the_chips_8bit_peak():
     assert eight_bit(i8) and not eight_bit(b16)
     p = load_params()
     a, b = breakdown(i8, p), breakdown(b16, p)
-    for name in ("qkv", "out", "mlp"):
-        assert 1.2 < b.gemm[name] / a.gemm[name] < v5p.peak_flops_fp8 / v5p.peak_flops, name
+    for name in ("qkv", "out", "mlp"):  # at most the peaks' 2x (fp8_eff <= 1, its bound)
+        assert 1.2 < b.gemm[name] / a.gemm[name] <= (1 + 1e-9) * 2, name
     assert a.step_s < b.step_s
     # priced alike: the same row said FP8 gives the same step, part by part
     f8 = breakdown(row_to_case({**row, "precision": "fp8"}), p)
