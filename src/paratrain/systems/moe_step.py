@@ -223,10 +223,11 @@ def dispatch_s(m: ModelShape, plan: ParallelPlan, M: int, hw: Hardware, nvlink_e
 
 
 def moe_comm_s(m: ModelShape, plan: ParallelPlan, M: int, hw: Hardware, nvlink_eff: float,
-               net_eff: float, dispatcher: str) -> float:
+               net_eff: float, dispatcher: str, rerun: bool = False) -> float:
     """Seconds of an MoE layer's dispatches and combines for one micro-batch: four
-    (forward and backward), six with full recompute; none when nothing leaves the rank."""
+    (forward and backward), six when the backward reruns the layer (``rerun``: full
+    recompute, or a recompute of the ``moe`` module); none when nothing leaves the rank."""
     if not m.is_moe or plan.ep * plan.etp == 1:
         return 0.0
-    n = 4 + (2 if plan.recompute == "full" else 0)
+    n = 4 + (2 if rerun else 0)
     return n * dispatch_s(m, plan, M, hw, nvlink_eff, net_eff, dispatcher)

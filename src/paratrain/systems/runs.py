@@ -187,14 +187,13 @@ def _recompute(text: str) -> str:
     """none, selective or full from a row's words ("none" where they say nothing, which
     :func:`recompute_stated` tells apart: :func:`row_to_case` then infers it). A selective
     recomputation whose module list names the MLP or the MoE layer (Megatron-Core's
-    recompute modules ``mlp``, ``moe``) reruns most of the block's GEMMs and its
-    all-to-alls: priced as full."""
+    recompute modules ``mlp``, ``moe``) holds most of the block's activations again: its
+    memory is counted as full (its time, module by module: ``Case.rerun``)."""
     t = text.lower().strip()
     if not t or t.startswith("none") or t.startswith("no "):
         return "none"
     if "selective" in t:
-        mods = t.split("modules", 1)[1] if "modules" in t else ""
-        return "full" if re.search(r"\b(mlp|moe)\b", mods) else "selective"
+        return "full" if {"mlp", "moe"} & set(modules_said(t)) else "selective"
     if any(k in t for k in ("full", "checkpoint", "rematerial", "recomput")):
         return "full"
     return "none"

@@ -168,24 +168,22 @@ def _block_summary(m, M: int, seq_len: int, tp: int, cp: int, sp: bool, ep: int,
     def avg(get) -> float:
         return get(dense) * (1 - frac) + (get(moe) * frac if moe else 0.0)
 
-    full, sel = recompute == "full", recompute == "selective"
-    named = rerun_classes(rerun) if rerun else None
+    sel = recompute == "selective" and not rerun
+    # the classes rerun whole (full recompute, or named modules); None: selective's shares
+    named = None if sel else _reruns(recompute, rerun)
     attn_f = avg(lambda b: b.attn_fwd_s)
     fwd = avg(lambda b: b.fwd_s)
     gemm, again = {}, 0.0
     for cls in GEMM_CLASSES:
         f = avg(lambda b, c=cls: b.fwd.get(c, 0.0))
         b_ = avg(lambda b, c=cls: b.bwd.get(c, 0.0))
-        share = ((full_rerun_share(cls, m.mlp_up_matrices, dead_tail) if cls in named
-                  else 0.0) if named is not None
-                 else full_rerun_share(cls, m.mlp_up_matrices, dead_tail) if full
-                 else 1.0 if sel and cls == "attention" else selective if sel else 0.0)
+        share = (1.0 if cls == "attention" else selective) if sel else \
+            full_rerun_share(cls, m.mlp_up_matrices, dead_tail) if cls in named else 0.0
         b_ += share * f
         again += share * f
         if f + b_:
             gemm[cls] = f + b_
-    rc = (float(bool(named)) if named is not None  # element-wise work rerun
-          else 1.0 if full else selective if sel else 0.0)
+    rc = selective if sel else float(bool(named))  # element-wise work rerun
     mem_again = rc * avg(lambda b: b.mem_fwd_s)
     bwd = avg(lambda b: b.bwd_s) + again + mem_again + rc * avg(lambda b: b.overhead_s) / 3
     return {"fwd": fwd, "bwd": bwd, "attn_f": attn_f, "gemm": gemm,
@@ -212,13 +210,14 @@ def _busiest(m, seq_len: int, pp: int, v: int, block_s: float, head_s: float,
         else (rest, False)
 
 
-def _reruns(plan: ParallelPlan, rerun: tuple[str, ...]) -> frozenset[str]:
+def _reruns(recompute: str, rerun: tuple[str, ...]) -> frozenset[str]:
     """The GEMM classes a backward reruns: the named recompute modules' (``rerun``), else
-    the plan's recompute (full: all; selective: the attention core)."""
+    the plan's ``recompute`` (full: all; selective: the attention core, beside the
+    engine's share of the rest, :func:`_block_summary`)."""
     if rerun:
         return rerun_classes(rerun)
     return {"full": frozenset(GEMM_CLASSES), "selective": frozenset({"attention"})}.get(
-        plan.recompute, frozenset())
+        recompute, frozenset())
 
 
 def _overlapped(t: float, share: float, window: float) -> float:
@@ -270,14 +269,13 @@ def predict_step(model, plan: ParallelPlan, hw: Hardware, tokens_per_step: int,
     tp_t = ct.tp_s(plan, act, hw, sp.nvlink_eff, sp.net_eff)
     cp_f, cp_b = ct.cp_s(m, plan, seq_len, batch.micro_batch, hw, sp.nvlink_eff, sp.net_eff,
                          kernel_s=sp.kernel_s)
-    again = _reruns(plan, rerun)
+    again = _reruns(plan.recompute, rerun)
     if "attention" in again:
         cp_b += cp_f  # the rerun attention core passes K/V round the ring again
     tp_x = _overlapped(tp_t, eng.tp, sum(blk["gemm"].values()))  # split under its GEMMs
     cp_x = ct.cp_exposed_s(cp_f, cp_b, blk["attn_f"], plan.cp_algorithm, eng.cp)
-    ep_plan = plan if ("experts" in again) == (plan.recompute == "full") else \
-        dataclasses.replace(plan, recompute="full" if "experts" in again else "none")
-    ep_t = frac_moe * moe_comm_s(m, ep_plan, M, hw, sp.nvlink_eff, sp.net_eff, eng.dispatcher)
+    ep_t = frac_moe * moe_comm_s(m, plan, M, hw, sp.nvlink_eff, sp.net_eff, eng.dispatcher,
+                                 rerun="experts" in again)
     ep_x = _overlapped(ep_t, eng.ep, blk_f + blk_b)  # under the other micro-batch's block
 
     # the busiest pipeline rank: the runtime's split of blocks, the head on the last rank
