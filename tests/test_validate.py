@@ -274,6 +274,25 @@ def test_each_source_left_out_is_predicted_by_a_fit_that_never_saw_it():
     assert "mi300x" not in seen.gemm_eff
 
 
+def test_a_scalar_only_the_left_out_source_informs_goes_back_to_its_start():
+    """Row-scaled FP8 and a TPU's grouped expert GEMMs each have one source in the table:
+    left out, its rows must be priced at the unfitted start, not at the rate the full fit
+    took from those same rows (a free parameter no remaining row moves stays put)."""
+    from paratrain.systems.fitting import _names, _unseen_start
+    from paratrain.systems.runs import cases_and_skips
+
+    rowwise = [c for c in cases_and_skips(read_runs())[0] if "rowwise" in c.precision]
+    assert len(rowwise) >= 3
+    full = Params().replace(fp8_rowwise_eff=0.6, tpu_gmm_eff=0.5)
+    kept = _unseen_start(full, rowwise)
+    assert ("fp8_rowwise_eff", None) in _names(rowwise) and kept.fp8_rowwise_eff == 0.6
+    for rows in (_synthetic_cases(), rowwise[:2]):
+        seen = _unseen_start(full, rows)
+        assert ("fp8_rowwise_eff", None) not in _names(rows)
+        assert seen.fp8_rowwise_eff == Params().fp8_rowwise_eff == 1.0
+        assert seen.tpu_gmm_eff == Params().tpu_gmm_eff == 1.0
+
+
 def test_cli_by_source_needs_the_fit(capsys):
     assert main(["validate", "--by-source"]) == 2
     assert "add --fit" in capsys.readouterr().err

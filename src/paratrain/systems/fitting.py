@@ -186,13 +186,31 @@ def _prices_gmm(c: Case) -> bool:
     return is_tpu(generation(c.hw.name)) and c.model.grouped_experts
 
 
+def _prices_rowwise(c: Case) -> bool:
+    """Whether a case's linear layers run row-scaled FP8 (``fp8_rowwise_eff``)."""
+    return str(fp8_scaling(c)).startswith("rowwise")
+
+
+# the scalars that price one class of rows only, with the test for a row of that class:
+# each is fitted only with MIN_ROWS such rows, and a fit whose rows have fewer keeps its
+# unfitted start (:func:`_unseen_start`), not a value that other rows never informed
+NARROW = {"tpu_gmm_eff": _prices_gmm, "fp8_rowwise_eff": _prices_rowwise}
+
+
+def _informed(name: str, cases: list[Case]) -> bool:
+    """Whether ``cases`` inform the scalar ``name``: every row informs the broad ones,
+    MIN_ROWS of its class a :data:`NARROW` one."""
+    test = NARROW.get(name)
+    return test is None or sum(map(test, cases)) >= MIN_ROWS
+
+
 def _names(cases: list[Case]) -> list[tuple[str, str | None]]:
     """The parameters the rows can inform: each generation's GEMM efficiency when it has
     MIN_ROWS rows, its FlashAttention-2 efficiency when MIN_ROWS of them run such a
     kernel (freed with fewer, a fit once pushed B200's to its bound; Blackwell's rows
     that run one count toward Hopper's, at whose rate they run:
-    :data:`~paratrain.systems.step_params.LEGACY_MMA`), and the scalars (the TPU's
-    grouped-matmul share only with MIN_ROWS dropless MoE rows on TPUs)."""
+    :data:`~paratrain.systems.step_params.LEGACY_MMA`), and the scalars (a
+    :data:`NARROW` one only with MIN_ROWS rows of its class)."""
     rows: dict = {}
     attn: dict = {}
     for c in cases:
@@ -203,8 +221,7 @@ def _names(cases: list[Case]) -> list[tuple[str, str | None]]:
     gens = sorted(g for g, n in rows.items() if n >= MIN_ROWS)
     return ([("gemm_eff", g) for g in gens]
             + [("attn_eff", g) for g in gens if attn.get(g, 0) >= MIN_ROWS]
-            + [(s, None) for s in SCALARS
-               if s != "tpu_gmm_eff" or sum(map(_prices_gmm, cases)) >= MIN_ROWS])
+            + [(s, None) for s in SCALARS if _informed(s, cases)])
 
 
 def _label(name: str, g: str | None) -> str:
@@ -371,15 +388,18 @@ def leave_source_out(train: list[Case], cases: list[Case], start: StepParams,
 def _unseen_start(start: StepParams, rows: list[Case]) -> StepParams:
     """``start`` with each per-family efficiency that ``rows`` do not inform (no
     parameter of :func:`_names`) back at its unfitted start, or absent where it has none
-    (``StepParams.gemm_for`` then takes the mean of its kind)."""
+    (``StepParams.gemm_for`` then takes the mean of its kind), and so each :data:`NARROW`
+    scalar: left out, the only source of row-scaled FP8 runs must not be priced at the
+    rate its own runs fitted (which stays put, a parameter no remaining row moves)."""
     base, free = StepParams(), set(_names(rows))
+    narrow = {s: getattr(base, s) for s in NARROW if (s, None) not in free}
 
     def table(name: str) -> dict:
         mine, theirs = getattr(start, name), getattr(base, name)
         return {k: (mine[k] if (name, k) in free else theirs[k])
                 for k in mine if (name, k) in free or k in theirs}
 
-    return start.replace(gemm_eff=table("gemm_eff"), attn_eff=table("attn_eff"))
+    return start.replace(gemm_eff=table("gemm_eff"), attn_eff=table("attn_eff"), **narrow)
 
 
 def write_params(params: StepParams, path: str | Path, provenance: list[str]) -> Path:
