@@ -183,7 +183,7 @@ def test_search_self_check_on_published_runs():
     (with the options its row's engine cell sets, e.g. torch.compile), parameters, ZeRO
     stage and recomputation."""
     from paratrain.cost.memory import memory
-    from paratrain.systems.fitting import case_attention, case_engine
+    from paratrain.systems.row_engine import case_attention, case_engine
 
     p = load_params()
     checked = 0

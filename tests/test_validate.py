@@ -155,7 +155,8 @@ def test_only_rows_that_run_a_flashattention2_kernel_fit_its_efficiency():
     """Blackwell has no FlashAttention-2 efficiency of its own: its few rows that run such
     a kernel (torchtitan's on B200 and GB200) inform Hopper's, at whose absolute rate the
     kernel runs there (step_params.LEGACY_MMA); H100's torchtitan rows fit it too."""
-    from paratrain.systems.fitting import _names, _prices_attn_eff
+    from paratrain.systems.fit_rows import _prices_attn_eff
+    from paratrain.systems.fit_rows import free_params as _names
     from paratrain.systems.runs import cases_and_skips
 
     cases = cases_and_skips(read_runs())[0]
@@ -255,7 +256,8 @@ def test_each_source_left_out_is_predicted_by_a_fit_that_never_saw_it():
     fit's few iterations). A source on a chip no other source has gets no help from the
     full fit: that family goes back to its unfitted start (here 0.75 against a truth of
     0.5), so its rows are priced as a new chip's would be."""
-    from paratrain.systems.fitting import _unseen_start, leave_source_out
+    from paratrain.systems.fit_rows import unseen_start as _unseen_start
+    from paratrain.systems.fitting import leave_source_out
 
     cases = _synthetic_cases()
     truth = TRUTH.replace(gemm_eff={**TRUTH.gemm_eff, "b200": 0.5})
@@ -278,7 +280,8 @@ def test_a_scalar_only_the_left_out_source_informs_goes_back_to_its_start():
     """Row-scaled FP8 and a TPU's grouped expert GEMMs each have one source in the table:
     left out, its rows must be priced at the unfitted start, not at the rate the full fit
     took from those same rows (a free parameter no remaining row moves stays put)."""
-    from paratrain.systems.fitting import _names, _unseen_start
+    from paratrain.systems.fit_rows import free_params as _names
+    from paratrain.systems.fit_rows import unseen_start as _unseen_start
     from paratrain.systems.runs import cases_and_skips
 
     rowwise = [c for c in cases_and_skips(read_runs())[0] if "rowwise" in c.precision]

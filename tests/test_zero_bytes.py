@@ -124,3 +124,26 @@ def test_zero_shrinks_measured_memory_in_the_right_order(runs):
         totals.append(m["params"] + m["grads"] + m["optimizer"])
     assert totals[0] > totals[1] > totals[2] > totals[3]
     assert totals[3] == pytest.approx(totals[0] / d, rel=0.02)
+
+
+def test_the_step_model_prices_zero2_under_a_pipeline_with_one_reduction_per_step():
+    """ZeRO-2 keeps gradients whole over the step under a pipeline (the runtime's counts
+    and the memory model's, ``cost.dp_bytes.grad_reductions``): the step model's data-
+    parallel sync is then ZeRO-1's, one reduce-scatter and one all-gather; without a
+    pipeline it reduce-scatters every micro-batch, m - 1 more of them."""
+    from paratrain.cost.dp_bytes import grad_reductions
+    from paratrain.cost.hardware import load_hardware
+    from paratrain.cost.shapes import load_model
+    from paratrain.systems.step_model import predict_step
+
+    model, hw, m = load_model("llama2-7b"), load_hardware("h100"), 8
+
+    def dp_total(zero: int, pp: int) -> float:
+        plan = ParallelPlan(dp=64 // pp, pp=pp, zero=zero, micro_batches=m)
+        return predict_step(model, plan, hw, plan.dp * m * 4096, 4096).comm["dp"]
+
+    assert [grad_reductions(2, m, p) for p in (False, True)] == [m, 1]
+    assert grad_reductions(3, m, False) == m and grad_reductions(1, m, False) == 1
+    assert dp_total(2, 2) == pytest.approx(dp_total(1, 2), rel=1e-12)
+    one, two = dp_total(1, 1), dp_total(2, 1)
+    assert two > one * (m + 1) / 2 * 0.9  # m reduce-scatters and a gather vs one of each

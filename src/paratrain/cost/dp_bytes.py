@@ -123,6 +123,18 @@ def zero_wire_factor(zero: int, micro_batches: int, pipelined: bool) -> float:
     return float(micro_batches + 1) if zero == 2 else 3.0 * micro_batches
 
 
+def grad_reductions(zero: int, micro_batches: int, pipelined: bool) -> int:
+    """Gradient reductions per step: every micro-batch under ZeRO 2 and 3 without a
+    pipeline (a reduce-scatter is what frees the micro-batch's gradients), else one: ZeRO
+    0 / 1 reduce after the last micro-batch, and under a pipeline gradients stay whole
+    over the step (:func:`sharded_states`), synced once after the last backward, as the
+    runtime does and as PyTorch's pipelining runs FSDP (``set_requires_gradient_sync``
+    off until the last micro-batch). The one home of that count: the runtime's calls
+    (:func:`dp_calls`) and the systems model's sync time
+    (:func:`paratrain.systems.dp_sync.dp_sync`) read it."""
+    return micro_batches if zero >= 2 and not pipelined else 1
+
+
 def dp_calls(mcfg: ModelConfig, plan: ParallelPlan, dtype: str, rank: int,
              reduce_dtype: str = "bfloat16", part: str = "all", ep: int | None = None
              ) -> list[tuple[str, float, int]]:
@@ -144,11 +156,11 @@ def dp_calls(mcfg: ModelConfig, plan: ParallelPlan, dtype: str, rank: int,
     flats = [pad(b, p) for b in dp_flats(mcfg, plan, w, rank, part, ep)]
     if kind == "ddp":
         return [("all_reduce", g * n, 1) for n in flats]
+    rs = grad_reductions(plan.zero, plan.micro_batches, plan.pp > 1)
     if kind == "fsdp":
         gathers = 2 * m if plan.pp == 1 else 1
         return [c for n in flats for c in (("all_gather", w * n, gathers),
-                                           ("reduce_scatter", g * n, m))]
-    rs = m if plan.zero == 2 and plan.pp == 1 else 1
+                                           ("reduce_scatter", g * n, rs))]
     return [c for n in flats for c in (("reduce_scatter", g * n, rs), ("all_gather", w * n, 1))]
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 
+from paratrain.cost.dp_bytes import grad_reductions
 from paratrain.cost.hardware import Hardware
 from paratrain.plan import ParallelPlan
 from paratrain.systems import comm_time as ct
@@ -97,11 +98,12 @@ def dp_sync(plan: ParallelPlan, payloads, hw: Hardware, sp: StepParams, eng: Eng
             continue
         rs, rs_tail = _with_tail("reduce_scatter", d, grad, g_bucket, a, bw)
         ag, ag_tail = _with_tail("all_gather", d, payload, w_bucket, a, bw)
-        if plan.zero == 1:  # distributed optimizer: one of each per step
-            total += rs + ag
-        else:  # ZeRO-2: gradients stay sharded, one reduce-scatter per micro-batch
-            total += m * rs + ag
-            exposed += (m - 1) * max(0.0, rs - eng.dp * stage_b)
+        # one of each per step (the distributed optimizer; ZeRO-2 under a pipeline, whose
+        # gradients stay whole over the step); ZeRO-2 without one reduce-scatters every
+        # micro-batch, each under that micro-batch's backward (dp_bytes.grad_reductions)
+        n_rs = grad_reductions(plan.zero, m, plan.pp > 1)
+        total += n_rs * rs + ag
+        exposed += (n_rs - 1) * max(0.0, rs - eng.dp * stage_b)
         # the reduce-scatter under the last backward, the gather under the next forward
         exposed += _hidden(rs, eng.dp * stage_b, rs_tail) + _hidden(ag, eng.dp * stage_f,
                                                                     ag_tail)

@@ -25,17 +25,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from paratrain.config import read_toml
-from paratrain.systems.gemm import FAMILIES, family, is_tpu
+from paratrain.systems.fit_rows import free_params, unseen_start
+from paratrain.systems.gemm import FAMILIES, family
 from paratrain.systems.partial_recompute import blend
-from paratrain.systems.row_engine import case_engine, fp8_scaling, precision_says
+from paratrain.systems.row_engine import case_attention, case_engine, fp8_scaling
 from paratrain.systems.runs import DATA_DIR, Case, Record
 from paratrain.systems.step_model import Breakdown, predict_step
 from paratrain.systems.step_params import (
     BOUNDS,
-    LEGACY_MMA,
     SCALARS,
     StepParams,
-    native_attention,
 )
 
 FITTED = DATA_DIR / "fitted.toml"
@@ -83,12 +82,6 @@ def _param(path: Path, key: str, v: object, bounds: tuple[float, float]) -> floa
         raise ValueError(f"{str(path)!r}: {key} = {v!r} is outside its physical range "
                          f"[{lo:g}, {hi:g}] (systems/step_params.py); use a value in it")
     return float(v)
-
-
-def case_attention(case: Case) -> str | None:
-    """Eager attention for a run in fp16 (before FlashAttention's adoption in 2022-23),
-    else the engine's kernel (None)."""
-    return "eager" if precision_says(case, "fp16") else None
 
 
 def breakdown(case: Case, params: StepParams) -> Breakdown:
@@ -166,62 +159,9 @@ def summarize(records: list[Record]) -> dict:
 
 
 # ---- fitting: scipy's bounded, robust least squares in the unit box of the bounds ----------
-MIN_ROWS = 3  # a generation's efficiencies are fitted only with this many rows on it
 F_SCALE = 0.0015  # soft_l1's knee: beyond 0.15% a row costs |r| (the MAPE), below it r^2
 AT_BOUND = 1e-3  # within 0.1% of its range of a bound: the bound holds it, not the rows
 NOT_PINNED = 0.25  # a standard deviation over a quarter of its range: the rows leave it free
-
-
-def _prices_attn_eff(c: Case) -> bool:
-    """Whether a case's attention core runs at its generation's ``attn_eff``: a
-    FlashAttention-2 class kernel (``StepParams.attn_for``), not the chip's native fused
-    one (``attn3_eff``), not eager attention's batched GEMMs, not a TPU's compiler."""
-    kernel = case_attention(c) or case_engine(c).attention
-    return kernel != "eager" and not native_attention(generation(c.hw.name), kernel)
-
-
-def _prices_gmm(c: Case) -> bool:
-    """Whether a case's expert GEMMs run at the TPU's grouped-matmul share
-    (``tpu_gmm_eff``): a dropless MoE on a TPU."""
-    return is_tpu(generation(c.hw.name)) and c.model.grouped_experts
-
-
-def _prices_rowwise(c: Case) -> bool:
-    """Whether a case's linear layers run row-scaled FP8 (``fp8_rowwise_eff``)."""
-    return str(fp8_scaling(c)).startswith("rowwise")
-
-
-# the scalars that price one class of rows only, with the test for a row of that class:
-# each is fitted only with MIN_ROWS such rows, and a fit whose rows have fewer keeps its
-# unfitted start (:func:`_unseen_start`), not a value that other rows never informed
-NARROW = {"tpu_gmm_eff": _prices_gmm, "fp8_rowwise_eff": _prices_rowwise}
-
-
-def _informed(name: str, cases: list[Case]) -> bool:
-    """Whether ``cases`` inform the scalar ``name``: every row informs the broad ones,
-    MIN_ROWS of its class a :data:`NARROW` one."""
-    test = NARROW.get(name)
-    return test is None or sum(map(test, cases)) >= MIN_ROWS
-
-
-def _names(cases: list[Case]) -> list[tuple[str, str | None]]:
-    """The parameters the rows can inform: each generation's GEMM efficiency when it has
-    MIN_ROWS rows, its FlashAttention-2 efficiency when MIN_ROWS of them run such a
-    kernel (freed with fewer, a fit once pushed B200's to its bound; Blackwell's rows
-    that run one count toward Hopper's, at whose rate they run:
-    :data:`~paratrain.systems.step_params.LEGACY_MMA`), and the scalars (a
-    :data:`NARROW` one only with MIN_ROWS rows of its class)."""
-    rows: dict = {}
-    attn: dict = {}
-    for c in cases:
-        g = generation(c.hw.name)
-        rows[g] = rows.get(g, 0) + 1
-        a = LEGACY_MMA.get(g, g)  # Blackwell's FlashAttention-2 rows inform Hopper's
-        attn[a] = attn.get(a, 0) + _prices_attn_eff(c)
-    gens = sorted(g for g, n in rows.items() if n >= MIN_ROWS)
-    return ([("gemm_eff", g) for g in gens]
-            + [("attn_eff", g) for g in gens if attn.get(g, 0) >= MIN_ROWS]
-            + [(s, None) for s in SCALARS if _informed(s, cases)])
 
 
 def _label(name: str, g: str | None) -> str:
@@ -308,7 +248,7 @@ def fit_with_errors(cases: list[Case], start: StepParams | None = None, iters: i
     if not cases:
         raise ValueError("no priceable rows to fit on; check the runs table")
     base = start or StepParams()
-    names = _names(cases)
+    names = free_params(cases)
 
     def resid(u) -> np.ndarray:
         p = _to_params(u, names, base)
@@ -375,31 +315,14 @@ def leave_source_out(train: list[Case], cases: list[Case], start: StepParams,
     ``cases`` (fit and held out): the error on a source the fit never saw, which is how
     the model meets a new table. Warm-started from ``start`` (the full fit), except that a
     chip family only the left-out source informs goes back to where a fit that never
-    saw it would leave it (:func:`_unseen_start`)."""
+    saw it would leave it (:func:`~paratrain.systems.fit_rows.unseen_start`)."""
     out = []
     for src in sorted({c.source for c in cases}):
         rest = [c for c in train if c.source != src]
-        p = fit(rest, _unseen_start(start, rest), iters) if rest else start
+        p = fit(rest, unseen_start(start, rest), iters) if rest else start
         out += [Record(c.id, c.source, c.metric, c.reported, predict(c, p))
                 for c in cases if c.source == src]
     return out
-
-
-def _unseen_start(start: StepParams, rows: list[Case]) -> StepParams:
-    """``start`` with each per-family efficiency that ``rows`` do not inform (no
-    parameter of :func:`_names`) back at its unfitted start, or absent where it has none
-    (``StepParams.gemm_for`` then takes the mean of its kind), and so each :data:`NARROW`
-    scalar: left out, the only source of row-scaled FP8 runs must not be priced at the
-    rate its own runs fitted (which stays put, a parameter no remaining row moves)."""
-    base, free = StepParams(), set(_names(rows))
-    narrow = {s: getattr(base, s) for s in NARROW if (s, None) not in free}
-
-    def table(name: str) -> dict:
-        mine, theirs = getattr(start, name), getattr(base, name)
-        return {k: (mine[k] if (name, k) in free else theirs[k])
-                for k in mine if (name, k) in free or k in theirs}
-
-    return start.replace(gemm_eff=table("gemm_eff"), attn_eff=table("attn_eff"), **narrow)
 
 
 def write_params(params: StepParams, path: str | Path, provenance: list[str]) -> Path:

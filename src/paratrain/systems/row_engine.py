@@ -130,6 +130,12 @@ def precision_says(case, word: str) -> bool:
     return word in (getattr(case, "precision", "") or "").lower()
 
 
+def case_attention(case) -> str | None:
+    """Eager attention for a run in fp16 (before FlashAttention's adoption in 2022-23),
+    else the engine's kernel (None)."""
+    return "eager" if precision_says(case, "fp16") else None
+
+
 def eight_bit(case) -> bool:
     """Whether a case's linear layers multiply in 8 bits: FP8 on GPUs, int8 on TPUs
     (MaxText's AQT ``quantization: int8``), priced alike at the chip's 8-bit peak

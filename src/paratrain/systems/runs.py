@@ -37,6 +37,7 @@ from paratrain.systems.overlap import ENGINES
 from paratrain.systems.partial_recompute import recompute_words
 from paratrain.systems.recompute_modules import modules_said
 from paratrain.systems.row_engine import (
+    case_attention,
     case_engine,
     eight_bit,
     engine_options,
@@ -305,8 +306,6 @@ def _fit_memory(case: Case, stated: bool, offload: bool, out: list) -> Case:
     """The case with its recompute inferred (blank: the least that fits), or Skip when the
     layout does not fit even with full recomputation (:mod:`paratrain.systems.
     row_memory`: the least an engine runs it in)."""
-    from paratrain.systems.fitting import case_attention
-
     eng = case_engine(case)
     att = case_attention(case) or eng.attention
     # the engine's "selective" is a share of whole blocks (overlap.Engine.selective_blocks)
