@@ -147,3 +147,27 @@ def test_the_step_model_prices_zero2_under_a_pipeline_with_one_reduction_per_ste
     assert dp_total(2, 2) == pytest.approx(dp_total(1, 2), rel=1e-12)
     one, two = dp_total(1, 1), dp_total(2, 1)
     assert two > one * (m + 1) / 2 * 0.9  # m reduce-scatters and a gather vs one of each
+
+
+def _pipelined_zero3_worker(rank: int, world: int, data: str) -> dict:
+    t = TrainConfig(steps=2, global_batch=8, lr=1e-3, warmup_steps=1, eval_every=0,
+                    eval_batches=1, dtype="float32", data=data)
+    plan = ParallelPlan(dp=world // 2, pp=2, zero=3, micro_batches=4)
+    s = train(MODEL.replace(n_layers=4), t, plan, RunOptions(quiet=True, measure_peak=False))
+    return s["memory"]["measured_per_rank"]
+
+
+def test_zero3_under_a_pipeline_holds_its_stage_whole_as_the_planner_counts(text_file):
+    """Under a pipeline ZeRO-3 gathers its stage once a step and reduces once after the
+    last backward, so the stage's whole weights and gradients sit in communication
+    buffers through the step: the planner's ``zero3_buffers`` is what the runtime
+    measures, up to the flat buffers' padding (a few elements per rank)."""
+    from paratrain.cost.memory import recipe, zero3_buffers
+
+    measured = spawn(_pipelined_zero3_worker, 4, text_file)[0]
+    want = zero3_buffers(MODEL.replace(n_layers=4), ParallelPlan(dp=2, pp=2, zero=3,
+                                                                 micro_batches=4),
+                         recipe("fp32-adam"))
+    for r in measured:
+        assert 0 <= r["comm_buffers"] - want <= 4 * 2 * 64, r
+    assert want > 2 * max(r["params"] for r in measured)  # whole, not the owned shards

@@ -210,7 +210,7 @@ class Memory:
     optimizer_bytes: float
     activations_bytes: float
     logits_bytes: float  # fp32 logits for the loss (last stage; counted when pp == 1)
-    buffers_bytes: float  # ZeRO-3: one layer gathered plus one prefetched
+    buffers_bytes: float  # ZeRO-3 gathered beside its shards (zero3_buffers)
     hbm_bytes: float
 
     @property
@@ -274,7 +274,19 @@ def memory(model: ModelConfig, plan: ParallelPlan, hw: Hardware, tokens_per_step
     batch = split_batch(tokens_per_step, seq_len, plan)
     logits = 4.0 * batch.local_seq * batch.micro_batch * m.vocab_size / plan.tp \
         if plan.pp == 1 else 0.0
-    buffers = 2 * params_per_gpu(model, plan).layer_full * prec.weight_bytes if plan.zero == 3 \
-        else 0.0
-    return Memory(st.weights_bytes, st.grads_bytes, st.optimizer_bytes, act, logits, buffers,
-                  hw.hbm_bytes)
+    return Memory(st.weights_bytes, st.grads_bytes, st.optimizer_bytes, act, logits,
+                  zero3_buffers(model, plan, prec), hw.hbm_bytes)
+
+
+def zero3_buffers(model: ModelConfig, plan: ParallelPlan, prec: Precision) -> float:
+    """Bytes ZeRO-3 holds gathered beside its shards: one layer computing and the next
+    prefetched; under a pipeline the stage's whole weights and gradients, which it gathers
+    at its first forward of the step and reduces after its last backward (the runtime's
+    deferred FSDP, :mod:`paratrain.parallel.fsdp`, as PyTorch's pipelining runs FSDP: one
+    sync a step, :func:`paratrain.cost.dp_bytes.grad_reductions`). 0 below ZeRO-3."""
+    if plan.zero != 3:
+        return 0.0
+    p = params_per_gpu(model, plan)
+    if plan.pp > 1:
+        return p.total * (prec.weight_bytes + prec.grad_bytes)
+    return 2 * p.layer_full * prec.weight_bytes

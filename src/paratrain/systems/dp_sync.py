@@ -87,7 +87,7 @@ def dp_sync(plan: ParallelPlan, payloads, hw: Hardware, sp: StepParams, eng: Eng
             if d == 1:
                 continue
         a, bw = ct.ring_bw(stride, d, hw, sp.nvlink_eff, sp.net_eff)
-        if plan.zero == 3:
+        if plan.zero == 3 and plan.pp == 1:
             t, x = _zero3_gathers(d, payload, grad, blocks, a, bw, hw, sp, eng, blk_f, blk_b)
             total, exposed = total + m * t, exposed + m * x
             continue
@@ -98,9 +98,10 @@ def dp_sync(plan: ParallelPlan, payloads, hw: Hardware, sp: StepParams, eng: Eng
             continue
         rs, rs_tail = _with_tail("reduce_scatter", d, grad, g_bucket, a, bw)
         ag, ag_tail = _with_tail("all_gather", d, payload, w_bucket, a, bw)
-        # one of each per step (the distributed optimizer; ZeRO-2 under a pipeline, whose
-        # gradients stay whole over the step); ZeRO-2 without one reduce-scatters every
-        # micro-batch, each under that micro-batch's backward (dp_bytes.grad_reductions)
+        # one of each per step (the distributed optimizer; ZeRO 2 and 3 under a pipeline,
+        # whose stage keeps its weights and gradients whole over the step and syncs after
+        # the last backward); ZeRO-2 without one reduce-scatters every micro-batch, each
+        # under that micro-batch's backward (dp_bytes.grad_reductions)
         n_rs = grad_reductions(plan.zero, m, plan.pp > 1)
         total += n_rs * rs + ag
         exposed += (n_rs - 1) * max(0.0, rs - eng.dp * stage_b)
@@ -130,8 +131,9 @@ def _zero3_gathers(d: int, payload: float, grad: float, blocks: int, a: float, b
                    ) -> tuple[float, float]:
     """(total, exposed) seconds of one micro-batch's ZeRO-3/FSDP traffic: the blocks'
     weights (``payload``) gathered for the forward and the backward, their gradients
-    (``grad``) reduce-scattered; the weights stay sharded between micro-batches (as the
-    memory model counts them), pipeline stages included. Each gather hides under the
+    (``grad``) reduce-scattered; the weights stay sharded between micro-batches. (Under a
+    pipeline a stage gathers once a step and reduces once, after its last backward, as
+    the runtime and PyTorch's pipelining run FSDP: :func:`dp_sync`.) Each gather hides under the
     previous block's compute, each reduce-scatter under the next block's backward, so the
     first block's forward gather and the last block's reduce-scatter have nothing to hide
     under: a fixed cost per micro-batch that short micro-batches cannot amortise."""
