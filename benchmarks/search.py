@@ -20,7 +20,8 @@ import time
 from paratrain.cost.hardware import load_hardware
 from paratrain.cost.memory import memory
 from paratrain.cost.shapes import load_model
-from paratrain.systems.fitting import case_attention, case_engine, load_params
+from paratrain.systems.fitting import load_params
+from paratrain.systems.row_engine import case_attention, case_engine
 from paratrain.systems.search import search
 from paratrain.systems.step_model import predict_step
 

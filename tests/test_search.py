@@ -42,6 +42,18 @@ def test_slow_network_puts_the_pipeline_across_nodes():
     assert p.pp >= 2 and (p.dp * p.cp - 1) * p.tp + 1 <= 8  # data ranks share a node
 
 
+def test_under_a_pipeline_zero_2_and_3_are_ranked_only_when_asked_for_alone():
+    """Under a pipeline a stage syncs once a step whatever its ZeRO stage, so ZeRO-2 is
+    ZeRO-1 and ZeRO-3 is ZeRO-1 with its shards beside: the search leaves them out where
+    it tries ZeRO-1, and ranks them when they are all it is asked for."""
+    hw = load_hardware("h100")
+    every = [p for p, _ in enumerate_plans(SMALL, hw, 16, 64, 2048)]
+    assert {p.zero for p in every if p.pp == 1} == {0, 1, 2, 3}
+    assert {p.zero for p in every if p.pp > 1} == {0, 1}
+    only3 = [p for p, _ in enumerate_plans(SMALL, hw, 16, 64, 2048, zero_stages=(3,))]
+    assert any(p.pp > 1 for p in only3) and {p.zero for p in only3 if p.dp > 1} == {3}
+
+
 def test_best_is_the_minimum_over_all_fitting_layouts():
     hw = load_hardware("a100-40gb")
     m = load_model("llama2-7b")

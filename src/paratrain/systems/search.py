@@ -133,7 +133,7 @@ def enumerate_plans(model: ModelConfig, hw: Hardware, gpus: int, sequences: int,
                         for ep, etp in eps:
                             for algo in algos:
                                 for zero, r in _zero_replicas(zero_stages, replicas,
-                                                              dp, cp, ep):
+                                                              dp, cp, ep, pp):
                                     for rc in recomputes:
                                         plan = ParallelPlan(
                                             dp=dp, tp=tp, pp=pp, cp=cp, ep=ep,
@@ -157,14 +157,19 @@ def _expert_layouts(m, dp: int, cp: int, tp: int) -> list[tuple[int, int]]:
             if folded // etp % e == 0 and m.experts % e == 0]
 
 
-def _zero_replicas(zero_stages, replicas, dp: int, cp: int, ep: int
+def _zero_replicas(zero_stages, replicas, dp: int, cp: int, ep: int, pp: int = 1
                    ) -> list[tuple[int, int]]:
     """(ZeRO stage, HSDP replicas) pairs of one (dp, cp, ep): replicas > 1 only with
     ZeRO >= 1, dividing dp, leaving 2+ ranks per shard group, without ep (the plan's
-    rules, :class:`paratrain.plan.ParallelPlan`)."""
+    rules, :class:`paratrain.plan.ParallelPlan`). Under a pipeline (``pp`` > 1) ZeRO 2
+    and 3 are left out where ZeRO-1 is tried: a stage keeps its gradients (ZeRO-3 its
+    weights too) whole over the step and syncs once
+    (:func:`paratrain.cost.dp_bytes.grad_reductions`), so ZeRO-2 is ZeRO-1 there and
+    ZeRO-3 is ZeRO-1's traffic with its shards held beside."""
     if dp * cp == 1:
         return [(0, 1)]
-    return [(z, r) for z in zero_stages for r in replicas
+    stages = [z for z in zero_stages if pp == 1 or z <= 1 or 1 not in zero_stages]
+    return [(z, r) for z in stages for r in replicas
             if r == 1 or (z >= 1 and dp % r == 0 and r < dp * cp and ep == 1)]
 
 
