@@ -282,3 +282,14 @@ def test_plan_config_refuses_a_second_model(tmp_path, capsys):
     assert main(["plan", "--config", str(cfg), "--model", "llama2-7b"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: --model llama2-7b and --config")
+
+
+@pytest.mark.parametrize("zero, hint", [(3, False), (1, False), (0, True)])
+def test_under_a_pipeline_the_verdict_suggests_a_higher_zero_only_below_one(zero, hint,
+                                                                           capsys):
+    """Under a pipeline ZeRO 2 and 3 keep the stage's gradients (and weights) whole over
+    the step, so nothing above ZeRO-1 saves memory there: the verdict does not suggest it."""
+    assert main(["plan", "--model", "llama3-8b", "--gpus", "16", "--pp", "2",
+                 "--zero", str(zero)]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "does not fit" in out and ("a higher --zero" in out) == hint

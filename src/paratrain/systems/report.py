@@ -180,8 +180,12 @@ def render(rep: dict, console=None) -> None:
     if me["fits"]:
         con.print(f"verdict: fits, {fmt_gb(me['margin_bytes'])} GB to spare")
     else:
+        # under a pipeline ZeRO 2 and 3 hold the stage whole over the step: no higher
+        # stage than 1 saves memory there (cost.memory.zero3_buffers)
+        zero = pl["zero"] < (1 if pl["pp"] > 1 else 3)
         con.print(f"verdict: [red]does not fit[/], {fmt_gb(-me['margin_bytes'])} GB over; "
-                  "try --recompute full, more --micro-batches, a higher --zero, --tp or --pp")
+                  "try --recompute full, more --micro-batches, "
+                  + ("a higher --zero, " if zero else "") + "--tp or --pp")
 
     s = rep["step"]
     # the step model's prediction, when the command adds it, follows this table
