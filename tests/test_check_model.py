@@ -343,6 +343,7 @@ def test_the_fit_runs_bracket_every_plan_and_set_its_pace(profile, text_file, ca
     from paratrain.config import TrainConfig
     from paratrain.predict import load_machine
     from paratrain.run import cpu_fit as cf
+    from paratrain.run import ring_fit
 
     slow = {"on": False}
 
@@ -360,6 +361,10 @@ def test_the_fit_runs_bracket_every_plan_and_set_its_pace(profile, text_file, ca
     monkeypatch.setattr(cf, "_thread_peak", lambda: 1e10)
     monkeypatch.setattr(cf, "_one_process", one_process)
     monkeypatch.setattr(cf, "busy_core_speed", core_speed)
+    # the ring core's CPU at two batches (ring_fit.ring_core_times: call, its thread, the
+    # plain core, bytes sent), injected like the rest: measured, it is refused on a busy box
+    monkeypatch.setattr(ring_fit, "ring_core_times",
+                        lambda *a: [12e-3, 9e-3, 10e-3, 4e6, 6e-3, 4.5e-3, 5e-3, 2e6])
     monkeypatch.setattr(cf, "collective_costs", lambda: (1e-4, 1e-5, 1e-9, 1e-4, 1e9))
     monkeypatch.setattr(cf, "scalar_cost", lambda: 2e-4)
     assert main(["check-model", "--plans", "dp2", "--profile", profile, "--data", text_file,
