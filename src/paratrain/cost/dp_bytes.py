@@ -135,6 +135,15 @@ def grad_reductions(zero: int, micro_batches: int, pipelined: bool) -> int:
     return micro_batches if zero >= 2 and not pipelined else 1
 
 
+def top_useful_zero(pipelined: bool) -> int:
+    """The highest ZeRO stage that saves memory over the one below it: 3, but 1 under a
+    pipeline, where ZeRO-2 keeps its gradients whole over the step (:func:`sharded_states`)
+    and ZeRO-3 holds its stage whole beside its shards
+    (:func:`paratrain.cost.memory.zero3_buffers`), each with ZeRO-1's one sync a step
+    (:func:`grad_reductions`). The search and the plan's verdict read it."""
+    return 1 if pipelined else 3
+
+
 def dp_calls(mcfg: ModelConfig, plan: ParallelPlan, dtype: str, rank: int,
              reduce_dtype: str = "bfloat16", part: str = "all", ep: int | None = None
              ) -> list[tuple[str, float, int]]:

@@ -11,6 +11,7 @@ import math
 
 from paratrain.config import ModelConfig
 from paratrain.cost import collectives as coll
+from paratrain.cost.dp_bytes import top_useful_zero
 from paratrain.cost.hardware import Hardware
 from paratrain.cost.memory import memory, params_per_gpu, recipe
 from paratrain.cost.shapes import as_shape
@@ -180,12 +181,10 @@ def render(rep: dict, console=None) -> None:
     if me["fits"]:
         con.print(f"verdict: fits, {fmt_gb(me['margin_bytes'])} GB to spare")
     else:
-        # under a pipeline ZeRO 2 and 3 hold the stage whole over the step: no higher
-        # stage than 1 saves memory there (cost.memory.zero3_buffers)
-        zero = pl["zero"] < (1 if pl["pp"] > 1 else 3)
+        higher_zero = pl["zero"] < top_useful_zero(pl["pp"] > 1)
         con.print(f"verdict: [red]does not fit[/], {fmt_gb(-me['margin_bytes'])} GB over; "
                   "try --recompute full, more --micro-batches, "
-                  + ("a higher --zero, " if zero else "") + "--tp or --pp")
+                  + ("a higher --zero, " if higher_zero else "") + "--tp or --pp")
 
     s = rep["step"]
     # the step model's prediction, when the command adds it, follows this table

@@ -31,6 +31,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from paratrain.config import ModelConfig
+from paratrain.cost.dp_bytes import top_useful_zero
 from paratrain.cost.hardware import Hardware
 from paratrain.cost.memory import Memory, memory, mixed_recipe
 from paratrain.cost.shapes import as_shape
@@ -161,14 +162,14 @@ def _zero_replicas(zero_stages, replicas, dp: int, cp: int, ep: int, pp: int = 1
                    ) -> list[tuple[int, int]]:
     """(ZeRO stage, HSDP replicas) pairs of one (dp, cp, ep): replicas > 1 only with
     ZeRO >= 1, dividing dp, leaving 2+ ranks per shard group, without ep (the plan's
-    rules, :class:`paratrain.plan.ParallelPlan`). Under a pipeline (``pp`` > 1) ZeRO 2
-    and 3 are left out where ZeRO-1 is tried: a stage keeps its gradients (ZeRO-3 its
-    weights too) whole over the step and syncs once
-    (:func:`paratrain.cost.dp_bytes.grad_reductions`), so ZeRO-2 is ZeRO-1 there and
-    ZeRO-3 is ZeRO-1's traffic with its shards held beside."""
+    rules, :class:`paratrain.plan.ParallelPlan`). Under a pipeline (``pp`` > 1) the
+    stages above :func:`paratrain.cost.dp_bytes.top_useful_zero` are left out where
+    that stage is tried: ZeRO-2 is ZeRO-1 there, ZeRO-3 ZeRO-1's traffic with its shards
+    held beside."""
     if dp * cp == 1:
         return [(0, 1)]
-    stages = [z for z in zero_stages if pp == 1 or z <= 1 or 1 not in zero_stages]
+    top = top_useful_zero(pp > 1)
+    stages = [z for z in zero_stages if z <= top or top not in zero_stages]
     return [(z, r) for z in stages for r in replicas
             if r == 1 or (z >= 1 and dp % r == 0 and r < dp * cp and ep == 1)]
 
