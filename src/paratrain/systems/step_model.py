@@ -173,7 +173,7 @@ def _block_summary(m, M: int, seq_len: int, tp: int, cp: int, sp: bool, ep: int,
     named = None if sel else _reruns(recompute, rerun)
     attn_f = avg(lambda b: b.attn_fwd_s)
     fwd = avg(lambda b: b.fwd_s)
-    gemm, again = {}, 0.0
+    gemm, again, fwd_gemm = {}, 0.0, 0.0
     for cls in GEMM_CLASSES:
         f = avg(lambda b, c=cls: b.fwd.get(c, 0.0))
         b_ = avg(lambda b, c=cls: b.bwd.get(c, 0.0))
@@ -181,9 +181,14 @@ def _block_summary(m, M: int, seq_len: int, tp: int, cp: int, sp: bool, ep: int,
             full_rerun_share(cls, m.mlp_up_matrices, dead_tail) if cls in named else 0.0
         b_ += share * f
         again += share * f
+        fwd_gemm += f
         if f + b_:
             gemm[cls] = f + b_
-    rc = selective if sel else float(bool(named))  # element-wise work rerun
+    # element-wise work (and its launches) rerun: selective's share, all of it under full
+    # recompute, and for named modules the share of the forward's GEMM time they rerun
+    # (the element-wise work goes with the GEMMs it feeds: mla_up_proj reruns its norms,
+    # not the experts' activation and permutation)
+    rc = selective if sel else (again / fwd_gemm if rerun and fwd_gemm else float(bool(named)))
     mem_again = rc * avg(lambda b: b.mem_fwd_s)
     bwd = avg(lambda b: b.bwd_s) + again + mem_again + rc * avg(lambda b: b.overhead_s) / 3
     return {"fwd": fwd, "bwd": bwd, "attn_f": attn_f, "gemm": gemm,
