@@ -53,9 +53,10 @@ def test_tile_and_wave_quantisation_by_hand():
 def test_parameters_are_few_and_physical():
     p = load_params()
     # a100, h100, b200, b300, mi300x and six TPU generations (five pinned by the runs),
-    # three FlashAttention-2 figures, eight scalars (FP8 GEMMs' efficiency, row-scaled
-    # FP8 GEMMs' and the TPU's grouped matmuls' among them)
-    assert p.count() <= 22
+    # three FlashAttention-2 figures, ten scalars (native attention on Hopper, Blackwell
+    # and TPUs, FP8 GEMMs' efficiency, row-scaled FP8 GEMMs' and the TPU's grouped
+    # matmuls' among them)
+    assert p.count() <= 24
     for name, (lo, hi) in BOUNDS.items():
         vals = getattr(p, name)
         for v in (vals.values() if isinstance(vals, dict) else [vals]):
@@ -304,6 +305,34 @@ def test_experts_split_over_tp_only_where_the_plan_says_so():
 
     assert experts_s(2, 1) == pytest.approx(experts_s(1, 1))
     assert experts_s(2, 2) < 0.6 * experts_s(1, 1)
+
+
+def test_narrow_heads_run_flash_attention_at_the_rate_published_kernels_reach():
+    """A score costs its softmax work whatever the head's width: at 64-wide heads the
+    FlashAttention-3 paper's H100 forward figures (16K tokens) are 413 of 595 TF/s for
+    cuDNN's kernel and 324 of 370 for FlashAttention-2's, and the model's rate at 64 over
+    128 reproduces both; wider heads run no faster; a block's attention at 64-wide heads
+    costs that much more time per FLOP than at 128-wide ones."""
+    from paratrain.config import ModelConfig
+    from paratrain.cost.shapes import as_shape
+    from paratrain.systems.layer_cost import Rates, block_cost, head_dim_rate
+    from paratrain.systems.step_params import FA2_HEAD_DIMS, NATIVE_HEAD_DIMS
+
+    assert head_dim_rate(64, NATIVE_HEAD_DIMS) == pytest.approx(413 / 595, rel=0.01)
+    assert head_dim_rate(64, FA2_HEAD_DIMS) == pytest.approx(324 / 370, rel=0.01)
+    assert head_dim_rate(128, NATIVE_HEAD_DIMS) == head_dim_rate(256, NATIVE_HEAD_DIMS) == 1
+    p = load_params()
+    r = Rates(p.gemm_for("h100"), 0.5, p.hbm_eff, p.kernel_s, attn_head_dims=NATIVE_HEAD_DIMS)
+    chip = chip_of(H100.name)
+
+    def attention_s(heads):  # the same d_model, so the same attention FLOPs
+        run = as_shape(ModelConfig(d_model=2048, n_heads=heads, d_ff=4096, context=4096))
+        c = block_cost(run, 8192, 4096, 1, 1, False, 1, H100, chip, r, moe=False,
+                       attention="flash3")
+        return c.fwd["attention"] + c.bwd["attention"]
+
+    assert attention_s(32) / attention_s(16) == pytest.approx(
+        1 / head_dim_rate(64, NATIVE_HEAD_DIMS))
 
 
 def test_xla_full_recompute_skips_the_gemms_whose_outputs_backward_never_reads():

@@ -170,11 +170,13 @@ def test_only_rows_that_run_a_flashattention2_kernel_fit_its_efficiency():
 def test_flashattention2_on_blackwell_runs_at_hoppers_absolute_rate():
     """A FlashAttention-2 class kernel (mma.sync) gains nothing from Blackwell's tensor
     cores: on B200 / B300 it runs at attn_eff[h100] x 989 TF/s, as a share of their own
-    peak; their native kernel (cuDNN's, "flash3") at attn3_eff, as on Hopper."""
+    peak; their native kernel (cuDNN's, "flash3") at Blackwell's own native figure
+    (attn3_bw_eff), Hopper's at attn3_eff, a TPU's attention at attn_tpu_eff."""
     from paratrain.cost.hardware import load_hardware
     from paratrain.systems.step_params import StepParams
 
-    p = StepParams().replace(attn_eff={"a100": 0.6, "h100": 0.25}, attn3_eff=0.7)
+    p = StepParams().replace(attn_eff={"a100": 0.6, "h100": 0.25}, attn3_eff=0.4,
+                             attn3_bw_eff=0.7, attn_tpu_eff=0.5)
     for key in ("b200", "gb200", "b300", "gb300"):
         hw = load_hardware(key)
         rate = p.attn_for(hw.name, "flash", hw.peak_flops) * hw.peak_flops
@@ -182,6 +184,10 @@ def test_flashattention2_on_blackwell_runs_at_hoppers_absolute_rate():
         assert p.attn_for(hw.name, "flash3", hw.peak_flops) == 0.7
     h100 = load_hardware("h100")
     assert p.attn_for(h100.name, "flash", h100.peak_flops) == 0.25
+    assert p.attn_for(h100.name, "flash3", h100.peak_flops) == 0.4
+    for key in ("tpu-v5p", "tpu-v7x"):
+        tpu = load_hardware(key)
+        assert p.attn_for(tpu.name, "flash", tpu.peak_flops) == 0.5
 
 
 def test_the_first_flashattention_runs_at_half_flashattention2s_rate():
@@ -350,16 +356,18 @@ def _noisy(cases: list, noise: float, seed: int = 0) -> list:
 
 
 def test_fit_reports_constants_the_rows_do_not_depend_on_as_not_pinned():
-    """A100 rows only: H100's GEMM efficiency has no row (not fitted), and the
-    Hopper-native attention efficiency is fitted but no A100 row uses it (a zero column
-    of the Jacobian): both not pinned, while A100's GEMM efficiency is, tightly."""
+    """A100 rows only: H100's GEMM efficiency has no row (not fitted), nor Hopper's
+    native attention (a narrow figure, fitted only with rows that run it), and the FP8
+    GEMMs' efficiency is fitted but no BF16 A100 row uses it (a zero column of the
+    Jacobian): all not pinned, while A100's GEMM efficiency is, tightly."""
     from paratrain.systems.validate import fit_with_errors
 
     cases = _noisy(_fit_rows("a100", 3), 0.0)
     u = fit_with_errors(cases).as_dict()
-    assert {"gemm_eff[h100]", "attn3_eff"} <= set(u["not_pinned"])
-    assert not u["params"]["gemm_eff[h100]"]["fitted"] and u["params"]["attn3_eff"]["fitted"]
-    assert u["params"]["attn3_eff"]["sigma"] is None
+    assert {"gemm_eff[h100]", "attn3_eff", "fp8_eff"} <= set(u["not_pinned"])
+    assert not u["params"]["gemm_eff[h100]"]["fitted"]
+    assert not u["params"]["attn3_eff"]["fitted"] and u["params"]["fp8_eff"]["fitted"]
+    assert u["params"]["fp8_eff"]["sigma"] is None
     assert "gemm_eff[a100]" in u["pinned"]
     assert u["params"]["gemm_eff[a100]"]["value"] == pytest.approx(0.7, abs=1e-5)
     assert u["params"]["gemm_eff[a100]"]["sigma"] < 1e-3

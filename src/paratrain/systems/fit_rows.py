@@ -23,9 +23,19 @@ MIN_ROWS = 3  # a generation's efficiencies are fitted only with this many rows 
 def _prices_attn_eff(c: Case) -> bool:
     """Whether a case's attention core runs at its generation's ``attn_eff``: a
     FlashAttention-2 class kernel (``StepParams.attn_for``), not the chip's native fused
-    one (``attn3_eff``), not eager attention's batched GEMMs, not a TPU's compiler."""
+    one (``StepParams.native_attn``), not eager attention's batched GEMMs, not a TPU's."""
     kernel = case_attention(c) or case_engine(c).attention
     return kernel != "eager" and not native_attention(family(c.hw.name), kernel)
+
+
+def _native(c: Case) -> str | None:
+    """The native attention figure a case's attention core runs at
+    (``StepParams.native_attn``), or None when it runs another kernel."""
+    fam = family(c.hw.name)
+    if not native_attention(fam, case_attention(c) or case_engine(c).attention):
+        return None
+    return "attn_tpu_eff" if is_tpu(fam) else "attn3_bw_eff" if fam in LEGACY_MMA \
+        else "attn3_eff"
 
 
 def _prices_gmm(c: Case) -> bool:
@@ -42,7 +52,9 @@ def _prices_rowwise(c: Case) -> bool:
 # the scalars that price one class of rows only, with the test for a row of that class:
 # each is fitted only with MIN_ROWS such rows, and a fit whose rows have fewer keeps its
 # unfitted start (:func:`unseen_start`), not a value that other rows never informed
-NARROW = {"tpu_gmm_eff": _prices_gmm, "fp8_rowwise_eff": _prices_rowwise}
+NARROW = {"tpu_gmm_eff": _prices_gmm, "fp8_rowwise_eff": _prices_rowwise,
+          **{name: (lambda c, n=name: _native(c) == n)
+             for name in ("attn3_eff", "attn3_bw_eff", "attn_tpu_eff")}}
 
 
 def _informed(name: str, cases: list[Case]) -> bool:

@@ -17,8 +17,13 @@ experts         E / ep GEMMs of u k ep / E rows, f / etp     :mod:`.moe_step`
 
 Backward is the input-gradient and weight-gradient GEMMs (twice the forward FLOPs);
 flash attention's backward does 2.5 times its forward's matmul work (five matmuls to
-two, Dao 2023). Causal attention computes half the score matrix; context parallelism's
-load-balanced split gives each rank 1/cp of it (:mod:`paratrain.cost.cp_bytes`).
+two, Dao 2023). A flash kernel's rate (``attn_eff``, a 128-wide head's) falls with
+narrower heads: each score costs its softmax work whatever the head's width, as if the
+head were ``h0`` wider (``Rates.attn_head_dims``), so a head of width h < 128 runs at
+h / (h + h0) x (128 + h0) / 128 of it (:func:`head_dim_rate`); wider heads run no faster
+(at 256, FlashAttention-3 holds its 128-wide rate, cuDNN's and FlashAttention-2's drop).
+Causal attention computes half the score matrix; context parallelism's load-balanced
+split gives each rank 1/cp of it (:mod:`paratrain.cost.cp_bytes`).
 
 Memory-bound work (norms, residual adds, activation functions, RoPE, dropout, MoE
 permutation) is counted in bytes read and written per token and priced at the HBM's
@@ -133,6 +138,15 @@ class Rates:
     gmm_eff: float = 1.0  # a dropless MoE's grouped expert GEMMs' rate over gemm_eff (TPU)
     graph_scopes: tuple[str, ...] = ()  # parts of a layer replayed from CUDA graphs
     graph_kernel_s: float = 0.0  # ... whose kernels cost this instead of kernel_s
+    attn_head_dims: float = 0.0  # a score's softmax work, in head widths (head_dim_rate)
+
+
+def head_dim_rate(head_dim: float, h0: float) -> float:
+    """A flash kernel's rate at heads ``head_dim`` wide over its rate at 128-wide heads,
+    a score's fixed work counted as ``h0`` more head widths (module docstring)."""
+    if head_dim >= 128 or h0 <= 0:
+        return 1.0
+    return head_dim / (head_dim + h0) * (128 + h0) / 128
 
 
 @dataclass(frozen=True)
@@ -213,7 +227,8 @@ def block_cost(m: ModelShape, M: int, seq_len: int, tp: int, cp: int, sp: bool, 
     if attention != "eager":  # flash(3), causal: half the s x s scores (or a local
         # window's, ModelShape.attended_keys), 1/cp on this rank
         attn_flops = 2.0 * b_seqs * seq_len * m.attended_keys(seq_len) * heads * (dqk + dv) / cp
-        attn_f = attn_flops / (hw.peak_flops * r.attn_eff)
+        rate = r.attn_eff * head_dim_rate((dqk + dv) / 2, r.attn_head_dims)
+        attn_f = attn_flops / (hw.peak_flops * rate)
         fwd["attention"], bwd["attention"] = attn_f, 2.5 * attn_f
         scores = 0.0
     else:  # eager: batched GEMMs over the whole score matrix, which goes through HBM

@@ -1,6 +1,6 @@
 """The step-time model's free parameters: few, physical, each with its provenance.
 
-Twenty-two numbers (with the table's six TPU generations and MI300X), all efficiencies in
+Twenty-four numbers (with the table's six TPU generations and MI300X), all efficiencies in
 (0, 1] of a catalogue figure, except one latency (a family's efficiencies keep their start
 values when a table has too few rows on it):
 
@@ -29,10 +29,17 @@ attn_eff[a100]     0.60     FlashAttention-2 forward+backward at ~50-70% of peak
                             (Dao 2023); bounded by 0.75 (its best forward is 73%)
 attn_eff[h100]     0.35     FlashAttention-2 on H100 reaches ~35-40% of peak: it does not
                             use Hopper's asynchronous tensor cores (Shah et al. 2024)
-attn3_eff          0.60     native fused attention: Hopper's (FlashAttention-3, cuDNN's, as
+attn3_eff          0.60     Hopper's native fused attention (FlashAttention-3, cuDNN's, as
                             Transformer Engine runs it: ~600-750 of 989 TF/s forward,
-                            Shah et al. 2024) and the TPU compiler's, bounded by 0.8;
+                            Shah et al. 2024, the backward slower), bounded by 0.8;
                             engines that run it: overlap.py
+attn3_bw_eff       0.60     Blackwell's (B200, B300 and their Grace pairings): cuDNN's
+                            kernels on the fifth-generation tensor cores, another code
+                            path than Hopper's; Hopper's start and bound
+attn_tpu_eff       0.60     a TPU's attention (the compiler's fused kernel, Pallas splash
+                            attention), another kernel again: Hopper's start and bound.
+                            One figure for the three once put H100's long-sequence runs
+                            30% fast: they say 0.33, Blackwell's 0.42, TPUs' 0.49
 fp8_eff            1.0      FP8 GEMMs' share of the FP8 peak over gemm_eff: at 8192^3
                             cuBLASLt's FP8 GEMMs reach about the share of their (twice
                             as high) peak that BF16's reach of theirs, so 1 is the start
@@ -107,6 +114,14 @@ LEGACY_MMA = {"b200": "h100", "b300": "h100"}
 NATIVE_ATTENTION = ("h100", "b200", "b300")
 
 
+# a score's softmax work, in head widths (layer_cost.head_dim_rate), from the forward
+# rates at 64- and 128-wide heads that FlashAttention-3's paper measures on H100 SXM5 at
+# 16K tokens (Shah et al. 2024, its forward-speed figures): cuDNN's kernel, which
+# Transformer Engine runs natively, 413 against 595 TF/s, h0 = 101 (FlashAttention-3's own
+# 497 against 648, 56); FlashAttention-2's 324 against 370, h0 = 21
+NATIVE_HEAD_DIMS, FA2_HEAD_DIMS = 101.0, 21.0
+
+
 # FlashAttention (the first, 2022) over FlashAttention-2's rate on the same chip: "about 2x
 # faster than FlashAttention" (Dao 2023, FlashAttention-2, Sec. 4.1, A100 forward and
 # backward); a row whose engine cell names it (row_engine.ENGINE_OPTIONS) runs "flash1"
@@ -114,7 +129,7 @@ FLASH1_SPEED = 0.5
 
 
 def native_attention(fam: str, kernel: str) -> bool:
-    """Whether ``kernel`` on a chip family runs at the native fused rate (``attn3_eff``):
+    """Whether ``kernel`` on a chip family runs at its native fused rate (``native_attn``):
     a TPU's compiled attention always, ``flash3`` on :data:`NATIVE_ATTENTION`; otherwise a
     fused kernel runs at the family's FlashAttention-2 class ``attn_eff`` (eager attention
     is priced as its batched GEMMs, :mod:`paratrain.systems.layer_cost`)."""
@@ -130,9 +145,10 @@ def _peak(key: str) -> float:
 # the share of a hidden data-parallel transfer's time that still slows the step; a fixed
 # physical figure, not one of the fitted parameters (module docstring)
 OVERLAP_TAX = 0.2
-SCALARS = ("attn3_eff", "fp8_eff", "fp8_rowwise_eff", "tpu_gmm_eff", "hbm_eff", "nvlink_eff",
-           "net_eff", "kernel_s")
+SCALARS = ("attn3_eff", "attn3_bw_eff", "attn_tpu_eff", "fp8_eff", "fp8_rowwise_eff",
+           "tpu_gmm_eff", "hbm_eff", "nvlink_eff", "net_eff", "kernel_s")
 BOUNDS = {"gemm_eff": (0.3, 1.0), "attn_eff": (0.15, 0.75), "attn3_eff": (0.2, 0.8),
+          "attn3_bw_eff": (0.2, 0.8), "attn_tpu_eff": (0.2, 0.8),
           "fp8_eff": (0.4, 1.0), "fp8_rowwise_eff": (0.4, 1.0), "tpu_gmm_eff": (0.3, 1.0),
           "hbm_eff": (0.3, 1.0),
           "nvlink_eff": (0.6, 1.0),
@@ -145,6 +161,8 @@ class StepParams:
     gemm_eff: dict = field(default_factory=lambda: dict(GEMM_EFF))
     attn_eff: dict = field(default_factory=lambda: dict(ATTN_EFF))
     attn3_eff: float = 0.60
+    attn3_bw_eff: float = 0.60
+    attn_tpu_eff: float = 0.60
     fp8_eff: float = 1.0
     fp8_rowwise_eff: float = 1.0
     tpu_gmm_eff: float = 1.0
@@ -169,7 +187,7 @@ class StepParams:
                  peak_flops: float | None = None) -> float:
         """Attention efficiency of ``kernel`` on this chip (BF16 peak ``peak_flops``): the
         chip's native fused attention (FlashAttention-3 / cuDNN on Hopper, "flash3"; on
-        TPUs the compiler's fused kernel, always) at attn3_eff; FlashAttention-2 class at
+        TPUs the compiler's fused kernel, always) at ``native_attn``; FlashAttention-2 class at
         the generation's attn_eff, on Blackwell at Hopper's absolute rate
         (:data:`LEGACY_MMA`); the first FlashAttention ("flash1") at
         :data:`FLASH1_SPEED` of FlashAttention-2's."""
@@ -177,17 +195,27 @@ class StepParams:
             return FLASH1_SPEED * self.attn_for(hw_name, "flash", peak_flops)
         fam = family(hw_name)
         if native_attention(fam, kernel):
-            return self.attn3_eff
+            return self.native_attn(fam)
         ref = LEGACY_MMA.get(fam)
         if ref is not None and peak_flops:
             return self.attn_eff.get(ref, ATTN_EFF[ref]) * _peak(ref) / peak_flops
         return self.attn_eff.get(fam, ATTN_EFF.get(fam, self.gemm_for(hw_name) * 0.7))
 
+    def native_attn(self, fam: str) -> float:
+        """The native fused attention's share of peak on a chip family: a TPU's, Blackwell's
+        (:data:`LEGACY_MMA`'s families) or Hopper's (``attn3_eff``)."""
+        if is_tpu(fam):
+            return self.attn_tpu_eff
+        return self.attn3_bw_eff if fam in LEGACY_MMA else self.attn3_eff
+
     def rates(self, hw_name: str, kernel: str = "flash",
               peak_flops: float | None = None) -> Rates:
+        fam = family(hw_name)
         return Rates(self.gemm_for(hw_name), self.attn_for(hw_name, kernel, peak_flops),
                      self.hbm_eff, self.kernel_s,
-                     gmm_eff=self.tpu_gmm_eff if is_tpu(family(hw_name)) else 1.0)
+                     gmm_eff=self.tpu_gmm_eff if is_tpu(fam) else 1.0,
+                     attn_head_dims=NATIVE_HEAD_DIMS if native_attention(fam, kernel)
+                     else FA2_HEAD_DIMS)
 
     def replace(self, **kw) -> StepParams:
         return dataclasses.replace(self, **kw)

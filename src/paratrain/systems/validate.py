@@ -208,7 +208,8 @@ def render_validate(res: dict, console=None) -> None:
                                                        p["gemm_eff"].items())
                   + "; attn_eff " + ", ".join(f"{k} {v:.3f}" for k, v in
                                              p["attn_eff"].items())
-                  + f"; attn3_eff {p['attn3_eff']:.3f}; fp8_eff {p['fp8_eff']:.3f}; "
+                  + f"; attn3_eff {p['attn3_eff']:.3f}; attn3_bw_eff {p['attn3_bw_eff']:.3f}; "
+                  f"attn_tpu_eff {p['attn_tpu_eff']:.3f}; fp8_eff {p['fp8_eff']:.3f}; "
                   f"fp8_rowwise_eff {p['fp8_rowwise_eff']:.3f}; "
                   f"tpu_gmm_eff {p['tpu_gmm_eff']:.3f}; hbm_eff {p['hbm_eff']:.3f}; "
                   f"nvlink_eff {p['nvlink_eff']:.3f}; net_eff {p['net_eff']:.3f}; "
