@@ -39,7 +39,7 @@ attn3_bw_eff       0.60     Blackwell's (B200, B300 and their Grace pairings): c
 attn_tpu_eff       0.60     a TPU's attention (the compiler's fused kernel, Pallas splash
                             attention), another kernel again: Hopper's start and bound.
                             One figure for the three once put H100's long-sequence runs
-                            30% fast: they say 0.33, Blackwell's 0.42, TPUs' 0.49
+                            30% fast: they say 0.33, Blackwell's 0.42, TPUs' 0.48
 fp8_eff            1.0      FP8 GEMMs' share of the FP8 peak over gemm_eff: at 8192^3
                             cuBLASLt's FP8 GEMMs reach about the share of their (twice
                             as high) peak that BF16's reach of theirs, so 1 is the start
