@@ -15,7 +15,13 @@ from __future__ import annotations
 from paratrain.systems.gemm import family, is_tpu
 from paratrain.systems.row_engine import case_attention, case_engine, fp8_scaling
 from paratrain.systems.runs import Case
-from paratrain.systems.step_params import LEGACY_MMA, SCALARS, StepParams, native_attention
+from paratrain.systems.step_params import (
+    LEGACY_MMA,
+    SCALARS,
+    StepParams,
+    native_attention,
+    native_attn_name,
+)
 
 MIN_ROWS = 3  # a generation's efficiencies are fitted only with this many rows on it
 
@@ -34,8 +40,7 @@ def _native(c: Case) -> str | None:
     fam = family(c.hw.name)
     if not native_attention(fam, case_attention(c) or case_engine(c).attention):
         return None
-    return "attn_tpu_eff" if is_tpu(fam) else "attn3_bw_eff" if fam in LEGACY_MMA \
-        else "attn3_eff"
+    return native_attn_name(fam)
 
 
 def _prices_gmm(c: Case) -> bool:

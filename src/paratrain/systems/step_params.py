@@ -136,6 +136,15 @@ def native_attention(fam: str, kernel: str) -> bool:
     return is_tpu(fam) or (kernel == "flash3" and fam in NATIVE_ATTENTION)
 
 
+def native_attn_name(fam: str) -> str:
+    """The scalar that prices a chip family's native fused attention: a TPU's
+    (``attn_tpu_eff``), Blackwell's (:data:`LEGACY_MMA`'s families, ``attn3_bw_eff``) or
+    Hopper's (``attn3_eff``)."""
+    if is_tpu(fam):
+        return "attn_tpu_eff"
+    return "attn3_bw_eff" if fam in LEGACY_MMA else "attn3_eff"
+
+
 @cache
 def _peak(key: str) -> float:
     """A catalogue chip's BF16 peak, read once (``attn_for`` runs for every priced row)."""
@@ -202,11 +211,9 @@ class StepParams:
         return self.attn_eff.get(fam, ATTN_EFF.get(fam, self.gemm_for(hw_name) * 0.7))
 
     def native_attn(self, fam: str) -> float:
-        """The native fused attention's share of peak on a chip family: a TPU's, Blackwell's
-        (:data:`LEGACY_MMA`'s families) or Hopper's (``attn3_eff``)."""
-        if is_tpu(fam):
-            return self.attn_tpu_eff
-        return self.attn3_bw_eff if fam in LEGACY_MMA else self.attn3_eff
+        """The native fused attention's share of peak on a chip family
+        (:func:`native_attn_name`)."""
+        return getattr(self, native_attn_name(fam))
 
     def rates(self, hw_name: str, kernel: str = "flash",
               peak_flops: float | None = None) -> Rates:

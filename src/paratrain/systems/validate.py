@@ -42,7 +42,7 @@ from paratrain.systems.runs import (
     row_to_case,
     source_key,
 )
-from paratrain.systems.step_params import StepParams
+from paratrain.systems.step_params import SCALARS, StepParams
 
 __all__ = ["DEFAULT_RUNS", "FITTED", "HOLDOUT", "UNFITTED", "Case", "Params", "Record",
            "Skip", "cases_and_skips", "fit", "fit_with_errors", "generation", "heldout_ids",
@@ -208,12 +208,8 @@ def render_validate(res: dict, console=None) -> None:
                                                        p["gemm_eff"].items())
                   + "; attn_eff " + ", ".join(f"{k} {v:.3f}" for k, v in
                                              p["attn_eff"].items())
-                  + f"; attn3_eff {p['attn3_eff']:.3f}; attn3_bw_eff {p['attn3_bw_eff']:.3f}; "
-                  f"attn_tpu_eff {p['attn_tpu_eff']:.3f}; fp8_eff {p['fp8_eff']:.3f}; "
-                  f"fp8_rowwise_eff {p['fp8_rowwise_eff']:.3f}; "
-                  f"tpu_gmm_eff {p['tpu_gmm_eff']:.3f}; hbm_eff {p['hbm_eff']:.3f}; "
-                  f"nvlink_eff {p['nvlink_eff']:.3f}; net_eff {p['net_eff']:.3f}; "
-                  f"kernel {p['kernel_s'] * 1e6:.1f} us")
+                  + "".join(f"; {k} {p[k]:.3f}" for k in SCALARS if k != "kernel_s")
+                  + f"; kernel {p['kernel_s'] * 1e6:.1f} us")
     if "fit" in res:
         f = res["fit"]
         con.print(f"[bold]fit[/] of {f['n_params']} parameters on {f['train_rows']} rows; "
