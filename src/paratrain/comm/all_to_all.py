@@ -27,16 +27,22 @@ event loops start first:
   thread sleeps about once instead of once per message (each wake-up is a scheduler slice
   on an oversubscribed machine).
 - No staging: sends are contiguous row views of the input (``split_with_sizes``),
-  receives land in the output's own row slices; the local piece is copied after posting,
-  while the transfers fly. Empty pieces are not sent (both ends know the sizes).
+  receives land in the output's own row slices. Empty pieces are not sent (both ends
+  know the sizes). The local piece is copied first, before anything is posted, as
+  gloo's own ``alltoall`` does: copied after posting, while the transfers flew, the copy
+  competed for a core with the event loop's socket copies, and in the same processes,
+  alternating (5 invocations, 33 (p, size) pairs at 1-16 MiB, 2026-12-07), copying first
+  was ahead in 29; the medians of gloo's per-call rate went 0.74 -> 0.92 (p 2),
+  0.87 -> 1.02 (p 4) and 0.89 -> 0.92 (p 8).
 - Messages go straight to the group's ``ProcessGroup.send`` / ``recv`` with group ranks:
   ``dist.isend``'s Python wrapper (group checks, rank translation) cost more per message
   than the message's own posting, and on 2 shared cores every microsecond of a rank's CPU
   is a microsecond its peers' transfers wait for a core.
 
-Speed: 0.8-1.0x gloo's ``all_to_all_single`` per call and 0.85-1.2x back to back at 1-4
-MiB per rank for p 2, 4, 8 on the 2-core machine (docs/expert-parallel.md,
-"Expert-parallel exchange vs PyTorch"):
+Speed: 0.75-1.1x gloo's ``all_to_all_single`` per call and 0.75-1.3x back to back at 1-4
+MiB per rank for p 2, 4, 8 on the 2-core machine, the benchmark's medians moving by as
+much between invocations (docs/expert-parallel.md, "Expert-parallel exchange vs
+PyTorch"):
 the same messages, posted from Python instead of gloo's C++ worker thread, which costs
 each rank about 14 us more CPU per message at p 8 (process CPU time per call, 1.15 against
 0.95 ms at 1 MiB). Most of that is not Python but gloo's TCP event loop (2026-12-05, p 8,
@@ -75,6 +81,7 @@ def all_to_all(out: torch.Tensor, x: torch.Tensor, out_splits: list[int],
     went to other ranks: the counters' ground truth)."""
     pg = group if group is not None else dist.group.WORLD
     sends, recvs = x.split_with_sizes(in_splits), out.split_with_sizes(out_splits)
+    recvs[rank].copy_(sends[rank])
     works, sent = [], 0
     for dst, src in partners(len(in_splits), rank):
         if in_splits[dst]:
@@ -82,7 +89,6 @@ def all_to_all(out: torch.Tensor, x: torch.Tensor, out_splits: list[int],
             sent += sends[dst].nbytes
         if out_splits[src]:
             works.append(pg.recv([recvs[src]], src, 0))
-    recvs[rank].copy_(sends[rank])
     for w in reversed(works):
         w.wait()
     return sent
