@@ -254,6 +254,12 @@ def test_cli_fit_writes_parameters_and_holdout(tmp_path, capsys):
     for k in u["pinned"]:  # each pinned one on its own line with its +/-, brackets kept
         assert any(line.split()[:1] == [k] and "+/-" in line for line in lines), k
     assert "not pinned by the runs: " in text.getvalue()
+    # --no-loo: the same fit and held-out score without the row-by-row refits
+    assert main(["validate", "--runs", str(runs), "--fit", "--no-loo", "--holdout",
+                 "narayanan21_t1_1008.0B,dgxc_gpt3_175b_2048", "--json"]) == 0
+    quick = json.loads(capsys.readouterr().out)["fit"]
+    assert "loo" not in quick and quick["holdout"]["overall"]["n"] == 2
+    assert quick["in_table"] == res["fit"]["in_table"]
 
 
 def test_each_source_left_out_is_predicted_by_a_fit_that_never_saw_it():
@@ -302,7 +308,9 @@ def test_a_scalar_only_the_left_out_source_informs_goes_back_to_its_start():
         assert seen.tpu_gmm_eff == Params().tpu_gmm_eff == 1.0
 
 
-def test_cli_by_source_needs_the_fit(capsys):
+def test_cli_by_source_and_no_loo_need_the_fit(capsys):
+    assert main(["validate", "--no-loo"]) == 2
+    assert "add --fit" in capsys.readouterr().err
     assert main(["validate", "--by-source"]) == 2
     assert "add --fit" in capsys.readouterr().err
 

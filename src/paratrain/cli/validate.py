@@ -36,6 +36,12 @@ def validate(
                                                              "predict its rows (the error "
                                                              "on a source the fit never "
                                                              "saw; a few minutes more)."),
+    loo: bool = typer.Option(True, "--loo/--no-loo", help="With --fit: also refit without "
+                                                       "each fit row in turn (leave-one-out: "
+                                                       "most of the run's time, about 40 "
+                                                       "minutes on the shipped table on 2 "
+                                                       "cores; --fit --no-loo --by-source "
+                                                       "takes under 4)."),
     explain: str | None = typer.Option(None, help="Print one row's breakdown (compute per "
                                                   "GEMM class, memory-bound work, each "
                                                   "axis' exposed communication, bubble) "
@@ -47,6 +53,9 @@ def validate(
     if explain:
         _explain_row(runs, params, unfitted, explain, json_out)
         return
+    if not loo and not fit:
+        raise ValueError("--no-loo skips the fit's leave-one-out; add --fit (or drop "
+                         "--no-loo)")
     if by_source and not fit:
         raise ValueError("--by-source refits without each source; add --fit (or drop "
                          "--by-source)")
@@ -62,7 +71,7 @@ def validate(
         load_params(params)  # a bad --params file is refused before any work
     ids = tuple(x.strip() for x in holdout.split(",") if x.strip()) or None
     res = run_validate(runs, params, unfitted, fit, ids, out, reference=reference,
-                       by_source=by_source)
+                       loo=loo, by_source=by_source)
     if json_out:
         import json
 
