@@ -39,9 +39,9 @@ event loops start first:
   than the message's own posting, and on 2 shared cores every microsecond of a rank's CPU
   is a microsecond its peers' transfers wait for a core.
 
-Speed: 0.75-1.1x gloo's ``all_to_all_single`` per call and 0.75-1.3x back to back at 1-4
-MiB per rank for p 2, 4, 8 on the 2-core machine, the benchmark's medians moving by as
-much between invocations (docs/expert-parallel.md, "Expert-parallel exchange vs
+Speed: 0.74-1.12x gloo's ``all_to_all_single`` per call and 0.62-1.30x back to back at
+1-4 MiB per rank for p 2, 4, 8 on the 2-core machine (the benchmark's medians over two
+invocations, which move by as much between invocations as between rows) (docs/expert-parallel.md, "Expert-parallel exchange vs
 PyTorch"):
 the same messages, posted from Python instead of gloo's C++ worker thread, which costs
 each rank about 14 us more CPU per message at p 8 (process CPU time per call, 1.15 against
