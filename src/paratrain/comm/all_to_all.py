@@ -40,10 +40,10 @@ event loops start first:
   is a microsecond its peers' transfers wait for a core.
 
 Speed: 0.74-1.12x gloo's ``all_to_all_single`` per call and 0.62-1.30x back to back at
-1-4 MiB per rank for p 2, 4, 8 on the 2-core machine (the benchmark's medians over two
-invocations, which move by as much between invocations as between rows) (docs/expert-parallel.md, "Expert-parallel exchange vs
-PyTorch"):
-the same messages, posted from Python instead of gloo's C++ worker thread, which costs
+1-4 MiB per rank for p 2, 4, 8 on the 2-core machine, the benchmark's medians over two
+invocations, which move by as much between invocations as between rows
+(docs/expert-parallel.md, "Expert-parallel exchange vs PyTorch"). The gap is the same
+messages, posted from Python instead of gloo's C++ worker thread, which costs
 each rank about 14 us more CPU per message at p 8 (process CPU time per call, 1.15 against
 0.95 ms at 1 MiB). Most of that is not Python but gloo's TCP event loop (2026-12-05, p 8,
 tiny pieces, calls back to back; per-thread CPU from ``/proc/self/task``, syscalls counted
