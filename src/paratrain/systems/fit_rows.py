@@ -13,10 +13,11 @@ rows gave it.
 from __future__ import annotations
 
 from paratrain.systems.gemm import family, is_tpu
-from paratrain.systems.row_engine import case_attention, case_engine, fp8_scaling
+from paratrain.systems.row_engine import case_kernel, fp8_scaling
 from paratrain.systems.runs import Case
 from paratrain.systems.step_params import (
     LEGACY_MMA,
+    NATIVE_ATTN,
     SCALARS,
     StepParams,
     native_attention,
@@ -30,7 +31,7 @@ def _prices_attn_eff(c: Case) -> bool:
     """Whether a case's attention core runs at its generation's ``attn_eff``: a
     FlashAttention-2 class kernel (``StepParams.attn_for``), not the chip's native fused
     one (``StepParams.native_attn``), not eager attention's batched GEMMs, not a TPU's."""
-    kernel = case_attention(c) or case_engine(c).attention
+    kernel = case_kernel(c)
     return kernel != "eager" and not native_attention(family(c.hw.name), kernel)
 
 
@@ -38,7 +39,7 @@ def _native(c: Case) -> str | None:
     """The native attention figure a case's attention core runs at
     (``StepParams.native_attn``), or None when it runs another kernel."""
     fam = family(c.hw.name)
-    if not native_attention(fam, case_attention(c) or case_engine(c).attention):
+    if not native_attention(fam, case_kernel(c)):
         return None
     return native_attn_name(fam)
 
@@ -59,7 +60,7 @@ def _prices_rowwise(c: Case) -> bool:
 # unfitted start (:func:`unseen_start`), not a value that other rows never informed
 NARROW = {"tpu_gmm_eff": _prices_gmm, "fp8_rowwise_eff": _prices_rowwise,
           **{name: (lambda c, n=name: _native(c) == n)
-             for name in ("attn3_eff", "attn3_bw_eff", "attn_tpu_eff")}}
+             for name in NATIVE_ATTN}}
 
 
 def _informed(name: str, cases: list[Case]) -> bool:

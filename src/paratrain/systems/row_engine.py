@@ -136,6 +136,12 @@ def case_attention(case) -> str | None:
     return "eager" if precision_says(case, "fp16") else None
 
 
+def case_kernel(case) -> str:
+    """The attention kernel a case runs: eager for an fp16-era run
+    (:func:`case_attention`), else its engine's (:func:`case_engine`)."""
+    return case_attention(case) or case_engine(case).attention
+
+
 def eight_bit(case) -> bool:
     """Whether a case's linear layers multiply in 8 bits: FP8 on GPUs, int8 on TPUs
     (MaxText's AQT ``quantization: int8``), priced alike at the chip's 8-bit peak

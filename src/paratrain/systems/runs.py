@@ -37,8 +37,8 @@ from paratrain.systems.overlap import ENGINES
 from paratrain.systems.partial_recompute import recompute_words
 from paratrain.systems.recompute_modules import modules_said
 from paratrain.systems.row_engine import (
-    case_attention,
     case_engine,
+    case_kernel,
     eight_bit,
     engine_options,
     row_engine,
@@ -307,7 +307,7 @@ def _fit_memory(case: Case, stated: bool, offload: bool, out: list) -> Case:
     layout does not fit even with full recomputation (:mod:`paratrain.systems.
     row_memory`: the least an engine runs it in)."""
     eng = case_engine(case)
-    att = case_attention(case) or eng.attention
+    att = case_kernel(case)
     # the engine's "selective" is a share of whole blocks (overlap.Engine.selective_blocks)
     blocks = stated and case.plan.recompute == "selective" and eng.selective_blocks
     mode, mem, share = fitting_recompute(case.model, case.plan, case.hw, case.tokens,

@@ -136,13 +136,18 @@ def native_attention(fam: str, kernel: str) -> bool:
     return is_tpu(fam) or (kernel == "flash3" and fam in NATIVE_ATTENTION)
 
 
+# the scalars of native fused attention: Hopper's, Blackwell's, a TPU's
+NATIVE_ATTN = ("attn3_eff", "attn3_bw_eff", "attn_tpu_eff")
+
+
 def native_attn_name(fam: str) -> str:
-    """The scalar that prices a chip family's native fused attention: a TPU's
-    (``attn_tpu_eff``), Blackwell's (:data:`LEGACY_MMA`'s families, ``attn3_bw_eff``) or
-    Hopper's (``attn3_eff``)."""
+    """The scalar (of :data:`NATIVE_ATTN`) that prices a chip family's native fused
+    attention: a TPU's (``attn_tpu_eff``), Blackwell's (:data:`LEGACY_MMA`'s families,
+    ``attn3_bw_eff``) or Hopper's (``attn3_eff``)."""
+    hopper, blackwell, tpu = NATIVE_ATTN
     if is_tpu(fam):
-        return "attn_tpu_eff"
-    return "attn3_bw_eff" if fam in LEGACY_MMA else "attn3_eff"
+        return tpu
+    return blackwell if fam in LEGACY_MMA else hopper
 
 
 @cache
@@ -154,8 +159,8 @@ def _peak(key: str) -> float:
 # the share of a hidden data-parallel transfer's time that still slows the step; a fixed
 # physical figure, not one of the fitted parameters (module docstring)
 OVERLAP_TAX = 0.2
-SCALARS = ("attn3_eff", "attn3_bw_eff", "attn_tpu_eff", "fp8_eff", "fp8_rowwise_eff",
-           "tpu_gmm_eff", "hbm_eff", "nvlink_eff", "net_eff", "kernel_s")
+SCALARS = (*NATIVE_ATTN, "fp8_eff", "fp8_rowwise_eff", "tpu_gmm_eff", "hbm_eff",
+           "nvlink_eff", "net_eff", "kernel_s")
 BOUNDS = {"gemm_eff": (0.3, 1.0), "attn_eff": (0.15, 0.75), "attn3_eff": (0.2, 0.8),
           "attn3_bw_eff": (0.2, 0.8), "attn_tpu_eff": (0.2, 0.8),
           "fp8_eff": (0.4, 1.0), "fp8_rowwise_eff": (0.4, 1.0), "tpu_gmm_eff": (0.3, 1.0),
