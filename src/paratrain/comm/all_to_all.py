@@ -29,11 +29,11 @@ event loops start first:
 - No staging: sends are contiguous row views of the input (``split_with_sizes``),
   receives land in the output's own row slices. Empty pieces are not sent (both ends
   know the sizes). The local piece is copied first, before anything is posted, as
-  gloo's own ``alltoall`` does: copied after posting, while the transfers flew, the copy
-  competed for a core with the event loop's socket copies, and in the same processes,
-  alternating (5 invocations, 33 (p, size) pairs at 1-16 MiB, 2026-12-07), copying first
-  was ahead in 29; the medians of gloo's per-call rate went 0.74 -> 0.92 (p 2),
-  0.87 -> 1.02 (p 4) and 0.89 -> 0.92 (p 8).
+  gloo's own ``alltoall`` does (copied after posting, it competes for a core with the
+  event loop's socket copies); in the same processes, the turns cycling through every
+  order, that was ahead of copying after posting at 11 of 18 (p, size) points, by at most
+  0.08 of gloo's rate (docs/expert-parallel.md: an earlier rotating comparison that said
+  29 of 33 favoured whichever variant ran second).
 - Messages go straight to the group's ``ProcessGroup.send`` / ``recv`` with group ranks:
   ``dist.isend``'s Python wrapper (group checks, rank translation) cost more per message
   than the message's own posting, and on 2 shared cores every microsecond of a rank's CPU
@@ -55,7 +55,9 @@ can preempt the poster before it unlocks) the loop polls the same ready socket a
 and a post from Python holds the pairs busy longer (about 17 us of CPU per post). Orders
 tried against gloo's in the same processes moved the ratio by less than the runs'
 noise: gloo's shift order, all sends before all receives, all receives first, the
-backend's ``send`` / ``recv`` without the dispatcher, prebuilt argument lists; a
+backend's ``send`` / ``recv`` without the dispatcher, prebuilt argument lists, posting
+and waiting from a persistent helper thread as gloo's worker thread does (behind at 10 of
+18 points), ``os.sched_yield()`` before posting; a
 two-phase (2 x 4, 4 x 2) exchange with half the messages took 1.3-3x as long (two
 waits in a row).
 """
