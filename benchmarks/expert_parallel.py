@@ -4,25 +4,29 @@
     python benchmarks/expert_parallel.py --skip-moe --skip-steps --a2a-ranks 2,4,8 \
         --mib 1,4 --runs 3 --reps 30          # the all-to-all ratio table only
 
-Two measurements, each in fresh gloo processes (one thread each), the two
-implementations called alternately in the same processes (ours, torch, ours, torch,
-...; a barrier before each call) so that load drifting on a shared machine hits both:
+Three measurements, each in fresh gloo processes (one thread each), the two
+implementations taking turns in the same processes (a barrier before each call) so
+that load drifting on a shared machine hits both:
 
 1. **All-to-all** of ``--mib`` MiB per rank (a list), equal pieces, at each p of
    ``--a2a-ranks``: paratrain's pairwise exchange over isend / irecv (``--collectives
    ours``: :func:`paratrain.comm.all_to_all.all_to_all`, through
    :meth:`paratrain.parallel.expert.ExpertExchange.all_to_all`) against torch's
-   ``all_to_all_single``, the two taking turns in the same processes (the first of each
-   turn alternates too). Bus bandwidth = bytes a rank sends to others ((p-1)/p of its
-   buffer) / time; the ratio ours / torch from the slower rank's medians. ``--runs``
-   fresh process groups per (p, size), each its own alternating run: the table prints
-   every run's ratio, their median, and the load average when the run started (other
-   sessions' work moves single runs by 2x on a shared machine; the medians of the
-   alternating ratios are the figures to quote). Each run also times the two back to
-   back (``b2b``: alternating blocks of 10 calls with no barrier between them, the time
-   per call of a block, nccl-tests' way): the per-call figure includes each call's
-   start-up after a barrier, which on 2 shared cores is mostly the scheduler's; the
-   back-to-back one is the throughput a training step's successive exchanges see.
+   ``all_to_all_single``, the two taking turns in the same processes. Bus bandwidth =
+   bytes a rank sends to others ((p-1)/p of its buffer) / time; the ratio ours / torch
+   from the slower rank's medians, three ways per run: ``own``, each timed only after a
+   call of its own kind (turns of 3 calls of one kind, a barrier before each, the
+   turn's first untimed: a call right after gloo's runs slower whichever kind it is, and
+   a training run calls one kind; the times and bandwidths printed are these); ``alt``,
+   strictly alternating single calls (ours, torch, torch, ours, ...; each after each
+   kind equally often, so each also pays for the other's aftermath); ``b2b``, alternating
+   blocks of 10 calls with no barrier between them, the time per call of a block
+   (nccl-tests' way: the throughput a training step's successive exchanges see, without
+   the start-up after a barrier that on 2 shared cores is mostly the scheduler's).
+   ``--runs`` fresh process groups per (p, size): the table prints every run's three
+   ratios, their medians, and the load average when the run started (other sessions'
+   work moves single runs by 2x on a shared machine; the medians are the figures to
+   quote).
 2. **One MoE layer, forward + backward, at ep = p** (every rank holds E / p experts):
    paratrain's :class:`paratrain.model.MoE` under
    :func:`paratrain.parallel.expert.apply_expert_parallel` (native all-to-all) against
@@ -73,6 +77,7 @@ from paratrain.plan import ParallelPlan
 from paratrain.predict import CALIBRATE_HINT, load_machine, predict, sample_other_sessions
 
 BURST = 10  # calls per timed block of the back-to-back measurement
+OWN_BLOCK = 3  # calls per turn of the after-its-own-kind measurement (the first untimed)
 
 
 def _alternating(calls: dict, reps: int, burst: int = 0) -> dict[str, list[float]]:
@@ -93,6 +98,26 @@ def _alternating(calls: dict, reps: int, burst: int = 0) -> dict[str, list[float
             if burst:
                 dist.barrier()
             out[name].append((time.perf_counter() - t0) / max(1, burst))
+    return out
+
+
+def _own_turns(calls: dict, reps: int, block: int = OWN_BLOCK) -> dict[str, list[float]]:
+    """Seconds per call of each, timed only after a call of its own kind: ``reps`` turns
+    each of ``block`` calls of one kind (the kinds alternating, the first of each turn
+    alternating too), a barrier before each call, the turn's first call untimed (it
+    follows the other kind). A call's time depends on the call before it: on 2 cores a
+    call right after gloo's ``all_to_all_single`` ran slower than one right after ours,
+    whichever kind it was (docs/expert-parallel.md), so strict alternation charges each
+    with the other's aftermath; a training run calls one kind only."""
+    out: dict[str, list[float]] = {k: [] for k in calls}
+    for i in range(reps):
+        for name in list(calls)[::1 if i % 2 == 0 else -1]:
+            for j in range(block):
+                dist.barrier()
+                t0 = time.perf_counter()
+                calls[name]()
+                if j:
+                    out[name].append(time.perf_counter() - t0)
     return out
 
 
@@ -119,43 +144,52 @@ def _a2a_worker(rank: int, world: int, mib: float, reps: int) -> dict:
     _alternating(calls, 2)  # untimed: first-use costs (allocator, sockets' buffers)
     times = _alternating(calls, reps)
     out = {k: _slowest_median(v) for k, v in times.items()} | {"bytes": 4 * n}
+    own = {f"{k}_own": _slowest_median(v) for k, v in _own_turns(calls, reps).items()}
     burst = _alternating(calls, max(2, reps // 3), BURST)
-    return out | {f"{k}_burst": statistics.median(v) for k, v in burst.items()}
+    return out | own | {f"{k}_burst": statistics.median(v) for k, v in burst.items()}
 
 
 def _a2a_table(a, records: dict) -> None:
-    """Section 1: every (p, size) ``--runs`` times, each run alternating ours and torch's
-    (module docstring); prints each run's ratio and their median, per p and size."""
-    print(f"all-to-all, {a.reps} alternating reps per run (slower rank's median), and "
-          f"{max(2, a.reps // 3)} alternating blocks of {BURST} calls back to back (b2b), "
-          f"{a.runs} runs per row; ratio = ours/torch busbw\n{'p':>3} {'MiB':>5} "
-          f"{'ours s':>9} {'torch s':>9} {'ours GB/s':>10} {'torch GB/s':>10} "
-          f"{'median ratio':>12} {'b2b ratio':>9}  runs' ratios per call/back to back "
-          f"(load average at each start)")
+    """Section 1: every (p, size) ``--runs`` times, each run timing ours and torch's in
+    the same processes three ways (module docstring): each after its own kind (``own``,
+    the times and bandwidths printed), strictly alternating, and back to back; prints
+    each run's three ratios and their medians, per p and size."""
+    print(f"all-to-all, per run: {a.reps} turns of {OWN_BLOCK} calls of one kind, timed "
+          f"after their own kind (own), {a.reps} strictly alternating reps (alt), "
+          f"{max(2, a.reps // 3)} alternating blocks of {BURST} calls back to back (b2b); "
+          f"slower rank's medians, {a.runs} runs per row; ratio = ours/torch busbw\n"
+          f"{'p':>3} {'MiB':>5} {'ours s':>9} {'torch s':>9} {'ours GB/s':>10} "
+          f"{'torch GB/s':>10} {'own ratio':>9} {'alt ratio':>9} {'b2b ratio':>9}  runs' "
+          f"ratios own/alt/b2b (load average at each start)")
     for p in a.a2a_ranks:
         for mib in a.mib:
             runs = []
             for _ in range(a.runs):
                 load = os.getloadavg()[0]
                 r = spawn(_a2a_worker, p, mib, a.reps, timeout_s=a.timeout)[0]
-                runs.append(r | {"ratio": r["torch"] / r["ours"],
+                runs.append(r | {"own_ratio": r["torch_own"] / r["ours_own"],
+                                 "ratio": r["torch"] / r["ours"],
                                  "burst_ratio": r["torch_burst"] / r["ours_burst"],
                                  "load": load})
-            ours, torch_s = (statistics.median(r[k] for r in runs) for k in ("ours", "torch"))
+            ours, torch_s = (statistics.median(r[k] for r in runs)
+                             for k in ("ours_own", "torch_own"))
             moved = runs[0]["bytes"] * (p - 1) / p
-            ratio = statistics.median(r["ratio"] for r in runs)
-            burst = statistics.median(r["burst_ratio"] for r in runs)
-            records[f"p{p}_{mib:g}MiB"] = {"p": p, "mib": mib, "median_ratio": ratio,
-                                           "median_burst_ratio": burst, "runs": runs}
-            each = " ".join(f"{r['ratio']:.2f}/{r['burst_ratio']:.2f} ({r['load']:.0f})"
-                            for r in runs)
+            med = {k: statistics.median(r[k] for r in runs)
+                   for k in ("own_ratio", "ratio", "burst_ratio")}
+            records[f"p{p}_{mib:g}MiB"] = {
+                "p": p, "mib": mib, "median_own_ratio": med["own_ratio"],
+                "median_ratio": med["ratio"], "median_burst_ratio": med["burst_ratio"],
+                "runs": runs}
+            each = " ".join(f"{r['own_ratio']:.2f}/{r['ratio']:.2f}/{r['burst_ratio']:.2f} "
+                            f"({r['load']:.0f})" for r in runs)
             print(f"{p:>3} {mib:>5g} {ours:9.5f} {torch_s:9.5f} {moved / ours / 1e9:10.3f} "
-                  f"{moved / torch_s / 1e9:10.3f} {ratio:12.2f} {burst:9.2f}  {each}",
-                  flush=True)
+                  f"{moved / torch_s / 1e9:10.3f} {med['own_ratio']:9.2f} {med['ratio']:9.2f} "
+                  f"{med['burst_ratio']:9.2f}  {each}", flush=True)
     for p in a.a2a_ranks:
-        row = ", ".join(f"{mib:g} MiB {records[f'p{p}_{mib:g}MiB']['median_ratio']:.2f} "
-                        f"(back to back {records[f'p{p}_{mib:g}MiB']['median_burst_ratio']:.2f})"
-                        for mib in a.mib)
+        row = ", ".join(
+            f"{mib:g} MiB {rec['median_own_ratio']:.2f} (alternating "
+            f"{rec['median_ratio']:.2f}, back to back {rec['median_burst_ratio']:.2f})"
+            for mib in a.mib for rec in [records[f"p{p}_{mib:g}MiB"]])
         print(f"median ours/torch busbw, p = {p}: {row}")
 
 

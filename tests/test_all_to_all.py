@@ -96,7 +96,7 @@ def test_benchmark_prints_the_alternating_ratio_table(tmp_path):
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert run.stdout.startswith("command: python ") and "--runs 2" in run.stdout
     assert "median ours/torch busbw, p = 2: 0.01 MiB " in run.stdout
-    assert "(back to back " in run.stdout
+    assert "(alternating " in run.stdout and ", back to back " in run.stdout
     records = json.loads(out.read_text())["a2a"]
     assert set(records) == {"p2_0.01MiB", "p2_0.02MiB"}
     for r in records.values():
@@ -105,6 +105,8 @@ def test_benchmark_prints_the_alternating_ratio_table(tmp_path):
         assert all(x["ours_burst"] > 0 and x["torch_burst"] > 0 for x in r["runs"])
         assert r["median_burst_ratio"] == statistics.median(x["burst_ratio"]
                                                             for x in r["runs"])
+        assert all(x["ours_own"] > 0 and x["torch_own"] > 0 for x in r["runs"])
+        assert r["median_own_ratio"] == statistics.median(x["own_ratio"] for x in r["runs"])
 
 
 @pytest.mark.parametrize("flags", [["--mib", "1,x"], ["--a2a-ranks", "1"], ["--runs", "0"]])
