@@ -57,9 +57,10 @@ to the peer, and the wake-up it causes can preempt the poster before it unlocks)
 loop polls the same ready socket again, and a post from Python holds the pairs busy
 longer (about 17 us of CPU per post). Orders tried against gloo's in the same processes
 moved the ratio by less than the runs' noise: gloo's shift order, all sends before all
-receives, all receives first, the backend's ``send`` / ``recv`` without the dispatcher,
-prebuilt argument lists, posting and waiting from a persistent helper thread as gloo's
-worker thread does (behind at 10 of 18 points), ``os.sched_yield()`` before posting; a
+receives and all receives first (each also timed after its own kind at p 8: behind at 6
+of 6 points), the backend's ``send`` / ``recv`` without the dispatcher, prebuilt
+argument lists, posting and waiting from a persistent helper thread as gloo's worker
+thread does (behind at 10 of 18 points), ``os.sched_yield()`` before posting; a
 two-phase (2 x 4, 4 x 2) exchange with half the messages took 1.3-3x as long (two waits
 in a row).
 """
