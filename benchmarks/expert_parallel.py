@@ -10,14 +10,17 @@ that load drifting on a shared machine hits both:
 
 1. **All-to-all** of ``--mib`` MiB per rank (a list), equal pieces, at each p of
    ``--a2a-ranks``: paratrain's pairwise exchange over isend / irecv (``--collectives
-   ours``: :func:`paratrain.comm.all_to_all.all_to_all`, through
-   :meth:`paratrain.parallel.expert.ExpertExchange.all_to_all`) against torch's
-   ``all_to_all_single``, the two taking turns in the same processes. Bus bandwidth =
+   ours``: :func:`paratrain.comm.all_to_all.all_to_all`, what
+   :meth:`paratrain.parallel.expert.ExpertExchange.all_to_all` calls) against torch's
+   ``all_to_all_single``, the two taking turns in the same processes, each into an
+   output allocated once (a fresh output per call timed the allocator as much as the
+   exchange: on 2 cores a 4 MiB call took 15-45% less time into a warm buffer, and which
+   kind got one depended on the call before). Bus bandwidth =
    bytes a rank sends to others ((p-1)/p of its buffer) / time; the ratio ours / torch
    from the slower rank's medians, three ways per run: ``own``, each timed only after a
    call of its own kind (turns of 3 calls of one kind, a barrier before each, the
-   turn's first untimed: a call right after gloo's runs slower whichever kind it is, and
-   a training run calls one kind; the times and bandwidths printed are these); ``alt``,
+   turn's first untimed: a call's time depends on the one before, and a training run
+   calls one kind; the times and bandwidths printed are these); ``alt``,
    strictly alternating single calls (ours, torch, torch, ours, ...; each after each
    kind equally often, so each also pays for the other's aftermath); ``b2b``, alternating
    blocks of 10 calls with no barrier between them, the time per call of a block
@@ -105,10 +108,9 @@ def _own_turns(calls: dict, reps: int, block: int = OWN_BLOCK) -> dict[str, list
     """Seconds per call of each, timed only after a call of its own kind: ``reps`` turns
     each of ``block`` calls of one kind (the kinds alternating, the first of each turn
     alternating too), a barrier before each call, the turn's first call untimed (it
-    follows the other kind). A call's time depends on the call before it: on 2 cores a
-    call right after gloo's ``all_to_all_single`` ran slower than one right after ours,
-    whichever kind it was (docs/expert-parallel.md), so strict alternation charges each
-    with the other's aftermath; a training run calls one kind only."""
+    follows the other kind). A call's time depends on the call before it (on 2 cores,
+    ours right after gloo's ran slower than ours after ours at 9 of 12 points, outputs
+    allocated once; docs/expert-parallel.md), and a training run calls one kind only."""
     out: dict[str, list[float]] = {k: [] for k in calls}
     for i in range(reps):
         for name in list(calls)[::1 if i % 2 == 0 else -1]:
@@ -129,18 +131,15 @@ def _slowest_median(times: list[float]) -> float:
 
 
 def _a2a_worker(rank: int, world: int, mib: float, reps: int) -> dict:
-    from paratrain.parallel.expert import ExpertExchange
+    from paratrain.comm.all_to_all import all_to_all
 
-    ours = ExpertExchange(dist.group.WORLD, world, rank, world, "ours")
     n = int(mib * 2**20 / 4) // world * world
     x = torch.randn(n)
     splits = [n // world] * world
-
-    def native():
-        out = torch.empty_like(x)
-        dist.all_to_all_single(out, x, splits, splits)
-
-    calls = {"ours": lambda: ours.all_to_all(x, splits, splits), "torch": native}
+    # each kind's output allocated once, outside the timing (module docstring)
+    out_ours, out_torch = torch.empty_like(x), torch.empty_like(x)
+    calls = {"ours": lambda: all_to_all(out_ours, x, splits, splits, rank),
+             "torch": lambda: dist.all_to_all_single(out_torch, x, splits, splits)}
     _alternating(calls, 2)  # untimed: first-use costs (allocator, sockets' buffers)
     times = _alternating(calls, reps)
     out = {k: _slowest_median(v) for k, v in times.items()} | {"bytes": 4 * n}

@@ -39,30 +39,29 @@ event loops start first:
   than the message's own posting, and on 2 shared cores every microsecond of a rank's CPU
   is a microsecond its peers' transfers wait for a core.
 
-Speed, of gloo's ``all_to_all_single`` per call, each timed after a call of its own kind
-(as a training run calls it; a call right after gloo's runs slower, whichever kind it
-is): 1.07-1.30x at 1 and 4 MiB per rank for p 2 and 4, 1.14-1.16x at p 8 and 4 MiB,
-0.77-0.80x at p 8 and 1 MiB, on the 2-core machine (the benchmark's medians, two
-invocations; strictly alternating 0.72-1.08x, back to back 0.73-1.34x;
-docs/expert-parallel.md, "Expert-parallel exchange vs PyTorch"). The gap at p 8 and 1
-MiB is the same messages, posted from Python instead of gloo's C++ worker thread, which
-costs each rank about 14 us more CPU per message at p 8 (process CPU time per call, 1.15
-against 0.95 ms at 1 MiB). Most of that is not Python but gloo's TCP event loop
-(2026-12-05, p 8, tiny pieces, calls back to back; per-thread CPU from
-``/proc/self/task``, syscalls counted with ``perf stat``): its thread spent 0.8 ms a
-call under ours against 0.5 ms under gloo's own, and called ``epoll_wait`` about 850
-times a call against 525, for about 40 reads either way. A pair's event handler only
-try-locks the pair; while the posting thread holds that lock (each post writes a notice
-to the peer, and the wake-up it causes can preempt the poster before it unlocks) the
-loop polls the same ready socket again, and a post from Python holds the pairs busy
-longer (about 17 us of CPU per post). Orders tried against gloo's in the same processes
-moved the ratio by less than the runs' noise: gloo's shift order, all sends before all
-receives and all receives first (each also timed after its own kind at p 8: behind at 6
-of 6 points), the backend's ``send`` / ``recv`` without the dispatcher, prebuilt
-argument lists, posting and waiting from a persistent helper thread as gloo's worker
-thread does (behind at 10 of 18 points), ``os.sched_yield()`` before posting; a
-two-phase (2 x 4, 4 x 2) exchange with half the messages took 1.3-3x as long (two waits
-in a row).
+Speed, of gloo's ``all_to_all_single`` per call, each into an output allocated once and
+timed after a call of its own kind, the benchmark's medians over two invocations on the
+2-core machine: level at 4 MiB per rank for p 2, 4 and 8 (0.96-1.02x; strictly
+alternating 0.96-1.05x); at 1 MiB 1.06-1.44x at p 4, 0.91-1.02x at p 2, 0.76-0.87x at p
+8 (docs/expert-parallel.md, "Expert-parallel exchange vs PyTorch", which also shows how
+a fresh output per call timed the allocator instead). The gap at p 8 and 1 MiB is the
+same messages, posted from Python instead of gloo's C++ worker thread, which costs each
+rank about 14 us more CPU per message at p 8 (process CPU time per call, 1.15 against
+0.95 ms at 1 MiB). Most of that is not Python but gloo's TCP event loop (2026-12-05, p
+8, tiny pieces, calls back to back; per-thread CPU from ``/proc/self/task``, syscalls
+counted with ``perf stat``): its thread spent 0.8 ms a call under ours against 0.5 ms
+under gloo's own, and called ``epoll_wait`` about 850 times a call against 525, for
+about 40 reads either way. A pair's event handler only try-locks the pair; while the
+posting thread holds that lock (each post writes a notice to the peer, and the wake-up
+it causes can preempt the poster before it unlocks) the loop polls the same ready socket
+again, and a post from Python holds the pairs busy longer (about 17 us of CPU per post).
+Orders tried against gloo's in the same processes moved the ratio by less than the runs'
+noise: gloo's shift order, all sends before all receives and all receives first (each
+also timed after its own kind at p 8: behind at 6 of 6 points), the backend's ``send`` /
+``recv`` without the dispatcher, prebuilt argument lists, posting and waiting from a
+persistent helper thread as gloo's worker thread does (behind at 10 of 18 points),
+``os.sched_yield()`` before posting; a two-phase (2 x 4, 4 x 2) exchange with half the
+messages took 1.3-3x as long (two waits in a row).
 """
 
 from __future__ import annotations
