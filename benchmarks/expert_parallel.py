@@ -80,46 +80,35 @@ from paratrain.plan import ParallelPlan
 from paratrain.predict import CALIBRATE_HINT, load_machine, predict, sample_other_sessions
 
 BURST = 10  # calls per timed block of the back-to-back measurement
-OWN_BLOCK = 3  # calls per turn of the after-its-own-kind measurement (the first untimed)
+OWN_TURN = 3  # calls per turn of the after-its-own-kind measurement (the first untimed)
 
 
-def _alternating(calls: dict, reps: int, burst: int = 0) -> dict[str, list[float]]:
-    """Seconds per call of each, ``reps`` times, alternating (the first of each turn
-    alternates too, so neither always follows the other); a barrier before each. With
-    ``burst`` > 0 each turn is that many calls back to back (nccl-tests' way: no barrier
-    between them, so a rank that finishes early posts its next call while the slow ones
-    finish theirs, as the exchanges of a training step do), timed to the barrier after
-    the last (every rank's last call done: the same on every rank)."""
+def _alternating(calls: dict, reps: int, burst: int = 0, turn: int = 1
+                 ) -> dict[str, list[float]]:
+    """Seconds per call of each, ``reps`` turns of each, the kinds alternating (the first
+    of each turn alternates too, so neither always follows the other); a barrier before
+    each timing. With ``burst`` > 0 each timing is that many calls back to back
+    (nccl-tests' way: no barrier between them, so a rank that finishes early posts its
+    next call while the slow ones finish theirs, as the exchanges of a training step
+    do), timed to the barrier after the last (every rank's last call done: the same on
+    every rank). With ``turn`` > 1 a turn is that many timings of one kind, the first
+    untimed (it follows the other kind), so each is timed after a call of its own kind:
+    a call's time depends on the call before it (on 2 cores, ours right after gloo's ran
+    slower than ours after ours at 9 of 12 points, outputs allocated once;
+    docs/expert-parallel.md), and a training run calls one kind only."""
     out: dict[str, list[float]] = {k: [] for k in calls}
     for i in range(reps):
         for name in list(calls)[::1 if i % 2 == 0 else -1]:
             fn = calls[name]
-            dist.barrier()
-            t0 = time.perf_counter()
-            for _ in range(max(1, burst)):
-                fn()
-            if burst:
-                dist.barrier()
-            out[name].append((time.perf_counter() - t0) / max(1, burst))
-    return out
-
-
-def _own_turns(calls: dict, reps: int, block: int = OWN_BLOCK) -> dict[str, list[float]]:
-    """Seconds per call of each, timed only after a call of its own kind: ``reps`` turns
-    each of ``block`` calls of one kind (the kinds alternating, the first of each turn
-    alternating too), a barrier before each call, the turn's first call untimed (it
-    follows the other kind). A call's time depends on the call before it (on 2 cores,
-    ours right after gloo's ran slower than ours after ours at 9 of 12 points, outputs
-    allocated once; docs/expert-parallel.md), and a training run calls one kind only."""
-    out: dict[str, list[float]] = {k: [] for k in calls}
-    for i in range(reps):
-        for name in list(calls)[::1 if i % 2 == 0 else -1]:
-            for j in range(block):
+            for j in range(turn):
                 dist.barrier()
                 t0 = time.perf_counter()
-                calls[name]()
-                if j:
-                    out[name].append(time.perf_counter() - t0)
+                for _ in range(max(1, burst)):
+                    fn()
+                if burst:
+                    dist.barrier()
+                if j or turn == 1:
+                    out[name].append((time.perf_counter() - t0) / max(1, burst))
     return out
 
 
@@ -143,7 +132,8 @@ def _a2a_worker(rank: int, world: int, mib: float, reps: int) -> dict:
     _alternating(calls, 2)  # untimed: first-use costs (allocator, sockets' buffers)
     times = _alternating(calls, reps)
     out = {k: _slowest_median(v) for k, v in times.items()} | {"bytes": 4 * n}
-    own = {f"{k}_own": _slowest_median(v) for k, v in _own_turns(calls, reps).items()}
+    own = _alternating(calls, reps, turn=OWN_TURN)
+    own = {f"{k}_own": _slowest_median(v) for k, v in own.items()}
     burst = _alternating(calls, max(2, reps // 3), BURST)
     return out | own | {f"{k}_burst": statistics.median(v) for k, v in burst.items()}
 
@@ -153,7 +143,7 @@ def _a2a_table(a, records: dict) -> None:
     the same processes three ways (module docstring): each after its own kind (``own``,
     the times and bandwidths printed), strictly alternating, and back to back; prints
     each run's three ratios and their medians, per p and size."""
-    print(f"all-to-all, per run: {a.reps} turns of {OWN_BLOCK} calls of one kind, timed "
+    print(f"all-to-all, per run: {a.reps} turns of {OWN_TURN} calls of one kind, timed "
           f"after their own kind (own), {a.reps} strictly alternating reps (alt), "
           f"{max(2, a.reps // 3)} alternating blocks of {BURST} calls back to back (b2b); "
           f"slower rank's medians, {a.runs} runs per row; ratio = ours/torch busbw\n"
