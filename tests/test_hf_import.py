@@ -46,12 +46,21 @@ def _write_llama(path, seed: int, tokenizer: bool, **config) -> None:
 def folders(tmp_path_factory):
     """gqa: 2 KV heads, untied, eps 1e-6, theta 5000, its own tokenizer.json (a padded
     vocabulary of 300 over 256 byte tokens); tied: multi-head, tied head, vocabulary 256,
-    no tokenizer.json (--tokenizer decides)."""
+    no tokenizer.json (--tokenizer decides); llama3: Llama 3.1's RoPE scaling, shrunk so
+    that at head width 8 one frequency is kept, one interpolated and two divided by the
+    factor (wavelengths 6.3, 63, 628, 6283 against 16 / 2 and 16 / 0.25)."""
     root = tmp_path_factory.mktemp("hf")
     _write_llama(root / "gqa", 0, True, vocab_size=300, num_key_value_heads=2,
                  rms_norm_eps=1e-6, rope_theta=5000.0, tie_word_embeddings=False)
     _write_llama(root / "tied", 1, False, vocab_size=256, tie_word_embeddings=True)
+    _write_llama(root / "llama3", 2, False, vocab_size=256, num_key_value_heads=2,
+                 tie_word_embeddings=True, rope_parameters=LLAMA3_ROPE)
     return root
+
+
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
+               "low_freq_factor": 0.25, "high_freq_factor": 2.0,
+               "original_max_position_embeddings": 16}
 
 
 def _settled(d, flags=None):
@@ -70,10 +79,32 @@ def test_config_carries_every_setting(folders):
     assert tcfg.tokenizer == str((folders / "gqa" / "tokenizer.json").resolve())
     mcfg, tcfg = _settled(folders / "tied", {"model": {"context": 16}})
     assert mcfg.tie_embeddings and mcfg.kv_heads == 4 and mcfg.context == 16
-    assert tcfg.tokenizer == "bytes"
+    assert tcfg.tokenizer == "bytes" and mcfg.rope_factor == 1.0
+    mcfg, _ = _settled(folders / "llama3")
+    assert (mcfg.rope_factor, mcfg.rope_low_freq, mcfg.rope_high_freq,
+            mcfg.rope_original_context) == (8.0, 0.25, 2.0, 16)
 
 
-@pytest.mark.parametrize("name", ["gqa", "tied"])
+def test_llama3_rope_frequencies_follow_the_three_bands():
+    """Kept above the high-frequency cut, divided by the factor below the low one,
+    interpolated between (model.rope_frequencies), and unscaled at factor 1."""
+    from paratrain.config import ModelConfig
+    from paratrain.model import rope_frequencies
+
+    plain = ModelConfig(d_model=32, n_heads=4)
+    scaled = plain.replace(rope_factor=8.0, rope_low_freq=0.25, rope_high_freq=2.0,
+                           rope_original_context=16)
+    f, g = rope_frequencies(plain), rope_frequencies(scaled)
+    assert torch.equal(f, 1.0 / 10000.0 ** (torch.arange(0, 8, 2, dtype=torch.float64) / 8))
+    a = (16 * f[1] / (2 * torch.pi) - 0.25) / (2.0 - 0.25)  # wavelength 63: in (8, 64)
+    assert 0 < a < 1 and g[0] == f[0] and torch.allclose(g[2:], f[2:] / 8, rtol=1e-15,
+                                                         atol=0)
+    assert g[1] == pytest.approx(float((1 - a) * f[1] / 8 + a * f[1]), rel=1e-15)
+    with pytest.raises(ValueError, match="rope_high_freq=0.25 must exceed rope_low_freq"):
+        scaled.replace(rope_high_freq=0.25)
+
+
+@pytest.mark.parametrize("name", ["gqa", "tied", "llama3"])
 def test_logits_equal_transformers(folders, name):
     from transformers import AutoModelForCausalLM
 
@@ -106,7 +137,7 @@ def test_import_inverts_export_exactly(tie):
     assert all(torch.equal(back[k], sd[k]) for k in sd)
 
 
-@pytest.mark.parametrize("name", ["gqa", "tied"])
+@pytest.mark.parametrize("name", ["gqa", "tied", "llama3"])
 def test_frozen_run_exports_the_folder_bit_for_bit(folders, tmp_path, text_file, capsys, name):
     """--lr 0 (weight decay 0.1 included) changes no weight: train, then export, gives
     the folder's tensors back, bit for bit, and its tokenizer."""
@@ -121,7 +152,7 @@ def test_frozen_run_exports_the_folder_bit_for_bit(folders, tmp_path, text_file,
     capsys.readouterr()
     theirs = load_file(str(src / "model.safetensors"))
     ours = load_file(str(tmp_path / "out" / "model.safetensors"))
-    if name == "tied":  # a tied head is the embedding; export leaves it out
+    if name != "gqa":  # a tied head is the embedding; export leaves it out
         theirs.pop("lm_head.weight", None)
     assert ours.keys() == theirs.keys()
     bad = [k for k in ours if not torch.equal(ours[k], theirs[k])]
@@ -130,6 +161,16 @@ def test_frozen_run_exports_the_folder_bit_for_bit(folders, tmp_path, text_file,
     want = json.loads((src / "config.json").read_text())
     for k in ("vocab_size", "num_key_value_heads", "rms_norm_eps", "tie_word_embeddings"):
         assert config[k] == want[k], k
+    rope = {k: v for k, v in want["rope_parameters"].items() if k in LLAMA3_ROPE}
+    assert {k: config["rope_parameters"][k] for k in rope} == rope
+    if name == "llama3":  # transformers reads the exported RoPE as the folder's
+        from transformers import AutoModelForCausalLM
+
+        x = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(1))
+        with torch.no_grad():
+            a, b = (AutoModelForCausalLM.from_pretrained(d).eval()(x).logits
+                    for d in (src, tmp_path / "out"))
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-6)
     if (src / "tokenizer.json").is_file():
         assert (tmp_path / "out" / "tokenizer.json").read_text() == \
             (src / "tokenizer.json").read_text()
@@ -151,7 +192,9 @@ def _variant(folders, tmp_path, **changes):
 
 @pytest.mark.parametrize("changes, flags, fragment", [
     ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, [], "rope_scaling"),
-    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4}}, [], "'llama3'"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}, [], "'yarn'"),
+    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0}}, [],
+     "rope_scaling has no low_freq_factor, high_freq_factor, original_max_position_embed"),
     ({"attention_bias": True}, [], "attention_bias=true"),
     ({"mlp_bias": True}, [], "mlp_bias=true"),
     ({"hidden_act": "gelu"}, [], "hidden_act='gelu'"),
@@ -164,10 +207,14 @@ def _variant(folders, tmp_path, **changes):
     ({}, ["--kv-heads", "4"], "--kv-heads 4 contradicts num_key_value_heads=2"),
     ({}, ["--experts", "4"], "LlamaForCausalLM is dense"),
     ({}, ["--context", "65"], "--context 65 exceeds max_position_embeddings=64"),
+    ({}, ["--config", "rope.toml"], "rope_factor = 8.0 in the TOML contradicts rope "
+     "factor=1.0"),
     ({}, ["--tokenizer", "bpe:300"], "--tokenizer bpe:300 contradicts"),
 ])
 def test_what_paratrain_cannot_compute_is_refused_in_one_line(folders, tmp_path, capsys,
                                                               changes, flags, fragment):
+    (tmp_path / "rope.toml").write_text("[model]\nrope_factor = 8.0\n")  # an unscaled folder
+    flags = [str(tmp_path / f) if f.endswith(".toml") else f for f in flags]
     _refused(["--init-from", str(_variant(folders, tmp_path, **changes)), *flags], fragment,
              capsys)
 
@@ -199,14 +246,18 @@ def test_lr_zero_is_accepted_and_negative_refused():
 
 
 @pytest.mark.slow
-def test_tp2_dp2_from_the_folder_matches_one_process(folders, tmp_path, text_file):
+@pytest.mark.parametrize("folder, layout", [("gqa", ["--nproc", "4", "--tp", "2"]),
+                                            ("llama3", ["--nproc", "2", "--cp", "2"])])
+def test_tp2_dp2_from_the_folder_matches_one_process(folders, tmp_path, text_file, folder,
+                                                     layout):
     """Every rank takes its shard of the imported model: tp2 x dp2 (4 processes) follows
-    the single process's float64 loss trajectory."""
+    the single process's float64 loss trajectory; so does cp 2 from the folder with Llama
+    3's RoPE scaling (each rank's chunk rotated at its global positions' scaled angles)."""
     losses = {}
-    for name, layout in (("one", ["--nproc", "1"]), ("tp2dp2", ["--nproc", "4", "--tp", "2"])):
+    for name, layout in (("one", ["--nproc", "1"]), ("parallel", layout)):
         run = tmp_path / name
         r = subprocess.run([sys.executable, "-m", "paratrain.cli", "train", "--init-from",
-                            str(folders / "gqa"), *layout, "--dtype", "float64", "--steps",
+                            str(folders / folder), *layout, "--dtype", "float64", "--steps",
                             "3", "--global-batch", "4", "--context", "16", "--eval-every",
                             "0", "--quiet", "--data", text_file, "--run-dir", str(run)],
                            capture_output=True, text=True, timeout=300)
@@ -214,7 +265,7 @@ def test_tp2_dp2_from_the_folder_matches_one_process(folders, tmp_path, text_fil
         losses[name] = [json.loads(x)["loss"] for x in
                         (run / "metrics.jsonl").read_text().splitlines()]
     assert len(losses["one"]) == 3
-    assert max_rel_diff(losses["tp2dp2"], losses["one"]) <= 1e-9
+    assert max_rel_diff(losses["parallel"], losses["one"]) <= 1e-9
 
 
 @pytest.mark.slow

@@ -149,6 +149,18 @@ class ModelConfig:
     tie_embeddings: bool = setting(False, "Tie input/output embeddings.")
     norm_eps: float = setting(1e-5, "RMSNorm epsilon.", flag=None, gt=0, lt=1)
     rope_theta: float = setting(10000.0, "RoPE base.", flag=None, gt=1, hi=1e12)
+    # Llama 3's RoPE scaling (transformers' rope_type "llama3", Llama 3.1 onwards): the
+    # frequencies whose wavelength exceeds rope_original_context / rope_low_freq are
+    # divided by rope_factor, those shorter than rope_original_context / rope_high_freq
+    # kept, the band between interpolated (model.rope_frequencies); factor 1 = unscaled
+    rope_factor: float = setting(1.0, "Llama 3 RoPE scaling factor (1 = unscaled).",
+                                 flag=None, lo=1, hi=1e6)
+    rope_low_freq: float = setting(1.0, "Llama 3 RoPE low_freq_factor.", flag=None, gt=0,
+                                   hi=1e6)
+    rope_high_freq: float = setting(4.0, "Llama 3 RoPE high_freq_factor.", flag=None, gt=0,
+                                    hi=1e6)
+    rope_original_context: int = setting(8192, "Llama 3 RoPE original context.", flag=None,
+                                         lo=1, hi=MAX_CONTEXT)
     attention: str = setting("sdpa", "sdpa (fused, keeps no scores) or eager (keeps them).",
                              choices=ATTENTION)
     # Mixture of Experts (0 experts = dense). Block i's MLP is MoE when
@@ -183,6 +195,12 @@ class ModelConfig:
             self.head_dim % 2 == 0,
             f"head dimension {self.head_dim} (d_model/n_heads) must be even for RoPE; "
             "change d_model or n_heads",
+        )
+        _require(
+            self.rope_high_freq > self.rope_low_freq,
+            f"rope_high_freq={self.rope_high_freq} must exceed rope_low_freq="
+            f"{self.rope_low_freq} (Llama 3 scaling interpolates between them); set e.g. "
+            "rope_low_freq = 1.0 and rope_high_freq = 4.0 in [model]",
         )
         _require(
             self.attention in ATTENTION,

@@ -55,6 +55,16 @@ def halves_to_interleaved(w: torch.Tensor, head_dim: int) -> torch.Tensor:
     return w.view(heads, 2, head_dim // 2, -1).transpose(1, 2).reshape(w.shape)
 
 
+def rope_scaling(cfg: ModelConfig) -> dict:
+    """``cfg``'s RoPE as transformers names it: rope_type "default", or "llama3" with its
+    four numbers (:data:`paratrain.files.hf_import.LLAMA3_ROPE`, read back on import)."""
+    if cfg.rope_factor == 1.0:
+        return {"rope_type": "default"}
+    return {"rope_type": "llama3", "factor": cfg.rope_factor,
+            "low_freq_factor": cfg.rope_low_freq, "high_freq_factor": cfg.rope_high_freq,
+            "original_max_position_embeddings": cfg.rope_original_context}
+
+
 def hf_config(cfg: ModelConfig) -> dict:
     """config.json of the LlamaForCausalLM that computes what ``cfg`` computes."""
     return {
@@ -65,7 +75,8 @@ def hf_config(cfg: ModelConfig) -> dict:
         "head_dim": cfg.head_dim, "hidden_act": "silu",
         "max_position_embeddings": cfg.context, "rms_norm_eps": cfg.norm_eps,
         "rope_theta": cfg.rope_theta,  # transformers 4.x
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},  # 5.x
+        "rope_parameters": {"rope_theta": cfg.rope_theta, **rope_scaling(cfg)},  # 5.x
+        **({"rope_scaling": rope_scaling(cfg)} if cfg.rope_factor != 1.0 else {}),  # 4.x
         "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": False,
         "mlp_bias": False, "attention_dropout": 0.0, "initializer_range": 0.02,
         "bos_token_id": None, "eos_token_id": None, "pad_token_id": None,

@@ -5,12 +5,13 @@
 shards a ``model.safetensors.index.json`` lists) and optionally ``tokenizer.json``.
 
 - :func:`settle` (the launcher, no torch): ``config.json`` -> the run's
-  :class:`~paratrain.config.ModelConfig`; what paratrain's decoder cannot compute
-  (``rope_scaling``, biases, another activation, ``head_dim`` != hidden/heads, ...) is
-  refused by name, and so is a model setting given by flag or TOML that contradicts the
-  config (``--init-from`` sets the model; only ``--context``, at most
-  ``max_position_embeddings``, and ``--attention``, a kernel choice, are the run's). The
-  folder's ``tokenizer.json``, when present, is the run's tokenizer.
+  :class:`~paratrain.config.ModelConfig`, Llama 3's RoPE scaling (Llama 3.1 onwards)
+  included; what paratrain's decoder cannot compute (another RoPE scaling, biases,
+  another activation, ``head_dim`` != hidden/heads, ...) is refused by name, and so is a
+  model setting given by flag or TOML that contradicts the config (``--init-from`` sets
+  the model; only ``--context``, at most ``max_position_embeddings``, and
+  ``--attention``, a kernel choice, are the run's). The folder's ``tokenizer.json``,
+  when present, is the run's tokenizer.
 - :func:`state_dict` (every worker): the tensors under paratrain's names, RoPE rows
   permuted back (``export.halves_to_interleaved``), in float32; the worker loads them
   into the seeded :class:`~paratrain.model.Decoder` before the engine is built, so every
@@ -60,19 +61,39 @@ def read_config(hf_dir: str | Path) -> dict:
     return cfg
 
 
-def _rope_theta(hf: dict, where: str) -> float:
-    """``rope_theta`` (transformers 4.x: top level; 5.x: ``rope_parameters``); refuses
-    any scaled RoPE (linear, dynamic, yarn, llama3, ...), which paratrain does not compute."""
+# Llama 3's RoPE scaling: ModelConfig field -> its key in rope_scaling / rope_parameters
+LLAMA3_ROPE = {"rope_factor": "factor", "rope_low_freq": "low_freq_factor",
+               "rope_high_freq": "high_freq_factor",
+               "rope_original_context": "original_max_position_embeddings"}
+
+
+def _rope(hf: dict, where: str) -> dict:
+    """``rope_theta`` and, for Llama 3's scaling (rope_type "llama3", Llama 3.1 onwards),
+    its four numbers, as ModelConfig fields (transformers 4.x: ``rope_theta`` at the top
+    level and ``rope_scaling``; 5.x: both in ``rope_parameters``); any other scaled RoPE
+    (linear, dynamic, yarn, longrope, ...) is refused: paratrain does not compute it."""
     params = hf.get("rope_parameters") or {}
-    scaling = hf.get("rope_scaling")  # transformers 4.x; 5.x folds it into rope_parameters
-    kind = params.get("rope_type", "default")
-    if scaling:
-        kind = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) \
-            else scaling
-    if kind != "default":
+    scaling = hf.get("rope_scaling") or params
+    if not isinstance(scaling, dict):
+        raise ValueError(f"{where} has rope_scaling={scaling!r}; pass a config.json whose "
+                         "rope_scaling is an object with a rope_type")
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    unscaled = ModelConfig()
+    out = {"rope_theta": float(params.get("rope_theta", hf.get("rope_theta", 10000.0))),
+           **{name: getattr(unscaled, name) for name in LLAMA3_ROPE}}  # factor 1: none
+    if kind == "default":
+        return out
+    if kind != "llama3":
         raise ValueError(f"{where} sets rope_scaling (rope_type {kind!r}); paratrain's RoPE "
-                         "is the default unscaled one: pick a model without rope_scaling")
-    return float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+                         "is the default one or Llama 3's (rope_type 'llama3'): pick a "
+                         "model with one of those")
+    missing = [k for k in LLAMA3_ROPE.values() if k not in scaling]
+    if missing:
+        raise ValueError(f"{where}'s llama3 rope_scaling has no {', '.join(missing)}; pass "
+                         "a complete config.json")
+    out.update({name: scaling[key] for name, key in LLAMA3_ROPE.items()})
+    out["rope_factor"] = float(out["rope_factor"])
+    return out
 
 
 def _refuse_unsupported(hf: dict, where: str) -> None:
@@ -106,7 +127,7 @@ def hf_model_fields(hf: dict, where: str) -> dict:
     out = {}
     for name, (key, default) in FIELDS.items():
         if name == "rope_theta":
-            out[name] = _rope_theta(hf, where)
+            out.update(_rope(hf, where))
             continue
         v = hf.get(key, default)
         if v is None:
@@ -138,7 +159,7 @@ def _contradiction(given: dict, hf: dict, raw: dict, where: str) -> None:
         if name == "experts":
             raise ValueError(f"{_said(name, v)} contradicts {where}: LlamaForCausalLM is "
                              "dense; --init-from sets the model: drop it")
-        key = FIELDS[name][0]
+        key = FIELDS[name][0] if name in FIELDS else f"rope {LLAMA3_ROPE[name]}"
         raise ValueError(f"{_said(name, v)} contradicts {key}={raw.get(key, want)} in "
                          f"{where}; --init-from sets the model: drop it")
 

@@ -48,10 +48,26 @@ class RMSNorm(nn.Module):
         return y.to(x.dtype) * self.weight
 
 
-def rope_tables(head_dim: int, context: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_frequencies(cfg: ModelConfig) -> torch.Tensor:
+    """Pair i's angle per position, theta^(-2i/E), in float64; under Llama 3's scaling
+    (``rope_factor`` > 1: Meta's Llama 3.1 code, transformers' rope_type "llama3") a pair
+    whose wavelength 2 pi / f is longer than ``rope_original_context / rope_low_freq``
+    turns ``rope_factor`` times slower, one shorter than ``rope_original_context /
+    rope_high_freq`` is kept, and between them f is interpolated: (1 - a) f / factor + a
+    f with a = (rope_original_context / wavelength - low) / (high - low)."""
+    E = cfg.head_dim
+    f = 1.0 / cfg.rope_theta ** (torch.arange(0, E, 2, dtype=torch.float64) / E)
+    if cfg.rope_factor == 1.0:
+        return f
+    wavelength = 2 * math.pi / f
+    low, high, old = cfg.rope_low_freq, cfg.rope_high_freq, cfg.rope_original_context
+    a = ((old / wavelength - low) / (high - low)).clamp(0.0, 1.0)
+    return (1 - a) * f / cfg.rope_factor + a * f
+
+
+def rope_tables(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin of shape (context, head_dim/2), in float64 (cast at use)."""
-    inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-    ang = torch.outer(torch.arange(context, dtype=torch.float64), inv)
+    ang = torch.outer(torch.arange(cfg.context, dtype=torch.float64), rope_frequencies(cfg))
     return ang.cos(), ang.sin()
 
 
@@ -156,7 +172,7 @@ class Decoder(nn.Module):
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.head.weight = self.tok_emb.weight
-        cos, sin = rope_tables(cfg.head_dim, cfg.context, cfg.rope_theta)
+        cos, sin = rope_tables(cfg)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.reset_parameters()
