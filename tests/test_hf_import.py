@@ -25,15 +25,18 @@ RUN = ["--nproc", "1", "--steps", "1", "--global-batch", "4", "--context", "16",
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
-def _write_llama(path, seed: int, tokenizer: bool, **config) -> None:
-    """A random LlamaForCausalLM saved by transformers itself, every weight (the norms'
-    gains too, which start at 1) perturbed so that a misplaced tensor shows."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+def _write_llama(path, seed: int, tokenizer: bool, mistral: bool = False, **config) -> None:
+    """A random LlamaForCausalLM (``mistral``: MistralForCausalLM) saved by transformers
+    itself, every weight (the norms' gains too, which start at 1) perturbed so that a
+    misplaced tensor shows."""
+    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
     from paratrain.files.tokenizer import bytes_tokenizer_json
 
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig(**SHAPE, **config))
+    kind, conf = (MistralForCausalLM, MistralConfig) if mistral else (LlamaForCausalLM,
+                                                                      LlamaConfig)
+    model = kind(conf(**SHAPE, **config))
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.1 * torch.randn_like(p))
@@ -46,7 +49,8 @@ def _write_llama(path, seed: int, tokenizer: bool, **config) -> None:
 def folders(tmp_path_factory):
     """gqa: 2 KV heads, untied, eps 1e-6, theta 5000, its own tokenizer.json (a padded
     vocabulary of 300 over 256 byte tokens); tied: multi-head, tied head, vocabulary 256,
-    no tokenizer.json (--tokenizer decides); llama3: Llama 3.1's RoPE scaling, shrunk so
+    no tokenizer.json (--tokenizer decides); mistral: MistralForCausalLM, GQA, a 48-token
+sliding window, theta 1e6; llama3: Llama 3.1's RoPE scaling, shrunk so
     that at head width 8 one frequency is kept, one interpolated and two divided by the
     factor (wavelengths 6.3, 63, 628, 6283 against 16 / 2 and 16 / 0.25)."""
     root = tmp_path_factory.mktemp("hf")
@@ -55,6 +59,8 @@ def folders(tmp_path_factory):
     _write_llama(root / "tied", 1, False, vocab_size=256, tie_word_embeddings=True)
     _write_llama(root / "llama3", 2, False, vocab_size=256, num_key_value_heads=2,
                  tie_word_embeddings=True, rope_parameters=LLAMA3_ROPE)
+    _write_llama(root / "mistral", 3, False, True, vocab_size=256, num_key_value_heads=2,
+                 sliding_window=48, rope_theta=1e6)
     return root
 
 
@@ -104,7 +110,7 @@ def test_llama3_rope_frequencies_follow_the_three_bands():
         scaled.replace(rope_high_freq=0.25)
 
 
-@pytest.mark.parametrize("name", ["gqa", "tied", "llama3"])
+@pytest.mark.parametrize("name", ["gqa", "tied", "llama3", "mistral"])
 def test_logits_equal_transformers(folders, name):
     from transformers import AutoModelForCausalLM
 
@@ -137,7 +143,7 @@ def test_import_inverts_export_exactly(tie):
     assert all(torch.equal(back[k], sd[k]) for k in sd)
 
 
-@pytest.mark.parametrize("name", ["gqa", "tied", "llama3"])
+@pytest.mark.parametrize("name", ["gqa", "tied", "llama3", "mistral"])
 def test_frozen_run_exports_the_folder_bit_for_bit(folders, tmp_path, text_file, capsys, name):
     """--lr 0 (weight decay 0.1 included) changes no weight: train, then export, gives
     the folder's tensors back, bit for bit, and its tokenizer."""
@@ -152,13 +158,13 @@ def test_frozen_run_exports_the_folder_bit_for_bit(folders, tmp_path, text_file,
     capsys.readouterr()
     theirs = load_file(str(src / "model.safetensors"))
     ours = load_file(str(tmp_path / "out" / "model.safetensors"))
-    if name != "gqa":  # a tied head is the embedding; export leaves it out
+    want = json.loads((src / "config.json").read_text())
+    if want["tie_word_embeddings"]:  # a tied head is the embedding; export leaves it out
         theirs.pop("lm_head.weight", None)
     assert ours.keys() == theirs.keys()
     bad = [k for k in ours if not torch.equal(ours[k], theirs[k])]
     assert not bad, bad
     config = json.loads((tmp_path / "out" / "config.json").read_text())
-    want = json.loads((src / "config.json").read_text())
     for k in ("vocab_size", "num_key_value_heads", "rms_norm_eps", "tie_word_embeddings"):
         assert config[k] == want[k], k
     rope = {k: v for k, v in want["rope_parameters"].items() if k in LLAMA3_ROPE}
@@ -199,7 +205,9 @@ def _variant(folders, tmp_path, **changes):
     ({"mlp_bias": True}, [], "mlp_bias=true"),
     ({"hidden_act": "gelu"}, [], "hidden_act='gelu'"),
     ({"head_dim": 16}, [], "head_dim=16"),
-    ({"model_type": "mistral", "architectures": ["MistralForCausalLM"]}, [], "'mistral'"),
+    ({"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"]}, [], "'qwen2'"),
+    ({"model_type": "mistral", "architectures": ["MistralForCausalLM"], "sliding_window": 8},
+     [], "--context 16 exceeds sliding_window=8"),
     ({"attention_dropout": 0.1}, [], "attention_dropout=0.1"),
     ({"intermediate_size": None}, [], "has no intermediate_size"),
     ({"intermediate_size": 48}, [], "has shape (64, 32) but its config.json implies (48, 32)"),

@@ -1,8 +1,10 @@
 """Start from a Hugging Face folder: ``paratrain train --init-from HF_DIR`` (docs/export.md,
 "Import"). The inverse of :mod:`paratrain.files.export`.
 
-``HF_DIR`` holds a ``LlamaForCausalLM``: ``config.json``, ``model.safetensors`` (or the
-shards a ``model.safetensors.index.json`` lists) and optionally ``tokenizer.json``.
+``HF_DIR`` holds a ``LlamaForCausalLM`` (or a ``MistralForCausalLM``: the same decoder
+and tensor names, its sliding window no wider than the run's context): ``config.json``,
+``model.safetensors`` (or the shards a ``model.safetensors.index.json`` lists) and
+optionally ``tokenizer.json``.
 
 - :func:`settle` (the launcher, no torch): ``config.json`` -> the run's
   :class:`~paratrain.config.ModelConfig`, Llama 3's RoPE scaling (Llama 3.1 onwards)
@@ -96,13 +98,19 @@ def _rope(hf: dict, where: str) -> dict:
     return out
 
 
+# model_type -> architecture: Mistral's decoder is Llama's, tensor names included, plus a
+# sliding window that changes nothing while the run's context fits in it (settle)
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}
+
+
 def _refuse_unsupported(hf: dict, where: str) -> None:
     """What LlamaForCausalLM can set and paratrain's decoder cannot compute, by name."""
     arch = hf.get("architectures") or []
-    if hf.get("model_type") != "llama" or (arch and "LlamaForCausalLM" not in arch):
-        raise ValueError(f"{where} describes model_type {hf.get('model_type')!r} "
+    kind = hf.get("model_type")
+    if kind not in ARCHITECTURES or (arch and ARCHITECTURES[kind] not in arch):
+        raise ValueError(f"{where} describes model_type {kind!r} "
                          f"({', '.join(arch) or 'no architectures'}); --init-from reads "
-                         "LlamaForCausalLM folders only")
+                         "LlamaForCausalLM and MistralForCausalLM folders only")
     if hf.get("hidden_act", "silu") != "silu":
         raise ValueError(f"{where} has hidden_act={hf['hidden_act']!r}; paratrain's MLP is "
                          "SwiGLU (silu): pick a model with hidden_act silu")
@@ -193,10 +201,16 @@ def settle(hf_dir: str, mcfg: ModelConfig, tcfg: TrainConfig, config: str | None
     hf = hf_model_fields(raw, where)
     _contradiction(given, hf, raw, where)
     top = raw.get("max_position_embeddings")
-    context = given.get("context", DEFAULT_CONTEXT if top is None else min(DEFAULT_CONTEXT, top))
+    window = raw.get("sliding_window") if raw.get("model_type") == "mistral" else None
+    context = given.get("context", min(n for n in (DEFAULT_CONTEXT, top, window)
+                                       if n is not None))
     if top is not None and context > top:
         raise ValueError(f"--context {context} exceeds max_position_embeddings={top} in "
                          f"{where}; pass --context {top} or less")
+    if window is not None and context > window:
+        raise ValueError(f"--context {context} exceeds sliding_window={window} in {where}: "
+                         "paratrain's attention sees the whole context, Mistral's the "
+                         f"window; pass --context {window} or less")
     own = {k: v for k, v in flags.get("model", {}).items() if k not in hf}
     try:
         out = mcfg.replace(**{**own, **hf, "context": context})
