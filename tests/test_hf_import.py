@@ -262,10 +262,10 @@ def test_tp2_dp2_from_the_folder_matches_one_process(folders, tmp_path, text_fil
     the single process's float64 loss trajectory; so does cp 2 from the folder with Llama
     3's RoPE scaling (each rank's chunk rotated at its global positions' scaled angles)."""
     losses = {}
-    for name, layout in (("one", ["--nproc", "1"]), ("parallel", layout)):
+    for name, flags in (("one", ["--nproc", "1"]), ("parallel", layout)):
         run = tmp_path / name
         r = subprocess.run([sys.executable, "-m", "paratrain.cli", "train", "--init-from",
-                            str(folders / folder), *layout, "--dtype", "float64", "--steps",
+                            str(folders / folder), *flags, "--dtype", "float64", "--steps",
                             "3", "--global-batch", "4", "--context", "16", "--eval-every",
                             "0", "--quiet", "--data", text_file, "--run-dir", str(run)],
                            capture_output=True, text=True, timeout=300)
