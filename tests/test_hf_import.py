@@ -245,6 +245,47 @@ def test_vocabulary_mismatch_and_bad_folders_are_one_line(folders, tmp_path, cap
     _refused(["--init-from", str(d)], "has no model.safetensors", capsys)
 
 
+@pytest.mark.parametrize("name", ["tied", "llama3", "mistral"])
+def test_generate_from_the_folder_is_transformers_greedy(folders, capsys, name):
+    """`generate --init-from HF_DIR` samples from the folder itself: greedy, the same new
+    tokens as transformers' own greedy generate (its context, prompt plus new tokens,
+    inside max_position_embeddings and the Mistral window)."""
+    from transformers import AutoModelForCausalLM
+
+    from paratrain.files.inference import load_hf
+    from paratrain.run.generate import sample
+
+    prompt, n = "The quick brown fox", 16
+    run = load_hf(folders / name, prompt, n)
+    assert run.model.cfg.context == len(prompt.encode()) + n
+    ids, new = sample(run, prompt, n)
+    hf = AutoModelForCausalLM.from_pretrained(folders / name).eval()
+    out = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                      max_new_tokens=n, do_sample=False, pad_token_id=0)
+    assert new == out[0, len(ids):].tolist()
+    assert main(["generate", "--init-from", str(folders / name), "--prompt", prompt,
+                 "--max-new-tokens", str(n)]) == 0
+    assert capsys.readouterr().out.rstrip("\n") == run.tokenizer.decode(ids + new)
+
+
+def test_generate_takes_one_source_and_a_tokenizer_that_fits(folders, tmp_path, capsys):
+    _refused_cmd(["generate", "--prompt", "a"], "one of the two", capsys)
+    _refused_cmd(["generate", "--prompt", "a", "--init-from", str(folders / "tied"),
+                  "--checkpoint", str(tmp_path)], "one of the two", capsys)
+    d = tmp_path / "no_tokenizer"
+    shutil.copytree(folders / "gqa", d)
+    (d / "tokenizer.json").unlink()  # vocabulary 300 and no tokenizer: bytes do not fit
+    _refused_cmd(["generate", "--prompt", "a", "--init-from", str(d)],
+                 "(bytes) has 256 tokens but vocab_size=300", capsys)
+
+
+def _refused_cmd(args: list[str], fragment: str, capsys) -> None:
+    code = main(args)
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and err.startswith("error:"), err
+    assert fragment in err, err
+
+
 def test_lr_zero_is_accepted_and_negative_refused():
     from paratrain.config import TrainConfig
 

@@ -13,8 +13,12 @@ Opt = typer.Option
 def register(app: typer.Typer) -> None:
     @app.command()
     def generate(
-        checkpoint: Annotated[str, Opt(help="A training run's --checkpoint-dir.")],
         prompt: Annotated[str, Opt(help="Text to continue.")],
+        checkpoint: Annotated[str | None, Opt(help="A training run's --checkpoint-dir.")
+                              ] = None,
+        init_from: Annotated[str | None, Opt(
+            help="Or a Hugging Face Llama (or Mistral) folder, read as train "
+                 "--init-from reads it.")] = None,
         max_new_tokens: Annotated[int, Opt(help="Tokens to add.")] = 200,
         temperature: Annotated[float, Opt(
             help="0 = greedy (argmax); T > 0 samples from softmax(logits / T).")] = 0.0,
@@ -22,12 +26,16 @@ def register(app: typer.Typer) -> None:
             help="Sample among the k likeliest tokens (with --temperature > 0).")] = None,
         seed: Annotated[int, Opt(help="Seed of the sampler (with --temperature > 0).")] = 0,
     ) -> None:
-        """Continue --prompt with text sampled from a checkpoint (any layout)."""
-        from paratrain.files.inference import load
+        """Continue --prompt with text sampled from a checkpoint (any layout) or a
+        Hugging Face folder."""
+        from paratrain.files.inference import load, load_hf
         from paratrain.run.generate import check_args, sample
 
         check_args(max_new_tokens, temperature, top_k)
-        run = load(checkpoint)
+        if (checkpoint is None) == (init_from is None):
+            raise ValueError("pass --checkpoint DIR (a training run's) or --init-from HF_DIR "
+                             "(a Hugging Face folder): one of the two")
+        run = load(checkpoint) if checkpoint else load_hf(init_from, prompt, max_new_tokens)
         ids, new = sample(run, prompt, max_new_tokens, temperature, top_k, seed)
         print(run.tokenizer.decode(ids + new), flush=True)
 

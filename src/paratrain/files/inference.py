@@ -62,6 +62,37 @@ def load(root: str | Path) -> Loaded:
     return Loaded(model.float().eval(), load_tokenizer(root, meta), meta)
 
 
+def load_hf(hf_dir: str | Path, prompt: str, max_new_tokens: int) -> Loaded:
+    """A Hugging Face Llama or Mistral folder (``generate --init-from``, read as ``train
+    --init-from`` reads it: :mod:`paratrain.files.hf_import`) as a float32 model, with the
+    folder's ``tokenizer.json`` (none: bytes, for a vocabulary of 256). Its context is
+    the prompt plus the new tokens, at most ``max_position_embeddings`` (and a Mistral
+    window): every position transformers would give those ids, and no longer a KV cache
+    than the text needs."""
+    from paratrain.config import TrainConfig
+    from paratrain.files import hf_import
+    from paratrain.files.tokenizer import load as load_tokenizer_spec
+
+    d = Path(hf_dir)
+    raw = hf_import.read_config(d)
+    path = d / "tokenizer.json"
+    tok = load_tokenizer_spec(str(path)) if path.is_file() else \
+        Tokenizer("bytes", bytes_tokenizer_json())
+    window = raw.get("sliding_window") if raw.get("model_type") == "mistral" else None
+    limits = [raw.get("max_position_embeddings"), window]
+    need = max(1, len(tok.encode_text(prompt)) + max_new_tokens)
+    context = min([need, *(n for n in limits if isinstance(n, int) and n > 0)])
+    mcfg, _ = hf_import.settle(str(d), ModelConfig(), TrainConfig(), None,
+                               {"model": {"context": context}})
+    if tok.vocab_size > mcfg.vocab_size or (tok.is_bytes and mcfg.vocab_size != tok.vocab_size):
+        raise ValueError(f"--init-from {str(hf_dir)!r}: its tokenizer ({tok.spec}) has "
+                         f"{tok.vocab_size} tokens but vocab_size={mcfg.vocab_size}; put the "
+                         "model's own tokenizer.json in the folder")
+    model = Decoder(mcfg)
+    hf_import.load_into(model, d)
+    return Loaded(model.float().eval(), tok, {"step": None, "init_from": str(d)})
+
+
 @torch.no_grad()
 def logits(model: Decoder, ids: list[int]) -> torch.Tensor:
     """Next-token logits (V,) after ``ids`` (the last ``context`` of them: the model's
