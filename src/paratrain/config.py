@@ -149,16 +149,10 @@ class ModelConfig:
     tie_embeddings: bool = setting(False, "Tie input/output embeddings.")
     norm_eps: float = setting(1e-5, "RMSNorm epsilon.", flag=None, gt=0, lt=1)
     rope_theta: float = setting(10000.0, "RoPE base.", flag=None, gt=1, hi=1e12)
-    # Llama 3's RoPE scaling (transformers' rope_type "llama3", Llama 3.1 onwards): the
-    # frequencies whose wavelength exceeds rope_original_context / rope_low_freq are
-    # divided by rope_factor, those shorter than rope_original_context / rope_high_freq
-    # kept, the band between interpolated (model.rope_frequencies); factor 1 = unscaled
-    rope_factor: float = setting(1.0, "Llama 3 RoPE scaling factor (1 = unscaled).",
-                                 flag=None, lo=1, hi=1e6)
-    rope_low_freq: float = setting(1.0, "Llama 3 RoPE low_freq_factor.", flag=None, gt=0,
-                                   hi=1e6)
-    rope_high_freq: float = setting(4.0, "Llama 3 RoPE high_freq_factor.", flag=None, gt=0,
-                                    hi=1e6)
+    # Llama 3's RoPE scaling (model.rope_frequencies): factor 1 = none; the rest Llama 3.1's
+    rope_factor: float = setting(1.0, "Llama 3 RoPE scaling factor.", flag=None, lo=1, hi=1e6)
+    rope_low_freq: float = setting(1.0, "Llama 3 RoPE low_freq_factor.", flag=None, gt=0, hi=1e6)
+    rope_high_freq: float = setting(4.0, "Llama 3 RoPE high_freq_factor.", flag=None, gt=0, hi=1e6)
     rope_original_context: int = setting(8192, "Llama 3 RoPE original context.", flag=None,
                                          lo=1, hi=MAX_CONTEXT)
     attention: str = setting("sdpa", "sdpa (fused, keeps no scores) or eager (keeps them).",
@@ -181,32 +175,21 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         check_ranges(self)
-        _require(
-            self.d_model % self.n_heads == 0,
-            f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}; "
-            "choose d_model as a multiple of n_heads",
-        )
-        kv = self.kv_heads
-        _require(
-            kv > 0 and self.n_heads % kv == 0,
-            f"n_kv_heads={kv} must divide n_heads={self.n_heads}; choose a divisor",
-        )
-        _require(
-            self.head_dim % 2 == 0,
-            f"head dimension {self.head_dim} (d_model/n_heads) must be even for RoPE; "
-            "change d_model or n_heads",
-        )
-        _require(
-            self.rope_high_freq > self.rope_low_freq,
-            f"rope_high_freq={self.rope_high_freq} must exceed rope_low_freq="
-            f"{self.rope_low_freq} (Llama 3 scaling interpolates between them); set e.g. "
-            "rope_low_freq = 1.0 and rope_high_freq = 4.0 in [model]",
-        )
-        _require(
-            self.attention in ATTENTION,
-            f"attention={self.attention!r} is unknown; choose sdpa or eager "
-            "(pass e.g. --attention sdpa)",
-        )
+        _require(self.d_model % self.n_heads == 0,
+                 f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}; "
+                 "choose d_model as a multiple of n_heads")
+        _require(self.kv_heads > 0 and self.n_heads % self.kv_heads == 0, f"n_kv_heads="
+                 f"{self.kv_heads} must divide n_heads={self.n_heads}; choose a divisor")
+        _require(self.head_dim % 2 == 0,
+                 f"head dimension {self.head_dim} (d_model/n_heads) must be even for RoPE; "
+                 "change d_model or n_heads")
+        _require(self.rope_high_freq > self.rope_low_freq,
+                 f"rope_high_freq={self.rope_high_freq} must exceed rope_low_freq="
+                 f"{self.rope_low_freq} (Llama 3 scaling interpolates between them); set "
+                 "e.g. rope_low_freq = 1.0 and rope_high_freq = 4.0 in [model]")
+        _require(self.attention in ATTENTION,
+                 f"attention={self.attention!r} is unknown; choose sdpa or eager "
+                 "(pass e.g. --attention sdpa)")
         self._check_moe()
 
     def _check_moe(self) -> None:
@@ -227,7 +210,6 @@ class ModelConfig:
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
 
-    # ---- Mixture of Experts ---------------------------------------------------------
     @property
     def expert_ffn(self) -> int:
         """Hidden width of one routed (and one shared) expert."""
