@@ -50,7 +50,8 @@ def folders(tmp_path_factory):
     """gqa: 2 KV heads, untied, eps 1e-6, theta 5000, its own tokenizer.json (a padded
     vocabulary of 300 over 256 byte tokens); tied: multi-head, tied head, vocabulary 256,
     no tokenizer.json (--tokenizer decides); mistral: MistralForCausalLM, GQA, a 48-token
-sliding window, theta 1e6; llama3: Llama 3.1's RoPE scaling, shrunk so
+sliding window, theta 1e6; wide: heads of 16 over a width of 32 (4 heads), as Mistral
+NeMo's 128 over 5120 (32 heads); llama3: Llama 3.1's RoPE scaling, shrunk so
     that at head width 8 one frequency is kept, one interpolated and two divided by the
     factor (wavelengths 6.3, 63, 628, 6283 against 16 / 2 and 16 / 0.25)."""
     root = tmp_path_factory.mktemp("hf")
@@ -61,6 +62,7 @@ sliding window, theta 1e6; llama3: Llama 3.1's RoPE scaling, shrunk so
                  tie_word_embeddings=True, rope_parameters=LLAMA3_ROPE)
     _write_llama(root / "mistral", 3, False, True, vocab_size=256, num_key_value_heads=2,
                  sliding_window=48, rope_theta=1e6)
+    _write_llama(root / "wide", 4, False, vocab_size=256, num_key_value_heads=2, head_dim=16)
     return root
 
 
@@ -110,7 +112,7 @@ def test_llama3_rope_frequencies_follow_the_three_bands():
         scaled.replace(rope_high_freq=0.25)
 
 
-@pytest.mark.parametrize("name", ["gqa", "tied", "llama3", "mistral"])
+@pytest.mark.parametrize("name", ["gqa", "tied", "llama3", "mistral", "wide"])
 def test_logits_equal_transformers(folders, name):
     from transformers import AutoModelForCausalLM
 
@@ -143,7 +145,7 @@ def test_import_inverts_export_exactly(tie):
     assert all(torch.equal(back[k], sd[k]) for k in sd)
 
 
-@pytest.mark.parametrize("name", ["gqa", "tied", "llama3", "mistral"])
+@pytest.mark.parametrize("name", ["gqa", "tied", "llama3", "mistral", "wide"])
 def test_frozen_run_exports_the_folder_bit_for_bit(folders, tmp_path, text_file, capsys, name):
     """--lr 0 (weight decay 0.1 included) changes no weight: train, then export, gives
     the folder's tensors back, bit for bit, and its tokenizer."""
@@ -165,7 +167,8 @@ def test_frozen_run_exports_the_folder_bit_for_bit(folders, tmp_path, text_file,
     bad = [k for k in ours if not torch.equal(ours[k], theirs[k])]
     assert not bad, bad
     config = json.loads((tmp_path / "out" / "config.json").read_text())
-    for k in ("vocab_size", "num_key_value_heads", "rms_norm_eps", "tie_word_embeddings"):
+    for k in ("vocab_size", "num_key_value_heads", "rms_norm_eps", "tie_word_embeddings",
+              "head_dim"):
         assert config[k] == want[k], k
     rope = {k: v for k, v in want["rope_parameters"].items() if k in LLAMA3_ROPE}
     assert {k: config["rope_parameters"][k] for k in rope} == rope
@@ -204,7 +207,7 @@ def _variant(folders, tmp_path, **changes):
     ({"attention_bias": True}, [], "attention_bias=true"),
     ({"mlp_bias": True}, [], "mlp_bias=true"),
     ({"hidden_act": "gelu"}, [], "hidden_act='gelu'"),
-    ({"head_dim": 16}, [], "head_dim=16"),
+    ({"head_dim": 16}, [], "wq.weight has shape (32, 32) but its config.json implies (64, 32)"),
     ({"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"]}, [], "'qwen2'"),
     ({"model_type": "mistral", "architectures": ["MistralForCausalLM"], "sliding_window": 8},
      [], "--context 16 exceeds sliding_window=8"),
@@ -296,12 +299,15 @@ def test_lr_zero_is_accepted_and_negative_refused():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("folder, layout", [("gqa", ["--nproc", "4", "--tp", "2"]),
-                                            ("llama3", ["--nproc", "2", "--cp", "2"])])
+                                            ("llama3", ["--nproc", "2", "--cp", "2"]),
+                                            ("wide", ["--nproc", "2", "--tp", "2"]),
+                                            ("wide", ["--nproc", "2", "--cp", "2"])])
 def test_tp2_dp2_from_the_folder_matches_one_process(folders, tmp_path, text_file, folder,
                                                      layout):
     """Every rank takes its shard of the imported model: tp2 x dp2 (4 processes) follows
     the single process's float64 loss trajectory; so does cp 2 from the folder with Llama
-    3's RoPE scaling (each rank's chunk rotated at its global positions' scaled angles)."""
+    3's RoPE scaling (each rank's chunk rotated at its global positions' scaled angles),
+    and tp 2 and cp 2 from the one whose heads are wider than width / heads."""
     losses = {}
     for name, flags in (("one", ["--nproc", "1"]), ("parallel", layout)):
         run = tmp_path / name

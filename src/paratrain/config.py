@@ -142,6 +142,8 @@ class ModelConfig:
     n_heads: int = setting(6, "Attention heads.", flag="--heads", lo=1, hi=MAX_HEADS)
     n_kv_heads: int | None = setting(None, "KV heads (GQA; default: heads).", flag="--kv-heads",
                                      lo=1, hi=MAX_HEADS)
+    head_size: int | None = setting(None, "Head width (default d_model / heads).", flag=None,
+                                    lo=2, hi=MAX_WIDTH)
     d_ff: int = setting(512, "SwiGLU hidden width.", lo=1, hi=MAX_WIDTH)
     vocab_size: int = setting(256, "Vocabulary (follows the tokenizer).", flag=None, lo=2,
                               hi=MAX_VOCAB)
@@ -163,8 +165,7 @@ class ModelConfig:
     # plus `shared_experts` always-on experts (one SwiGLU of width shared_experts*moe_ffn).
     experts: int = setting(0, "Routed experts per MoE MLP (0 = dense).", lo=0, hi=MAX_HEADS)
     top_k: int = setting(2, "Experts each token goes to.")
-    moe_ffn: int | None = setting(None, "Expert hidden width (default d_ff).", lo=1,
-                                  hi=MAX_WIDTH)
+    moe_ffn: int | None = setting(None, "Expert hidden width (default d_ff).", lo=1, hi=MAX_WIDTH)
     shared_experts: int = setting(0, "Always-on shared experts.", lo=0, hi=MAX_HEADS)
     moe_every: int = setting(1, "Every L-th block's MLP is MoE.")
     aux_loss_coef: float = setting(0.01, "Load-balancing loss weight.", lo=0)
@@ -175,14 +176,14 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         check_ranges(self)
-        _require(self.d_model % self.n_heads == 0,
+        _require(self.head_size is not None or self.d_model % self.n_heads == 0,
                  f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}; "
-                 "choose d_model as a multiple of n_heads")
+                 "choose d_model as a multiple of n_heads, or set head_size")
         _require(self.kv_heads > 0 and self.n_heads % self.kv_heads == 0, f"n_kv_heads="
                  f"{self.kv_heads} must divide n_heads={self.n_heads}; choose a divisor")
         _require(self.head_dim % 2 == 0,
-                 f"head dimension {self.head_dim} (d_model/n_heads) must be even for RoPE; "
-                 "change d_model or n_heads")
+                 f"head dimension {self.head_dim} (head_size, or d_model/n_heads) must be "
+                 "even for RoPE; change head_size, d_model or n_heads")
         _require(self.rope_high_freq > self.rope_low_freq,
                  f"rope_high_freq={self.rope_high_freq} must exceed rope_low_freq="
                  f"{self.rope_low_freq} (Llama 3 scaling interpolates between them); set "
@@ -208,7 +209,7 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.d_model // self.n_heads
+        return self.head_size or self.d_model // self.n_heads
 
     @property
     def expert_ffn(self) -> int:
@@ -236,8 +237,7 @@ class TrainConfig:
                                 lo=1, hi=MAX_BATCH)
     # lr 0: a frozen run (AdamW's step and decay vanish: every weight keeps its bits)
     lr: float = setting(3e-3, "Peak learning rate (0: frozen weights).", lo=0)
-    min_lr_ratio: float = setting(0.1, "Cosine floor as a fraction of lr.", flag=None, lo=0,
-                                  hi=1)
+    min_lr_ratio: float = setting(0.1, "Cosine floor as a fraction of lr.", flag=None, lo=0, hi=1)
     warmup_steps: int = setting(20, "Linear warm-up steps.", lo=0, hi=MAX_STEPS)
     weight_decay: float = setting(0.1, "AdamW weight decay.", flag=None, lo=0)
     beta1: float = setting(0.9, "AdamW beta1.", flag=None, lo=0, lt=1)
@@ -256,8 +256,7 @@ class TrainConfig:
                                "(default: the standard library's source).")
     tokenizer: str = setting("bytes", "bytes | bpe:N | tokenizer.json path (docs/data.md).")
     text_field: str = setting("text", "Text field of .jsonl/.parquet records.")
-    val_fraction: float = setting(0.05, "Held-out fraction of the corpus.", flag=None, gt=0,
-                                  lt=1)
+    val_fraction: float = setting(0.05, "Held-out fraction of the corpus.", flag=None, gt=0, lt=1)
 
     def __post_init__(self) -> None:
         check_ranges(self)

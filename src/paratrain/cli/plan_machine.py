@@ -22,8 +22,9 @@ from paratrain.plan import ParallelPlan
 
 # ModelShape fields the runtime's model cannot express, with the value it builds
 RUNTIME_SHAPE = {"mlp": "swiglu", "bias": False, "learned_positions": False,
-                 "head_size": None, "norms_per_layer": 2, "first_dense_layers": 0,
-                 "kv_lora_rank": 0, "q_lora_rank": 0}
+                 "norms_per_layer": 2, "first_dense_layers": 0,
+                 "kv_lora_rank": 0, "q_lora_rank": 0, "local_window": 0, "mtp_layers": 0,
+                 "pad_to_capacity": False}
 
 
 def fixed_plan_fields(config: str | None, plan_flags: dict) -> dict:

@@ -33,7 +33,6 @@ class ModelShape(ModelConfig):
     mlp: str = "swiglu"
     bias: bool = False
     learned_positions: bool = False
-    head_size: int | None = None  # None = d_model // n_heads
     norms_per_layer: int = 2
     # mixture of experts beyond ModelConfig: the first layers keep a dense MLP of width
     # d_ff (DeepSeek-V3's first 3); how the experts split over ranks is the plan's (ep,
@@ -89,10 +88,6 @@ class ModelShape(ModelConfig):
                              "128, 64, 128)")
 
     # ---- shape helpers -------------------------------------------------------------
-    @property
-    def head_dim(self) -> int:
-        return self.head_size if self.head_size else self.d_model // self.n_heads
-
     @property
     def is_moe(self) -> bool:
         return self.experts > 0

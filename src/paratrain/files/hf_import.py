@@ -8,10 +8,10 @@ optionally ``tokenizer.json``.
 
 - :func:`settle` (the launcher, no torch): ``config.json`` -> the run's
   :class:`~paratrain.config.ModelConfig`, Llama 3's RoPE scaling (Llama 3.1 onwards)
-  included; what paratrain's decoder cannot compute (another RoPE scaling, biases,
-  another activation, ``head_dim`` != hidden/heads, ...) is refused by name, and so is a
-  model setting given by flag or TOML that contradicts the config (``--init-from`` sets
-  the model; only ``--context``, at most ``max_position_embeddings``, and
+  and a ``head_dim`` other than hidden / heads included; what paratrain's decoder cannot
+  compute (another RoPE scaling, biases, another activation, ...) is refused by name, and
+  so is a model setting given by flag or TOML that contradicts the config (``--init-from``
+  sets the model; only ``--context``, at most ``max_position_embeddings``, and
   ``--attention``, a kernel choice, are the run's). The folder's ``tokenizer.json``,
   when present, is the run's tokenizer.
 - :func:`state_dict` (every worker): the tensors under paratrain's names, RoPE rows
@@ -121,12 +121,6 @@ def _refuse_unsupported(hf: dict, where: str) -> None:
     if hf.get("attention_dropout", 0.0):
         raise ValueError(f"{where} has attention_dropout={hf['attention_dropout']}; "
                          "paratrain trains without dropout: set it to 0.0 in config.json")
-    heads, hidden = hf.get("num_attention_heads"), hf.get("hidden_size")
-    if hf.get("head_dim") is not None and heads and hidden \
-            and hf["head_dim"] != hidden // heads:
-        raise ValueError(f"{where} has head_dim={hf['head_dim']} but hidden_size/"
-                         f"num_attention_heads = {hidden // heads}; paratrain's head "
-                         "dimension is hidden/heads: pick a model where they agree")
 
 
 def hf_model_fields(hf: dict, where: str) -> dict:
@@ -144,6 +138,8 @@ def hf_model_fields(hf: dict, where: str) -> dict:
         out[name] = v
     if out["n_kv_heads"] in (0, out["n_heads"]):
         out["n_kv_heads"] = None  # plain multi-head attention, as paratrain's default
+    head = hf.get("head_dim")  # Mistral NeMo, Mistral Small 3: wider than hidden / heads
+    out["head_size"] = head if head and head * out["n_heads"] != out["d_model"] else None
     out["norm_eps"] = float(out["norm_eps"])
     out["experts"] = 0
     return out
@@ -167,7 +163,8 @@ def _contradiction(given: dict, hf: dict, raw: dict, where: str) -> None:
         if name == "experts":
             raise ValueError(f"{_said(name, v)} contradicts {where}: LlamaForCausalLM is "
                              "dense; --init-from sets the model: drop it")
-        key = FIELDS[name][0] if name in FIELDS else f"rope {LLAMA3_ROPE[name]}"
+        key = FIELDS[name][0] if name in FIELDS else "head_dim" if name == "head_size" \
+            else f"rope {LLAMA3_ROPE[name]}"
         raise ValueError(f"{_said(name, v)} contradicts {key}={raw.get(key, want)} in "
                          f"{where}; --init-from sets the model: drop it")
 
