@@ -104,13 +104,16 @@ def _formula(cfg: ModelConfig, dtype: torch.dtype, recompute: str) -> float:
 MEASURE_CFGS = [
     ModelConfig(n_layers=2, d_model=32, n_heads=4, d_ff=96, context=T),
     ModelConfig(n_layers=2, d_model=64, n_heads=8, n_kv_heads=2, d_ff=160, context=T),
+    # heads wider than width / heads (head_size: Mistral NeMo's 128 over 5120 / 32)
+    ModelConfig(n_layers=2, d_model=32, n_heads=4, n_kv_heads=2, head_size=16, d_ff=96,
+                context=T),
 ]
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("recompute", ["none", "selective", "full"])
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
-@pytest.mark.parametrize("base", MEASURE_CFGS, ids=["d32", "d64-gqa"])
+@pytest.mark.parametrize("base", MEASURE_CFGS, ids=["d32", "d64-gqa", "d32-wide"])
 def test_measured_saved_bytes_match_the_formula(base, attention, recompute, dtype):
     cfg = base.replace(attention=attention)
     measured = _per_layer(cfg, DTYPES[dtype], recompute)

@@ -60,7 +60,8 @@ def layer_activation_bytes(seq: int, batch: int, hidden: int, heads: int, tp: in
 
 def is_paratrain_block(model: ModelConfig, etp: int = 1) -> bool:
     """Whether ``model``'s layers are paratrain's own block (paratrain.model): RMSNorm x 2, RoPE
-    attention with head dim d_model / n_heads, SwiGLU, no biases; its MLP dense or
+    attention (heads of ``head_dim``, d_model / n_heads or ``head_size``), SwiGLU, no
+    biases; its MLP dense or
     paratrain's :class:`paratrain.model.MoE` (``ModelConfig.experts``, layers picked by
     ``is_moe_layer``) with whole experts (the plan's ``etp`` 1). Experts split over etp > 1
     (Megatron-Core's layout) or a published model's layer plan (``first_dense_layers``)
@@ -68,8 +69,7 @@ def is_paratrain_block(model: ModelConfig, etp: int = 1) -> bool:
     m = as_shape(model)
     return (m.mlp == "swiglu" and not m.bias and not m.learned_positions
             and m.norms_per_layer == 2 and not m.is_mla
-            and not (m.is_moe and (etp > 1 or m.first_dense_layers))
-            and m.head_dim * m.n_heads == m.d_model)
+            and not (m.is_moe and (etp > 1 or m.first_dense_layers)))
 
 
 def block_activation_bytes(model: ModelConfig, seq: int, *, tp: int = 1, sp: bool = False,
