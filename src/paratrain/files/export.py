@@ -67,6 +67,7 @@ def rope_scaling(cfg: ModelConfig) -> dict:
 
 def hf_config(cfg: ModelConfig) -> dict:
     """config.json of the LlamaForCausalLM that computes what ``cfg`` computes."""
+    rope = rope_scaling(cfg)
     return {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,
@@ -75,8 +76,8 @@ def hf_config(cfg: ModelConfig) -> dict:
         "head_dim": cfg.head_dim, "hidden_act": "silu",
         "max_position_embeddings": cfg.context, "rms_norm_eps": cfg.norm_eps,
         "rope_theta": cfg.rope_theta,  # transformers 4.x
-        "rope_parameters": {"rope_theta": cfg.rope_theta, **rope_scaling(cfg)},  # 5.x
-        **({"rope_scaling": rope_scaling(cfg)} if cfg.rope_factor != 1.0 else {}),  # 4.x
+        "rope_parameters": {"rope_theta": cfg.rope_theta, **rope},  # 5.x
+        **({"rope_scaling": rope} if rope["rope_type"] != "default" else {}),  # 4.x
         "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": False,
         "mlp_bias": False, "attention_dropout": 0.0, "initializer_range": 0.02,
         "bos_token_id": None, "eos_token_id": None, "pad_token_id": None,

@@ -103,6 +103,16 @@ def _rope(hf: dict, where: str) -> dict:
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}
 
 
+def context_limits(hf: dict) -> dict[str, int]:
+    """The config.json keys that bound a run's context, with their values: the positions
+    the model was made for and a Mistral window (paratrain attends the whole context, so
+    a context past the window would compute something else)."""
+    window = hf.get("sliding_window") if hf.get("model_type") == "mistral" else None
+    limits = {"max_position_embeddings": hf.get("max_position_embeddings"),
+              "sliding_window": window}
+    return {k: v for k, v in limits.items() if isinstance(v, int) and v > 0}
+
+
 def _refuse_unsupported(hf: dict, where: str) -> None:
     """What LlamaForCausalLM can set and paratrain's decoder cannot compute, by name."""
     arch = hf.get("architectures") or []
@@ -145,6 +155,11 @@ def hf_model_fields(hf: dict, where: str) -> dict:
     return out
 
 
+# ModelConfig field -> what config.json calls it (the fields hf_model_fields decides)
+CONFIG_KEYS = {**{name: key for name, (key, _) in FIELDS.items()}, "head_size": "head_dim",
+               **{name: f"rope {key}" for name, key in LLAMA3_ROPE.items()}}
+
+
 def _said(name: str, v: object) -> str:
     flag = flag_for(name)
     return f"{flag} {v}" if flag else f"[model] {name} = {v!r} in the TOML"
@@ -163,8 +178,7 @@ def _contradiction(given: dict, hf: dict, raw: dict, where: str) -> None:
         if name == "experts":
             raise ValueError(f"{_said(name, v)} contradicts {where}: LlamaForCausalLM is "
                              "dense; --init-from sets the model: drop it")
-        key = FIELDS[name][0] if name in FIELDS else "head_dim" if name == "head_size" \
-            else f"rope {LLAMA3_ROPE[name]}"
+        key = CONFIG_KEYS[name]
         raise ValueError(f"{_said(name, v)} contradicts {key}={raw.get(key, want)} in "
                          f"{where}; --init-from sets the model: drop it")
 
@@ -197,17 +211,14 @@ def settle(hf_dir: str, mcfg: ModelConfig, tcfg: TrainConfig, config: str | None
     given = {**tables.get("model", {}), **flags.get("model", {})}
     hf = hf_model_fields(raw, where)
     _contradiction(given, hf, raw, where)
-    top = raw.get("max_position_embeddings")
-    window = raw.get("sliding_window") if raw.get("model_type") == "mistral" else None
-    context = given.get("context", min(n for n in (DEFAULT_CONTEXT, top, window)
-                                       if n is not None))
-    if top is not None and context > top:
-        raise ValueError(f"--context {context} exceeds max_position_embeddings={top} in "
-                         f"{where}; pass --context {top} or less")
-    if window is not None and context > window:
-        raise ValueError(f"--context {context} exceeds sliding_window={window} in {where}: "
-                         "paratrain's attention sees the whole context, Mistral's the "
-                         f"window; pass --context {window} or less")
+    limits = context_limits(raw)
+    context = given.get("context", min(DEFAULT_CONTEXT, *limits.values()))
+    for key, n in limits.items():
+        if context > n:
+            raise ValueError(f"--context {context} exceeds {key}={n} in {where}"
+                             + (": paratrain's attention sees the whole context, Mistral's "
+                                "the window" if key == "sliding_window" else "")
+                             + f"; pass --context {n} or less")
     own = {k: v for k, v in flags.get("model", {}).items() if k not in hf}
     try:
         out = mcfg.replace(**{**own, **hf, "context": context})

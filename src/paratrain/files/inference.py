@@ -78,10 +78,8 @@ def load_hf(hf_dir: str | Path, prompt: str, max_new_tokens: int) -> Loaded:
     path = d / "tokenizer.json"
     tok = load_tokenizer_spec(str(path)) if path.is_file() else \
         Tokenizer("bytes", bytes_tokenizer_json())
-    window = raw.get("sliding_window") if raw.get("model_type") == "mistral" else None
-    limits = [raw.get("max_position_embeddings"), window]
     need = max(1, len(tok.encode_text(prompt)) + max_new_tokens)
-    context = min([need, *(n for n in limits if isinstance(n, int) and n > 0)])
+    context = min(need, *hf_import.context_limits(raw).values())
     mcfg, _ = hf_import.settle(str(d), ModelConfig(), TrainConfig(), None,
                                {"model": {"context": context}})
     if tok.vocab_size > mcfg.vocab_size or (tok.is_bytes and mcfg.vocab_size != tok.vocab_size):
