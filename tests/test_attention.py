@@ -107,13 +107,16 @@ MEASURE_CFGS = [
     # heads wider than width / heads (head_size: Mistral NeMo's 128 over 5120 / 32)
     ModelConfig(n_layers=2, d_model=32, n_heads=4, n_kv_heads=2, head_size=16, d_ff=96,
                 context=T),
+    # Qwen's attention: q, k, v biases (Qwen2) and per-head q, k norms (Qwen3)
+    ModelConfig(n_layers=2, d_model=32, n_heads=4, n_kv_heads=2, head_size=16, d_ff=96,
+                context=T, qkv_bias=True, qk_norm=True),
 ]
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("recompute", ["none", "selective", "full"])
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
-@pytest.mark.parametrize("base", MEASURE_CFGS, ids=["d32", "d64-gqa", "d32-wide"])
+@pytest.mark.parametrize("base", MEASURE_CFGS, ids=["d32", "d64-gqa", "d32-wide", "d32-qwen"])
 def test_measured_saved_bytes_match_the_formula(base, attention, recompute, dtype):
     cfg = base.replace(attention=attention)
     measured = _per_layer(cfg, DTYPES[dtype], recompute)

@@ -32,6 +32,8 @@ LAYOUTS = {  # name: (model, plan, the data-axis classes the plan chooses)
     "ep2 zero3 moe": (MOE, ParallelPlan(dp=4, ep=2, zero=3), ["Units", "Units"]),
     "ep2 tp2 zero1 moe": (MOE, ParallelPlan(dp=2, ep=2, tp=2, zero=1), ["Zero", "DataAxis"]),
     "cp2 zero0": (M4, ParallelPlan(dp=2, cp=2), ["Buckets"]),
+    "tp2 zero3 qwen": (M4.replace(n_kv_heads=2, qkv_bias=True, qk_norm=True),
+                       ParallelPlan(dp=2, tp=2, zero=3), ["Units"]),
 }
 
 

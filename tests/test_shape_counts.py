@@ -40,6 +40,8 @@ MODELS = {
     "moe": MOE,
     "moe shared every 2": MOE_SHARED,
     "moe tied top1": MOE.replace(top_k=1, tie_embeddings=True, moe_ffn=40),
+    # Qwen's attention: q, k, v biases (Qwen2), per-head q, k norms (Qwen3), wide heads
+    "qwen": ModelConfig(**BASE, n_kv_heads=2, head_size=16, qkv_bias=True, qk_norm=True),
 }
 
 
@@ -79,7 +81,7 @@ def test_counts_flops_and_states_equal_the_built_decoder(name):
         used = blocks[i] - sum((x.num_experts - x.top_k) * _numel(x.experts[0])
                                for x in moe_modules(b))
         assert m.block_flops_per_token(i) == 6.0 * used + 12.0 * hq_t
-        norms = sum(_numel(n) for n in (b.attn_norm, b.mlp_norm))
+        norms = sum(p.numel() for n, p in b.named_parameters() if "norm" in n)
         assert m.block_flops_per_token(i, norms=False) == 6.0 * (used - norms) + 12.0 * hq_t
     assert m.head_flops_per_token() == 6.0 * dec.head.weight.numel()
     for plan in (ParallelPlan(), ParallelPlan(dp=4, zero=3)):
@@ -140,6 +142,7 @@ MOE_FOUR = {
                                                              micro_batches=2)),
     "tied dp2 tp2 zero1": (MODELS["tied"], ParallelPlan(dp=2, tp=2, zero=1)),
     "moe tied top1 dp4 ep2 zero3": (MODELS["moe tied top1"], ParallelPlan(dp=4, ep=2, zero=3)),
+    "qwen dp2 tp2 zero3": (MODELS["qwen"], ParallelPlan(dp=2, tp=2, zero=3)),
 }
 MOE_EIGHT = {
     "moe shared tp2 pp2 ep2 zero2 m2": (MOE_SHARED, ParallelPlan(dp=2, tp=2, pp=2, ep=2,

@@ -159,6 +159,10 @@ class ModelConfig:
                                          lo=1, hi=MAX_CONTEXT)
     attention: str = setting("sdpa", "sdpa (fused, keeps no scores) or eager (keeps them).",
                              choices=ATTENTION)
+    # Qwen's attention: biased q, k, v projections (Qwen2), RMSNorm over each head's
+    # queries and keys before RoPE (Qwen3); TOML keys, set by --init-from
+    qkv_bias: bool = setting(False, "Biases on the q, k, v projections (Qwen2).", flag=None)
+    qk_norm: bool = setting(False, "RMSNorm on each head's queries and keys (Qwen3).", flag=None)
     # Mixture of Experts (0 experts = dense). Block i's MLP is MoE when
     # (i + 1) % moe_every == 0; each MoE MLP has a router (d_model -> experts), `experts`
     # SwiGLU experts of width moe_ffn (None = d_ff), each token sent to its top_k,
@@ -260,15 +264,11 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         check_ranges(self)
-        _require(
-            self.dtype in DTYPES,
-            f"dtype={self.dtype!r} is not supported; choose one of {', '.join(DTYPES)}",
-        )
-        _require(
-            self.reduce_dtype in REDUCE_DTYPES,
-            f"reduce_dtype={self.reduce_dtype!r} is not supported; choose one of "
-            f"{', '.join(REDUCE_DTYPES)} (it applies under --dtype bfloat16)",
-        )
+        _require(self.dtype in DTYPES, f"dtype={self.dtype!r} is not supported; choose one "
+                 f"of {', '.join(DTYPES)}")
+        _require(self.reduce_dtype in REDUCE_DTYPES, f"reduce_dtype={self.reduce_dtype!r} is "
+                 f"not supported; choose one of {', '.join(REDUCE_DTYPES)} (it applies under "
+                 "--dtype bfloat16)")
 
 
 @dataclass(frozen=True)

@@ -188,16 +188,22 @@ def attention_elements(m: ModelShape, s: int, t: int, recompute: str, attention:
     elements; in backward also the travelling dK/dV accumulators), the ring's per-block
     scores, and all-to-all's received pieces before they are put in global order are
     working memory of one layer at a time, freed before the next layer runs: they are not
-    kept for backward and not counted here (docs/context-parallel.md)."""
+    kept for backward and not counted here (docs/context-parallel.md).
+
+    Qwen3's query and key norms (``qk_norm``) run before the core, outside its rerun,
+    and keep what a block's norm keeps, per head: the projection's output, the
+    normalised tensor and one reciprocal rms per head and token, 2 s (a + K) E + s (a +
+    K) elements / t under every kernel, recompute and cp but full."""
     a = m.n_heads
     ae, ke = a * m.head_dim, m.kv_heads * m.head_dim
+    qk = (2 * s * (ae + ke) + s * (a + m.kv_heads)) / t if m.qk_norm else 0.0
     if recompute == "selective":
-        return (2 * s * ae + 2 * s * ke) / t
+        return qk + (2 * s * ae + 2 * s * ke) / t
     if ring:
-        return (2 * s * ae + 2 * s * ke + s * a) / t
+        return qk + (2 * s * ae + 2 * s * ke + s * a) / t
     if attention == "eager":
-        return (4 * s * ae + cp * a * s * s) / t
-    return (4 * s * ae + s * a + (s * ae if cp > 1 else 0)) / t
+        return qk + (4 * s * ae + cp * a * s * s) / t
+    return qk + (4 * s * ae + s * a + (s * ae if cp > 1 else 0)) / t
 
 
 def mlp_activation_bytes(m: ModelShape, s: int, t: int, element_bytes: float, layer: int | None,

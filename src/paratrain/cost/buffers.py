@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from paratrain.config import ModelConfig
-from paratrain.cost.ranks import PER_BLOCK, RankLayout, rank_layout
+from paratrain.cost.ranks import RankLayout, rank_layout
 from paratrain.plan import ParallelPlan
 
 
@@ -40,8 +40,7 @@ def fsdp_unit_sizes(lay: RankLayout) -> list[list[int]]:
     dense part every unit less the routed experts, the expert part one unit of local
     experts per MoE block (:func:`paratrain.parallel.expert.expert_units`)."""
     out = []
-    counts = lay.block_counts or tuple((PER_BLOCK,) * (b - a) for a, b in lay.ranges)
-    for k, sizes, per in zip(lay.stages, lay.chunks, counts, strict=True):
+    for k, sizes, per in zip(lay.stages, lay.chunks, lay.block_counts, strict=True):
         rest = list(sizes)
         nb = sum(per)
         emb = [rest.pop(0)] if k == 0 and len(rest) > nb else []  # the expert part: none

@@ -14,7 +14,8 @@ and the tests count it from the configs here, and the runtime calls the pieces i
   schedules: k = i and 2 pp - 1 - i, :func:`paratrain.cost.schedule.stage_of`), blocks from
   :func:`paratrain.cost.stages.split_layers`; without a pipeline one chunk, the whole
   model. Parameters in registration order: tok_emb (first stage), per block
-  [attn_norm, wq, wk, wv, wo, mlp_norm, w_gate, w_up, w_down], norm and head (last);
+  [attn_norm, wq, wk, wv, wo, mlp_norm, w_gate, w_up, w_down] (Qwen2's bias after each
+  of wq, wk, wv; Qwen3's q_norm, k_norm after wo), norm and head (last);
   a tied head (pp = 1 only) is the embedding's parameter, counted once. An MoE block's
   MLP is [router, this ep rank's E/ep experts x (gate, up, down), shared (gate, up,
   down)], not tp-sharded (:func:`block_param_sizes`; 1/etp of each expert matrix
@@ -74,7 +75,6 @@ from paratrain.cost.dp_bytes import (  # noqa: F401 - the package's API
 )
 from paratrain.cost.ranks import (  # noqa: F401 - the package's API
     ELEMENT_BYTES,
-    PER_BLOCK,
     RankLayout,
     block_param_sizes,
     chunk_param_sizes,

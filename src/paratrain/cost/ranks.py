@@ -20,9 +20,6 @@ def elements(dtype: str, reduce_dtype: str = "bfloat16") -> tuple[int, int, int]
     if dtype != "bfloat16":
         return w, w, w
     return w, ELEMENT_BYTES[reduce_dtype] if reduce_dtype == "bfloat16" else 4, 4
-PER_BLOCK = 9  # parameters of one block: two norms, four attention, three MLP matrices
-
-
 # ---- coordinates and shards -----------------------------------------------------------
 def grid_coords(rank: int, dp: int, cp: int, tp: int) -> tuple[int, int, int, int]:
     """(pp, dp, cp, tp) indices of a global rank on a grid of dp x cp x tp ranks per
@@ -133,8 +130,10 @@ def block_param_sizes(mcfg: ModelConfig, tp: int = 1, i: int | None = None, ep: 
     "all", "dense" (all but the routed experts) or "expert" (only those) — the two
     gradient reducers of expert parallelism."""
     d, hd, t = mcfg.d_model, mcfg.head_dim, tp
-    q, kv = mcfg.n_heads * hd * d // t, mcfg.kv_heads * hd * d // t
-    attn = [d, q, kv, kv, q, d]
+    q, kv = mcfg.n_heads * hd // t, mcfg.kv_heads * hd // t  # output rows of wq, wk, wv
+    qkv = [[n * d, n] if mcfg.qkv_bias else [n * d] for n in (q, kv, kv)]
+    # attn_norm, wq, wk, wv (each with Qwen2's bias), wo, Qwen3's q and k norms, mlp_norm
+    attn = [d, *qkv[0], *qkv[1], *qkv[2], q * d, *([hd, hd] if mcfg.qk_norm else []), d]
     if i is None or not mcfg.is_moe_layer(i):
         f = mcfg.d_ff * d // t
         return [] if part == "expert" else attn + [f, f, f]
@@ -164,7 +163,7 @@ class RankLayout:
     first: bool  # holds the embedding
     last: bool  # holds the final norm and head
     tied: bool  # the head is the embedding's parameter (pp = 1)
-    block_counts: tuple[tuple[int, ...], ...] = ()  # per chunk, parameters of each block
+    block_counts: tuple[tuple[int, ...], ...]  # per chunk, parameters of each block
 
     @property
     def blocks(self) -> int:

@@ -133,13 +133,15 @@ class ModelShape(ModelConfig):
             return q + kv + h * self.v_head_dim * d
         hd = self.head_dim
         n = d * h * hd + 2 * d * self.kv_heads * hd + h * hd * d
-        if self.bias:
-            n += h * hd + 2 * self.kv_heads * hd + d
+        if self.bias or self.qkv_bias:  # q, k, v biases (GPT-3: the output's too)
+            n += h * hd + 2 * self.kv_heads * hd + (d if self.bias else 0)
         return n
 
     def norm_params(self) -> int:
-        """One block's norm weights (and LayerNorm biases): element-wise, no matmul."""
-        return self.norms_per_layer * self.d_model * (2 if self.bias else 1)
+        """One block's norm weights (and LayerNorm biases), Qwen3's per-head query and
+        key norms (``qk_norm``, head_dim each): element-wise, no matmul."""
+        qk = 2 * self.head_dim if self.qk_norm else 0
+        return self.norms_per_layer * self.d_model * (2 if self.bias else 1) + qk
 
     def expert_params(self) -> int:
         """One routed expert: an MLP of width ``expert_ffn`` (SwiGLU: gate, up, down)."""

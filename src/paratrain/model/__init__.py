@@ -1,4 +1,6 @@
-"""A LLaMA-style decoder in plain PyTorch: RMSNorm, RoPE, SwiGLU, causal attention (GQA).
+"""A LLaMA-style decoder in plain PyTorch: RMSNorm, RoPE, SwiGLU, causal attention (GQA);
+optionally Qwen's attention (q, k, v biases: Qwen2; an RMSNorm over each head's queries
+and keys before RoPE: Qwen3).
 
 No parallel code lives here: no process groups, no device strings, no globals.
 Parallelism enters through transforms in :mod:`paratrain.parallel` that change this
@@ -114,10 +116,14 @@ class Attention(nn.Module):
         self.head_dim = cfg.head_dim
         self.kernel = cfg.attention
         d, e = cfg.d_model, cfg.head_dim
-        self.wq = nn.Linear(d, cfg.n_heads * e, bias=False)
-        self.wk = nn.Linear(d, cfg.kv_heads * e, bias=False)
-        self.wv = nn.Linear(d, cfg.kv_heads * e, bias=False)
+        self.wq = nn.Linear(d, cfg.n_heads * e, bias=cfg.qkv_bias)
+        self.wk = nn.Linear(d, cfg.kv_heads * e, bias=cfg.qkv_bias)
+        self.wv = nn.Linear(d, cfg.kv_heads * e, bias=cfg.qkv_bias)
         self.wo = nn.Linear(cfg.n_heads * e, d, bias=False)
+        self.qk_norm = cfg.qk_norm
+        if cfg.qk_norm:  # Qwen3: E gains each, shared by the heads (and by the tp ranks)
+            self.q_norm = RMSNorm(e, cfg.norm_eps)
+            self.k_norm = RMSNorm(e, cfg.norm_eps)
 
     def core(self, q_BTHE, k_BTKE, v_BTKE) -> torch.Tensor:
         """Causal softmax attention; returns (B, T, H*E). The 'selective' recompute unit."""
@@ -129,12 +135,15 @@ class Attention(nn.Module):
         return y.transpose(1, 2).flatten(2)
 
     def project(self, x_BTD, cos, sin) -> tuple[torch.Tensor, ...]:
-        """q (B, T, H, E) and k (B, T, K, E) rotated by RoPE, v (B, T, K, E)."""
+        """q (B, T, H, E) and k (B, T, K, E) rotated by RoPE (each head's normalised first
+        under ``qk_norm``), v (B, T, K, E)."""
         B, T, _ = x_BTD.shape
         e = self.head_dim
-        q = apply_rope(self.wq(x_BTD).view(B, T, -1, e), cos, sin)
-        k = apply_rope(self.wk(x_BTD).view(B, T, -1, e), cos, sin)
-        return q, k, self.wv(x_BTD).view(B, T, -1, e)
+        q = self.wq(x_BTD).view(B, T, -1, e)
+        k = self.wk(x_BTD).view(B, T, -1, e)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), self.wv(x_BTD).view(B, T, -1, e)
 
     def forward(self, x_BTD, cos, sin) -> torch.Tensor:
         return self.wo(self.core(*self.project(x_BTD, cos, sin)))
@@ -179,9 +188,11 @@ class Decoder(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """GPT-2 style: N(0, 0.02), residual outputs scaled by 1/sqrt(2 L)."""
+        """GPT-2 style: N(0, 0.02), residual outputs scaled by 1/sqrt(2 L); biases 0."""
         for name, p in self.named_parameters():
-            if p.dim() == 1:
+            if name.endswith(".bias"):
+                p.zero_()
+            elif p.dim() == 1:
                 p.fill_(1.0)
             elif name.endswith(("wo.weight", "w_down.weight")):
                 p.normal_(0.0, 0.02 / math.sqrt(2 * self.cfg.n_layers))

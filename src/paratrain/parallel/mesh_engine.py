@@ -31,7 +31,8 @@ Invariants:
 - The loss is normalised once: every micro-batch's loss *sum* is divided by the global
   token count before backward; the pipeline, TP and DP only ever *sum* gradients.
 - TP-sharded parameters are disjoint across tp ranks; TP-replicated ones (norm gains,
-  ``tp`` among their placement's replicated axes) hold identical gradients without SP.
+  ``tp`` among their placement's replicated axes) hold identical gradients without SP
+  (but Qwen3's per-head q/k norms, each rank's sum over its own heads: all-reduced).
   With SP each rank's gradient is a partial sum over its sequence slice: a hook on the parameter
   all-reduces it over tp *before* it is accumulated (:func:`sum_partial_grads_over_tp`),
   so every data-parallel reducer — including ZeRO-2/3, which take gradients away during
@@ -80,8 +81,10 @@ from paratrain.parallel.tensor import apply_tensor_parallel, vocab_parallel_cros
 from paratrain.plan import ParallelPlan
 
 
-def sum_partial_grads_over_tp(chunks: list[nn.Module], group) -> None:
-    """SP: all-reduce each replicated parameter's gradient over tp as it is produced."""
+def sum_partial_grads_over_tp(chunks: list[nn.Module], group, sp: bool) -> None:
+    """All-reduce over tp, as it is produced, the gradient of each replicated parameter
+    whose tp ranks hold partial sums: every one under SP, else the per-head query and
+    key norms (``tp_partial``, :func:`paratrain.parallel.tensor.shard_block`)."""
     def hook(g: torch.Tensor) -> torch.Tensor:
         g = g.clone()
         dist.all_reduce(g, group=group)
@@ -89,7 +92,7 @@ def sum_partial_grads_over_tp(chunks: list[nn.Module], group) -> None:
 
     for c in chunks:
         for p in c.parameters():
-            if "tp" in placement_of(p).replicated:
+            if "tp" in placement_of(p).replicated and (sp or getattr(p, "tp_partial", False)):
                 p.register_hook(hook)
 
 
@@ -132,8 +135,8 @@ class MeshEngine(Engine):
             from paratrain.parallel import expert
 
             self.ep = expert.apply_expert_parallel(chunks, mesh, plan)
-        if plan.sp:
-            sum_partial_grads_over_tp(chunks, mesh.group("tp"))
+        if plan.tp > 1:
+            sum_partial_grads_over_tp(chunks, mesh.group("tp"), plan.sp)
         if self.ep is not None:
             self.data = expert.SplitDataAxis(
                 self._data_axis(chunks, "dpcp", select=lambda p: not expert.is_expert(p)),

@@ -47,7 +47,11 @@ Placements (:mod:`.placement`): a split weight's box narrows to its rows or colu
 gains the axis ``tp`` in ``sharded``; parameters that stay replicated across the tp group
 (the norms' gains, MoE layers) gain ``tp`` in ``replicated``, so the engine counts them
 once in the global gradient norm and, under SP, all-reduces their partial gradients. They
-also keep Megatron's tag ``tp_replicated = True``.
+also keep Megatron's tag ``tp_replicated = True``. Qwen3's per-head query and key norms
+(``qk_norm``) are replicated too, but each rank applies them to its own heads only, so
+their gradients are partial sums with or without SP (tagged ``tp_partial``: the engine
+all-reduces them over tp as it does the norms' under SP). Qwen2's q, k, v biases are
+split with their weights' rows.
 """
 
 from __future__ import annotations
@@ -104,7 +108,7 @@ class ColumnParallelLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.enter:
             x = sequence.enter_region(x, self.comm)
-        return F.linear(x, self.weight)
+        return F.linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Linear):
@@ -199,13 +203,21 @@ def _cols(w: torch.Tensor, t: int, r: int) -> torch.Tensor:
     return w.detach().chunk(t, dim=1)[r]
 
 
-def _split(cls, w: nn.Parameter, dim: int, comm: TPComm, **kw) -> nn.Module:
+def _split(cls, lin: nn.Linear, dim: int, comm: TPComm, **kw) -> nn.Module:
     """The ``cls`` linear holding rank ``comm.rank``'s rows (dim 0) or columns (dim 1)
-    of ``w`` (``torch.chunk``'s pieces), its placement narrowed to them."""
-    t, r = comm.size, comm.rank
+    of ``lin``'s weight (``torch.chunk``'s pieces), and of a column-parallel one's bias
+    (Qwen2's q, k, v: one per output row) the same rows; placements narrowed to them."""
+    t, r, w, b = comm.size, comm.rank, lin.weight, lin.bias
     mod = cls((_rows if dim == 0 else _cols)(w, t, r), comm, **kw)
-    if hasattr(w, "placement"):
-        narrowed(w, mod.weight, dim, r * -(-w.shape[dim] // t), "tp")
+    if b is not None:
+        if dim:
+            raise ValueError("a row-parallel linear with a bias would add it t times; "
+                             "paratrain's wo and w_down have none")
+        mod.bias = nn.Parameter(_rows(b, t, r).clone())
+    start = r * -(-w.shape[dim] // t)
+    for old, new in ((w, mod.weight), (b, mod.bias)):
+        if old is not None and hasattr(old, "placement"):
+            narrowed(old, new, dim, start, "tp")
     return mod
 
 
@@ -223,9 +235,13 @@ def shard_block(block: nn.Module, comm: TPComm) -> None:
         if (w.shape[0] // e) % t:
             raise ValueError(f"{name} has {w.shape[0] // e} heads, not divisible by tp={t}; "
                              "choose a tp that divides n_heads and n_kv_heads")
-        setattr(attn, name, _split(ColumnParallelLinear, w, 0, comm))
-    attn.wo = _split(RowParallelLinear, attn.wo.weight, 1, comm)
+        setattr(attn, name, _split(ColumnParallelLinear, getattr(attn, name), 0, comm))
+    attn.wo = _split(RowParallelLinear, attn.wo, 1, comm)
     block.attn_norm = RegionEntryNorm(block.attn_norm, comm)
+    if attn.qk_norm:  # whole on every rank, each rank's gradient a sum over its own heads
+        for p in (attn.q_norm.weight, attn.k_norm.weight):
+            _replicated(p)
+            p.tp_partial = True
     if not hasattr(mlp, "w_gate"):
         # an MoE MLP stays whole on every tp rank: it reads the replicated residual and
         # its output is replicated, so neither the entry f nor the exit g is needed
@@ -237,9 +253,9 @@ def shard_block(block: nn.Module, comm: TPComm) -> None:
     if mlp.w_gate.weight.shape[0] % t:
         raise ValueError(f"d_ff={mlp.w_gate.weight.shape[0]} is not divisible by tp={t}; "
                          "choose d_ff as a multiple of tp")
-    mlp.w_gate = _split(ColumnParallelLinear, mlp.w_gate.weight, 0, comm)
-    mlp.w_up = _split(ColumnParallelLinear, mlp.w_up.weight, 0, comm)
-    mlp.w_down = _split(RowParallelLinear, mlp.w_down.weight, 1, comm)
+    mlp.w_gate = _split(ColumnParallelLinear, mlp.w_gate, 0, comm)
+    mlp.w_up = _split(ColumnParallelLinear, mlp.w_up, 0, comm)
+    mlp.w_down = _split(RowParallelLinear, mlp.w_down, 1, comm)
     block.mlp_norm = RegionEntryNorm(block.mlp_norm, comm)
 
 

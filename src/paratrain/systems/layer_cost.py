@@ -29,8 +29,9 @@ Memory-bound work (norms, residual adds, activation functions, RoPE, dropout, Mo
 permutation) is counted in bytes read and written per token and priced at the HBM's
 achieved bandwidth. Forward, per token, in elements: each norm reads and writes d (2 x
 2d), each residual add reads two and writes one (2 x 3d), the SwiGLU activation reads two
-f / tp and writes one (GELU: one and one), RoPE reads and writes q and k; with biases
-(GPT-style) the bias-dropout-add adds 2 x 2d. Sequence parallelism runs the norms and adds
+f / tp and writes one (GELU: one and one), RoPE reads and writes q and k (and so do
+Qwen3's per-head q and k norms, ``qk_norm``); with biases (GPT-style) the
+bias-dropout-add adds 2 x 2d. Sequence parallelism runs the norms and adds
 on M / tp tokens. Backward moves twice the forward's bytes. Every kernel also pays a
 fixed launch cost (``KERNELS_FWD`` per block forward, twice that backward), or the GPU's
 own gap for those a CUDA graph replays (:mod:`paratrain.systems.graph_scopes`).
@@ -247,8 +248,9 @@ def block_cost(m: ModelShape, M: int, seq_len: int, tp: int, cp: int, sp: bool, 
         lin("mlp", d, m.d_ff // tp)
         f_act = (up + 1) * m.d_ff / tp
     seq_part = (M / tp if sp else M)
+    rope = 0 if m.learned_positions else 2 * (H + G) * hd / tp
     elems = seq_part * (4 + 6 + (4 if m.bias else 0)) * d + M * (
-        f_act + (0 if m.learned_positions else 2 * (H + G) * hd / tp))
+        f_act + rope * (2 if m.qk_norm else 1))
     mem_f = (elems * 2.0 * r.fusion + scores) / (hw.hbm_bw * he)
     cast_f, cast_b = (n / (hw.hbm_bw * he) for n in cast)
     moe_k = moe_kernels(m, ep) if moe else 0
