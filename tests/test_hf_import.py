@@ -1,5 +1,6 @@
-"""`paratrain train --init-from HF_DIR`: a LlamaForCausalLM folder that transformers wrote
-(randomly initialised here, no hub) becomes paratrain's model with transformers' logits;
+"""`paratrain train --init-from HF_DIR`: a LlamaForCausalLM folder (Mistral, Qwen2, Qwen3,
+Mixtral, Qwen3-MoE) that transformers wrote (randomly initialised here, no hub) becomes
+paratrain's model with transformers' logits;
 a frozen run (--lr 0) exports the folder's tensors back bit for bit; tp2 x dp2 from it
 reproduces one process; what paratrain cannot compute is refused in one line."""
 
@@ -25,18 +26,17 @@ RUN = ["--nproc", "1", "--steps", "1", "--global-batch", "4", "--context", "16",
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
-def _write_llama(path, seed: int, tokenizer: bool, mistral: bool = False, **config) -> None:
-    """A random LlamaForCausalLM (``mistral``: MistralForCausalLM) saved by transformers
-    itself, every weight (the norms' gains too, which start at 1) perturbed so that a
-    misplaced tensor shows."""
-    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+def _write_llama(path, seed: int, tokenizer: bool, arch: str = "Llama", **config) -> None:
+    """A random LlamaForCausalLM (``arch`` Mistral, Qwen2, Qwen3: that one) saved by
+    transformers itself, every weight (the norms' gains and Qwen2's biases too, which
+    start at 1 and 0) perturbed so that a misplaced tensor shows."""
+    import transformers
 
     from paratrain.files.tokenizer import bytes_tokenizer_json
 
     torch.manual_seed(seed)
-    kind, conf = (MistralForCausalLM, MistralConfig) if mistral else (LlamaForCausalLM,
-                                                                      LlamaConfig)
-    model = kind(conf(**SHAPE, **config))
+    kind = getattr(transformers, f"{arch}ForCausalLM")
+    model = kind(getattr(transformers, f"{arch}Config")(**SHAPE, **config))
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.1 * torch.randn_like(p))
@@ -50,19 +50,32 @@ def folders(tmp_path_factory):
     """gqa: 2 KV heads, untied, eps 1e-6, theta 5000, its own tokenizer.json (a padded
     vocabulary of 300 over 256 byte tokens); tied: multi-head, tied head, vocabulary 256,
     no tokenizer.json (--tokenizer decides); mistral: MistralForCausalLM, GQA, a 48-token
-sliding window, theta 1e6; wide: heads of 16 over a width of 32 (4 heads), as Mistral
-NeMo's 128 over 5120 (32 heads); llama3: Llama 3.1's RoPE scaling, shrunk so
-    that at head width 8 one frequency is kept, one interpolated and two divided by the
-    factor (wavelengths 6.3, 63, 628, 6283 against 16 / 2 and 16 / 0.25)."""
+    sliding window, theta 1e6; wide: heads of 16 over a width of 32 (4 heads), as Mistral
+    NeMo's 128 over 5120 (32 heads); qwen2: Qwen2ForCausalLM (q, k, v biases), GQA, tied,
+    theta 1e6; qwen3: Qwen3ForCausalLM (per-head q, k norms), GQA, heads of 16 (Qwen3's
+    128 over 4096 / 32 shrunk); mixtral: MixtralForCausalLM, 4 experts, top 2; qwen3_moe:
+    Qwen3MoeForCausalLM, 4 experts of width 24, top 2, q, k norms; llama3: Llama 3.1's
+    RoPE scaling, shrunk so that at head width 8 one frequency is kept, one interpolated
+    and two divided by the factor (wavelengths 6.3, 63, 628, 6283 against 16 / 2 and
+    16 / 0.25)."""
     root = tmp_path_factory.mktemp("hf")
     _write_llama(root / "gqa", 0, True, vocab_size=300, num_key_value_heads=2,
                  rms_norm_eps=1e-6, rope_theta=5000.0, tie_word_embeddings=False)
     _write_llama(root / "tied", 1, False, vocab_size=256, tie_word_embeddings=True)
     _write_llama(root / "llama3", 2, False, vocab_size=256, num_key_value_heads=2,
                  tie_word_embeddings=True, rope_parameters=LLAMA3_ROPE)
-    _write_llama(root / "mistral", 3, False, True, vocab_size=256, num_key_value_heads=2,
-                 sliding_window=48, rope_theta=1e6)
+    _write_llama(root / "mistral", 3, False, "Mistral", vocab_size=256,
+                 num_key_value_heads=2, sliding_window=48, rope_theta=1e6)
     _write_llama(root / "wide", 4, False, vocab_size=256, num_key_value_heads=2, head_dim=16)
+    _write_llama(root / "qwen2", 5, False, "Qwen2", vocab_size=256, num_key_value_heads=2,
+                 tie_word_embeddings=True, rope_theta=1e6)
+    _write_llama(root / "qwen3", 6, False, "Qwen3", vocab_size=256, num_key_value_heads=2,
+                 head_dim=16)
+    _write_llama(root / "mixtral", 7, False, "Mixtral", vocab_size=256, num_key_value_heads=2,
+                 num_local_experts=4, num_experts_per_tok=2)
+    _write_llama(root / "qwen3_moe", 8, False, "Qwen3Moe", vocab_size=256,
+                 num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
+                 moe_intermediate_size=24, norm_topk_prob=True)
     return root
 
 
@@ -112,7 +125,10 @@ def test_llama3_rope_frequencies_follow_the_three_bands():
         scaled.replace(rope_high_freq=0.25)
 
 
-@pytest.mark.parametrize("name", ["gqa", "tied", "llama3", "mistral", "wide"])
+ALL = ["gqa", "tied", "llama3", "mistral", "wide", "qwen2", "qwen3", "mixtral", "qwen3_moe"]
+
+
+@pytest.mark.parametrize("name", ALL)
 def test_logits_equal_transformers(folders, name):
     from transformers import AutoModelForCausalLM
 
@@ -129,15 +145,19 @@ def test_logits_equal_transformers(folders, name):
     torch.testing.assert_close(theirs, ours, rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("tie", [False, True])
-def test_import_inverts_export_exactly(tie):
+@pytest.mark.parametrize("kind", ["untied", "tied", "qkv_bias", "qk_norm", "moe", "moe every 2"])
+def test_import_inverts_export_exactly(kind):
     from paratrain.config import ModelConfig
     from paratrain.files.export import hf_state_dict
     from paratrain.files.hf_import import to_paratrain
     from paratrain.model import Decoder
 
     cfg = ModelConfig(n_layers=2, d_model=48, n_heads=6, n_kv_heads=3, d_ff=40,
-                      vocab_size=70, context=8, tie_embeddings=tie)
+                      vocab_size=70, context=8, tie_embeddings=kind == "tied")
+    cfg = cfg.replace(**{"qkv_bias": dict(qkv_bias=True), "qk_norm": dict(qk_norm=True),
+                         "moe": dict(experts=4, top_k=2),  # Mixtral
+                         "moe every 2": dict(experts=4, qk_norm=True, moe_ffn=24,
+                                             moe_every=2)}.get(kind, {}))  # Qwen3-MoE
     torch.manual_seed(0)
     sd = Decoder(cfg).state_dict()
     back = to_paratrain(hf_state_dict(sd, cfg), cfg)
@@ -145,7 +165,7 @@ def test_import_inverts_export_exactly(tie):
     assert all(torch.equal(back[k], sd[k]) for k in sd)
 
 
-@pytest.mark.parametrize("name", ["gqa", "tied", "llama3", "mistral", "wide"])
+@pytest.mark.parametrize("name", ALL)
 def test_frozen_run_exports_the_folder_bit_for_bit(folders, tmp_path, text_file, capsys, name):
     """--lr 0 (weight decay 0.1 included) changes no weight: train, then export, gives
     the folder's tensors back, bit for bit, and its tokenizer."""
@@ -167,12 +187,14 @@ def test_frozen_run_exports_the_folder_bit_for_bit(folders, tmp_path, text_file,
     bad = [k for k in ours if not torch.equal(ours[k], theirs[k])]
     assert not bad, bad
     config = json.loads((tmp_path / "out" / "config.json").read_text())
-    for k in ("vocab_size", "num_key_value_heads", "rms_norm_eps", "tie_word_embeddings",
-              "head_dim"):
+    for k in ("vocab_size", "num_key_value_heads", "rms_norm_eps", "tie_word_embeddings"):
         assert config[k] == want[k], k
+    assert config["head_dim"] == (want.get("head_dim") or 32 // 4)  # else hidden / heads
+    # Qwen2 and Qwen3 export as themselves, Mistral (its window past the context) as Llama
+    assert config["model_type"] == {"mistral": "llama"}.get(name, want["model_type"])
     rope = {k: v for k, v in want["rope_parameters"].items() if k in LLAMA3_ROPE}
     assert {k: config["rope_parameters"][k] for k in rope} == rope
-    if name == "llama3":  # transformers reads the exported RoPE as the folder's
+    if name in ("llama3", "qwen2", "qwen3", "mixtral", "qwen3_moe"):  # read as the folder
         from transformers import AutoModelForCausalLM
 
         x = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(1))
@@ -185,10 +207,10 @@ def test_frozen_run_exports_the_folder_bit_for_bit(folders, tmp_path, text_file,
             (src / "tokenizer.json").read_text()
 
 
-def _variant(folders, tmp_path, **changes):
-    """A copy of the gqa folder with config.json keys changed (None: removed)."""
+def _variant(folders, tmp_path, base: str = "gqa", **changes):
+    """A copy of the ``base`` folder with config.json keys changed (None: removed)."""
     d = tmp_path / "variant"
-    shutil.copytree(folders / "gqa", d)
+    shutil.copytree(folders / base, d)
     cfg = json.loads((d / "config.json").read_text())
     for k, v in changes.items():
         if v is None:
@@ -208,7 +230,14 @@ def _variant(folders, tmp_path, **changes):
     ({"mlp_bias": True}, [], "mlp_bias=true"),
     ({"hidden_act": "gelu"}, [], "hidden_act='gelu'"),
     ({"head_dim": 16}, [], "wq.weight has shape (32, 32) but its config.json implies (64, 32)"),
-    ({"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"]}, [], "'qwen2'"),
+    ({"model_type": "gemma", "architectures": ["GemmaForCausalLM"]}, [], "'gemma'"),
+    ({"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"]}, [],
+     "the safetensors have no model.layers.0.self_attn.q_proj.bias"),
+    ({"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "attention_bias": True},
+     [], "attention_bias=true"),
+    ({"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "use_sliding_window": True,
+      "sliding_window": 8}, [], "--context 16 exceeds sliding_window=8"),
+    ({}, ["--config", "qk.toml"], "qk_norm = True in the TOML contradicts model_type=llama"),
     ({"model_type": "mistral", "architectures": ["MistralForCausalLM"], "sliding_window": 8},
      [], "--context 16 exceeds sliding_window=8"),
     ({"attention_dropout": 0.1}, [], "attention_dropout=0.1"),
@@ -216,7 +245,7 @@ def _variant(folders, tmp_path, **changes):
     ({"intermediate_size": 48}, [], "has shape (64, 32) but its config.json implies (48, 32)"),
     ({}, ["--layers", "3"], "--layers 3 contradicts num_hidden_layers=2"),
     ({}, ["--kv-heads", "4"], "--kv-heads 4 contradicts num_key_value_heads=2"),
-    ({}, ["--experts", "4"], "LlamaForCausalLM is dense"),
+    ({}, ["--experts", "4"], "its model is dense"),
     ({}, ["--context", "65"], "--context 65 exceeds max_position_embeddings=64"),
     ({}, ["--config", "rope.toml"], "rope_factor = 8.0 in the TOML contradicts rope "
      "factor=1.0"),
@@ -225,9 +254,35 @@ def _variant(folders, tmp_path, **changes):
 def test_what_paratrain_cannot_compute_is_refused_in_one_line(folders, tmp_path, capsys,
                                                               changes, flags, fragment):
     (tmp_path / "rope.toml").write_text("[model]\nrope_factor = 8.0\n")  # an unscaled folder
+    (tmp_path / "qk.toml").write_text("[model]\nqk_norm = true\n")  # a Llama folder
     flags = [str(tmp_path / f) if f.endswith(".toml") else f for f in flags]
     _refused(["--init-from", str(_variant(folders, tmp_path, **changes)), *flags], fragment,
              capsys)
+
+
+@pytest.mark.parametrize("changes, flags, fragment", [
+    ({"norm_topk_prob": False}, [], "norm_topk_prob=false"),
+    ({"mlp_only_layers": [1]}, [], "mlp_only_layers=[1]"),
+    ({"moe_intermediate_size": None}, [], "has no moe_intermediate_size"),
+    ({}, ["--experts", "8"], "--experts 8 contradicts num_local_experts=4"),
+    # the hub's Qwen3-MoE configs spell it num_experts (transformers 4.x)
+    ({"num_local_experts": None, "num_experts": 4}, ["--experts", "8"],
+     "--experts 8 contradicts num_experts=4"),
+    ({}, ["--moe-ffn", "32"], "--moe-ffn 32 contradicts moe_intermediate_size=24"),
+    ({}, ["--shared-experts", "1"], "--shared-experts 1 contradicts model_type=qwen3_moe"),
+])
+def test_what_paratrains_moe_cannot_compute_is_refused(folders, tmp_path, capsys, changes,
+                                                       flags, fragment):
+    d = _variant(folders, tmp_path, "qwen3_moe", **changes)
+    _refused(["--init-from", str(d), *flags], fragment, capsys)
+
+
+def test_mixtral_experts_are_d_ff_wide(folders, capsys):
+    mcfg, _ = _settled(folders / "mixtral")
+    assert (mcfg.experts, mcfg.top_k, mcfg.expert_ffn, mcfg.moe_every) == (4, 2, 64, 1)
+    _refused(["--init-from", str(folders / "mixtral"), "--moe-ffn", "32"],
+             "--moe-ffn 32 contradicts intermediate_size=64", capsys)
+    assert _settled(folders / "mixtral", {"model": {"moe_ffn": 64}})[0].expert_ffn == 64
 
 
 def _refused(args: list[str], fragment: str, capsys) -> None:
@@ -245,7 +300,8 @@ def test_vocabulary_mismatch_and_bad_folders_are_one_line(folders, tmp_path, cap
     _refused(["--init-from", str(d)], "has no model.safetensors", capsys)
 
 
-@pytest.mark.parametrize("name", ["tied", "llama3", "mistral"])
+@pytest.mark.parametrize("name", ["tied", "llama3", "mistral", "qwen2", "qwen3", "mixtral",
+                                  "qwen3_moe"])
 def test_generate_from_the_folder_is_transformers_greedy(folders, capsys, name):
     """`generate --init-from HF_DIR` samples from the folder itself: greedy, the same new
     tokens as transformers' own greedy generate (its context, prompt plus new tokens,
@@ -298,13 +354,22 @@ def test_lr_zero_is_accepted_and_negative_refused():
 @pytest.mark.parametrize("folder, layout", [("gqa", ["--nproc", "4", "--tp", "2"]),
                                             ("llama3", ["--nproc", "2", "--cp", "2"]),
                                             ("wide", ["--nproc", "2", "--tp", "2"]),
-                                            ("wide", ["--nproc", "2", "--cp", "2"])])
+                                            ("wide", ["--nproc", "2", "--cp", "2"]),
+                                            ("qwen2", ["--nproc", "4", "--tp", "2", "--zero",
+                                                       "3"]),
+                                            ("qwen3", ["--nproc", "2", "--tp", "2"]),
+                                            ("mixtral", ["--nproc", "2", "--ep", "2"]),
+                                            ("qwen3_moe", ["--nproc", "4", "--tp", "2",
+                                                           "--ep", "2"])])
 def test_tp2_dp2_from_the_folder_matches_one_process(folders, tmp_path, text_file, folder,
                                                      layout):
     """Every rank takes its shard of the imported model: tp2 x dp2 (4 processes) follows
     the single process's float64 loss trajectory; so does cp 2 from the folder with Llama
     3's RoPE scaling (each rank's chunk rotated at its global positions' scaled angles),
-    and tp 2 and cp 2 from the one whose heads are wider than width / heads."""
+    tp 2 and cp 2 from the one whose heads are wider than width / heads, tp2 x dp2 under
+    ZeRO-3 from Qwen2's (biases split with their rows), tp 2 from Qwen3's (each rank's
+    q, k norm gradients, a sum over its own heads, summed over tp), ep 2 from Mixtral's
+    and tp2 x ep2 from Qwen3-MoE's (each rank its experts)."""
     losses = {}
     for name, flags in (("one", ["--nproc", "1"]), ("parallel", layout)):
         run = tmp_path / name
@@ -340,3 +405,30 @@ def test_frozen_tp2_zero3_run_exports_the_folder_bit_for_bit(folders, tmp_path, 
     ours = load_file(str(tmp_path / "out" / "model.safetensors"))
     assert ours.keys() == theirs.keys()
     assert [k for k in ours if not torch.equal(ours[k], theirs[k])] == []
+
+
+@pytest.mark.parametrize("changes, fragment", [
+    (dict(qkv_bias=True, qk_norm=True), "both q, k, v biases and q, k norms"),
+    (dict(experts=4, capacity_factor=1.0), "capacity_factor = 1.0"),
+    (dict(experts=4, shared_experts=1), "shared_experts = 1"),
+    (dict(experts=4, qkv_bias=True), "qkv_bias = True"),
+    (dict(experts=4, moe_every=2), "moe_every = 2"),
+])
+def test_export_refuses_what_no_transformers_class_computes(tmp_path, capsys, changes,
+                                                            fragment):
+    """One error line from `paratrain export`, naming the setting, for a checkpoint whose
+    model no transformers architecture computes (hf_arch.architecture)."""
+    from dataclasses import asdict
+
+    from paratrain.config import ModelConfig, TrainConfig
+    from paratrain.files import checkpoint
+    from paratrain.model import Decoder
+    from paratrain.parallel.engine import Engine
+    from paratrain.plan import ParallelPlan
+
+    cfg = ModelConfig(n_layers=2, d_model=32, n_heads=4, d_ff=48, context=16, **changes)
+    engine = Engine(Decoder(cfg), TrainConfig(), torch.device("cpu"))
+    checkpoint.save(tmp_path / "ck", 1, engine, cfg, ParallelPlan(), {"model": asdict(cfg)})
+    _refused_cmd(["export", "--checkpoint", str(tmp_path / "ck"), "--out",
+                  str(tmp_path / "hf")], fragment, capsys)
+    assert not (tmp_path / "hf").exists()

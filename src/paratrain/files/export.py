@@ -1,14 +1,13 @@
-"""A checkpoint as a Hugging Face folder that ``transformers`` loads as
-``LlamaForCausalLM`` with the same logits (docs/export.md).
+"""A checkpoint as a Hugging Face folder that ``transformers`` loads with the same logits
+(docs/export.md): ``LlamaForCausalLM``, or the architecture that computes the model
+(Qwen2, Qwen3, Mixtral, Qwen3-MoE; :mod:`paratrain.files.hf_arch` decides, and names
+every tensor there).
 
 paratrain's dense decoder *is* Llama: pre-norm RMSNorm (same eps, computed in float32),
 SwiGLU MLP (gate, up, down; no biases), causal attention with GQA and scale 1/sqrt(E),
-RoPE with the same theta and frequencies, a final RMSNorm and an optional tied head. One
-difference is layout, not function: paratrain rotates interleaved pairs (x[2i],
-x[2i+1]) (Su et al. 2021, as Meta's Llama code), transformers rotates halves (x[i],
-x[i + E/2]). Permuting the rows of each head of wq and wk so that pair i lands on
-(i, i + E/2) makes the two identical: q.k within a head is unchanged by the same
-permutation of both, and v, wo are untouched (Meta's own conversion script does this).
+RoPE with the same theta and frequencies, a final RMSNorm and an optional tied head. The
+RoPE row order is the one difference that is not a name (``hf_arch.interleaved_to_halves``,
+the permutation Meta's own conversion script applies).
 
 Written: ``config.json``, ``model.safetensors`` (float32), ``tokenizer.json`` (for the
 bytes tokenizer an equivalent byte-level one whose ids are the byte values),
@@ -25,34 +24,8 @@ from pathlib import Path
 import torch
 
 from paratrain.config import ModelConfig
+from paratrain.files.hf_arch import ROPE_ROWS, architecture, block_names, interleaved_to_halves
 from paratrain.files.inference import Loaded
-
-# paratrain name -> transformers name, per block ({i} = block index); the one mapping,
-# which import (paratrain/files/hf_import.py) inverts
-BLOCK_NAMES = {"attn_norm.weight": "input_layernorm.weight",
-          "attn.wq.weight": "self_attn.q_proj.weight",
-          "attn.wk.weight": "self_attn.k_proj.weight",
-          "attn.wv.weight": "self_attn.v_proj.weight",
-          "attn.wo.weight": "self_attn.o_proj.weight",
-          "mlp_norm.weight": "post_attention_layernorm.weight",
-          "mlp.w_gate.weight": "mlp.gate_proj.weight",
-          "mlp.w_up.weight": "mlp.up_proj.weight",
-          "mlp.w_down.weight": "mlp.down_proj.weight"}
-ROPE_ROWS = ("attn.wq.weight", "attn.wk.weight")  # rows permuted between the layouts
-
-
-def interleaved_to_halves(w: torch.Tensor, head_dim: int) -> torch.Tensor:
-    """Rows of a q or k projection (heads x E, D) reordered so that each head's
-    interleaved RoPE pairs (2i, 2i+1) become rotate-half pairs (i, i + E/2)."""
-    heads = w.shape[0] // head_dim
-    return w.view(heads, head_dim // 2, 2, -1).transpose(1, 2).reshape(w.shape)
-
-
-def halves_to_interleaved(w: torch.Tensor, head_dim: int) -> torch.Tensor:
-    """The inverse of :func:`interleaved_to_halves` (a transformers q or k projection back
-    into paratrain's row order); exact: rows move, no arithmetic."""
-    heads = w.shape[0] // head_dim
-    return w.view(heads, 2, head_dim // 2, -1).transpose(1, 2).reshape(w.shape)
 
 
 def rope_scaling(cfg: ModelConfig) -> dict:
@@ -65,11 +38,26 @@ def rope_scaling(cfg: ModelConfig) -> dict:
             "original_max_position_embeddings": cfg.rope_original_context}
 
 
+def moe_config(cfg: ModelConfig, kind: str) -> dict:
+    """config.json's Mixture-of-Experts keys (Mixtral's experts are ``intermediate_size``
+    wide, Qwen3-MoE's ``moe_intermediate_size``; the router renormalises over the k)."""
+    if kind == "mixtral":
+        return {"num_local_experts": cfg.experts, "num_experts_per_tok": cfg.top_k,
+                "intermediate_size": cfg.expert_ffn, "router_jitter_noise": 0.0}
+    if kind == "qwen3_moe":
+        return {"num_experts": cfg.experts, "num_experts_per_tok": cfg.top_k,
+                "moe_intermediate_size": cfg.expert_ffn, "norm_topk_prob": True,
+                "decoder_sparse_step": cfg.moe_every, "mlp_only_layers": []}
+    return {}
+
+
 def hf_config(cfg: ModelConfig) -> dict:
-    """config.json of the LlamaForCausalLM that computes what ``cfg`` computes."""
+    """config.json of the LlamaForCausalLM (or what :func:`hf_arch.architecture` names)
+    that computes what ``cfg`` computes."""
     rope = rope_scaling(cfg)
+    kind, arch = architecture(cfg)
     return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "architectures": [arch], "model_type": kind,
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,
         "intermediate_size": cfg.d_ff, "num_hidden_layers": cfg.n_layers,
         "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.kv_heads,
@@ -79,20 +67,21 @@ def hf_config(cfg: ModelConfig) -> dict:
         "rope_parameters": {"rope_theta": cfg.rope_theta, **rope},  # 5.x
         **({"rope_scaling": rope} if rope["rope_type"] != "default" else {}),  # 4.x
         "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": False,
-        "mlp_bias": False, "attention_dropout": 0.0, "initializer_range": 0.02,
+        "mlp_bias": False, "use_sliding_window": False, "attention_dropout": 0.0,
+        "initializer_range": 0.02,
         "bos_token_id": None, "eos_token_id": None, "pad_token_id": None,
-        "torch_dtype": "float32", "use_cache": True,
+        "torch_dtype": "float32", "use_cache": True, **moe_config(cfg, kind),
     }
 
 
 def hf_state_dict(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """The Decoder's state_dict under Llama's names (RoPE rows permuted; see above)."""
+    """The Decoder's state_dict under transformers' names (RoPE rows permuted)."""
     out = {"model.embed_tokens.weight": state["tok_emb.weight"],
            "model.norm.weight": state["norm.weight"]}
     if not cfg.tie_embeddings:
         out["lm_head.weight"] = state["head.weight"]
     for i in range(cfg.n_layers):
-        for ours, theirs in BLOCK_NAMES.items():
+        for ours, theirs in block_names(cfg, i).items():
             w = state[f"blocks.{i}.{ours}"]
             if ours in ROPE_ROWS:
                 w = interleaved_to_halves(w, cfg.head_dim)
@@ -125,10 +114,7 @@ def check_out(out_dir: str | Path) -> Path:
 def export(run: Loaded, out_dir: str | Path) -> list[Path]:
     """Write the Hugging Face folder; returns the files written."""
     cfg = run.model.cfg
-    if cfg.experts:
-        raise ValueError(f"this checkpoint is a Mixture-of-Experts model (experts="
-                         f"{cfg.experts}); export writes LlamaForCausalLM, which is dense: "
-                         "export a model trained without --experts")
+    architecture(cfg)
     out = check_out(out_dir)
     try:
         return _write(run, cfg, out)

@@ -2,7 +2,9 @@
 "Import"). The inverse of :mod:`paratrain.files.export`.
 
 ``HF_DIR`` holds a ``LlamaForCausalLM`` (or a ``MistralForCausalLM``: the same decoder
-and tensor names, its sliding window no wider than the run's context): ``config.json``,
+and tensor names, its sliding window no narrower than the run's context; or a
+``Qwen2ForCausalLM``, Llama with biased q, k, v projections, or a ``Qwen3ForCausalLM``,
+Llama with an RMSNorm over each head's queries and keys): ``config.json``,
 ``model.safetensors`` (or the shards a ``model.safetensors.index.json`` lists) and
 optionally ``tokenizer.json``.
 
@@ -15,7 +17,7 @@ optionally ``tokenizer.json``.
   ``--attention``, a kernel choice, are the run's). The folder's ``tokenizer.json``,
   when present, is the run's tokenizer.
 - :func:`state_dict` (every worker): the tensors under paratrain's names, RoPE rows
-  permuted back (``export.halves_to_interleaved``), in float32; the worker loads them
+  permuted back (``hf_arch.halves_to_interleaved``), in float32; the worker loads them
   into the seeded :class:`~paratrain.model.Decoder` before the engine is built, so every
   layout takes its shards from the full model exactly as it does from a fresh one.
 """
@@ -99,15 +101,62 @@ def _rope(hf: dict, where: str) -> dict:
 
 
 # model_type -> architecture: Mistral's decoder is Llama's, tensor names included, plus a
-# sliding window that changes nothing while the run's context fits in it (settle)
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}
+# sliding window that changes nothing while the run's context fits in it (settle); Qwen's
+# are Llama's with the ModelConfig fields of QWEN (and a window of their own, off unless
+# use_sliding_window); Mixtral's is Mistral's with MoE MLPs (hf_arch)
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+QWEN = {"qwen2": {"qkv_bias": True}, "qwen3": {"qk_norm": True},
+        "qwen3_moe": {"qk_norm": True}}
+# ModelConfig field -> config.json key of an MoE folder's (key when absent: None required)
+MOE_FIELDS = {"experts": ("num_local_experts", None), "top_k": ("num_experts_per_tok", None),
+              "moe_ffn": ("moe_intermediate_size", None),
+              "moe_every": ("decoder_sparse_step", 1)}
+# a key as another architecture spells it, for messages (Qwen3-MoE's num_experts; Mixtral's
+# experts are intermediate_size wide)
+OTHER_KEYS = {"num_local_experts": "num_experts", "moe_intermediate_size": "intermediate_size"}
+SAME_AS = {"n_kv_heads": "n_heads", "moe_ffn": "d_ff"}  # None: the other field's value
+
+
+def _windowed(hf: dict) -> bool:
+    """Whether the model attends within ``sliding_window`` (Mistral's and Mixtral's
+    always, Qwen's layers only under ``use_sliding_window``)."""
+    kind = hf.get("model_type")
+    return kind in ("mistral", "mixtral") or (kind in QWEN and bool(hf.get("use_sliding_window")))
+
+
+def _moe_fields(hf: dict, where: str) -> dict:
+    """An MoE folder's experts as ModelConfig fields (a dense one's: experts 0). paratrain's
+    router is Mixtral's (softmax, top k, renormalised over the k) and Qwen3-MoE's under
+    ``norm_topk_prob``; its MoE blocks are every ``moe_every``-th, as Qwen3-MoE's
+    ``decoder_sparse_step`` (``mlp_only_layers`` would need a list)."""
+    kind = hf.get("model_type")
+    if kind not in ("mixtral", "qwen3_moe"):
+        return {"experts": 0}
+    if kind == "qwen3_moe" and not hf.get("norm_topk_prob", False):
+        raise ValueError(f"{where} has norm_topk_prob=false; paratrain's router renormalises "
+                         "the top k weights: pick a model with norm_topk_prob true")
+    if hf.get("mlp_only_layers"):
+        raise ValueError(f"{where} has mlp_only_layers={hf['mlp_only_layers']}; paratrain's "
+                         "MoE blocks are every decoder_sparse_step-th: pick a model without")
+    out = {"moe_ffn": None, "moe_every": 1}  # Mixtral: every block, experts d_ff wide
+    for name, (key, default) in MOE_FIELDS.items():
+        if kind == "mixtral" and name in out:
+            continue
+        v = hf.get(key, hf.get("num_experts") if name == "experts" else default)
+        if v is None:
+            raise ValueError(f"{where} has no {key}; pass a complete {ARCHITECTURES[kind]} "
+                             "config.json")
+        out[name] = v
+    return {**out, "shared_experts": 0}
 
 
 def context_limits(hf: dict) -> dict[str, int]:
     """The config.json keys that bound a run's context, with their values: the positions
-    the model was made for and a Mistral window (paratrain attends the whole context, so
+    the model was made for and a sliding window (paratrain attends the whole context, so
     a context past the window would compute something else)."""
-    window = hf.get("sliding_window") if hf.get("model_type") == "mistral" else None
+    window = hf.get("sliding_window") if _windowed(hf) else None
     limits = {"max_position_embeddings": hf.get("max_position_embeddings"),
               "sliding_window": window}
     return {k: v for k, v in limits.items() if isinstance(v, int) and v > 0}
@@ -120,14 +169,14 @@ def _refuse_unsupported(hf: dict, where: str) -> None:
     if kind not in ARCHITECTURES or (arch and ARCHITECTURES[kind] not in arch):
         raise ValueError(f"{where} describes model_type {kind!r} "
                          f"({', '.join(arch) or 'no architectures'}); --init-from reads "
-                         "LlamaForCausalLM and MistralForCausalLM folders only")
+                         f"{', '.join(ARCHITECTURES.values())} folders only")
     if hf.get("hidden_act", "silu") != "silu":
         raise ValueError(f"{where} has hidden_act={hf['hidden_act']!r}; paratrain's MLP is "
                          "SwiGLU (silu): pick a model with hidden_act silu")
-    for key in ("attention_bias", "mlp_bias"):
+    for key in ("attention_bias", "mlp_bias"):  # Llama's and Qwen3's bias the output too
         if hf.get(key):
-            raise ValueError(f"{where} has {key}=true; paratrain's projections have no "
-                             "bias: pick a model without biases")
+            raise ValueError(f"{where} has {key}=true; paratrain's output and MLP "
+                             "projections have no bias: pick a model without those biases")
     if hf.get("attention_dropout", 0.0):
         raise ValueError(f"{where} has attention_dropout={hf['attention_dropout']}; "
                          "paratrain trains without dropout: set it to 0.0 in config.json")
@@ -151,13 +200,17 @@ def hf_model_fields(hf: dict, where: str) -> dict:
     head = hf.get("head_dim")  # Mistral NeMo, Mistral Small 3: wider than hidden / heads
     out["head_size"] = head if head and head * out["n_heads"] != out["d_model"] else None
     out["norm_eps"] = float(out["norm_eps"])
-    out["experts"] = 0
+    out.update({"qkv_bias": False, "qk_norm": False, **QWEN.get(hf.get("model_type"), {}),
+                **_moe_fields(hf, where)})
     return out
 
 
 # ModelConfig field -> what config.json calls it (the fields hf_model_fields decides)
 CONFIG_KEYS = {**{name: key for name, (key, _) in FIELDS.items()}, "head_size": "head_dim",
-               **{name: f"rope {key}" for name, key in LLAMA3_ROPE.items()}}
+               **{name: f"rope {key}" for name, key in LLAMA3_ROPE.items()},
+               **{name: key for name, (key, _) in MOE_FIELDS.items()},
+               "qkv_bias": "model_type", "qk_norm": "model_type",
+               "shared_experts": "model_type"}
 
 
 def _said(name: str, v: object) -> str:
@@ -171,14 +224,16 @@ def _contradiction(given: dict, hf: dict, raw: dict, where: str) -> None:
         if name in RUN_FIELDS or name not in hf:
             continue
         want = hf[name]
-        if name == "n_kv_heads":  # None and n_heads both mean multi-head attention
-            v, want = v or hf["n_heads"], want or hf["n_heads"]
+        if name in SAME_AS:  # None and n_heads both mean multi-head attention, ...
+            v, want = v or hf[SAME_AS[name]], want or hf[SAME_AS[name]]
         if v == want:
             continue
-        if name == "experts":
-            raise ValueError(f"{_said(name, v)} contradicts {where}: LlamaForCausalLM is "
-                             "dense; --init-from sets the model: drop it")
+        if name == "experts" and not want:
+            raise ValueError(f"{_said(name, v)} contradicts {where}: its model is dense; "
+                             "--init-from sets the model: drop it")
         key = CONFIG_KEYS[name]
+        if key not in raw and OTHER_KEYS.get(key) in raw:
+            key = OTHER_KEYS[key]
         raise ValueError(f"{_said(name, v)} contradicts {key}={raw.get(key, want)} in "
                          f"{where}; --init-from sets the model: drop it")
 
@@ -259,12 +314,12 @@ def _tensors(hf_dir: Path) -> dict[str, torch.Tensor]:
 def to_paratrain(hf: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """Llama's names -> the Decoder's state_dict (export's mapping, inverted; RoPE rows
     back to interleaved pairs). A missing tensor is named."""
-    from paratrain.files.export import BLOCK_NAMES, ROPE_ROWS, halves_to_interleaved
+    from paratrain.files.hf_arch import ROPE_ROWS, block_names, halves_to_interleaved
 
     def take(name: str) -> torch.Tensor:
         if name not in hf:
             raise ValueError(f"the safetensors have no {name}; the folder does not hold the "
-                             "LlamaForCausalLM its config.json describes")
+                             "model its config.json describes")
         return hf[name]
 
     out = {"tok_emb.weight": take("model.embed_tokens.weight"),
@@ -272,7 +327,7 @@ def to_paratrain(hf: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, tor
     out["head.weight"] = out["tok_emb.weight"] if cfg.tie_embeddings \
         else take("lm_head.weight")
     for i in range(cfg.n_layers):
-        for ours, theirs in BLOCK_NAMES.items():
+        for ours, theirs in block_names(cfg, i).items():
             w = take(f"model.layers.{i}.{theirs}")
             out[f"blocks.{i}.{ours}"] = halves_to_interleaved(w, cfg.head_dim) \
                 if ours in ROPE_ROWS else w

@@ -1,0 +1,100 @@
+"""Which transformers architecture computes a paratrain model, and what each tensor is
+called there: the one table export (:mod:`paratrain.files.export`) writes with and
+import (:mod:`paratrain.files.hf_import`) reads with (docs/export.md).
+
+paratrain's decoder is Llama's; with q, k, v biases (``qkv_bias``) Qwen2's, with per-head
+q, k norms (``qk_norm``) Qwen3's; a dropless Mixture of Experts without shared experts
+(softmax router, top k, weights renormalised over the k) is Mixtral's, or Qwen3-MoE's
+with the q, k norms. Torch-free: the launcher reads it before any worker starts.
+
+The RoPE layout is the one difference that is not a name: paratrain rotates interleaved
+pairs (x[2i], x[2i+1]), transformers rotates halves (x[i], x[i + E/2]).
+:func:`interleaved_to_halves` moves the rows of each head of ``wq`` and ``wk`` (and of
+their biases and the q, k norms' gains, which act per row of a head) so that pair i lands
+on (i, i + E/2): q.k within a head is unchanged by the same permutation of both, an
+RMSNorm's mean of squares by any.
+"""
+
+from __future__ import annotations
+
+from paratrain.config import ModelConfig
+
+# paratrain name -> transformers name, per block ({i} = block index)
+BLOCK_NAMES = {"attn_norm.weight": "input_layernorm.weight",
+               "attn.wq.weight": "self_attn.q_proj.weight",
+               "attn.wk.weight": "self_attn.k_proj.weight",
+               "attn.wv.weight": "self_attn.v_proj.weight",
+               "attn.wo.weight": "self_attn.o_proj.weight",
+               "mlp_norm.weight": "post_attention_layernorm.weight",
+               "mlp.w_gate.weight": "mlp.gate_proj.weight",
+               "mlp.w_up.weight": "mlp.up_proj.weight",
+               "mlp.w_down.weight": "mlp.down_proj.weight"}
+QKV_BIAS_NAMES = {f"attn.w{x}.bias": f"self_attn.{x}_proj.bias" for x in "qkv"}  # Qwen2
+QK_NORM_NAMES = {f"attn.{x}_norm.weight": f"self_attn.{x}_norm.weight" for x in "qk"}  # Qwen3
+DENSE_MLP = ("mlp.w_gate.weight", "mlp.w_up.weight", "mlp.w_down.weight")
+# an MoE block's MLP per model_type: the router, then each expert's gate, up and down
+MOE_NAMES = {"mixtral": ("block_sparse_moe.gate.weight", "block_sparse_moe.experts.{e}.",
+                         ("w1", "w3", "w2")),
+             "qwen3_moe": ("mlp.gate.weight", "mlp.experts.{e}.",
+                           ("gate_proj", "up_proj", "down_proj"))}
+# tensors whose rows are permuted between the RoPE layouts
+ROPE_ROWS = ("attn.wq.weight", "attn.wk.weight", "attn.wq.bias", "attn.wk.bias",
+             *QK_NORM_NAMES)
+
+
+def architecture(cfg: ModelConfig) -> tuple[str, str]:
+    """(model_type, architecture) of the transformers class that computes ``cfg``; one
+    ValueError naming what none computes."""
+    if cfg.qkv_bias and cfg.qk_norm:
+        raise ValueError("this model has both q, k, v biases and q, k norms; no transformers "
+                         "architecture computes that (Qwen2 has the first, Qwen3 the "
+                         "second): train with one of them")
+    if not cfg.experts:
+        if cfg.qk_norm:
+            return "qwen3", "Qwen3ForCausalLM"
+        return ("qwen2", "Qwen2ForCausalLM") if cfg.qkv_bias else ("llama", "LlamaForCausalLM")
+    odd = {"qkv_bias": cfg.qkv_bias, "shared_experts": cfg.shared_experts,
+           "capacity_factor": cfg.capacity_factor}
+    odd = {k: v for k, v in odd.items() if v}
+    if odd:
+        said = ", ".join(f"{k} = {v}" for k, v in odd.items())
+        raise ValueError(f"this Mixture-of-Experts model has {said}; transformers' Mixtral "
+                         "and Qwen3-MoE are dropless, without shared experts or q, k, v "
+                         "biases: export a model trained without them")
+    if cfg.qk_norm:
+        return "qwen3_moe", "Qwen3MoeForCausalLM"
+    if cfg.moe_every != 1:
+        raise ValueError(f"this Mixture-of-Experts model has moe_every = {cfg.moe_every}; "
+                         "Mixtral's every block is MoE (Qwen3-MoE's decoder_sparse_step "
+                         "needs its q, k norms): export a model with moe_every 1")
+    return "mixtral", "MixtralForCausalLM"
+
+
+def block_names(cfg: ModelConfig, i: int) -> dict[str, str]:
+    """paratrain name -> transformers name of each of block ``i``'s tensors."""
+    names = {**BLOCK_NAMES, **(QKV_BIAS_NAMES if cfg.qkv_bias else {}),
+             **(QK_NORM_NAMES if cfg.qk_norm else {})}
+    if not cfg.is_moe_layer(i):
+        return names
+    for k in DENSE_MLP:
+        del names[k]
+    router, prefix, theirs = MOE_NAMES[architecture(cfg)[0]]
+    names["mlp.router.weight"] = router
+    for e in range(cfg.experts):
+        for ours, name in zip(("w_gate", "w_up", "w_down"), theirs, strict=True):
+            names[f"mlp.experts.{e}.{ours}.weight"] = f"{prefix.format(e=e)}{name}.weight"
+    return names
+
+
+def interleaved_to_halves(w, head_dim: int):
+    """Rows of a q or k projection (heads x E, ...) reordered so that each head's
+    interleaved RoPE pairs (2i, 2i+1) become rotate-half pairs (i, i + E/2)."""
+    heads = w.shape[0] // head_dim
+    return w.view(heads, head_dim // 2, 2, -1).transpose(1, 2).reshape(w.shape)
+
+
+def halves_to_interleaved(w, head_dim: int):
+    """The inverse of :func:`interleaved_to_halves` (a transformers q or k projection back
+    into paratrain's row order); exact: rows move, no arithmetic."""
+    heads = w.shape[0] // head_dim
+    return w.view(heads, 2, head_dim // 2, -1).transpose(1, 2).reshape(w.shape)
