@@ -24,7 +24,12 @@ from pathlib import Path
 import torch
 
 from paratrain.config import ModelConfig
-from paratrain.files.hf_arch import ROPE_ROWS, architecture, block_names, interleaved_to_halves
+from paratrain.files.hf_arch import (
+    architecture,
+    interleaved_to_halves,
+    rope_rows,
+    tensor_names,
+)
 from paratrain.files.inference import Loaded
 
 
@@ -76,16 +81,8 @@ def hf_config(cfg: ModelConfig) -> dict:
 
 def hf_state_dict(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """The Decoder's state_dict under transformers' names (RoPE rows permuted)."""
-    out = {"model.embed_tokens.weight": state["tok_emb.weight"],
-           "model.norm.weight": state["norm.weight"]}
-    if not cfg.tie_embeddings:
-        out["lm_head.weight"] = state["head.weight"]
-    for i in range(cfg.n_layers):
-        for ours, theirs in block_names(cfg, i).items():
-            w = state[f"blocks.{i}.{ours}"]
-            if ours in ROPE_ROWS:
-                w = interleaved_to_halves(w, cfg.head_dim)
-            out[f"model.layers.{i}.{theirs}"] = w
+    out = {theirs: interleaved_to_halves(state[ours], cfg.head_dim) if rope_rows(ours)
+           else state[ours] for ours, theirs in tensor_names(cfg).items()}
     return {k: v.detach().float().contiguous().clone() for k, v in out.items()}
 
 

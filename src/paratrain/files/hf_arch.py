@@ -86,6 +86,23 @@ def block_names(cfg: ModelConfig, i: int) -> dict[str, str]:
     return names
 
 
+def tensor_names(cfg: ModelConfig) -> dict[str, str]:
+    """paratrain name -> transformers name of every tensor of the Decoder's state_dict
+    (a tied head is the embedding's: not listed)."""
+    out = {"tok_emb.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight"}
+    if not cfg.tie_embeddings:
+        out["head.weight"] = "lm_head.weight"
+    for i in range(cfg.n_layers):
+        for ours, theirs in block_names(cfg, i).items():
+            out[f"blocks.{i}.{ours}"] = f"model.layers.{i}.{theirs}"
+    return out
+
+
+def rope_rows(name: str) -> bool:
+    """Whether the paratrain tensor ``name`` has its rows in the RoPE layout."""
+    return name.startswith("blocks.") and name.split(".", 2)[2] in ROPE_ROWS
+
+
 def interleaved_to_halves(w, head_dim: int):
     """Rows of a q or k projection (heads x E, ...) reordered so that each head's
     interleaved RoPE pairs (2i, 2i+1) become rotate-half pairs (i, i + E/2)."""

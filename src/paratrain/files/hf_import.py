@@ -16,10 +16,11 @@ optionally ``tokenizer.json``.
   sets the model; only ``--context``, at most ``max_position_embeddings``, and
   ``--attention``, a kernel choice, are the run's). The folder's ``tokenizer.json``,
   when present, is the run's tokenizer.
-- :func:`state_dict` (every worker): the tensors under paratrain's names, RoPE rows
-  permuted back (``hf_arch.halves_to_interleaved``), in float32; the worker loads them
-  into the seeded :class:`~paratrain.model.Decoder` before the engine is built, so every
-  layout takes its shards from the full model exactly as it does from a fresh one.
+- :func:`load_into` (every worker): the tensors under paratrain's names
+  (``hf_arch.tensor_names``), RoPE rows permuted back (``hf_arch.halves_to_interleaved``),
+  in float32, copied one by one into the seeded :class:`~paratrain.model.Decoder` before
+  the engine is built, so every layout takes its shards from the full model exactly as
+  it does from a fresh one.
 """
 
 from __future__ import annotations
@@ -27,12 +28,8 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from paratrain.config import ModelConfig, TrainConfig, flag_for, load_toml
-
-if TYPE_CHECKING:
-    import torch
 
 # ModelConfig field -> config.json key (and its transformers default when absent; None:
 # required), the settings --init-from decides
@@ -301,51 +298,42 @@ def weight_files(hf_dir: str | Path) -> list[Path]:
     return [d / n for n in names]
 
 
-def _tensors(hf_dir: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of the folder's safetensors, float32."""
-    from safetensors.torch import load_file
+def _files_of(hf_dir: Path) -> dict[str, Path]:
+    """transformers name -> the safetensors file holding it."""
+    from safetensors import safe_open
 
     out = {}
     for f in weight_files(hf_dir):
-        out.update(load_file(str(f)))
-    return {k: v.float() for k, v in out.items()}
-
-
-def to_paratrain(hf: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """Llama's names -> the Decoder's state_dict (export's mapping, inverted; RoPE rows
-    back to interleaved pairs). A missing tensor is named."""
-    from paratrain.files.hf_arch import ROPE_ROWS, block_names, halves_to_interleaved
-
-    def take(name: str) -> torch.Tensor:
-        if name not in hf:
-            raise ValueError(f"the safetensors have no {name}; the folder does not hold the "
-                             "model its config.json describes")
-        return hf[name]
-
-    out = {"tok_emb.weight": take("model.embed_tokens.weight"),
-           "norm.weight": take("model.norm.weight")}
-    out["head.weight"] = out["tok_emb.weight"] if cfg.tie_embeddings \
-        else take("lm_head.weight")
-    for i in range(cfg.n_layers):
-        for ours, theirs in block_names(cfg, i).items():
-            w = take(f"model.layers.{i}.{theirs}")
-            out[f"blocks.{i}.{ours}"] = halves_to_interleaved(w, cfg.head_dim) \
-                if ours in ROPE_ROWS else w
+        with safe_open(str(f), "pt") as h:
+            out.update(dict.fromkeys(h.keys(), f))
     return out
-
-
-def state_dict(hf_dir: str | Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """The folder's weights as the Decoder's full state_dict (float32, CPU)."""
-    return to_paratrain(_tensors(Path(hf_dir)), cfg)
 
 
 def load_into(model, hf_dir: str | Path) -> None:
     """Copy the folder's weights into the plain Decoder ``model`` (its config is the
-    folder's, :func:`settle`); a tensor of another shape is named, not a traceback."""
-    sd = state_dict(hf_dir, model.cfg)
-    for name, t in model.state_dict().items():
-        if sd[name].shape != t.shape:
-            raise ValueError(f"--init-from {str(hf_dir)!r}: {name} has shape "
-                             f"{tuple(sd[name].shape)} but its config.json implies "
-                             f"{tuple(t.shape)}; the weights do not match the config")
-    model.load_state_dict(sd)
+    folder's, :func:`settle`) one tensor at a time, file by file, so that the peak is the
+    model and one tensor (float32, whatever the file's dtype); a missing tensor, or one of
+    another shape, is named, not a traceback."""
+    from safetensors import safe_open
+
+    from paratrain.files.hf_arch import halves_to_interleaved, rope_rows, tensor_names
+
+    cfg, hf_dir = model.cfg, Path(hf_dir)
+    files = _files_of(hf_dir)
+    names = tensor_names(cfg)
+    missing = [theirs for theirs in names.values() if theirs not in files]
+    if missing:
+        raise ValueError(f"the safetensors have no {missing[0]}; the folder does not hold "
+                         "the model its config.json describes")
+    params = model.state_dict()  # views of the parameters themselves
+    for f in sorted(set(files.values())):
+        with safe_open(str(f), "pt") as h:
+            for ours, theirs in names.items():
+                if files[theirs] != f:
+                    continue
+                w, p = h.get_tensor(theirs).float(), params[ours]
+                if w.shape != p.shape:
+                    raise ValueError(f"--init-from {str(hf_dir)!r}: {ours} has shape "
+                                     f"{tuple(w.shape)} but its config.json implies "
+                                     f"{tuple(p.shape)}; the weights do not match the config")
+                p.copy_(halves_to_interleaved(w, cfg.head_dim) if rope_rows(ours) else w)
