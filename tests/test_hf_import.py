@@ -439,3 +439,19 @@ def test_export_refuses_what_no_transformers_class_computes(tmp_path, capsys, ch
     _refused_cmd(["export", "--checkpoint", str(tmp_path / "ck"), "--out",
                   str(tmp_path / "hf")], fragment, capsys)
     assert not (tmp_path / "hf").exists()
+
+
+@pytest.mark.parametrize("name", ["qwen3", "qwen3_moe", "mixtral"])
+def test_plan_prices_a_folder_as_the_run_builds_it(folders, tmp_path, capsys, name):
+    """`paratrain plan --model HF_DIR` reads the folder's config.json as --init-from does
+    (no weights): the model it prices is the one the run would build."""
+    from paratrain.cost.shapes import as_shape
+
+    assert main(["plan", "--model", str(folders / name), "--gpus", "8", "--json"]) == 0
+    priced = json.loads(capsys.readouterr().out)["model"]
+    built = as_shape(_settled(folders / name)[0])
+    assert (priced["params"], priced["active_params"], priced["flops_per_token"]) == \
+        (built.num_params(), built.active_params(), built.flops_per_token(4096))
+    assert priced["name"] == name
+    gemma = _variant(folders, tmp_path, model_type="gemma")
+    _refused_cmd(["plan", "--model", str(gemma), "--gpus", "8"], "'gemma'", capsys)

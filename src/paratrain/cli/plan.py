@@ -54,8 +54,9 @@ def _warn(old: str, new: str) -> None:
 
 # `paratrain plan`'s own options (the settings' flags are generated: cli/settings.py)
 HELP = {
-    "model": "Catalogue model name or a .toml/.json file (default llama2-7b; not with "
-             "--config, whose \\[model] is the model).",
+    "model": "Catalogue model name, a .toml/.json file or a Hugging Face folder (its "
+             "config.json; default llama2-7b; not with --config, whose \\[model] is the "
+             "model).",
     "config": "A run's TOML (\\[model] \\[train] \\[plan]): price the run `paratrain "
               "train --config` trains.",
     "hardware": "Catalogue accelerator or a .toml/.json file.",
@@ -302,12 +303,26 @@ def _report(m, hw, p, gpus, tokens, seq, eta, precision, attention, step_params,
     return rep
 
 
+def _shape_of(name: str | None):
+    """The model ``--model`` names: a catalogue entry or file (default llama2-7b), or a
+    Hugging Face folder read as `train --init-from` reads its config.json (no weights
+    needed; what paratrain's model cannot compute is refused the same way)."""
+    from pathlib import Path
+
+    from paratrain.cost.shapes import ModelShape, load_model
+
+    if name is None or not Path(name).is_dir():
+        return load_model(name or "llama2-7b")
+    from paratrain.files.hf_import import hf_model_fields, read_config
+
+    fields = hf_model_fields(read_config(name), str(Path(name) / "config.json"))
+    return ModelShape(name=Path(name).resolve().name, **fields)
+
+
 def _catalogue_model(name: str | None, values: dict):
     """The catalogue model (default llama2-7b) with the model flags given: a shape field
     replaced, made MoE by ``--experts``."""
-    from paratrain.cost.shapes import load_model
-
-    m = load_model(name or "llama2-7b")
+    m = _shape_of(name)
     moe = ("experts", "top_k", "moe_ffn", "shared_experts")
     shape = {k: v for k, v in values.items() if k not in moe and k != "context"}
     m = m.replace(**shape) if shape else m
