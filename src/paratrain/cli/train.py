@@ -293,8 +293,9 @@ def train(
                                                 "layouts over this memory per rank "
                                                 "(GB).")] = None,
     init_from: Annotated[str | None, _opt("model", "Start from this Hugging Face "
-                                          "Llama (or Mistral) folder: its config.json "
-                                          "sets the model (docs/export.md, Import).")] = None,
+                                          "folder (Llama, Mistral, Qwen2/3, Mixtral, "
+                                          "Qwen3-MoE): its config.json sets the model "
+                                          "(docs/export.md, Import).")] = None,
     flags: dict | None = None,
 ) -> None:
     """Train the decoder LM (default: 2 workers, data parallel, stdlib corpus)."""
