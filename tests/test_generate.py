@@ -168,3 +168,18 @@ def test_cli_default_is_greedy(tmp_path, capsys):
     tok = Tokenizer("bytes", bytes_tokenizer_json())
     ids = tok.encode_text("def ")
     assert outs[0] == tok.decode(ids + _greedy_uncached(model.eval(), ids, 24))
+
+
+def test_top_p_keeps_the_fewest_tokens_that_reach_p():
+    """Nucleus sampling: probabilities 0.6, 0.3, 0.1 at T = 1. p 0.5 keeps the likeliest
+    alone, p 0.7 the first two (0.6 < 0.7 <= 0.9), p 1 all three; 300 seeded draws each."""
+    from paratrain.run.generate import check_args, pick
+
+    z = torch.tensor([0.6, 0.3, 0.1], dtype=torch.float64).log()
+    drawn = {p: {pick(z, 1.0, None, torch.Generator().manual_seed(s), p) for s in range(300)}
+             for p in (0.5, 0.7, 1.0)}
+    assert drawn == {0.5: {0}, 0.7: {0, 1}, 1.0: {0, 1, 2}}
+    assert pick(z, 1.0, 2, torch.Generator().manual_seed(0), 1e-9) == 0  # after top-k too
+    for bad in (0.0, 1.5, float("nan")):
+        with pytest.raises(ValueError, match="--top-p .* must be in \\(0, 1\\]"):
+            check_args(4, 1.0, None, bad)

@@ -331,6 +331,33 @@ def test_generate_from_the_folder_is_transformers_greedy(folders, capsys, name):
     assert capsys.readouterr().out.rstrip("\n") == run.tokenizer.decode(ids + new)
 
 
+def test_generate_stops_at_the_folders_end_of_sequence(folders, tmp_path, capsys):
+    """With eos_token_id in generation_config.json (an id or a list), generation stops
+    after the first one drawn, as transformers' greedy generate does."""
+    from transformers import AutoModelForCausalLM
+
+    from paratrain.files.inference import eos_ids, load_hf
+    from paratrain.run.generate import sample
+
+    d = tmp_path / "eos"
+    shutil.copytree(folders / "tied", d)
+    prompt, n = "The quick brown fox", 16
+    _, free = sample(load_hf(d, prompt, n), prompt, n)
+    stop = free[5]  # the sixth greedy token ends the text (its first occurrence)
+    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": [999, stop]}))
+    assert eos_ids(d) == {999, stop}
+    run = load_hf(d, prompt, n)
+    ids, new = sample(run, prompt, n, eos=eos_ids(d))
+    assert new == free[:free.index(stop) + 1]
+    hf = AutoModelForCausalLM.from_pretrained(d).eval()
+    out = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                      max_new_tokens=n, do_sample=False, pad_token_id=0)
+    assert new == out[0, len(ids):].tolist()
+    assert main(["generate", "--init-from", str(d), "--prompt", prompt,
+                 "--max-new-tokens", str(n)]) == 0
+    assert capsys.readouterr().out.rstrip("\n") == run.tokenizer.decode(ids + new)
+
+
 def test_generate_takes_one_source_and_a_tokenizer_that_fits(folders, tmp_path, capsys):
     _refused_cmd(["generate", "--prompt", "a"], "one of the two", capsys)
     _refused_cmd(["generate", "--prompt", "a", "--init-from", str(folders / "tied"),

@@ -24,19 +24,23 @@ def register(app: typer.Typer) -> None:
             help="0 = greedy (argmax); T > 0 samples from softmax(logits / T).")] = 0.0,
         top_k: Annotated[int | None, Opt(
             help="Sample among the k likeliest tokens (with --temperature > 0).")] = None,
+        top_p: Annotated[float, Opt(
+            help="Sample among the fewest tokens whose probabilities reach P (nucleus; "
+                 "with --temperature > 0; 1 = all).")] = 1.0,
         seed: Annotated[int, Opt(help="Seed of the sampler (with --temperature > 0).")] = 0,
     ) -> None:
         """Continue --prompt with text sampled from a checkpoint (any layout) or a
         Hugging Face folder."""
-        from paratrain.files.inference import load, load_hf
+        from paratrain.files.inference import eos_ids, load, load_hf
         from paratrain.run.generate import check_args, sample
 
-        check_args(max_new_tokens, temperature, top_k)
+        check_args(max_new_tokens, temperature, top_k, top_p)
         if (checkpoint is None) == (init_from is None):
             raise ValueError("pass --checkpoint DIR (a training run's) or --init-from HF_DIR "
                              "(a Hugging Face folder): one of the two")
         run = load(checkpoint) if checkpoint else load_hf(init_from, prompt, max_new_tokens)
-        ids, new = sample(run, prompt, max_new_tokens, temperature, top_k, seed)
+        eos = eos_ids(init_from) if init_from else frozenset()  # a folder's: stop there
+        ids, new = sample(run, prompt, max_new_tokens, temperature, top_k, seed, top_p, eos)
         print(run.tokenizer.decode(ids + new), flush=True)
 
     @app.command()

@@ -10,6 +10,7 @@ tokenizer.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -62,9 +63,26 @@ def load(root: str | Path) -> Loaded:
     return Loaded(model.float().eval(), load_tokenizer(root, meta), meta)
 
 
+def eos_ids(hf_dir: str | Path) -> frozenset[int]:
+    """The end-of-sequence ids a Hugging Face folder names (``eos_token_id``, an id or a
+    list, in generation_config.json, else config.json; none: empty)."""
+    from paratrain.files import hf_import
+
+    d = Path(hf_dir)
+    gen = d / "generation_config.json"
+    try:
+        said = json.loads(gen.read_text()).get("eos_token_id") if gen.is_file() else None
+    except (OSError, ValueError, AttributeError):
+        said = None
+    if said is None:
+        said = hf_import.read_config(d).get("eos_token_id")
+    ids = said if isinstance(said, list) else [said]
+    return frozenset(i for i in ids if isinstance(i, int) and not isinstance(i, bool))
+
+
 def load_hf(hf_dir: str | Path, prompt: str, max_new_tokens: int) -> Loaded:
-    """A Hugging Face Llama or Mistral folder (``generate --init-from``, read as ``train
-    --init-from`` reads it: :mod:`paratrain.files.hf_import`) as a float32 model, with the
+    """A Hugging Face folder (``generate --init-from``, read as ``train --init-from``
+    reads it: :mod:`paratrain.files.hf_import`) as a float32 model, with the
     folder's ``tokenizer.json`` (none: bytes, for a vocabulary of 256). Its context is
     the prompt plus the new tokens, at most ``max_position_embeddings`` (and a Mistral
     window): every position transformers would give those ids, and no longer a KV cache
