@@ -21,6 +21,7 @@ from typing import Annotated, Any, NamedTuple
 
 import typer
 
+from paratrain.cli import plan_model
 from paratrain.cli.plan_fp8 import fp8_options
 from paratrain.cli.settings import DEFAULT_NPROC, read_tables, resolve, with_settings
 from paratrain.config import ModelConfig, TrainConfig, build
@@ -211,7 +212,7 @@ def _what(model: str | None, config: str | None, flags: dict, gpus: int | None,
 
         return (as_shape(mcfg), p, p.world_size, tcfg.global_batch * mcfg.context,
                 mcfg.context, precision, run)
-    m, gpus = _catalogue_model(model, flags["model"]), 64 if gpus is None else gpus
+    m, gpus = plan_model.model_shape(model, flags["model"]), 64 if gpus is None else gpus
     seq = flags["model"].get("context", CATALOGUE_CONTEXT)
     if "global_batch" in flags["train"]:
         tokens = flags["train"]["global_batch"] * seq
@@ -301,43 +302,6 @@ def _report(m, hw, p, gpus, tokens, seq, eta, precision, attention, step_params,
         if explain:
             rep["predicted"]["explain"] = explain_lines(bd)
     return rep
-
-
-def _shape_of(name: str | None):
-    """The model ``--model`` names: a catalogue entry or file (default llama2-7b), or a
-    Hugging Face folder read as `train --init-from` reads its config.json (no weights
-    needed; what paratrain's model cannot compute is refused the same way)."""
-    from pathlib import Path
-
-    from paratrain.cost.shapes import ModelShape, load_model
-
-    if name is None or not Path(name).is_dir():
-        return load_model(name or "llama2-7b")
-    from paratrain.files.hf_import import hf_model_fields, read_config
-
-    fields = hf_model_fields(read_config(name), str(Path(name) / "config.json"))
-    return ModelShape(name=Path(name).resolve().name, **fields)
-
-
-def _catalogue_model(name: str | None, values: dict):
-    """The catalogue model (default llama2-7b) with the model flags given: a shape field
-    replaced, made MoE by ``--experts``."""
-    m = _shape_of(name)
-    moe = ("experts", "top_k", "moe_ffn", "shared_experts")
-    shape = {k: v for k, v in values.items() if k not in moe and k != "context"}
-    m = m.replace(**shape) if shape else m
-    experts = values.get("experts", 0)
-    if experts < 0:
-        raise ValueError(f"experts={experts} must be >= 0; pass e.g. --experts 8")
-    if not experts:
-        return m
-    top_k = values.get("top_k", 2)
-    if not 1 <= top_k <= experts:
-        raise ValueError(f"top_k={top_k} must be in 1..experts={experts}; pass e.g. "
-                         "--top-k 2")
-    # how the experts split over ranks is the plan's (--ep, --etp), not the shape's
-    return m.replace(experts=experts, top_k=top_k, moe_ffn=values.get("moe_ffn"),
-                     shared_experts=values.get("shared_experts", 0), first_dense_layers=0)
 
 
 def _progress_line():
