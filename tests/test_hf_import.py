@@ -480,5 +480,10 @@ def test_plan_prices_a_folder_as_the_run_builds_it(folders, tmp_path, capsys, na
     assert (priced["params"], priced["active_params"], priced["flops_per_token"]) == \
         (built.num_params(), built.active_params(), built.flops_per_token(4096))
     assert priced["name"] == name
+    out = tmp_path / "run.toml"  # the winner's TOML, and a command that starts from it
+    assert main(["plan", "--search", "--model", str(folders / name), "--gpus", "8",
+                 "--context", "32", "--tokens", "1024", "--emit-config", str(out)]) == 0
+    assert f"paratrain train --nproc 8 --init-from {folders / name} --config {out}" in \
+        capsys.readouterr().out
     gemma = _variant(folders, tmp_path, model_type="gemma")
     _refused_cmd(["plan", "--model", str(gemma), "--gpus", "8"], "'gemma'", capsys)

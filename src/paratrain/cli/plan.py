@@ -163,8 +163,9 @@ def plan(
         if emit_config:
             from paratrain.cli.plan_machine import emit_cluster_winner
 
+            folder = model if model and Path(model).is_dir() else None  # an HF folder
             emit_cluster_winner(emit_config, m, out.data.top[0].plan, tokens, seq, gpus,
-                                hw.name)
+                                hw.name, folder)
         return out
     rep = _report(m, hw, p, gpus, tokens, seq, eta, precision, attention, step_params, eng,
                   explain, fp8)

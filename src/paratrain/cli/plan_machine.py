@@ -103,14 +103,17 @@ def runtime_model(shape):
 
 
 def emit_cluster_winner(path: str, shape, plan: ParallelPlan, tokens: int, seq: int,
-                        gpus: int, hw_name: str) -> None:
+                        gpus: int, hw_name: str, init_from: str | None = None) -> None:
     """Write a cluster search's winner as a run TOML (``[train] global_batch`` = the
-    step's sequences, ``[model] context`` = the sequence length)."""
+    step's sequences, ``[model] context`` = the sequence length); for a model read from
+    a Hugging Face folder (``init_from``) the command it prints starts from its weights."""
     from paratrain.config import TrainConfig
     from paratrain.files.run_toml import write_run_toml
 
     mcfg = runtime_model(shape).replace(context=seq)
+    start = f" --init-from {init_from}" if init_from else ""
+    cmd = f"paratrain train --nproc {gpus}{start} --config {path}"
     write_run_toml(path, mcfg, TrainConfig(global_batch=tokens // seq), plan,
                    f"paratrain plan --search: the predicted winner for {shape.name} on "
-                   f"{gpus} x {hw_name}\nrun: paratrain train --nproc {gpus} --config {path}")
-    print(f"wrote {path}: paratrain train --nproc {gpus} --config {path}")
+                   f"{gpus} x {hw_name}\nrun: {cmd}")
+    print(f"wrote {path}: {cmd}")
