@@ -54,7 +54,9 @@ def folders(tmp_path_factory):
     NeMo's 128 over 5120 (32 heads); qwen2: Qwen2ForCausalLM (q, k, v biases), GQA, tied,
     theta 1e6; qwen3: Qwen3ForCausalLM (per-head q, k norms), GQA, heads of 16 (Qwen3's
     128 over 4096 / 32 shrunk); mixtral: MixtralForCausalLM, 4 experts, top 2; qwen3_moe:
-    Qwen3MoeForCausalLM, 4 experts of width 24, top 2, q, k norms; llama3: Llama 3.1's
+    Qwen3MoeForCausalLM, 4 experts of width 24, top 2, q, k norms; qwen2_moe:
+    Qwen2MoeForCausalLM, the same experts, not renormalised, and a gated shared expert of
+    48 (two experts wide), q, k, v biases; llama3: Llama 3.1's
     RoPE scaling, shrunk so that at head width 8 one frequency is kept, one interpolated
     and two divided by the factor (wavelengths 6.3, 63, 628, 6283 against 16 / 2 and
     16 / 0.25)."""
@@ -76,6 +78,10 @@ def folders(tmp_path_factory):
     _write_llama(root / "qwen3_moe", 8, False, "Qwen3Moe", vocab_size=256,
                  num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
                  moe_intermediate_size=24, norm_topk_prob=True)
+    _write_llama(root / "qwen2_moe", 9, False, "Qwen2Moe", vocab_size=256,
+                 num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+                 moe_intermediate_size=24, shared_expert_intermediate_size=48,
+                 norm_topk_prob=False)
     return root
 
 
@@ -125,7 +131,8 @@ def test_llama3_rope_frequencies_follow_the_three_bands():
         scaled.replace(rope_high_freq=0.25)
 
 
-ALL = ["gqa", "tied", "llama3", "mistral", "wide", "qwen2", "qwen3", "mixtral", "qwen3_moe"]
+ALL = ["gqa", "tied", "llama3", "mistral", "wide", "qwen2", "qwen3", "mixtral", "qwen3_moe",
+       "qwen2_moe"]
 
 
 @pytest.mark.parametrize("name", ALL)
@@ -145,7 +152,8 @@ def test_logits_equal_transformers(folders, name):
     torch.testing.assert_close(theirs, ours, rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("kind", ["untied", "tied", "qkv_bias", "qk_norm", "moe", "moe every 2"])
+@pytest.mark.parametrize("kind", ["untied", "tied", "qkv_bias", "qk_norm", "moe", "moe every 2",
+                                  "moe shared"])
 def test_import_inverts_export_exactly(tmp_path, kind):
     """export's tensors (hf_state_dict), written as a safetensors file and read back by
     import's load_into, are the model's bit for bit, for every architecture's names."""
@@ -161,7 +169,10 @@ def test_import_inverts_export_exactly(tmp_path, kind):
     cfg = cfg.replace(**{"qkv_bias": dict(qkv_bias=True), "qk_norm": dict(qk_norm=True),
                          "moe": dict(experts=4, top_k=2),  # Mixtral
                          "moe every 2": dict(experts=4, qk_norm=True, moe_ffn=24,
-                                             moe_every=2)}.get(kind, {}))  # Qwen3-MoE
+                                             moe_every=2),  # Qwen3-MoE
+                         "moe shared": dict(experts=4, qkv_bias=True, shared_experts=1,
+                                            shared_gate=True, moe_renorm=False),  # Qwen2-MoE
+                         }.get(kind, {}))
     torch.manual_seed(0)
     sd = Decoder(cfg).state_dict()
     save_file(hf_state_dict(sd, cfg), str(tmp_path / "model.safetensors"))
@@ -201,7 +212,7 @@ def test_frozen_run_exports_the_folder_bit_for_bit(folders, tmp_path, text_file,
     assert config["model_type"] == {"mistral": "llama"}.get(name, want["model_type"])
     rope = {k: v for k, v in want["rope_parameters"].items() if k in LLAMA3_ROPE}
     assert {k: config["rope_parameters"][k] for k in rope} == rope
-    if name in ("llama3", "qwen2", "qwen3", "mixtral", "qwen3_moe"):  # read as the folder
+    if name in ("llama3", "qwen2", "qwen3", "mixtral", "qwen3_moe", "qwen2_moe"):  # as read
         from transformers import AutoModelForCausalLM
 
         x = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(1))
@@ -268,20 +279,39 @@ def test_what_paratrain_cannot_compute_is_refused_in_one_line(folders, tmp_path,
 
 
 @pytest.mark.parametrize("changes, flags, fragment", [
-    ({"norm_topk_prob": False}, [], "norm_topk_prob=false"),
     ({"mlp_only_layers": [1]}, [], "mlp_only_layers=[1]"),
+    ({"model_type": "qwen2_moe", "architectures": ["Qwen2MoeForCausalLM"],
+      "shared_expert_intermediate_size": 36}, [],
+     "shared_expert_intermediate_size=36, not a multiple of moe_intermediate_size=24"),
+    ({}, ["--config", "renorm.toml"], "moe_renorm = False in the TOML contradicts "
+     "norm_topk_prob=True"),
     ({"moe_intermediate_size": None}, [], "has no moe_intermediate_size"),
     ({}, ["--experts", "8"], "--experts 8 contradicts num_local_experts=4"),
     # the hub's Qwen3-MoE configs spell it num_experts (transformers 4.x)
     ({"num_local_experts": None, "num_experts": 4}, ["--experts", "8"],
      "--experts 8 contradicts num_experts=4"),
     ({}, ["--moe-ffn", "32"], "--moe-ffn 32 contradicts moe_intermediate_size=24"),
-    ({}, ["--shared-experts", "1"], "--shared-experts 1 contradicts model_type=qwen3_moe"),
+    ({}, ["--shared-experts", "1"],
+     "--shared-experts 1 contradicts shared_expert_intermediate_size=0"),
 ])
 def test_what_paratrains_moe_cannot_compute_is_refused(folders, tmp_path, capsys, changes,
                                                        flags, fragment):
+    (tmp_path / "renorm.toml").write_text("[model]\nmoe_renorm = false\n")
+    flags = [str(tmp_path / f) if f.endswith(".toml") else f for f in flags]
     d = _variant(folders, tmp_path, "qwen3_moe", **changes)
     _refused(["--init-from", str(d), *flags], fragment, capsys)
+
+
+def test_the_router_renormalises_as_the_folder_says(folders, tmp_path):
+    """norm_topk_prob (Qwen2-MoE's and Qwen3-MoE's) is moe_renorm; Mixtral always
+    renormalises; Qwen2-MoE's shared expert is a whole number of experts wide, gated."""
+    assert _settled(folders / "qwen3_moe")[0].moe_renorm
+    assert not _settled(_variant(folders, tmp_path, "qwen3_moe",
+                                 norm_topk_prob=False))[0].moe_renorm
+    assert _settled(folders / "mixtral")[0].moe_renorm
+    q2 = _settled(folders / "qwen2_moe")[0]
+    assert (q2.moe_renorm, q2.shared_experts, q2.shared_gate, q2.qkv_bias) == \
+        (False, 2, True, True)
 
 
 def test_mixtral_experts_are_d_ff_wide(folders, capsys):
@@ -308,7 +338,7 @@ def test_vocabulary_mismatch_and_bad_folders_are_one_line(folders, tmp_path, cap
 
 
 @pytest.mark.parametrize("name", ["tied", "llama3", "mistral", "qwen2", "qwen3", "mixtral",
-                                  "qwen3_moe"])
+                                  "qwen3_moe", "qwen2_moe"])
 def test_generate_from_the_folder_is_transformers_greedy(folders, capsys, name):
     """`generate --init-from HF_DIR` samples from the folder itself: greedy, the same new
     tokens as transformers' own greedy generate (its context, prompt plus new tokens,
@@ -394,7 +424,8 @@ def test_lr_zero_is_accepted_and_negative_refused():
                                             ("qwen3", ["--nproc", "2", "--tp", "2"]),
                                             ("mixtral", ["--nproc", "2", "--ep", "2"]),
                                             ("qwen3_moe", ["--nproc", "4", "--tp", "2",
-                                                           "--ep", "2"])])
+                                                           "--ep", "2"]),
+                                            ("qwen2_moe", ["--nproc", "2", "--ep", "2"])])
 def test_tp2_dp2_from_the_folder_matches_one_process(folders, tmp_path, text_file, folder,
                                                      layout):
     """Every rank takes its shard of the imported model: tp2 x dp2 (4 processes) follows
@@ -403,7 +434,8 @@ def test_tp2_dp2_from_the_folder_matches_one_process(folders, tmp_path, text_fil
     tp 2 and cp 2 from the one whose heads are wider than width / heads, tp2 x dp2 under
     ZeRO-3 from Qwen2's (biases split with their rows), tp 2 from Qwen3's (each rank's
     q, k norm gradients, a sum over its own heads, summed over tp), ep 2 from Mixtral's
-    and tp2 x ep2 from Qwen3-MoE's (each rank its experts)."""
+    tp2 x ep2 from Qwen3-MoE's (each rank its experts) and ep 2 from Qwen2-MoE's (its
+    gated shared expert whole on every rank)."""
     losses = {}
     for name, flags in (("one", ["--nproc", "1"]), ("parallel", layout)):
         run = tmp_path / name
@@ -447,6 +479,8 @@ def test_frozen_tp2_zero3_run_exports_the_folder_bit_for_bit(folders, tmp_path, 
     (dict(experts=4, shared_experts=1), "shared_experts = 1"),
     (dict(experts=4, qkv_bias=True), "qkv_bias = True"),
     (dict(experts=4, moe_every=2), "moe_every = 2"),
+    (dict(experts=4, moe_renorm=False), "moe_renorm = False"),
+    (dict(experts=4, shared_experts=1, shared_gate=True), "shared_experts = 1"),
 ])
 def test_export_refuses_what_no_transformers_class_computes(tmp_path, capsys, changes,
                                                             fragment):

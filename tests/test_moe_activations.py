@@ -41,6 +41,9 @@ VARIANTS = {
     "top1 capacity shared z every2": {"top_k": 1, "capacity_factor": 4.0,
                                       "shared_experts": 2, "z_loss_coef": 1e-3,
                                       "moe_every": 2},
+    # Qwen2-MoE's router (no renormalisation) and gated shared expert
+    "top2 gated shared no renorm": {"shared_experts": 1, "shared_gate": True,
+                                    "moe_renorm": False},
 }
 
 

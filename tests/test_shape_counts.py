@@ -42,6 +42,9 @@ MODELS = {
     "moe tied top1": MOE.replace(top_k=1, tie_embeddings=True, moe_ffn=40),
     # Qwen's attention: q, k, v biases (Qwen2), per-head q, k norms (Qwen3), wide heads
     "qwen": ModelConfig(**BASE, n_kv_heads=2, head_size=16, qkv_bias=True, qk_norm=True),
+    # Qwen2-MoE's router (no renormalisation) and gated shared expert
+    "qwen2 moe": MOE.replace(qkv_bias=True, shared_experts=1, shared_gate=True,
+                             moe_renorm=False),
 }
 
 
@@ -115,6 +118,11 @@ def test_catalogue_models_count_what_the_decoder_holds(name):
     assert shape.flops_per_token() == as_shape(cfg).flops_per_token()
 
 
+def test_a_shared_gate_needs_shared_experts():
+    with pytest.raises(ValueError, match="shared_gate = true needs shared experts"):
+        MOE.replace(shared_gate=True)
+
+
 def test_catalogue_moe_vocabulary_is_the_runtimes():
     mix, ds = load_model("mixtral-8x7b"), load_model("deepseek-v3")
     assert (mix.experts, mix.top_k, mix.expert_ffn, mix.moe_layers) == (8, 2, 14336, 32)
@@ -143,6 +151,7 @@ MOE_FOUR = {
     "tied dp2 tp2 zero1": (MODELS["tied"], ParallelPlan(dp=2, tp=2, zero=1)),
     "moe tied top1 dp4 ep2 zero3": (MODELS["moe tied top1"], ParallelPlan(dp=4, ep=2, zero=3)),
     "qwen dp2 tp2 zero3": (MODELS["qwen"], ParallelPlan(dp=2, tp=2, zero=3)),
+    "qwen2 moe tp2 ep2 zero3": (MODELS["qwen2 moe"], ParallelPlan(dp=2, tp=2, ep=2, zero=3)),
 }
 MOE_EIGHT = {
     "moe shared tp2 pp2 ep2 zero2 m2": (MOE_SHARED, ParallelPlan(dp=2, tp=2, pp=2, ep=2,

@@ -159,18 +159,17 @@ class ModelConfig:
                                          lo=1, hi=MAX_CONTEXT)
     attention: str = setting("sdpa", "sdpa (fused, keeps no scores) or eager (keeps them).",
                              choices=ATTENTION)
-    # Qwen's attention: biased q, k, v projections (Qwen2), RMSNorm over each head's
-    # queries and keys before RoPE (Qwen3); TOML keys, set by --init-from
+    # Qwen's attention (TOML keys that --init-from sets): q, k, v biases; q, k norms
     qkv_bias: bool = setting(False, "Biases on the q, k, v projections (Qwen2).", flag=None)
     qk_norm: bool = setting(False, "RMSNorm on each head's queries and keys (Qwen3).", flag=None)
-    # Mixture of Experts (0 experts = dense). Block i's MLP is MoE when
-    # (i + 1) % moe_every == 0; each MoE MLP has a router (d_model -> experts), `experts`
-    # SwiGLU experts of width moe_ffn (None = d_ff), each token sent to its top_k,
-    # plus `shared_experts` always-on experts (one SwiGLU of width shared_experts*moe_ffn).
+    # Mixture of Experts (0 experts = dense; model.MoE): every moe_every-th block's MLP
     experts: int = setting(0, "Routed experts per MoE MLP (0 = dense).", lo=0, hi=MAX_HEADS)
     top_k: int = setting(2, "Experts each token goes to.")
     moe_ffn: int | None = setting(None, "Expert hidden width (default d_ff).", lo=1, hi=MAX_WIDTH)
+    moe_renorm: bool = setting(True, "Renormalise the top-k weights (Qwen2-MoE: no).", flag=None)
     shared_experts: int = setting(0, "Always-on shared experts.", lo=0, hi=MAX_HEADS)
+    shared_gate: bool = setting(False, "Sigmoid gate on the shared experts (Qwen2-MoE).",
+                                flag=None)
     moe_every: int = setting(1, "Every L-th block's MLP is MoE.")
     aux_loss_coef: float = setting(0.01, "Load-balancing loss weight.", lo=0)
     # ST-MoE uses 1e-3 for the router z-loss
@@ -206,6 +205,8 @@ class ModelConfig:
         _require(isinstance(self.moe_every, int) and 1 <= self.moe_every <= self.n_layers,
                  f"moe_every={self.moe_every!r} must be an integer in [1, n_layers="
                  f"{self.n_layers}]; pass e.g. --moe-every 2")
+        _require(self.shared_experts or not self.shared_gate, "shared_gate = true needs "
+                 "shared experts; pass e.g. --shared-experts 1")
 
     @property
     def kv_heads(self) -> int:

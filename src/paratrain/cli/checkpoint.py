@@ -18,7 +18,7 @@ def register(app: typer.Typer) -> None:
                               ] = None,
         init_from: Annotated[str | None, Opt(
             help="Or a Hugging Face folder (Llama, Mistral, Qwen2/3, Mixtral, "
-                 "Qwen3-MoE), read as train --init-from reads it.")] = None,
+                 "Qwen2/3-MoE), read as train --init-from reads it.")] = None,
         max_new_tokens: Annotated[int, Opt(help="Tokens to add.")] = 200,
         temperature: Annotated[float, Opt(
             help="0 = greedy (argmax); T > 0 samples from softmax(logits / T).")] = 0.0,
@@ -50,7 +50,7 @@ def register(app: typer.Typer) -> None:
                                 )],
     ) -> None:
         """Write a checkpoint as a Hugging Face folder (LlamaForCausalLM; Qwen2, Qwen3,
-        Mixtral or Qwen3-MoE for their attention or experts)."""
+        Mixtral, Qwen2-MoE or Qwen3-MoE for their attention or experts)."""
         from paratrain.files.export import check_out
         from paratrain.files.export import export as write
         from paratrain.files.inference import load

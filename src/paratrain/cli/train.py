@@ -294,7 +294,7 @@ def train(
                                                 "(GB).")] = None,
     init_from: Annotated[str | None, _opt("model", "Start from this Hugging Face "
                                           "folder (Llama, Mistral, Qwen2/3, Mixtral, "
-                                          "Qwen3-MoE): its config.json sets the model "
+                                          "Qwen2/3-MoE): its config.json sets the model "
                                           "(docs/export.md, Import).")] = None,
     flags: dict | None = None,
 ) -> None:

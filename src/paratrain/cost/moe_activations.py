@@ -37,9 +37,9 @@ def moe_mlp_activation_bytes(model: ModelConfig, seq: int, *, element_bytes: flo
     part                    kept for backward                                     bytes
     ======================  ====================================================  =======
     router                  softmax output (s E), top-k indices (s k), the        r (s E
-                            renormalisation's numerator (s k) and sum (s), the    + s k
-                            aux loss's routed fractions f (E per sequence)        + s + E)
-                                                                                  + 8 s k
+                            renormalisation's numerator (s k) and sum (s; not     + s k
+                            under ``moe_renorm`` false), the aux loss's routed    + s + E)
+                            fractions f (E per sequence)                          + 8 s k
     z-loss (coef > 0)       the logits and their log-sum-exp (square's input)     r (s E
                                                                                   + s)
     capacity (C > 0)        the keep mask (bool) that selects the kept weights    s k
@@ -52,6 +52,8 @@ def moe_mlp_activation_bytes(model: ModelConfig, seq: int, *, element_bytes: flo
                             concatenation, or the return all-to-all's buffer),    (1 + 2 h)
                             their weighted product (index_add_'s source)
     shared experts          SwiGLU of width f_s on every token                    4 e s f_s
+    shared gate             under ``shared_gate``: the sigmoid (s) and the        e s
+                            shared output it scales (s h)                         (1 + h)
     ======================  ====================================================  =======
 
     Under ep the rows leave by all-to-all: the dispatched copy (S h) is not kept, the
@@ -67,12 +69,14 @@ def moe_mlp_activation_bytes(model: ModelConfig, seq: int, *, element_bytes: flo
     f, fs = m.expert_ffn, m.shared_experts * m.expert_ffn
     r = max(e, 4.0)
     S = R = moe_rows(m, s)
-    out = r * (s * E + s * k + s + E) + 8 * s * k
+    out = r * (s * E + (s * k + s if m.moe_renorm else 0) + E) + 8 * s * k
     if m.z_loss_coef > 0:
         out += r * (s * E + s)
     if m.capacity_factor > 0:
         out += s * k
     out += 16 * S + e * R * (h + 4 * f) + e * S * (1 + 2 * h) + 4 * e * s * fs
+    if m.shared_gate:
+        out += e * s * (1 + h)
     if ep > 1:
         out += 16 * R
     return out

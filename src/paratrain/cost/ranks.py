@@ -126,7 +126,8 @@ def block_param_sizes(mcfg: ModelConfig, tp: int = 1, i: int | None = None, ep: 
     """Elements of block ``i``'s parameters on one tp rank, in registration order (``i``
     None: a dense block). An MoE MLP (:class:`paratrain.model.MoE`) is not tp-sharded:
     router (E x d), this ep rank's E/ep experts (gate, up, down each, 1/etp of each
-    under expert tensor parallelism), the shared experts' three matrices. ``part``:
+    under expert tensor parallelism), the shared experts' three matrices and their
+    gate (d). ``part``:
     "all", "dense" (all but the routed experts) or "expert" (only those) — the two
     gradient reducers of expert parallelism."""
     d, hd, t = mcfg.d_model, mcfg.head_dim, tp
@@ -140,6 +141,7 @@ def block_param_sizes(mcfg: ModelConfig, tp: int = 1, i: int | None = None, ep: 
     fe = mcfg.expert_ffn * d
     experts = [fe // etp] * (3 * (mcfg.experts // ep))
     shared = [fe * mcfg.shared_experts] * 3 if mcfg.shared_experts else []
+    shared += [d] if mcfg.shared_gate else []  # Qwen2-MoE's gate, after the shared SwiGLU
     if part == "expert":
         return experts
     if part == "dense":

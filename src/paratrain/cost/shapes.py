@@ -149,11 +149,13 @@ class ModelShape(ModelConfig):
 
     def moe_mlp_params(self, active: bool = False) -> int:
         """One MoE MLP: router (d_model -> experts) + the routed experts (all, or the
-        top_k a token uses) + the shared experts (one MLP of shared_experts x moe_ffn)."""
+        top_k a token uses) + the shared experts (one MLP of shared_experts x moe_ffn)
+        and their gate (``shared_gate``)."""
         routed = self.top_k if active else self.experts
         shared = (self._mlp_params(self.shared_experts * self.expert_ffn)
                   if self.shared_experts else 0)
-        return self.d_model * self.experts + routed * self.expert_params() + shared
+        gate = self.d_model if self.shared_gate else 0  # Qwen2-MoE's d -> 1 sigmoid gate
+        return self.d_model * self.experts + routed * self.expert_params() + shared + gate
 
     def layer_params(self, i: int | None = None, active: bool = False) -> int:
         """Parameters of block ``i`` (attention, MLP, norms); ``i`` None: a dense block.

@@ -1,6 +1,6 @@
 """A checkpoint as a Hugging Face folder that ``transformers`` loads with the same logits
 (docs/export.md): ``LlamaForCausalLM``, or the architecture that computes the model
-(Qwen2, Qwen3, Mixtral, Qwen3-MoE; :mod:`paratrain.files.hf_arch` decides, and names
+(Qwen2, Qwen3, Mixtral, Qwen2-MoE, Qwen3-MoE; :mod:`paratrain.files.hf_arch` decides, and names
 every tensor there).
 
 paratrain's dense decoder *is* Llama: pre-norm RMSNorm (same eps, computed in float32),
@@ -45,14 +45,18 @@ def rope_scaling(cfg: ModelConfig) -> dict:
 
 def moe_config(cfg: ModelConfig, kind: str) -> dict:
     """config.json's Mixture-of-Experts keys (Mixtral's experts are ``intermediate_size``
-    wide, Qwen3-MoE's ``moe_intermediate_size``; the router renormalises over the k)."""
+    wide and its router renormalises over the k; Qwen's ``moe_intermediate_size``, with
+    ``norm_topk_prob``, and Qwen2-MoE's gated shared expert
+    ``shared_expert_intermediate_size``)."""
     if kind == "mixtral":
         return {"num_local_experts": cfg.experts, "num_experts_per_tok": cfg.top_k,
                 "intermediate_size": cfg.expert_ffn, "router_jitter_noise": 0.0}
-    if kind == "qwen3_moe":
+    if kind in ("qwen3_moe", "qwen2_moe"):
+        shared = {"shared_expert_intermediate_size": cfg.shared_experts * cfg.expert_ffn,
+                  "qkv_bias": True} if kind == "qwen2_moe" else {}
         return {"num_experts": cfg.experts, "num_experts_per_tok": cfg.top_k,
-                "moe_intermediate_size": cfg.expert_ffn, "norm_topk_prob": True,
-                "decoder_sparse_step": cfg.moe_every, "mlp_only_layers": []}
+                "moe_intermediate_size": cfg.expert_ffn, "norm_topk_prob": cfg.moe_renorm,
+                "decoder_sparse_step": cfg.moe_every, "mlp_only_layers": [], **shared}
     return {}
 
 

@@ -3,9 +3,10 @@ called there: the one table export (:mod:`paratrain.files.export`) writes with a
 import (:mod:`paratrain.files.hf_import`) reads with (docs/export.md).
 
 paratrain's decoder is Llama's; with q, k, v biases (``qkv_bias``) Qwen2's, with per-head
-q, k norms (``qk_norm``) Qwen3's; a dropless Mixture of Experts without shared experts
-(softmax router, top k, weights renormalised over the k) is Mixtral's, or Qwen3-MoE's
-with the q, k norms. Torch-free: the launcher reads it before any worker starts.
+q, k norms (``qk_norm``) Qwen3's; a dropless Mixture of Experts (softmax router, top k)
+is Mixtral's (weights renormalised over the k, no shared experts), Qwen3-MoE's (the q, k
+norms, no shared experts) or Qwen2-MoE's (the q, k, v biases and a sigmoid-gated shared
+expert). Torch-free: the launcher reads it before any worker starts.
 
 The RoPE layout is the one difference that is not a name: paratrain rotates interleaved
 pairs (x[2i], x[2i+1]), transformers rotates halves (x[i], x[i + E/2]).
@@ -37,6 +38,11 @@ MOE_NAMES = {"mixtral": ("block_sparse_moe.gate.weight", "block_sparse_moe.exper
                          ("w1", "w3", "w2")),
              "qwen3_moe": ("mlp.gate.weight", "mlp.experts.{e}.",
                            ("gate_proj", "up_proj", "down_proj"))}
+MOE_NAMES["qwen2_moe"] = MOE_NAMES["qwen3_moe"]
+SHARED_NAMES = {"mlp.shared.w_gate.weight": "mlp.shared_expert.gate_proj.weight",
+                "mlp.shared.w_up.weight": "mlp.shared_expert.up_proj.weight",
+                "mlp.shared.w_down.weight": "mlp.shared_expert.down_proj.weight",
+                "mlp.shared_gate.weight": "mlp.shared_expert_gate.weight"}  # Qwen2-MoE
 # tensors whose rows are permuted between the RoPE layouts
 ROPE_ROWS = ("attn.wq.weight", "attn.wk.weight", "attn.wq.bias", "attn.wk.bias",
              *QK_NORM_NAMES)
@@ -53,20 +59,27 @@ def architecture(cfg: ModelConfig) -> tuple[str, str]:
         if cfg.qk_norm:
             return "qwen3", "Qwen3ForCausalLM"
         return ("qwen2", "Qwen2ForCausalLM") if cfg.qkv_bias else ("llama", "LlamaForCausalLM")
-    odd = {"qkv_bias": cfg.qkv_bias, "shared_experts": cfg.shared_experts,
-           "capacity_factor": cfg.capacity_factor}
+    qwen2 = cfg.qkv_bias and cfg.shared_gate  # Qwen2-MoE: both, or neither
+    odd = {"capacity_factor": cfg.capacity_factor,
+           "shared_experts": cfg.shared_experts and not qwen2,
+           "qkv_bias": cfg.qkv_bias and not qwen2}
     odd = {k: v for k, v in odd.items() if v}
     if odd:
-        said = ", ".join(f"{k} = {v}" for k, v in odd.items())
-        raise ValueError(f"this Mixture-of-Experts model has {said}; transformers' Mixtral "
-                         "and Qwen3-MoE are dropless, without shared experts or q, k, v "
-                         "biases: export a model trained without them")
+        said = ", ".join(f"{k} = {getattr(cfg, k)}" for k in odd)
+        raise ValueError(f"this Mixture-of-Experts model has {said}; transformers' Mixtral, "
+                         "Qwen2-MoE and Qwen3-MoE are dropless, and only Qwen2-MoE has shared "
+                         "experts (gated: shared_gate) and q, k, v biases (both): export a "
+                         "model trained without them, or with both")
+    if qwen2:
+        return "qwen2_moe", "Qwen2MoeForCausalLM"
     if cfg.qk_norm:
         return "qwen3_moe", "Qwen3MoeForCausalLM"
-    if cfg.moe_every != 1:
-        raise ValueError(f"this Mixture-of-Experts model has moe_every = {cfg.moe_every}; "
-                         "Mixtral's every block is MoE (Qwen3-MoE's decoder_sparse_step "
-                         "needs its q, k norms): export a model with moe_every 1")
+    if cfg.moe_every != 1 or not cfg.moe_renorm:
+        raise ValueError(f"this Mixture-of-Experts model has moe_every = {cfg.moe_every}, "
+                         f"moe_renorm = {cfg.moe_renorm}; Mixtral's every block is MoE and "
+                         "renormalises its top k (Qwen3-MoE's decoder_sparse_step and "
+                         "norm_topk_prob need its q, k norms): export a model with "
+                         "moe_every 1 and moe_renorm true")
     return "mixtral", "MixtralForCausalLM"
 
 
@@ -80,6 +93,8 @@ def block_names(cfg: ModelConfig, i: int) -> dict[str, str]:
         del names[k]
     router, prefix, theirs = MOE_NAMES[architecture(cfg)[0]]
     names["mlp.router.weight"] = router
+    if cfg.shared_experts:
+        names.update(SHARED_NAMES)
     for e in range(cfg.experts):
         for ours, name in zip(("w_gate", "w_up", "w_down"), theirs, strict=True):
             names[f"mlp.experts.{e}.{ours}.weight"] = f"{prefix.format(e=e)}{name}.weight"

@@ -103,9 +103,10 @@ def _rope(hf: dict, where: str) -> dict:
 # use_sliding_window); Mixtral's is Mistral's with MoE MLPs (hf_arch)
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                 "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+                 "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+                 "qwen3_moe": "Qwen3MoeForCausalLM"}
 QWEN = {"qwen2": {"qkv_bias": True}, "qwen3": {"qk_norm": True},
-        "qwen3_moe": {"qk_norm": True}}
+        "qwen2_moe": {"qkv_bias": True}, "qwen3_moe": {"qk_norm": True}}
 # ModelConfig field -> config.json key of an MoE folder's (key when absent: None required)
 MOE_FIELDS = {"experts": ("num_local_experts", None), "top_k": ("num_experts_per_tok", None),
               "moe_ffn": ("moe_intermediate_size", None),
@@ -125,15 +126,13 @@ def _windowed(hf: dict) -> bool:
 
 def _moe_fields(hf: dict, where: str) -> dict:
     """An MoE folder's experts as ModelConfig fields (a dense one's: experts 0). paratrain's
-    router is Mixtral's (softmax, top k, renormalised over the k) and Qwen3-MoE's under
-    ``norm_topk_prob``; its MoE blocks are every ``moe_every``-th, as Qwen3-MoE's
-    ``decoder_sparse_step`` (``mlp_only_layers`` would need a list)."""
+    router is Mixtral's (softmax, top k, renormalised over the k) and Qwen's (renormalised
+    under ``norm_topk_prob``: ``moe_renorm``); its MoE blocks are every ``moe_every``-th,
+    as Qwen's ``decoder_sparse_step`` (``mlp_only_layers`` would need a list); Qwen2-MoE's
+    shared expert is ``shared_experts`` routed experts wide, behind its sigmoid gate."""
     kind = hf.get("model_type")
-    if kind not in ("mixtral", "qwen3_moe"):
+    if kind not in ("mixtral", "qwen2_moe", "qwen3_moe"):
         return {"experts": 0}
-    if kind == "qwen3_moe" and not hf.get("norm_topk_prob", False):
-        raise ValueError(f"{where} has norm_topk_prob=false; paratrain's router renormalises "
-                         "the top k weights: pick a model with norm_topk_prob true")
     if hf.get("mlp_only_layers"):
         raise ValueError(f"{where} has mlp_only_layers={hf['mlp_only_layers']}; paratrain's "
                          "MoE blocks are every decoder_sparse_step-th: pick a model without")
@@ -146,7 +145,14 @@ def _moe_fields(hf: dict, where: str) -> dict:
             raise ValueError(f"{where} has no {key}; pass a complete {ARCHITECTURES[kind]} "
                              "config.json")
         out[name] = v
-    return {**out, "shared_experts": 0}
+    out["moe_renorm"] = kind == "mixtral" or bool(hf.get("norm_topk_prob", False))
+    shared = hf.get("shared_expert_intermediate_size", 0) if kind == "qwen2_moe" else 0
+    if shared and shared % out["moe_ffn"]:
+        raise ValueError(f"{where} has shared_expert_intermediate_size={shared}, not a "
+                         f"multiple of moe_intermediate_size={out['moe_ffn']}; paratrain's "
+                         "shared expert is a whole number of experts wide")
+    n = shared // out["moe_ffn"] if shared else 0
+    return {**out, "shared_experts": n, "shared_gate": bool(n)}
 
 
 def context_limits(hf: dict) -> dict[str, int]:
@@ -206,8 +212,9 @@ def hf_model_fields(hf: dict, where: str) -> dict:
 CONFIG_KEYS = {**{name: key for name, (key, _) in FIELDS.items()}, "head_size": "head_dim",
                **{name: f"rope {key}" for name, key in LLAMA3_ROPE.items()},
                **{name: key for name, (key, _) in MOE_FIELDS.items()},
-               "qkv_bias": "model_type", "qk_norm": "model_type",
-               "shared_experts": "model_type"}
+               "qkv_bias": "model_type", "qk_norm": "model_type", "moe_renorm":
+               "norm_topk_prob", "shared_experts": "shared_expert_intermediate_size",
+               "shared_gate": "model_type"}
 
 
 def _said(name: str, v: object) -> str:

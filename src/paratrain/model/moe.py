@@ -63,7 +63,10 @@ class MoE(nn.Module):
     """Mixture-of-Experts MLP: router, top-k SwiGLU experts, optional shared experts.
 
     Router: logits = x W_r (d -> E), probabilities p = softmax (float32 at least), the
-    top_k experts per token (torch.topk), weights renormalised over those k.
+    top_k experts per token (torch.topk), weights renormalised over those k (Mixtral's;
+    ``moe_renorm`` false keeps the probabilities, as Qwen2-MoE does). The shared experts
+    see every token, their output scaled by sigmoid(x w_g) under ``shared_gate``
+    (Qwen2-MoE's gate, w_g d -> 1).
 
     Load-balancing auxiliary loss (Switch Transformer / GShard), computed **per
     sequence** s of T tokens: aux_s = E * sum_e f_se P_se, with f_se the fraction of the
@@ -110,6 +113,8 @@ class MoE(nn.Module):
                                      for _ in range(cfg.experts))
         self.shared = (Expert(cfg.d_model, cfg.shared_experts * cfg.expert_ffn)
                        if cfg.shared_experts else None)
+        self.shared_gate = nn.Linear(cfg.d_model, 1, bias=False) if cfg.shared_gate else None
+        self.renorm = cfg.moe_renorm
         self.exchange = None  # expert parallelism: (moe, x_SD, counts_E) -> y_SD
         self.shards = None  # cp / sp: .factor, .owner, .all_reduce(t) (sums over shards)
         self.loss_scale: float | None = None
@@ -131,7 +136,8 @@ class MoE(nn.Module):
         z = logits.logsumexp(-1).square().sum() if self.z_coef > 0 else None
         probs_NE = logits.softmax(-1)
         w_NK, idx_NK = probs_NE.topk(K, dim=-1)
-        w_NK = w_NK / w_NK.sum(-1, keepdim=True)
+        if self.renorm:
+            w_NK = w_NK / w_NK.sum(-1, keepdim=True)
         B = N // T
         onehot_BAE = F.one_hot(idx_NK.view(B, T * K), E)  # A = T*K assignments, in order
         if self.shards is None:
@@ -207,7 +213,10 @@ class MoE(nn.Module):
             y_SD = self.exchange(self, x_SD, counts_E)
         y_ND = torch.zeros_like(x_ND).index_add_(0, tok_S, y_SD * w_S[:, None])
         if self.shared is not None:
-            y_ND = y_ND + self.shared(x_ND)
+            s_ND = self.shared(x_ND)
+            if self.shared_gate is not None:
+                s_ND = torch.sigmoid(self.shared_gate(x_ND)) * s_ND
+            y_ND = y_ND + s_ND
         if not torch.is_grad_enabled():
             return y_ND.view(B, T, D)  # evaluation: no auxiliary loss, no statistics
         if torch._C._current_graph_task_id() == -1:  # not a recompute inside backward
