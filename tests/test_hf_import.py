@@ -56,7 +56,8 @@ def folders(tmp_path_factory):
     128 over 4096 / 32 shrunk); mixtral: MixtralForCausalLM, 4 experts, top 2; qwen3_moe:
     Qwen3MoeForCausalLM, 4 experts of width 24, top 2, q, k norms; qwen2_moe:
     Qwen2MoeForCausalLM, the same experts, not renormalised, and a gated shared expert of
-    48 (two experts wide), q, k, v biases; llama3: Llama 3.1's
+    48 (two experts wide), q, k, v biases; phi3: Phi3ForCausalLM (q, k, v and gate, up
+    stored fused), GQA, a 48-token window; llama3: Llama 3.1's
     RoPE scaling, shrunk so that at head width 8 one frequency is kept, one interpolated
     and two divided by the factor (wavelengths 6.3, 63, 628, 6283 against 16 / 2 and
     16 / 0.25)."""
@@ -78,6 +79,8 @@ def folders(tmp_path_factory):
     _write_llama(root / "qwen3_moe", 8, False, "Qwen3Moe", vocab_size=256,
                  num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
                  moe_intermediate_size=24, norm_topk_prob=True)
+    _write_llama(root / "phi3", 10, False, "Phi3", vocab_size=256, num_key_value_heads=2,
+                 sliding_window=48, pad_token_id=0, bos_token_id=None, eos_token_id=None)
     _write_llama(root / "qwen2_moe", 9, False, "Qwen2Moe", vocab_size=256,
                  num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
                  moe_intermediate_size=24, shared_expert_intermediate_size=48,
@@ -132,7 +135,7 @@ def test_llama3_rope_frequencies_follow_the_three_bands():
 
 
 ALL = ["gqa", "tied", "llama3", "mistral", "wide", "qwen2", "qwen3", "mixtral", "qwen3_moe",
-       "qwen2_moe"]
+       "qwen2_moe", "phi3"]
 
 
 @pytest.mark.parametrize("name", ALL)
@@ -155,12 +158,13 @@ def test_logits_equal_transformers(folders, name):
 @pytest.mark.parametrize("kind", ["untied", "tied", "qkv_bias", "qk_norm", "moe", "moe every 2",
                                   "moe shared"])
 def test_import_inverts_export_exactly(tmp_path, kind):
-    """export's tensors (hf_state_dict), written as a safetensors file and read back by
-    import's load_into, are the model's bit for bit, for every architecture's names."""
+    """export's tensors and config (hf_state_dict, hf_config), written as a folder and
+    read back by import's load_into, are the model's bit for bit, for every
+    architecture's names."""
     from safetensors.torch import save_file
 
     from paratrain.config import ModelConfig
-    from paratrain.files.export import hf_state_dict
+    from paratrain.files.export import hf_config, hf_state_dict
     from paratrain.files.hf_import import load_into
     from paratrain.model import Decoder
 
@@ -176,6 +180,7 @@ def test_import_inverts_export_exactly(tmp_path, kind):
     torch.manual_seed(0)
     sd = Decoder(cfg).state_dict()
     save_file(hf_state_dict(sd, cfg), str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps(hf_config(cfg)))
     torch.manual_seed(1)
     back = Decoder(cfg)
     load_into(back, tmp_path)
@@ -189,6 +194,8 @@ def test_frozen_run_exports_the_folder_bit_for_bit(folders, tmp_path, text_file,
     the folder's tensors back, bit for bit, and its tokenizer."""
     from safetensors.torch import load_file
 
+    from paratrain.files.hf_arch import BLOCK_NAMES, FUSED
+
     src = folders / name
     assert main(["train", "--init-from", str(src), "--lr", "0", *RUN, "--data", text_file,
                  "--checkpoint-dir", str(tmp_path / "ck"),
@@ -201,6 +208,11 @@ def test_frozen_run_exports_the_folder_bit_for_bit(folders, tmp_path, text_file,
     want = json.loads((src / "config.json").read_text())
     if want["tie_word_embeddings"]:  # a tied head is the embedding; export leaves it out
         theirs.pop("lm_head.weight", None)
+    for name_, parts in FUSED.get(want["model_type"], {}).items():  # Phi-3's: as Llama's
+        for i in range(2):
+            stacked = theirs.pop(f"model.layers.{i}.{name_}")
+            ours_ = [f"model.layers.{i}.{BLOCK_NAMES[p]}" for p in parts]
+            assert torch.equal(torch.cat([ours.pop(k) for k in ours_]), stacked)
     assert ours.keys() == theirs.keys()
     bad = [k for k in ours if not torch.equal(ours[k], theirs[k])]
     assert not bad, bad
@@ -208,11 +220,13 @@ def test_frozen_run_exports_the_folder_bit_for_bit(folders, tmp_path, text_file,
     for k in ("vocab_size", "num_key_value_heads", "rms_norm_eps", "tie_word_embeddings"):
         assert config[k] == want[k], k
     assert config["head_dim"] == (want.get("head_dim") or 32 // 4)  # else hidden / heads
-    # Qwen2 and Qwen3 export as themselves, Mistral (its window past the context) as Llama
-    assert config["model_type"] == {"mistral": "llama"}.get(name, want["model_type"])
+    # the Qwens export as themselves, Mistral and Phi-3 (their windows past the context,
+    # Phi-3's tensors unfused) as Llama
+    assert config["model_type"] == {"mistral": "llama", "phi3": "llama"}.get(
+        name, want["model_type"])
     rope = {k: v for k, v in want["rope_parameters"].items() if k in LLAMA3_ROPE}
     assert {k: config["rope_parameters"][k] for k in rope} == rope
-    if name in ("llama3", "qwen2", "qwen3", "mixtral", "qwen3_moe", "qwen2_moe"):  # as read
+    if name in ("llama3", "qwen2", "qwen3", "mixtral", "qwen3_moe", "qwen2_moe", "phi3"):
         from transformers import AutoModelForCausalLM
 
         x = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(1))
@@ -247,7 +261,7 @@ def _variant(folders, tmp_path, base: str = "gqa", **changes):
     ({"attention_bias": True}, [], "attention_bias=true"),
     ({"mlp_bias": True}, [], "mlp_bias=true"),
     ({"hidden_act": "gelu"}, [], "hidden_act='gelu'"),
-    ({"head_dim": 16}, [], "wq.weight has shape (32, 32) but its config.json implies (64, 32)"),
+    ({"head_dim": 16}, [], "q_proj.weight has shape (32, 32) but its config.json implies (64, 32)"),
     ({"model_type": "gemma", "architectures": ["GemmaForCausalLM"]}, [], "'gemma'"),
     ({"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"]}, [],
      "the safetensors have no model.layers.0.self_attn.q_proj.bias"),
@@ -259,6 +273,10 @@ def _variant(folders, tmp_path, base: str = "gqa", **changes):
     ({"model_type": "mistral", "architectures": ["MistralForCausalLM"], "sliding_window": 8},
      [], "--context 16 exceeds sliding_window=8"),
     ({"attention_dropout": 0.1}, [], "attention_dropout=0.1"),
+    ({"model_type": "phi3", "architectures": ["Phi3ForCausalLM"], "resid_pdrop": 0.1}, [],
+     "resid_pdrop=0.1"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4,
+                          "partial_rotary_factor": 0.75}}, [], "partial_rotary_factor=0.75"),
     ({"intermediate_size": None}, [], "has no intermediate_size"),
     ({"intermediate_size": 48}, [], "has shape (64, 32) but its config.json implies (48, 32)"),
     ({}, ["--layers", "3"], "--layers 3 contradicts num_hidden_layers=2"),
@@ -338,7 +356,7 @@ def test_vocabulary_mismatch_and_bad_folders_are_one_line(folders, tmp_path, cap
 
 
 @pytest.mark.parametrize("name", ["tied", "llama3", "mistral", "qwen2", "qwen3", "mixtral",
-                                  "qwen3_moe", "qwen2_moe"])
+                                  "qwen3_moe", "qwen2_moe", "phi3"])
 def test_generate_from_the_folder_is_transformers_greedy(folders, capsys, name):
     """`generate --init-from HF_DIR` samples from the folder itself: greedy, the same new
     tokens as transformers' own greedy generate (its context, prompt plus new tokens,
@@ -425,7 +443,8 @@ def test_lr_zero_is_accepted_and_negative_refused():
                                             ("mixtral", ["--nproc", "2", "--ep", "2"]),
                                             ("qwen3_moe", ["--nproc", "4", "--tp", "2",
                                                            "--ep", "2"]),
-                                            ("qwen2_moe", ["--nproc", "2", "--ep", "2"])])
+                                            ("qwen2_moe", ["--nproc", "2", "--ep", "2"]),
+                                            ("phi3", ["--nproc", "2", "--tp", "2"])])
 def test_tp2_dp2_from_the_folder_matches_one_process(folders, tmp_path, text_file, folder,
                                                      layout):
     """Every rank takes its shard of the imported model: tp2 x dp2 (4 processes) follows
@@ -434,8 +453,9 @@ def test_tp2_dp2_from_the_folder_matches_one_process(folders, tmp_path, text_fil
     tp 2 and cp 2 from the one whose heads are wider than width / heads, tp2 x dp2 under
     ZeRO-3 from Qwen2's (biases split with their rows), tp 2 from Qwen3's (each rank's
     q, k norm gradients, a sum over its own heads, summed over tp), ep 2 from Mixtral's
-    tp2 x ep2 from Qwen3-MoE's (each rank its experts) and ep 2 from Qwen2-MoE's (its
-    gated shared expert whole on every rank)."""
+    tp2 x ep2 from Qwen3-MoE's (each rank its experts), ep 2 from Qwen2-MoE's (its
+    gated shared expert whole on every rank) and tp 2 from Phi-3's (each rank's heads
+    cut from the fused tensors)."""
     losses = {}
     for name, flags in (("one", ["--nproc", "1"]), ("parallel", layout)):
         run = tmp_path / name

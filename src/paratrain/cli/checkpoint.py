@@ -18,7 +18,7 @@ def register(app: typer.Typer) -> None:
                               ] = None,
         init_from: Annotated[str | None, Opt(
             help="Or a Hugging Face folder (Llama, Mistral, Qwen2/3, Mixtral, "
-                 "Qwen2/3-MoE), read as train --init-from reads it.")] = None,
+                 "Qwen2/3-MoE, Phi-3/4), read as train --init-from reads it.")] = None,
         max_new_tokens: Annotated[int, Opt(help="Tokens to add.")] = 200,
         temperature: Annotated[float, Opt(
             help="0 = greedy (argmax); T > 0 samples from softmax(logits / T).")] = 0.0,

@@ -294,8 +294,8 @@ def train(
                                                 "(GB).")] = None,
     init_from: Annotated[str | None, _opt("model", "Start from this Hugging Face "
                                           "folder (Llama, Mistral, Qwen2/3, Mixtral, "
-                                          "Qwen2/3-MoE): its config.json sets the model "
-                                          "(docs/export.md, Import).")] = None,
+                                          "Qwen2/3-MoE, Phi-3/4): its config.json sets "
+                                          "the model (docs/export.md, Import).")] = None,
     flags: dict | None = None,
 ) -> None:
     """Train the decoder LM (default: 2 workers, data parallel, stdlib corpus)."""

@@ -2,6 +2,9 @@
 called there: the one table export (:mod:`paratrain.files.export`) writes with and
 import (:mod:`paratrain.files.hf_import`) reads with (docs/export.md).
 
+A Phi-3 folder (Phi-3, Phi-4) is Llama's decoder with the q, k, v projections and the
+MLP's gate and up stored fused (:data:`FUSED`): read, not written.
+
 paratrain's decoder is Llama's; with q, k, v biases (``qkv_bias``) Qwen2's, with per-head
 q, k norms (``qk_norm``) Qwen3's; a dropless Mixture of Experts (softmax router, top k)
 is Mixtral's (weights renormalised over the k, no shared experts), Qwen3-MoE's (the q, k
@@ -43,6 +46,11 @@ SHARED_NAMES = {"mlp.shared.w_gate.weight": "mlp.shared_expert.gate_proj.weight"
                 "mlp.shared.w_up.weight": "mlp.shared_expert.up_proj.weight",
                 "mlp.shared.w_down.weight": "mlp.shared_expert.down_proj.weight",
                 "mlp.shared_gate.weight": "mlp.shared_expert_gate.weight"}  # Qwen2-MoE
+# fused tensors a folder may hold (import only: export writes the unfused architecture
+# that computes the same): per block, theirs -> the paratrain tensors it stacks by rows
+FUSED = {"phi3": {"self_attn.qkv_proj.weight": ("attn.wq.weight", "attn.wk.weight",
+                                                "attn.wv.weight"),
+                  "mlp.gate_up_proj.weight": ("mlp.w_gate.weight", "mlp.w_up.weight")}}
 # tensors whose rows are permuted between the RoPE layouts
 ROPE_ROWS = ("attn.wq.weight", "attn.wk.weight", "attn.wq.bias", "attn.wk.bias",
              *QK_NORM_NAMES)
@@ -110,6 +118,19 @@ def tensor_names(cfg: ModelConfig) -> dict[str, str]:
     for i in range(cfg.n_layers):
         for ours, theirs in block_names(cfg, i).items():
             out[f"blocks.{i}.{ours}"] = f"model.layers.{i}.{theirs}"
+    return out
+
+
+def folder_names(cfg: ModelConfig, kind: str) -> dict[str, tuple[str, ...]]:
+    """transformers name -> the paratrain tensors it holds (one, or several stacked by
+    rows in a ``kind`` folder's fused tensors, :data:`FUSED`)."""
+    names = tensor_names(cfg)
+    out = {theirs: (ours,) for ours, theirs in names.items()}
+    for i in range(cfg.n_layers):
+        for theirs, parts in FUSED.get(kind, {}).items():
+            for ours in parts:
+                del out[names[f"blocks.{i}.{ours}"]]
+            out[f"model.layers.{i}.{theirs}"] = tuple(f"blocks.{i}.{p}" for p in parts)
     return out
 
 

@@ -4,7 +4,8 @@
 ``HF_DIR`` holds a ``LlamaForCausalLM`` (or a ``MistralForCausalLM``: the same decoder
 and tensor names, its sliding window no narrower than the run's context; or a
 ``Qwen2ForCausalLM``, Llama with biased q, k, v projections, or a ``Qwen3ForCausalLM``,
-Llama with an RMSNorm over each head's queries and keys): ``config.json``,
+Llama with an RMSNorm over each head's queries and keys; or Mixtral, Qwen2-MoE, Qwen3-MoE;
+or a ``Phi3ForCausalLM``, Llama with fused tensors): ``config.json``,
 ``model.safetensors`` (or the shards a ``model.safetensors.index.json`` lists) and
 optionally ``tokenizer.json``.
 
@@ -79,6 +80,10 @@ def _rope(hf: dict, where: str) -> dict:
         raise ValueError(f"{where} has rope_scaling={scaling!r}; pass a config.json whose "
                          "rope_scaling is an object with a rope_type")
     kind = scaling.get("rope_type", scaling.get("type", "default"))
+    partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        raise ValueError(f"{where} has partial_rotary_factor={partial}; paratrain rotates "
+                         "every pair of a head: pick a model with partial_rotary_factor 1")
     unscaled = ModelConfig()
     out = {"rope_theta": float(params.get("rope_theta", hf.get("rope_theta", 10000.0))),
            **{name: getattr(unscaled, name) for name in LLAMA3_ROPE}}  # factor 1: none
@@ -102,6 +107,7 @@ def _rope(hf: dict, where: str) -> dict:
 # are Llama's with the ModelConfig fields of QWEN (and a window of their own, off unless
 # use_sliding_window); Mixtral's is Mistral's with MoE MLPs (hf_arch)
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                 "phi3": "Phi3ForCausalLM",
                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                  "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
                  "qwen3_moe": "Qwen3MoeForCausalLM"}
@@ -118,10 +124,11 @@ SAME_AS = {"n_kv_heads": "n_heads", "moe_ffn": "d_ff"}  # None: the other field'
 
 
 def _windowed(hf: dict) -> bool:
-    """Whether the model attends within ``sliding_window`` (Mistral's and Mixtral's
-    always, Qwen's layers only under ``use_sliding_window``)."""
+    """Whether the model attends within ``sliding_window`` (Mistral's, Mixtral's and
+    Phi-3's always, Qwen's layers only under ``use_sliding_window``)."""
     kind = hf.get("model_type")
-    return kind in ("mistral", "mixtral") or (kind in QWEN and bool(hf.get("use_sliding_window")))
+    return kind in ("mistral", "mixtral", "phi3") or (kind in QWEN and
+                                                     bool(hf.get("use_sliding_window")))
 
 
 def _moe_fields(hf: dict, where: str) -> dict:
@@ -180,9 +187,10 @@ def _refuse_unsupported(hf: dict, where: str) -> None:
         if hf.get(key):
             raise ValueError(f"{where} has {key}=true; paratrain's output and MLP "
                              "projections have no bias: pick a model without those biases")
-    if hf.get("attention_dropout", 0.0):
-        raise ValueError(f"{where} has attention_dropout={hf['attention_dropout']}; "
-                         "paratrain trains without dropout: set it to 0.0 in config.json")
+    for key in ("attention_dropout", "resid_pdrop", "embd_pdrop"):  # Phi-3's, the last two
+        if hf.get(key, 0.0):
+            raise ValueError(f"{where} has {key}={hf[key]}; paratrain trains without "
+                             "dropout: set it to 0.0 in config.json")
 
 
 def hf_model_fields(hf: dict, where: str) -> dict:
@@ -319,28 +327,33 @@ def _files_of(hf_dir: Path) -> dict[str, Path]:
 def load_into(model, hf_dir: str | Path) -> None:
     """Copy the folder's weights into the plain Decoder ``model`` (its config is the
     folder's, :func:`settle`) one tensor at a time, file by file, so that the peak is the
-    model and one tensor (float32, whatever the file's dtype); a missing tensor, or one of
-    another shape, is named, not a traceback."""
+    model and one tensor (float32, whatever the file's dtype); a fused tensor (Phi-3's
+    qkv_proj, gate_up_proj: ``hf_arch.FUSED``) is cut into its parts by rows. A missing
+    tensor, or one of another shape, is named, not a traceback."""
     from safetensors import safe_open
 
-    from paratrain.files.hf_arch import halves_to_interleaved, rope_rows, tensor_names
+    from paratrain.files.hf_arch import folder_names, halves_to_interleaved, rope_rows
 
     cfg, hf_dir = model.cfg, Path(hf_dir)
     files = _files_of(hf_dir)
-    names = tensor_names(cfg)
-    missing = [theirs for theirs in names.values() if theirs not in files]
+    names = folder_names(cfg, read_config(hf_dir).get("model_type"))
+    missing = [theirs for theirs in names if theirs not in files]
     if missing:
         raise ValueError(f"the safetensors have no {missing[0]}; the folder does not hold "
                          "the model its config.json describes")
     params = model.state_dict()  # views of the parameters themselves
     for f in sorted(set(files.values())):
         with safe_open(str(f), "pt") as h:
-            for ours, theirs in names.items():
+            for theirs, parts in names.items():
                 if files[theirs] != f:
                     continue
-                w, p = h.get_tensor(theirs).float(), params[ours]
-                if w.shape != p.shape:
-                    raise ValueError(f"--init-from {str(hf_dir)!r}: {ours} has shape "
-                                     f"{tuple(w.shape)} but its config.json implies "
-                                     f"{tuple(p.shape)}; the weights do not match the config")
-                p.copy_(halves_to_interleaved(w, cfg.head_dim) if rope_rows(ours) else w)
+                w = h.get_tensor(theirs).float()
+                want = (sum(params[p].shape[0] for p in parts), *params[parts[0]].shape[1:])
+                if tuple(w.shape) != want:
+                    raise ValueError(f"--init-from {str(hf_dir)!r}: {theirs} has shape "
+                                     f"{tuple(w.shape)} but its config.json implies {want}; "
+                                     "the weights do not match the config")
+                for ours, piece in zip(parts, w.split([params[p].shape[0] for p in parts]),
+                                       strict=True):
+                    params[ours].copy_(halves_to_interleaved(piece, cfg.head_dim)
+                                       if rope_rows(ours) else piece)
