@@ -2,14 +2,13 @@
 called there: the one table export (:mod:`paratrain.files.export`) writes with and
 import (:mod:`paratrain.files.hf_import`) reads with (docs/export.md).
 
-A Phi-3 folder (Phi-3, Phi-4) is Llama's decoder with the q, k, v projections and the
-MLP's gate and up stored fused (:data:`FUSED`): read, not written.
-
 paratrain's decoder is Llama's; with q, k, v biases (``qkv_bias``) Qwen2's, with per-head
 q, k norms (``qk_norm``) Qwen3's; a dropless Mixture of Experts (softmax router, top k)
 is Mixtral's (weights renormalised over the k, no shared experts), Qwen3-MoE's (the q, k
 norms, no shared experts) or Qwen2-MoE's (the q, k, v biases and a sigmoid-gated shared
-expert). Torch-free: the launcher reads it before any worker starts.
+expert). A Phi-3 folder (Phi-3, Phi-4) is Llama's decoder with the q, k, v projections
+and the MLP's gate and up stored fused (:data:`FUSED`): read, not written. Torch-free:
+the launcher reads it before any worker starts.
 
 The RoPE layout is the one difference that is not a name: paratrain rotates interleaved
 pairs (x[2i], x[2i+1]), transformers rotates halves (x[i], x[i + E/2]).
