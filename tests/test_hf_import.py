@@ -379,9 +379,10 @@ def test_generate_from_the_folder_is_transformers_greedy(folders, capsys, name):
     assert capsys.readouterr().out.rstrip("\n") == run.tokenizer.decode(ids + new)
 
 
-def test_generate_stops_at_the_folders_end_of_sequence(folders, tmp_path, capsys):
+def test_generate_stops_at_the_folders_end_of_sequence(folders, tmp_path, text_file, capsys):
     """With eos_token_id in generation_config.json (an id or a list), generation stops
-    after the first one drawn, as transformers' greedy generate does."""
+    after the first one drawn, as transformers' greedy generate does; a run started from
+    the folder keeps those ids beside its checkpoints, for generate and export."""
     from transformers import AutoModelForCausalLM
 
     from paratrain.files.inference import eos_ids, load_hf
@@ -403,7 +404,26 @@ def test_generate_stops_at_the_folders_end_of_sequence(folders, tmp_path, capsys
     assert new == out[0, len(ids):].tolist()
     assert main(["generate", "--init-from", str(d), "--prompt", prompt,
                  "--max-new-tokens", str(n)]) == 0
-    assert capsys.readouterr().out.rstrip("\n") == run.tokenizer.decode(ids + new)
+    text = capsys.readouterr().out.rstrip("\n")
+    assert text == run.tokenizer.decode(ids + new)
+    # a run from the folder keeps its end of sequence: generate from the checkpoint stops
+    # there too, and the export says it (config.json, generation_config.json)
+    ck, out = tmp_path / "ck", tmp_path / "out"
+    assert main(["train", "--init-from", str(d), "--lr", "0", *RUN, "--context", "48",
+                 "--data", text_file, "--checkpoint-dir", str(ck),
+                 "--run-dir", str(tmp_path / "run")]) == 0  # the context holds the text
+    assert eos_ids(ck) == {999, stop}
+    capsys.readouterr()
+    assert main(["generate", "--checkpoint", str(ck), "--prompt", prompt,
+                 "--max-new-tokens", str(n)]) == 0
+    assert capsys.readouterr().out.rstrip("\n") == text
+    assert main(["export", "--checkpoint", str(ck), "--out", str(out)]) == 0
+    assert json.loads((out / "config.json").read_text())["eos_token_id"] == sorted({999, stop})
+    assert eos_ids(out) == {999, stop}
+    out_ids = AutoModelForCausalLM.from_pretrained(out).eval().generate(
+        torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+        max_new_tokens=n, do_sample=False, pad_token_id=0)
+    assert out_ids[0, len(ids):].tolist() == new
 
 
 def test_generate_takes_one_source_and_a_tokenizer_that_fits(folders, tmp_path, capsys):

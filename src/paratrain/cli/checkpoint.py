@@ -39,7 +39,7 @@ def register(app: typer.Typer) -> None:
             raise ValueError("pass --checkpoint DIR (a training run's) or --init-from HF_DIR "
                              "(a Hugging Face folder): one of the two")
         run = load(checkpoint) if checkpoint else load_hf(init_from, prompt, max_new_tokens)
-        eos = eos_ids(init_from) if init_from else frozenset()  # a folder's: stop there
+        eos = eos_ids(init_from or checkpoint)  # a folder's (kept by a run from one)
         ids, new = sample(run, prompt, max_new_tokens, temperature, top_k, seed, top_p, eos)
         print(run.tokenizer.decode(ids + new), flush=True)
 
@@ -53,10 +53,10 @@ def register(app: typer.Typer) -> None:
         Mixtral, Qwen2-MoE or Qwen3-MoE for their attention or experts)."""
         from paratrain.files.export import check_out
         from paratrain.files.export import export as write
-        from paratrain.files.inference import load
+        from paratrain.files.inference import eos_ids, load
 
         check_out(out)  # before anything is read
         run = load(checkpoint)
-        files = write(run, out)
+        files = write(run, out, eos_ids(checkpoint))  # a folder's, kept by a run from one
         print(f"wrote step {run.meta['step']} of {checkpoint}: "
               + ", ".join(str(f) for f in files), flush=True)

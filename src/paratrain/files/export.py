@@ -112,19 +112,20 @@ def check_out(out_dir: str | Path) -> Path:
     return out
 
 
-def export(run: Loaded, out_dir: str | Path) -> list[Path]:
-    """Write the Hugging Face folder; returns the files written."""
+def export(run: Loaded, out_dir: str | Path, eos: frozenset[int] = frozenset()) -> list[Path]:
+    """Write the Hugging Face folder (``eos``: its end-of-sequence ids, in config.json and
+    a generation_config.json); returns the files written."""
     cfg = run.model.cfg
     architecture(cfg)
     out = check_out(out_dir)
     try:
-        return _write(run, cfg, out)
+        return _write(run, cfg, out, eos)
     except OSError as e:
         raise ValueError(f"--out {str(out_dir)!r}: writing {e.filename or out} failed "
                          f"({e.strerror}); pass a folder you can write") from None
 
 
-def _write(run: Loaded, cfg: ModelConfig, out: Path) -> list[Path]:
+def _write(run: Loaded, cfg: ModelConfig, out: Path, eos: frozenset[int]) -> list[Path]:
     from safetensors.torch import save_file
 
     from paratrain.files.atomic import default_mode
@@ -132,7 +133,12 @@ def _write(run: Loaded, cfg: ModelConfig, out: Path) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     files = [out / n for n in ("config.json", "model.safetensors", "tokenizer.json",
                                "tokenizer_config.json")]
-    files[0].write_text(json.dumps(hf_config(cfg), indent=1) + "\n")
+    config = hf_config(cfg)
+    if eos:  # the end of sequence of the folder the run started from
+        config["eos_token_id"] = sorted(eos)
+        files.append(out / "generation_config.json")
+        files[-1].write_text(json.dumps({"eos_token_id": sorted(eos)}) + "\n")
+    files[0].write_text(json.dumps(config, indent=1) + "\n")
     save_file(hf_state_dict(run.model.state_dict(), cfg), str(files[1]),
               metadata={"format": "pt"})
     os.chmod(files[1], default_mode())  # safetensors writes 0600; the rest follow the umask

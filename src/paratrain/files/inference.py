@@ -63,21 +63,32 @@ def load(root: str | Path) -> Loaded:
     return Loaded(model.float().eval(), load_tokenizer(root, meta), meta)
 
 
-def eos_ids(hf_dir: str | Path) -> frozenset[int]:
+def eos_ids(folder: str | Path) -> frozenset[int]:
     """The end-of-sequence ids a Hugging Face folder names (``eos_token_id``, an id or a
-    list, in generation_config.json, else config.json; none: empty)."""
-    from paratrain.files import hf_import
-
-    d = Path(hf_dir)
-    gen = d / "generation_config.json"
-    try:
-        said = json.loads(gen.read_text()).get("eos_token_id") if gen.is_file() else None
-    except (OSError, ValueError, AttributeError):
-        said = None
-    if said is None:
-        said = hf_import.read_config(d).get("eos_token_id")
+    list, in generation_config.json, else config.json), or a checkpoint directory of a
+    run started from one (its generation_config.json, :func:`keep_eos`); none: empty."""
+    said = None
+    for name in ("generation_config.json", "config.json"):
+        try:
+            said = json.loads((Path(folder) / name).read_text()).get("eos_token_id")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if said is not None:
+            break
     ids = said if isinstance(said, list) else [said]
     return frozenset(i for i in ids if isinstance(i, int) and not isinstance(i, bool))
+
+
+def keep_eos(hf_dir: str | Path, checkpoint_dir: str | Path) -> None:
+    """Write the folder's end-of-sequence ids beside a run's checkpoints (as its
+    tokenizer.json is), so that generate and export from them stop and say where the
+    folder does; nothing when it names none."""
+    from paratrain.files.atomic import write_atomic
+
+    ids = eos_ids(hf_dir)
+    if ids:
+        text = json.dumps({"eos_token_id": sorted(ids)}) + "\n"
+        write_atomic(Path(checkpoint_dir) / "generation_config.json", text.encode())
 
 
 def load_hf(hf_dir: str | Path, prompt: str, max_new_tokens: int) -> Loaded:

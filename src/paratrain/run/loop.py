@@ -209,6 +209,10 @@ def _resume(engine, corpus: Corpus, mcfg: ModelConfig, tcfg: TrainConfig,
     if opts.checkpoint_dir and _rank_world()[0] == 0:  # what generate and export decode with
         write_atomic(Path(opts.checkpoint_dir) / "tokenizer.json",
                                        corpus.tokenizer.json.encode())  # umask, not 0600
+        if opts.init_from:  # and where they end a text: the folder's end of sequence
+            from paratrain.files.inference import keep_eos
+
+            keep_eos(opts.init_from, opts.checkpoint_dir)
     shutdown.beat(start)  # set up (and resumed): the launcher's progress deadline runs
     return start, meta
 
