@@ -163,9 +163,8 @@ def plan(
         if emit_config:
             from paratrain.cli.plan_machine import emit_cluster_winner
 
-            folder = model if model and Path(model).is_dir() else None  # an HF folder
             emit_cluster_winner(emit_config, m, out.data.top[0].plan, tokens, seq, gpus,
-                                hw.name, folder)
+                                hw.name, plan_model.hf_folder(model))
         return out
     rep = _report(m, hw, p, gpus, tokens, seq, eta, precision, attention, step_params, eng,
                   explain, fp8)

@@ -11,11 +11,16 @@ from paratrain.cost.shapes import ModelShape, load_model
 from paratrain.files.hf_import import hf_model_fields, read_config
 
 
+def hf_folder(name: str | None) -> str | None:
+    """``name`` when ``--model`` names a Hugging Face folder (a directory), else None."""
+    return name if name is not None and Path(name).is_dir() else None
+
+
 def _named(name: str | None):
     """The model ``--model`` names: a catalogue entry or file (default llama2-7b), or a
     Hugging Face folder read as `train --init-from` reads its config.json (no weights
     needed; what paratrain's model cannot compute is refused the same way)."""
-    if name is None or not Path(name).is_dir():
+    if hf_folder(name) is None:
         return load_model(name or "llama2-7b")
     fields = hf_model_fields(read_config(name), str(Path(name) / "config.json"))
     return ModelShape(name=Path(name).resolve().name, **fields)

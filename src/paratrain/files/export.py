@@ -25,6 +25,7 @@ import torch
 
 from paratrain.config import ModelConfig
 from paratrain.files.hf_arch import (
+    ARCHITECTURES,
     architecture,
     interleaved_to_halves,
     rope_rows,
@@ -64,9 +65,9 @@ def hf_config(cfg: ModelConfig) -> dict:
     """config.json of the LlamaForCausalLM (or what :func:`hf_arch.architecture` names)
     that computes what ``cfg`` computes."""
     rope = rope_scaling(cfg)
-    kind, arch = architecture(cfg)
+    kind = architecture(cfg)
     return {
-        "architectures": [arch], "model_type": kind,
+        "architectures": [ARCHITECTURES[kind]], "model_type": kind,
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,
         "intermediate_size": cfg.d_ff, "num_hidden_layers": cfg.n_layers,
         "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.kv_heads,

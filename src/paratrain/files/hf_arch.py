@@ -22,6 +22,13 @@ from __future__ import annotations
 
 from paratrain.config import ModelConfig
 
+# model_type -> the transformers class of a folder (import reads them all; export writes
+# all but Mistral's and Phi-3's, as the Llama folder that computes the same)
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                 "phi3": "Phi3ForCausalLM",
+                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+                 "qwen3_moe": "Qwen3MoeForCausalLM"}
 # paratrain name -> transformers name, per block ({i} = block index)
 BLOCK_NAMES = {"attn_norm.weight": "input_layernorm.weight",
                "attn.wq.weight": "self_attn.q_proj.weight",
@@ -55,17 +62,17 @@ ROPE_ROWS = ("attn.wq.weight", "attn.wk.weight", "attn.wq.bias", "attn.wk.bias",
              *QK_NORM_NAMES)
 
 
-def architecture(cfg: ModelConfig) -> tuple[str, str]:
-    """(model_type, architecture) of the transformers class that computes ``cfg``; one
-    ValueError naming what none computes."""
+def architecture(cfg: ModelConfig) -> str:
+    """The model_type of the transformers class that computes ``cfg``
+    (:data:`ARCHITECTURES` names the class); one ValueError naming what none computes."""
     if cfg.qkv_bias and cfg.qk_norm:
         raise ValueError("this model has both q, k, v biases and q, k norms; no transformers "
                          "architecture computes that (Qwen2 has the first, Qwen3 the "
                          "second): train with one of them")
     if not cfg.experts:
         if cfg.qk_norm:
-            return "qwen3", "Qwen3ForCausalLM"
-        return ("qwen2", "Qwen2ForCausalLM") if cfg.qkv_bias else ("llama", "LlamaForCausalLM")
+            return "qwen3"
+        return "qwen2" if cfg.qkv_bias else "llama"
     qwen2 = cfg.qkv_bias and cfg.shared_gate  # Qwen2-MoE: both, or neither
     odd = {"capacity_factor": cfg.capacity_factor,
            "shared_experts": cfg.shared_experts and not qwen2,
@@ -78,16 +85,16 @@ def architecture(cfg: ModelConfig) -> tuple[str, str]:
                          "experts (gated: shared_gate) and q, k, v biases (both): export a "
                          "model trained without them, or with both")
     if qwen2:
-        return "qwen2_moe", "Qwen2MoeForCausalLM"
+        return "qwen2_moe"
     if cfg.qk_norm:
-        return "qwen3_moe", "Qwen3MoeForCausalLM"
+        return "qwen3_moe"
     if cfg.moe_every != 1 or not cfg.moe_renorm:
         raise ValueError(f"this Mixture-of-Experts model has moe_every = {cfg.moe_every}, "
                          f"moe_renorm = {cfg.moe_renorm}; Mixtral's every block is MoE and "
                          "renormalises its top k (Qwen3-MoE's decoder_sparse_step and "
                          "norm_topk_prob need its q, k norms): export a model with "
                          "moe_every 1 and moe_renorm true")
-    return "mixtral", "MixtralForCausalLM"
+    return "mixtral"
 
 
 def block_names(cfg: ModelConfig, i: int) -> dict[str, str]:
@@ -98,7 +105,7 @@ def block_names(cfg: ModelConfig, i: int) -> dict[str, str]:
         return names
     for k in DENSE_MLP:
         del names[k]
-    router, prefix, theirs = MOE_NAMES[architecture(cfg)[0]]
+    router, prefix, theirs = MOE_NAMES[architecture(cfg)]
     names["mlp.router.weight"] = router
     if cfg.shared_experts:
         names.update(SHARED_NAMES)

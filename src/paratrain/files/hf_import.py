@@ -31,6 +31,7 @@ import json
 from pathlib import Path
 
 from paratrain.config import ModelConfig, TrainConfig, flag_for, load_toml
+from paratrain.files.hf_arch import ARCHITECTURES, MOE_NAMES
 
 # ModelConfig field -> config.json key (and its transformers default when absent; None:
 # required), the settings --init-from decides
@@ -102,15 +103,10 @@ def _rope(hf: dict, where: str) -> dict:
     return out
 
 
-# model_type -> architecture: Mistral's decoder is Llama's, tensor names included, plus a
-# sliding window that changes nothing while the run's context fits in it (settle); Qwen's
-# are Llama's with the ModelConfig fields of QWEN (and a window of their own, off unless
-# use_sliding_window); Mixtral's is Mistral's with MoE MLPs (hf_arch)
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                 "phi3": "Phi3ForCausalLM",
-                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                 "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-                 "qwen3_moe": "Qwen3MoeForCausalLM"}
+# what a folder's model_type adds to Llama's decoder (hf_arch.ARCHITECTURES has them all):
+# Mistral's, Mixtral's and Phi-3's sliding window changes nothing while the run's context
+# fits in it (settle); Qwen's are the ModelConfig fields of QWEN (and a window of their
+# own, off unless use_sliding_window); the MoE ones' experts are _moe_fields'
 QWEN = {"qwen2": {"qkv_bias": True}, "qwen3": {"qk_norm": True},
         "qwen2_moe": {"qkv_bias": True}, "qwen3_moe": {"qk_norm": True}}
 # ModelConfig field -> config.json key of an MoE folder's (key when absent: None required)
@@ -138,7 +134,7 @@ def _moe_fields(hf: dict, where: str) -> dict:
     as Qwen's ``decoder_sparse_step`` (``mlp_only_layers`` would need a list); Qwen2-MoE's
     shared expert is ``shared_experts`` routed experts wide, behind its sigmoid gate."""
     kind = hf.get("model_type")
-    if kind not in ("mixtral", "qwen2_moe", "qwen3_moe"):
+    if kind not in MOE_NAMES:
         return {"experts": 0}
     if hf.get("mlp_only_layers"):
         raise ValueError(f"{where} has mlp_only_layers={hf['mlp_only_layers']}; paratrain's "
