@@ -149,7 +149,8 @@ def test_plan_search_verify_runs_the_layouts_and_reports_tau(tmp_path):
                         "--config", str(cfg), "--nproc", "2", "--verify", "2",
                         "--verify-steps", "3", "--json"],
                        capture_output=True, text=True, timeout=900,
-                       env={**os.environ, "PARATRAIN_STABLE_CV": "inf"})
+                       env={**os.environ, "PARATRAIN_STABLE_CV": "inf",
+                            "PARATRAIN_STABLE_ROUNDS": "1"})
     assert r.returncode == 0, r.stderr
     rec = json.loads(r.stdout)
     v = rec["verify"]
@@ -161,7 +162,7 @@ def test_plan_search_verify_runs_the_layouts_and_reports_tau(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)  # calibration and the CPU fit: about 4 minutes on 2 quiet cores
+@pytest.mark.timeout(900)  # calibration and the CPU fit, one round each
 def test_train_plan_auto_calibrates_a_fresh_machine_then_trains_the_winner(tmp_path,
                                                                            text_file):
     """`paratrain train --plan auto` from a fresh profile (HOME is empty): it says it
@@ -172,8 +173,9 @@ def test_train_plan_auto_calibrates_a_fresh_machine_then_trains_the_winner(tmp_p
     from conftest import tiny_flags
 
     # the flow, not the machine's steadiness (tests/test_calibrate_stability.py checks
-    # that on injected timings): any calibration round counts
-    env = {**os.environ, "HOME": str(tmp_path / "home"), "PARATRAIN_STABLE_CV": "inf"}
+    # that on injected timings): the first calibration round counts
+    env = {**os.environ, "HOME": str(tmp_path / "home"), "PARATRAIN_STABLE_CV": "inf",
+           "PARATRAIN_STABLE_ROUNDS": "1"}
     run_dir = tmp_path / "run"
     r = subprocess.run([sys.executable, "-m", "paratrain.cli", "train", "--nproc", "2",
                         "--plan", "auto", "--steps", "3", "--global-batch", "4",

@@ -157,4 +157,13 @@ def test_the_threshold_comes_from_the_environment_when_set(monkeypatch, capsys, 
         assert main(["bench", "calibrate", "--out", str(tmp_path / "hw.toml")]) == 2
         err = capsys.readouterr().err.strip()
         assert err.startswith("error: PARATRAIN_STABLE_CV=") and "\n" not in err, err
+    monkeypatch.delenv("PARATRAIN_STABLE_CV")
+    monkeypatch.setenv("PARATRAIN_STABLE_ROUNDS", "1")  # the first round counts
+    assert cal.default_rule() == Stability(k=1)
+    assert until_stable(_scripted([[1.0], [9.0]])[0], "sweep", cal.default_rule()) == [1.0]
+    for bad in ("x", "0", "-2", "1.5", "11"):
+        monkeypatch.setenv("PARATRAIN_STABLE_ROUNDS", bad)
+        assert main(["bench", "calibrate", "--out", str(tmp_path / "hw.toml")]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("error: PARATRAIN_STABLE_ROUNDS=") and "\n" not in err, err
     assert not (tmp_path / "hw.toml").exists()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import statistics
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
@@ -21,24 +21,35 @@ class Stability:
 
 
 STABLE_CV_ENV = "PARATRAIN_STABLE_CV"  # a noisier machine's own threshold, e.g. 0.5
+STABLE_ROUNDS_ENV = "PARATRAIN_STABLE_ROUNDS"  # rounds that must agree, e.g. 1: the first
 
 
 def default_rule() -> Stability:
     """What `paratrain bench calibrate`, `check-model`'s fit and `train --plan auto` use:
     :class:`Stability`'s defaults, with the variation allowed from ``PARATRAIN_STABLE_CV``
-    when set (a user who knows the machine is noisy, or a test of the flow that is not
-    a test of the machine). A value that is no positive number is one ValueError."""
+    and the rounds that must agree from ``PARATRAIN_STABLE_ROUNDS`` when set (a user who
+    knows the machine is noisy, or quiet; a test of the flow that is not a test of the
+    machine sets ``inf`` and 1: the first round counts). A value out of range is one
+    ValueError naming it."""
+    rule = Stability()
     raw = os.environ.get(STABLE_CV_ENV)
-    if raw is None:
-        return Stability()
-    try:
-        cv = float(raw)
-    except ValueError:
-        cv = -1.0
-    if not cv > 0:
-        raise ValueError(f"{STABLE_CV_ENV}={raw!r} is not a positive number; set it to "
-                         "e.g. 0.5 or unset it")
-    return Stability(cv=cv)
+    if raw is not None:
+        try:
+            cv = float(raw)
+        except ValueError:
+            cv = -1.0
+        if not cv > 0:
+            raise ValueError(f"{STABLE_CV_ENV}={raw!r} is not a positive number; set it to "
+                             "e.g. 0.5 or unset it")
+        rule = replace(rule, cv=cv)
+    raw = os.environ.get(STABLE_ROUNDS_ENV)
+    if raw is not None:
+        k = int(raw) if raw.strip().isdigit() else 0
+        if not 1 <= k <= rule.max_repeats:
+            raise ValueError(f"{STABLE_ROUNDS_ENV}={raw!r} is not a whole number from 1 to "
+                             f"{rule.max_repeats}; set it to e.g. 3 or unset it")
+        rule = replace(rule, k=k)
+    return rule
 
 
 class BusyMachine(ValueError):
