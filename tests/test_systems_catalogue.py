@@ -15,7 +15,7 @@ from paratrain.cost.shapes import load_model, model_names
 
 REQUIRED_HW = ["v100", "a100-40gb", "a100", "a800", "h100", "h100-pcie", "h100-nvl",
                "h100-96gb", "h200", "b200", "gb200", "b300", "gb300", "mi300x", "mi325x", "mi355x",
-               "tpu-v4", "tpu-v5p", "tpu-v6e", "tpu-v7x"]
+               "gaudi2", "gaudi3", "tpu-v4", "tpu-v5p", "tpu-v6e", "tpu-v7x"]
 
 
 def test_importing_systems_does_not_import_torch():
@@ -32,7 +32,7 @@ def test_required_hardware(name):
     hw = load_hardware(name)
     assert hw.peak_flops > 0 and hw.hbm_bytes > 0
     assert hw.topology == ("torus" if name.startswith("tpu")
-                           else "mesh" if name.startswith("mi3") else "switch")
+                           else "mesh" if name.startswith(("mi3", "gaudi")) else "switch")
 
 
 def test_a_mesh_node_gives_a_group_one_link_per_peer():
@@ -209,6 +209,44 @@ def test_mi355x_is_a_die_of_its_own_named_as_its_runs_name_it():
     gpus = [v for k, v in p.gemm_eff.items() if not k.startswith("tpu")]
     assert p.gemm_for(hw.name) == pytest.approx(sum(gpus) / len(gpus))
     assert hw.intra_group_bw(8) == pytest.approx(7 * hw.intra_bw)  # a full mesh of eight
+
+
+def test_gaudi_is_priced_under_the_names_its_runs_use(tmp_path):
+    """Intel's Gaudi 2 and 3 (Hot Chips 2024's figures): found as their pages and MLPerf
+    write them, ® included; eight chips all to all over three RoCE ports a peer, no
+    switch; a chip family of their own (256 x 256 matrix engines, the GPU families' mean
+    GEMM efficiency until a run pins it); and a runs-table row on them is priced."""
+    import csv
+    import json
+
+    from paratrain.systems.fitting import load_params
+    from paratrain.systems.gemm import chip_of, family
+    from paratrain.systems.runs import DEFAULT_RUNS
+
+    for text, key in (("Intel® Gaudi® 3 AI accelerator", "gaudi3"), ("HL-325L", "gaudi3"),
+                      ("Intel Gaudi 2", "gaudi2"), ("Gaudi2 (HL-225H)", "gaudi2")):
+        assert resolve_hardware(text) == key, text
+    g3 = load_hardware("gaudi3")
+    assert g3.peak_flops == g3.peak_flops_fp8 == 1835e12 and g3.hbm_bytes == 128e9
+    assert g3.intra_group_bw(8) == pytest.approx(7 * 75e9)  # 21 of its 24 ports
+    assert family(g3.name) == "gaudi3" and chip_of(g3.name).tile_m == 256
+    p = load_params()
+    gpus = [v for k, v in p.gemm_eff.items() if not k.startswith("tpu")]
+    assert p.gemm_for(g3.name) == pytest.approx(sum(gpus) / len(gpus))
+    with open(DEFAULT_RUNS, newline="", encoding="utf-8") as f:
+        rows = list(csv.DictReader(f))
+    row = {**next(r for r in rows if r["id"] == "mb2511_llama3_8b_gb200_cs_8"),
+           "id": "on_gaudi3", "accelerator": "Intel Gaudi 3", "precision": "bf16"}
+    path = tmp_path / "runs.csv"
+    with path.open("w", newline="", encoding="utf-8") as f:
+        w = csv.DictWriter(f, fieldnames=list(row))
+        w.writeheader()
+        w.writerow(row)
+    r = subprocess.run([sys.executable, "-m", "paratrain.cli", "validate", "--runs", str(path),
+                        "--json"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    (rec,) = json.loads(r.stdout)["records"]
+    assert rec["skipped_reason"] is None and rec["predicted"] > 0, rec
 
 
 @pytest.mark.parametrize("hub_id,name", [

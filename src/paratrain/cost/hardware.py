@@ -132,11 +132,13 @@ def hardware_names() -> list[str]:
 
 def resolve_hardware(text: str) -> str:
     """The catalogue key an accelerator's name or description gives: the whole text or
-    its part before a parenthesis as a key or alias, else the longest key or alias the
-    text contains (so "NVIDIA GB200 NVL72" is gb200, not b200, "H100 PCIe" h100-pcie, not
-    h100, and torch's "NVIDIA A100-SXM4-40GB" a100-40gb). ValueError when none fits."""
+    its part before a parenthesis as a key or alias (® and ™ dropped), else the longest
+    key or alias the text contains (so "NVIDIA GB200 NVL72" is gb200, not b200, "H100
+    PCIe" h100-pcie, not h100, and torch's "NVIDIA A100-SXM4-40GB" a100-40gb). ValueError
+    when none fits."""
     from paratrain.cost.catalogue import _norm, lookup, read_catalogue
 
+    text = text.replace("\u00ae", "").replace("\u2122", "")  # "Intel® Gaudi® 3", "...™"
     for c in filter(None, (text, text.split("(")[0].strip())):
         try:
             return lookup(c, "hardware.toml", "hardware")[0]

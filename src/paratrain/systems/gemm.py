@@ -75,6 +75,10 @@ _CHIPS = {
     "mi300x": Chip("mi300x", 256, 256, 304),
     "mi355x": Chip("mi355x", 256, 256, 256),  # CDNA 4: 8 XCDs of 32 CUs, its own die
     "mi250x": Chip("mi250x", 128, 128, 110),  # one CDNA2 die (GCD): 110 compute units
+    # Gaudi's matrix engines (MMEs) are 256 x 256 arrays a graph compiler shapes and feeds
+    # as one, as a TPU's MXUs: no waves to quantise
+    "gaudi2": Chip("gaudi2", 256, 256, 1),
+    "gaudi3": Chip("gaudi3", 256, 256, 1),
     "tpu-v3": Chip("tpu-v3", 128, 128, 1),
     "tpu-v4": Chip("tpu-v4", 128, 128, 1),
     "tpu-v5e": Chip("tpu-v5e", 128, 128, 1),
@@ -91,7 +95,8 @@ _NAME_KEYS = (("h100-pcie", "h100-pcie"), ("h100 pcie", "h100-pcie"), ("a100", "
               ("gh200", "h100"), ("b200", "b200"), ("gb200", "b200"), ("b300", "b300"),
               ("v100", "v100"), ("mi300", "mi300x"), ("mi325", "mi300x"),
               ("mi355", "mi355x"), ("mi350", "mi355x"),
-              ("mi250x", "mi250x"), ("tpu-v3", "tpu-v3"),
+              ("mi250x", "mi250x"), ("gaudi2", "gaudi2"), ("gaudi3", "gaudi3"),
+              ("tpu-v3", "tpu-v3"),
               ("tpu v3", "tpu-v3"), ("tpu-v4", "tpu-v4"), ("tpu v4", "tpu-v4"),
               ("tpu-v5e", "tpu-v5e"), ("tpu v5e", "tpu-v5e"), ("tpu-v5p", "tpu-v5p"),
               ("tpu v5p", "tpu-v5p"), ("tpu-v6e", "tpu-v6e"), ("tpu v6e", "tpu-v6e"),
