@@ -14,6 +14,7 @@ import pytest
 from paratrain.cli import main
 from paratrain.systems.fitting import load_params, predict
 from paratrain.systems.partial_recompute import share_words
+from paratrain.systems.row_engine import case_kernel
 from paratrain.systems.row_memory import RECOMPUTE_ORDER, rank_memory
 from paratrain.systems.runs import Skip, read_runs, row_to_case
 from paratrain.systems.validate import run_validate
@@ -145,7 +146,7 @@ def test_every_default_is_listed_in_the_case_and_the_record(tmp_path):
 def test_a_blank_recompute_is_the_least_that_fits_and_marked_inferred(rid):
     row = {**BY_ID[rid], "recompute": ""}
     case = row_to_case(row)
-    att = "flash" if case.engine != "deepspeed" and "fp16" not in case.precision else "eager"
+    att = case_kernel(case)
     mem = {m: rank_memory(case.model, dataclasses.replace(case.plan, recompute=m), case.hw,
                           case.tokens, case.seq_len, att, case.shard_group,
                           "fp8" in case.precision.lower()) for m in RECOMPUTE_ORDER}
@@ -320,3 +321,21 @@ def test_a_four_bit_run_is_refused_by_name_not_priced_as_bf16(precision):
     with pytest.raises(Skip, match="4-bit training GEMMs are not priced"):
         row_to_case({**row, "precision": precision})
     assert row_to_case({**row, "precision": "MXFP8"}).precision == "MXFP8"
+
+
+def test_eager_attention_is_an_era_not_a_choice_after_flashattention():
+    """DeepSpeed's default (eager attention) and an fp16 run's era price the s x s scores
+    through HBM on the chips from before FlashAttention (the table's DeepSpeed and fp16
+    rows, all A100); the same rows on an H100 run FlashAttention-2 class, unless the row
+    names its kernel, and are priced faster by what the scores' traffic cost."""
+    bloom, opt = BY_ID["bloom_176b"], BY_ID["narayanan21_t1_1.7B"]
+    assert case_kernel(row_to_case(bloom)) == case_kernel(row_to_case(opt)) == "eager"
+    for row in (bloom, opt):
+        a100, h100 = (row_to_case({**row, "accelerator": acc})
+                      for acc in (row["accelerator"], "H100-SXM5-80GB"))
+        assert case_kernel(h100) == "flash"
+        said = dataclasses.replace(h100, engine_options=(*h100.engine_options,
+                                                         ("attention", "eager")))
+        assert case_kernel(said) == "eager"  # a kernel the row names is the row's
+        fast, slow = (predict(c, load_params()) for c in (h100, said))
+        assert fast > slow  # the metric is throughput (MFU or TFLOP/s)

@@ -41,8 +41,10 @@ attention: cuDNN's through Transformer Engine in NeMo; FlashAttention-2 on older
 ``flash`` (FlashAttention-2 class, Dao 2023: PyTorch's SDPA, flash-attn, and how we price
 XLA's fused attention), ``flash1`` (the first FlashAttention, at half FlashAttention-2's
 rate: a runs-table engine cell that names it, as InternEvo's 1.0.5) or ``eager`` (the
-s x s scores through HBM: DeepSpeed's and Megatron-DeepSpeed's default; any run in fp16
-predates FlashAttention's adoption, :func:`paratrain.systems.row_engine.case_attention`).
+s x s scores through HBM: DeepSpeed's and Megatron-DeepSpeed's default on the chips from
+before FlashAttention's adoption, as any run in fp16 on them; on later chips a runs-table
+row of theirs runs FlashAttention-2 class, :func:`paratrain.systems.row_engine.
+case_attention`).
 
 ``fusion`` is the element-wise traffic (norms, activations, RoPE, adds) over the fully
 fused count of :mod:`paratrain.systems.layer_cost`: 1 where kernels are fused (Transformer

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from paratrain.systems.gemm import family
 from paratrain.systems.graph_scopes import SCOPES, scopes_said, unknown_scopes
 from paratrain.systems.overlap import DEFAULT_ENGINE, ENGINES, Engine, engine, named_engine
 
@@ -130,15 +131,34 @@ def precision_says(case, word: str) -> bool:
     return word in (getattr(case, "precision", "") or "").lower()
 
 
+# the chip families that were trained on before FlashAttention (2022) was adopted; on
+# every later one (Hopper, Blackwell, MI300 on, TPUs, Gaudi) no stack writes the s x s
+# scores out: DeepSpeed and Megatron-DeepSpeed run flash-attn or PyTorch's SDPA there
+PRE_FLASH_FAMILIES = ("v100", "a100", "mi250x")
+
+
+def pre_flash(case) -> bool:
+    """Whether a case's chip predates FlashAttention's adoption
+    (:data:`PRE_FLASH_FAMILIES`): where eager attention is an era's, not a choice."""
+    return family(case.hw.name) in PRE_FLASH_FAMILIES
+
+
 def case_attention(case) -> str | None:
-    """Eager attention for a run in fp16 (before FlashAttention's adoption in 2022-23),
-    else the engine's kernel (None)."""
-    return "eager" if precision_says(case, "fp16") else None
+    """The attention kernel a case runs when it is not its engine's (None): eager for a
+    run in fp16 on a chip from before FlashAttention's adoption in 2022-23 (the table's
+    fp16 rows are all of that era); FlashAttention-2 class ("flash") where the engine's
+    default is eager (DeepSpeed's, :data:`paratrain.systems.overlap.ENGINES`) but the
+    chip came after it (:func:`pre_flash`) and the row names no kernel of its own."""
+    if pre_flash(case):
+        return "eager" if precision_says(case, "fp16") else None
+    if "attention" in dict(getattr(case, "engine_options", ())):
+        return None  # the row's own words
+    return "flash" if case_engine(case).attention == "eager" else None
 
 
 def case_kernel(case) -> str:
-    """The attention kernel a case runs: eager for an fp16-era run
-    (:func:`case_attention`), else its engine's (:func:`case_engine`)."""
+    """The attention kernel a case runs: :func:`case_attention`'s, else its engine's
+    (:func:`case_engine`)."""
     return case_attention(case) or case_engine(case).attention
 
 
