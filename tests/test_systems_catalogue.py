@@ -293,5 +293,6 @@ def test_plan_takes_the_accelerator_names_the_runs_table_takes():
     nvidia-smi prints, a TPU slice's name; a name nothing fits stays one error."""
     assert load_hardware("NVIDIA H100 80GB HBM3").name == load_hardware("h100").name
     assert load_hardware("tpu7x-4x8x8").name == "TPU-v7x"
+    assert load_hardware("v5litepod-256").name == "TPU-v5e"  # Cloud TPU's own slice name
     with pytest.raises(ValueError, match="unknown hardware 'RTX 4090'"):
         load_hardware("RTX 4090")
