@@ -337,7 +337,8 @@ def test_flop_counts_by_hand_and_rows_priced_in_their_sources_count():
 
 
 def test_recompute_words():
-    from paratrain.systems.runs import _recompute, recompute_stated
+    from paratrain.systems.row_words import recompute_mode as _recompute
+    from paratrain.systems.row_words import recompute_stated
 
     assert _recompute("selective (modules mla_up_proj, mlp, moe)") == "full"
     assert _recompute("selective (modules core_attn)") == "selective"
@@ -350,6 +351,23 @@ def test_recompute_words():
         assert recompute_stated(stated), stated
     for unstated in ("", "not stated (recipe default)", "not stated", "not recorded"):
         assert not recompute_stated(unstated)  # inferred from memory by row_to_case
+    # as configs and tables write it: a flag, torchtitan's AC / SAC
+    for words, mode in (("true", "full"), ("yes", "full"), ("AC", "full"),
+                        ("SAC", "selective"), ("op-level SAC", "selective"),
+                        ("false", "none"), ("no", "none"), ("off", "none")):
+        assert _recompute(words) == mode and recompute_stated(words), words
+
+
+def test_zero_stage_words():
+    """The sharding cell as DeepSpeed, PyTorch FSDP and Megatron write it."""
+    from paratrain.systems.row_words import zero_stage
+
+    for words, stage in (("ZeRO-3 (no model parallelism)", 3), ("zero3", 3), ("ZeRO++ (hpZ)", 3),
+                         ("ZeRO stage 2", 2), ("zero_stage: 1", 1), ("FSDP FULL_SHARD", 3),
+                         ("HYBRID_SHARD", 3), ("FSDP2", 3), ("SHARD_GRAD_OP", 2),
+                         ("FSDP NO_SHARD", 0), ("distributed optimizer (Megatron-Core)", 1),
+                         ("DDP", 0), ("", 0)):
+        assert zero_stage(words) == stage, words
 
 
 def test_a_named_recompute_module_reruns_what_it_holds_and_nothing_else():

@@ -61,6 +61,7 @@ from paratrain.systems.row_shape import (  # noqa: F401 - the table's readers, r
     _catalogue_model,
     row_shape,
 )
+from paratrain.systems.row_words import recompute_mode, recompute_stated, zero_stage
 
 DATA_DIR = Path(__file__).parent / "data"  # the published runs and the fitted values
 DEFAULT_RUNS = DATA_DIR / "calibration.csv"
@@ -172,40 +173,6 @@ def _hardware(name: str) -> tuple[str, Hardware]:
     return key, load_hardware(key)
 
 
-def _zero(text: str) -> int:
-    t = text.lower()
-    if "zero-3" in t or "2d sharding" in t or "hsdp" in t or (
-            "fsdp" in t and "not resharded" not in t):
-        return 3
-    if "zero-2" in t or "fsdp" in t:
-        return 2
-    if "zero-1" in t or "distributed optimizer" in t:
-        return 1
-    return 0
-
-
-def _recompute(text: str) -> str:
-    """none, selective or full from a row's words ("none" where they say nothing, which
-    :func:`recompute_stated` tells apart: :func:`row_to_case` then infers it). A selective
-    recomputation whose module list names the MLP or the MoE layer (Megatron-Core's
-    recompute modules ``mlp``, ``moe``) holds most of the block's activations again: its
-    memory is counted as full (its time, module by module: ``Case.rerun``)."""
-    t = text.lower().strip()
-    if not t or t.startswith("none") or t.startswith("no "):
-        return "none"
-    if "selective" in t:
-        return "full" if {"mlp", "moe"} & set(modules_said(t)) else "selective"
-    if any(k in t for k in ("full", "checkpoint", "rematerial", "recomput")):
-        return "full"
-    return "none"
-
-
-def recompute_stated(text: str) -> bool:
-    """Whether a row's recompute words say anything (not blank, "not stated", ...)."""
-    t = text.lower().strip()
-    return t.startswith("none") or t.startswith("no ") or _recompute(t) != "none"
-
-
 def row_to_case(row: dict) -> Case:
     """Turn one CSV row into a priceable case, or raise Skip with the reason. Every blank
     filled in is listed in ``Case.defaults``; a blank recompute is inferred from memory
@@ -236,7 +203,7 @@ def row_to_case(row: dict) -> Case:
     sched, v = schedule(row, pp, m, L, out)
     sharding = (row.get("zero_or_fsdp") or "").strip()
     eng, why = row_engine(row)
-    zero = _zero(sharding)
+    zero = zero_stage(sharding)
     zero_said = bool(zero) or sharding.lower().startswith("none")
     if not zero_said:
         zero = ENGINES[eng].zero
@@ -253,7 +220,7 @@ def row_to_case(row: dict) -> Case:
         plan = ParallelPlan(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, etp=etp or 1,
                             zero=zero, sp=tp > 1,
                             micro_batches=m, schedule=sched, virtual_stages=v,
-                            recompute=_recompute(row.get("recompute") or ""))
+                            recompute=recompute_mode(row.get("recompute") or ""))
         split_batch(tokens, seq, plan)
     except ValueError as e:
         raise Skip(f"layout invalid: {e}", out) from None

@@ -1,0 +1,69 @@
+"""What a runs-table row's free-text cells say about its layout: the ZeRO stage its
+sharding cell names (:func:`zero_stage`) and the recomputation its recompute cell names
+(:func:`recompute_mode`, :func:`recompute_stated`).
+
+A published run names these as its framework does: DeepSpeed's "ZeRO stage 2" or
+``zero_stage: 3``, PyTorch FSDP's ``FULL_SHARD`` / ``SHARD_GRAD_OP`` / ``HYBRID_SHARD`` /
+``NO_SHARD``, Megatron's "distributed optimizer"; "activation checkpointing", "AC",
+"SAC" (torchtitan's selective activation checkpointing), or a flag's ``true`` / ``false``.
+A cell that says nothing the model can read (blank, "not stated") is told apart from one
+that says "none", so the row's reader infers the first from memory
+(:func:`paratrain.systems.runs.row_to_case`).
+"""
+
+from __future__ import annotations
+
+import re
+
+from paratrain.systems.recompute_modules import modules_said
+
+_STAGE = re.compile(r"zero(?:\+\+)?[\s_\-]*(?:stage[\s_\-=:]*)?([0-3])(?![0-9])")
+
+
+def zero_stage(text: str) -> int:
+    """0-3 from a sharding cell: ZeRO-3, FSDP (resharding after forward: FULL_SHARD, or
+    HYBRID_SHARD within a group) and ZeRO++'s hpZ shard the parameters; ZeRO-2 and FSDP's
+    SHARD_GRAD_OP (not resharded) the gradients; ZeRO-1 and Megatron's distributed
+    optimizer the optimizer states; DDP, NO_SHARD and silence nothing."""
+    t = text.lower()
+    if "no_shard" in t or "no shard" in t:
+        return 0
+    if "shard_grad_op" in t or "shard grad op" in t:
+        return 2
+    if "zero-3" in t or "2d sharding" in t or "hsdp" in t or "zero++" in t or (
+            "fsdp" in t and "not resharded" not in t) or re.search(
+            r"(full|hybrid)[_ ]shard", t):
+        return 3
+    if "zero-2" in t or "fsdp" in t:
+        return 2
+    if "zero-1" in t or "distributed optimizer" in t:
+        return 1
+    m = _STAGE.search(t)
+    return int(m.group(1)) if m else 0
+
+
+_OFF = ("false", "no", "off", "0", "disabled", "n")
+_ON = ("true", "yes", "on", "1", "enabled", "y", "ac", "full ac")
+
+
+def recompute_mode(text: str) -> str:
+    """none, selective or full from a recompute cell ("none" where it says nothing, which
+    :func:`recompute_stated` tells apart). A selective recomputation whose module list
+    names the MLP or the MoE layer (Megatron-Core's recompute modules ``mlp``, ``moe``)
+    holds most of the block's activations again: its memory is counted as full (its
+    time, module by module: ``Case.rerun``)."""
+    t = text.lower().strip()
+    if not t or t.startswith("none") or t.startswith("no ") or t in _OFF:
+        return "none"
+    if "selective" in t or re.search(r"\bsac\b", t):
+        return "full" if {"mlp", "moe"} & set(modules_said(t)) else "selective"
+    if t in _ON or any(k in t for k in ("full", "checkpoint", "rematerial", "recomput")):
+        return "full"
+    return "none"
+
+
+def recompute_stated(text: str) -> bool:
+    """Whether a recompute cell says anything (not blank, "not stated", ...)."""
+    t = text.lower().strip()
+    return (t.startswith("none") or t.startswith("no ") or t in _OFF
+            or recompute_mode(t) != "none")
