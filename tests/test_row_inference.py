@@ -339,3 +339,13 @@ def test_eager_attention_is_an_era_not_a_choice_after_flashattention():
         assert case_kernel(said) == "eager"  # a kernel the row names is the row's
         fast, slow = (predict(c, load_params()) for c in (h100, said))
         assert fast > slow  # the metric is throughput (MFU or TFLOP/s)
+
+
+def test_an_eight_bit_run_on_a_chip_without_an_eight_bit_peak_is_refused():
+    """FP8 on an A100 (no FP8 tensor cores, no 8-bit peak in the catalogue) is a row the
+    model cannot price as stated: refused with its reason, not priced at the 16-bit peak
+    with FP8's casts added."""
+    row = {**BY_ID["bloom_176b"], "precision": "fp8"}
+    with pytest.raises(Skip, match="no 8-bit matmul peak"):
+        row_to_case(row)
+    assert row_to_case({**row, "accelerator": "H100-SXM5-80GB"}).precision == "fp8"

@@ -192,6 +192,10 @@ def row_to_case(row: dict) -> Case:
     model = row_shape(row, seq, out)
     L = model.n_layers
     hw_key, hw = _hardware(row.get("accelerator") or "")
+    if re.search(r"fp8|int8", (row.get("precision") or "").lower()) and not hw.peak_flops_fp8:
+        raise Skip(f"precision {row['precision'].strip()!r} on {hw.name}: the chip has no "
+                   "8-bit matmul peak in the catalogue (no FP8 tensor cores); the row is "
+                   "not scored")
     domain = _num(row, "accel_per_domain", int)
     if domain:  # the job's fast-interconnect domain (a TPU slice) differs from the catalogue's
         hw = dataclasses.replace(hw, gpus_per_node=domain)
