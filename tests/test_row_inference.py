@@ -349,3 +349,20 @@ def test_an_eight_bit_run_on_a_chip_without_an_eight_bit_peak_is_refused():
     with pytest.raises(Skip, match="no 8-bit matmul peak"):
         row_to_case(row)
     assert row_to_case({**row, "accelerator": "H100-SXM5-80GB"}).precision == "fp8"
+
+
+def test_a_row_with_only_its_step_time_is_scored_as_its_tokens_per_second():
+    """Many tables publish a step (iteration) time and the batch, not tokens/s: such a row
+    is scored as the tokens/s they give (tokens per step / step / GPUs), not refused."""
+    row = BY_ID["titan_llama3_8b_a100_64_sacop"]
+    tps = float(row["tokens_per_s_per_accel"])
+    tokens = int(row["seq_len"]) * int(row["global_batch_seqs"])
+    step = tokens / tps / int(row["num_accel"])
+    bare = {**row, "tokens_per_s_per_accel": "", "mfu_pct": "", "hfu_pct": "",
+            "tflops_per_accel_reported": "", "metric": ""}
+    timed = row_to_case({**bare, "step_time_s": f"{step:.6f}"})
+    assert timed.reported == pytest.approx(row_to_case(row).reported, rel=1e-5)
+    assert row_to_case({**bare, "step_time_s": f"{step:.6f}", "metric": "step"}).reported \
+        == timed.reported
+    with pytest.raises(Skip, match="or a step time with its tokens per step"):
+        row_to_case({**bare, "step_time_s": ""})

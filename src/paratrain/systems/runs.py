@@ -307,18 +307,25 @@ def _fit_memory(case: Case, stated: bool, offload: bool, out: list) -> Case:
 def _reported(row: dict, model: ModelShape, seq: int) -> tuple[str, str, float, str]:
     """(metric, tflops kind, reported value, FLOP count) of a row; see the module
     docstring. The FLOP count is the row's ``flops_count`` (empty: its engine's), and ours
-    (``6N``) for a ``tokens`` row, whose TFLOP/s we compute."""
+    (``6N``) for a ``tokens`` row, whose TFLOP/s we compute; a row that gives only its step
+    time (``step``) is a tokens row at its tokens per step over the step and the GPUs."""
     mfu, hfu = _num(row, "mfu_pct"), _num(row, "hfu_pct")
     tfl, tps = _num(row, "tflops_per_accel_reported"), _num(row, "tokens_per_s_per_accel")
     kind = "hardware" if "hardware" in (row.get("tflops_kind") or "").lower() else "model"
     count = (row.get("flops_count") or "").strip()
     if count and count not in FLOP_COUNTS:
         raise Skip(f"flops_count {count!r} is unknown; use one of {', '.join(FLOP_COUNTS)}")
+    step, gpus = _num(row, "step_time_s"), _num(row, "num_accel")
+    per_step = _num(row, "tokens_per_step") or seq * (_num(row, "global_batch_seqs") or 0)
+    timed = not tps and bool(step and gpus and per_step)  # a step time alone
+    if timed:
+        tps = per_step / step / gpus
     found = {"mfu": mfu and ("mfu", kind, mfu / 100, count),
              "hfu": hfu and ("hfu", kind, hfu / 100, count),
              "tflops": tfl and ("tflops", kind, tfl, count),
              "tokens": tps and ("tflops", "model", tps * model.flops_per_token(seq) / 1e12,
                                 "6N")}
+    found["step"] = found["tokens"] if timed else None
     want = (row.get("metric") or "").strip().lower()
     if want:
         if want not in found:
@@ -329,7 +336,8 @@ def _reported(row: dict, model: ModelShape, seq: int) -> tuple[str, str, float, 
     for key in found:
         if found[key]:
             return found[key]
-    raise Skip("reports none of MFU, HFU, TFLOP/s or tokens/s per accelerator")
+    raise Skip("reports none of MFU, HFU, TFLOP/s, tokens/s per accelerator or a step time "
+               "with its tokens per step")
 
 
 def heldout_ids(rows: list[dict]) -> tuple[str, ...]:
