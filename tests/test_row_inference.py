@@ -366,3 +366,14 @@ def test_a_row_with_only_its_step_time_is_scored_as_its_tokens_per_second():
         == timed.reported
     with pytest.raises(Skip, match="or a step time with its tokens per step"):
         row_to_case({**bare, "step_time_s": ""})
+
+
+def test_a_blank_gpu_count_is_the_product_of_the_layout_it_names():
+    """A row that names TP, PP and DP but not its GPU count is priced on their product
+    (and CP's), the default listed; with an axis blank too it is refused, saying why."""
+    row = BY_ID["titan_llama3_8b_a100_64_sacop"]
+    blank = row_to_case({**row, "num_accel": ""})
+    assert blank.plan.world_size == 64 and blank.reported == row_to_case(row).reported
+    assert ("num_accel", 64, "blank: TP x PP x DP x CP") in blank.defaults
+    with pytest.raises(Skip, match="no num_accel"):
+        row_to_case({**row, "num_accel": "", "DP": ""})
