@@ -133,6 +133,10 @@ def test_llama_counts(name, params):
     ("Phi-3 mini", "phi-3-mini", 3_821_079_552), ("phi-4", "phi-4", 14_659_507_200),
     # OLMo 2's q, k norms span the whole projection: 2 x 4096 gains a layer left out
     ("OLMo-2-1124-7B", "olmo2-7b", 7_298_617_344 - 32 * 2 * 4096),
+    ("google/gemma-7b", "gemma-7b", 8_537_680_896), ("Gemma 2B", "gemma-2b", 2_506_172_416),
+    ("Mistral-Nemo-Base-2407", "mistral-nemo-12b", 12_247_782_400),
+    ("deepseek-llm-7b-base", "deepseek-llm-7b", 6_910_365_696),
+    ("DeepSeek LLM 67B", "deepseek-llm-67b", 67_425_001_472),
 ])
 def test_models_a_published_run_may_name(text, key, params):
     """Models no row of the table runs, which a published run may name without shape
