@@ -137,6 +137,9 @@ def test_llama_counts(name, params):
     ("Mistral-Nemo-Base-2407", "mistral-nemo-12b", 12_247_782_400),
     ("deepseek-llm-7b-base", "deepseek-llm-7b", 6_910_365_696),
     ("DeepSeek LLM 67B", "deepseek-llm-67b", 67_425_001_472),
+    ("mistralai/Mistral-Large-Instruct-2407", "mistral-large-2", 122_610_069_504),
+    ("Qwen/Qwen2-72B", "qwen2.5-72b", 72_706_203_648),  # the same config.json shapes
+    ("deepseek-ai/DeepSeek-R1", "deepseek-v3", 671_026_404_352),
 ])
 def test_models_a_published_run_may_name(text, key, params):
     """Models no row of the table runs, which a published run may name without shape
