@@ -377,3 +377,16 @@ def test_a_blank_gpu_count_is_the_product_of_the_layout_it_names():
     assert ("num_accel", 64, "blank: TP x PP x DP x CP") in blank.defaults
     with pytest.raises(Skip, match="no num_accel"):
         row_to_case({**row, "num_accel": "", "DP": ""})
+
+
+def test_numbers_are_read_as_tables_print_them():
+    """A figure copied from a table keeps its thousands separators or its % sign; a
+    cell that is no number stays None (the reader then says what is missing)."""
+    from paratrain.systems.row_fields import num
+
+    assert num({"k": "15,876"}, "k", int) == 15876 and num({"k": "8_192"}, "k", int) == 8192
+    assert num({"k": "58.2%"}, "k") == 58.2 and num({"k": "1,234,567.5"}, "k") == 1234567.5
+    assert num({"k": "2,4"}, "k") is None and num({"k": "n/a"}, "k") is None
+    row = BY_ID["titan_llama3_8b_a100_64_sacop"]
+    assert row_to_case({**row, "tokens_per_s_per_accel": "2,973"}).reported == \
+        row_to_case(row).reported

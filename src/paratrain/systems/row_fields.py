@@ -3,6 +3,10 @@
 
 from __future__ import annotations
 
+import re
+
+_GROUPED = re.compile(r"^\d{1,3}([,_]\d{3})+(\.\d+)?$")
+
 Default = tuple[str, object, str]  # (column, value applied, why): a blank filled in, said so
 
 
@@ -17,8 +21,12 @@ class Skip(Exception):
 
 def num(row: dict, key: str, kind=float):
     """The cell as a number, None when blank or no number (an int column: None unless
-    whole); a caller that fills a None in lists the default it applied."""
-    v = (row.get(key) or "").strip()
+    whole); thousands separators, underscores and a trailing % are read as a table
+    prints them ("15,876", "58.2%"). A caller that fills a None in lists the default it
+    applied."""
+    v = (row.get(key) or "").strip().removesuffix("%").strip()
+    if _GROUPED.match(v):  # "15,876", "8_192": digits grouped in threes
+        v = v.replace(",", "").replace("_", "")
     if not v:
         return None
     try:
