@@ -390,3 +390,16 @@ def test_numbers_are_read_as_tables_print_them():
     row = BY_ID["titan_llama3_8b_a100_64_sacop"]
     assert row_to_case({**row, "tokens_per_s_per_accel": "2,973"}).reported == \
         row_to_case(row).reported
+
+
+def test_a_model_named_inside_free_text_is_the_catalogue_model():
+    """A source's model cell with words around the name ("Llama-3-8B trained with FSDP")
+    is the longest catalogue name it contains as whole words; "Llama 3.1 8B" is not
+    Llama 3 8B, and text naming none is still refused, saying so."""
+    row = {**BY_ID["titan_llama3_8b_a100_64_sacop"], "model_key": ""}
+    for text, name in (("Llama-3-8B trained with FSDP", "Llama 3 8B"),
+                       ("our Llama 3.1 8B run", "Llama 3.1 8B"),
+                       ("Mixtral 8x22B MoE", "Mixtral 8x22B")):
+        assert row_to_case({**row, "model": text}).model.name == name, text
+    with pytest.raises(Skip, match="is not in the model catalogue"):
+        row_to_case({**row, "model": "some 13B model"})

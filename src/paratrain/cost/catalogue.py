@@ -60,6 +60,20 @@ def hub_variants(want: str) -> list[str]:
         name = shorter
 
 
+def named_in(text: str, filename: str) -> str | None:
+    """The key of the longest catalogue key, name or alias that ``text`` contains as whole
+    words ("Mixtral 8x22B MoE run" names mixtral-8x22b; "Llama 3.1 8B" does not name
+    Llama 3 8B), or None."""
+    def words(s: str) -> str:
+        return "-" + re.sub(r"[^a-z0-9.]+", "-", s.lower()).strip("-") + "-"
+
+    padded = words(text)
+    found = [(len(n), key) for key, fields in read_catalogue(filename).items()
+             for n in (key, fields.get("name", key), *fields.get("aliases", []))
+             if words(n) in padded]
+    return max(found)[1] if found else None
+
+
 def read_file(path: Path) -> dict:
     """One entry from a user's ``.toml`` or ``.json`` file (a flat table of keys)."""
     if path.suffix.lower() == ".json":

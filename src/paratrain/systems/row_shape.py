@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from paratrain.cost.catalogue import named_in
 from paratrain.cost.shapes import ModelShape, load_model
 from paratrain.systems.row_fields import Skip
 from paratrain.systems.row_fields import num as _num
@@ -32,7 +33,9 @@ SHAPE_COLUMNS = {"layers": "n_layers", "hidden": "d_model", "heads": "n_heads",
 
 def _catalogue_model(row: dict) -> ModelShape | None:
     """The catalogue model a row names: its ``model_key`` column if set (nothing else),
-    else its ``model`` text (whole, then without a trailing parenthetical like "(NeMo)")."""
+    else its ``model`` text (whole, then without a trailing parenthetical like "(NeMo)",
+    then the longest catalogue name it contains as whole words: "Llama-3-8B trained with
+    FSDP")."""
     key, text = (row.get("model_key") or "").strip(), (row.get("model") or "").strip()
     for name in ((key,) if key else (text, text.split("(")[0].strip())):
         if name:
@@ -40,7 +43,8 @@ def _catalogue_model(row: dict) -> ModelShape | None:
                 return load_model(name)
             except ValueError:
                 continue
-    return None
+    named = None if key or not text else named_in(text, "models.toml")
+    return load_model(named) if named else None
 
 
 def _moe_fields(row: dict, n_layers: int) -> dict:
