@@ -360,7 +360,7 @@ def test_recompute_words():
 
 def test_zero_stage_words():
     """The sharding cell as DeepSpeed, PyTorch FSDP and Megatron write it."""
-    from paratrain.systems.row_words import zero_stage
+    from paratrain.systems.row_words import zero_stage, zero_stated
 
     for words, stage in (("ZeRO-3 (no model parallelism)", 3), ("zero3", 3), ("ZeRO++ (hpZ)", 3),
                          ("ZeRO stage 2", 2), ("zero_stage: 1", 1), ("FSDP FULL_SHARD", 3),
@@ -368,6 +368,9 @@ def test_zero_stage_words():
                          ("FSDP NO_SHARD", 0), ("distributed optimizer (Megatron-Core)", 1),
                          ("DDP", 0), ("", 0)):
         assert zero_stage(words) == stage, words
+    # DDP and NO_SHARD say their stage (none); silence leaves the engine's default
+    assert zero_stated("DDP") and zero_stated("FSDP NO_SHARD") and zero_stated("none")
+    assert not zero_stated("") and not zero_stated("not stated")
 
 
 def test_a_named_recompute_module_reruns_what_it_holds_and_nothing_else():

@@ -42,6 +42,14 @@ def zero_stage(text: str) -> int:
     return int(m.group(1)) if m else 0
 
 
+def zero_stated(text: str) -> bool:
+    """Whether a sharding cell says its stage, none included ("none", "DDP", FSDP's
+    ``NO_SHARD``); otherwise the engine's own default applies."""
+    t = text.lower()
+    return zero_stage(t) > 0 or t.strip().startswith("none") or "no_shard" in t or \
+        "no shard" in t or re.search(r"\bddp\b", t) is not None
+
+
 _OFF = ("false", "no", "off", "0", "disabled", "n")
 _ON = ("true", "yes", "on", "1", "enabled", "y", "ac", "full ac")
 

@@ -61,7 +61,12 @@ from paratrain.systems.row_shape import (  # noqa: F401 - the table's readers, r
     _catalogue_model,
     row_shape,
 )
-from paratrain.systems.row_words import recompute_mode, recompute_stated, zero_stage
+from paratrain.systems.row_words import (
+    recompute_mode,
+    recompute_stated,
+    zero_stage,
+    zero_stated,
+)
 
 DATA_DIR = Path(__file__).parent / "data"  # the published runs and the fitted values
 DEFAULT_RUNS = DATA_DIR / "calibration.csv"
@@ -215,7 +220,7 @@ def row_to_case(row: dict) -> Case:
     sharding = (row.get("zero_or_fsdp") or "").strip()
     eng, why = row_engine(row)
     zero = zero_stage(sharding)
-    zero_said = bool(zero) or sharding.lower().startswith("none")
+    zero_said = zero_stated(sharding)
     if not zero_said:
         zero = ENGINES[eng].zero
         said = f"{sharding!r} names no ZeRO stage" if sharding else "blank"
