@@ -31,11 +31,11 @@ SHAPE_COLUMNS = {"layers": "n_layers", "hidden": "d_model", "heads": "n_heads",
                  "head_dim": "head_size"}
 
 
-def _catalogue_model(row: dict) -> ModelShape | None:
+def _catalogue_model(row: dict, within: bool = True) -> ModelShape | None:
     """The catalogue model a row names: its ``model_key`` column if set (nothing else),
     else its ``model`` text (whole, then without a trailing parenthetical like "(NeMo)",
-    then the longest catalogue name it contains as whole words: "Llama-3-8B trained with
-    FSDP")."""
+    then, ``within``, the longest catalogue name it contains as whole words: "Llama-3-8B
+    trained with FSDP")."""
     key, text = (row.get("model_key") or "").strip(), (row.get("model") or "").strip()
     for name in ((key,) if key else (text, text.split("(")[0].strip())):
         if name:
@@ -43,7 +43,7 @@ def _catalogue_model(row: dict) -> ModelShape | None:
                 return load_model(name)
             except ValueError:
                 continue
-    named = None if key or not text else named_in(text, "models.toml")
+    named = None if key or not text or not within else named_in(text, "models.toml")
     return load_model(named) if named else None
 
 
