@@ -93,8 +93,12 @@ def test_sync_costs_from_injected_timings():
     assert got["busy_sync_s"] == pytest.approx(1e-3)
     assert got["core_speed"] == pytest.approx(0.8)  # 4 ms alone, 5 ms beside the other
     assert got["segment_s"] == pytest.approx(4e-3)
-    # 4 passes; the excess's median over SYNC_ROUNDS rounds
+    # 4 passes; the excess's median over SYNC_ROUNDS rounds (the user's own when set)
     assert seen == [(2, 4, cal.SYNC_ROUNDS), (4, 4, cal.SYNC_ROUNDS)]
+    seen.clear()
+    sync_costs(2, rule=Stability(k=1, rounds_set=True), alone_fn=lambda passes: alone[passes],
+               spawn_fn=_fake_spawn({2: free, 4: busy}, seen))
+    assert seen == [(2, 4, 1), (4, 4, 1)]
     with pytest.raises(BusyMachine, match="too busy"):
         sync_costs(2, spawn_fn=_fake_spawn({2: free, 4: ["the machine was too busy to "
                                                          "calibrate: x", *busy[1:]]}),
@@ -159,7 +163,7 @@ def test_the_threshold_comes_from_the_environment_when_set(monkeypatch, capsys, 
         assert err.startswith("error: PARATRAIN_STABLE_CV=") and "\n" not in err, err
     monkeypatch.delenv("PARATRAIN_STABLE_CV")
     monkeypatch.setenv("PARATRAIN_STABLE_ROUNDS", "1")  # the first round counts
-    assert cal.default_rule() == Stability(k=1)
+    assert cal.default_rule() == Stability(k=1, rounds_set=True)
     assert until_stable(_scripted([[1.0], [9.0]])[0], "sweep", cal.default_rule()) == [1.0]
     for bad in ("x", "0", "-2", "1.5", "11"):
         monkeypatch.setenv("PARATRAIN_STABLE_ROUNDS", bad)

@@ -250,9 +250,10 @@ def sync_costs(cores: int, iters: int = 30, rule: Stability = Stability(),
                                 rule)
 
     # the excess is a difference of loops ten times longer: its median over
-    # SYNC_ROUNDS rounds, with the rule's room for unstable rounds beside them
-    sync_rule = replace(rule, k=max(rule.k, SYNC_ROUNDS),
-                        max_repeats=max(rule.k, SYNC_ROUNDS) + rule.max_repeats)
+    # SYNC_ROUNDS rounds (the rule's own when its user set them), with the rule's room
+    # for unstable rounds beside them
+    k = rule.k if rule.rounds_set else max(rule.k, SYNC_ROUNDS)
+    sync_rule = replace(rule, k=k, max_repeats=k + rule.max_repeats)
 
     def measured(world: int) -> list[float]:
         res = run(sync_worker, world, iters, sync_rule, passes, timeout_s=600)

@@ -13,11 +13,14 @@ from dataclasses import dataclass, replace
 class Stability:
     """When a measurement counts as stable: the last ``k`` of at most ``max_repeats``
     rounds agree, every timing's coefficient of variation over them at most ``cv``
-    (docs/train-prediction.md says why 30%)."""
+    (docs/train-prediction.md says why 30%). ``rounds_set``: ``k`` was set by its user
+    (``PARATRAIN_STABLE_ROUNDS``), so the measurements that keep more rounds than ``k``
+    for their noise (the sync's, ``bench.calibrate.SYNC_ROUNDS``) keep ``k`` too."""
 
     k: int = 3
     cv: float = 0.30
     max_repeats: int = 10
+    rounds_set: bool = False
 
 
 STABLE_CV_ENV = "PARATRAIN_STABLE_CV"  # a noisier machine's own threshold, e.g. 0.5
@@ -48,7 +51,7 @@ def default_rule() -> Stability:
         if not 1 <= k <= rule.max_repeats:
             raise ValueError(f"{STABLE_ROUNDS_ENV}={raw!r} is not a whole number from 1 to "
                              f"{rule.max_repeats}; set it to e.g. 3 or unset it")
-        rule = replace(rule, k=k)
+        rule = replace(rule, k=k, rounds_set=True)
     return rule
 
 
