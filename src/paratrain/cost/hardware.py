@@ -7,7 +7,6 @@ this machine writes a TOML/JSON file with the same keys; ``load_hardware(path)``
 from __future__ import annotations
 
 import dataclasses
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -132,27 +131,18 @@ def hardware_names() -> list[str]:
 
 def resolve_hardware(text: str) -> str:
     """The catalogue key an accelerator's name or description gives: the whole text or
-    its part before a parenthesis as a key or alias (® and ™ dropped), else the longest
-    key or alias the text contains (so "NVIDIA GB200 NVL72" is gb200, not b200, "H100
-    PCIe" h100-pcie, not h100, and torch's "NVIDIA A100-SXM4-40GB" a100-40gb). ValueError
-    when none fits."""
-    from paratrain.cost.catalogue import _norm, lookup, read_catalogue
+    its part before a parenthesis as a key, name or alias, else the longest one the text
+    contains as whole words (:func:`paratrain.cost.catalogue.named_in`: "NVIDIA GB200
+    NVL72" is gb200, not b200, "H100 PCIe" h100-pcie, not h100, torch's "NVIDIA
+    A100-SXM4-40GB" a100-40gb, "Intel® Gaudi® 3" gaudi3). ValueError when none fits."""
+    from paratrain.cost.catalogue import named_in
 
-    text = text.replace("\u00ae", "").replace("\u2122", "")  # "Intel® Gaudi® 3", "...™"
     for c in filter(None, (text, text.split("(")[0].strip())):
         try:
             return lookup(c, "hardware.toml", "hardware")[0]
         except ValueError:
             continue
-    padded, low = f"-{_norm(text)}-", text.lower()
-
-    def said(n: str) -> bool:  # the name as a whole word of the text ("h100" not in "h1000")
-        spaced = re.escape(_norm(n).replace("-", " "))
-        return f"-{_norm(n)}-" in padded or re.search(
-            rf"(?<![a-z0-9]){spaced}(?![a-z0-9])", low) is not None
-
-    named = [(len(n), key) for key, e in read_catalogue("hardware.toml").items()
-             for n in (key, *e.get("aliases", ())) if said(n)]
-    if not named:
+    key = named_in(text, "hardware.toml")
+    if key is None:
         raise ValueError(f"accelerator {text!r} is not in the hardware catalogue")
-    return max(named)[1]
+    return key
