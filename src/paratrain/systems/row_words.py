@@ -30,16 +30,14 @@ def zero_stage(text: str) -> int:
         return 0
     if "shard_grad_op" in t or "shard grad op" in t:
         return 2
-    if "zero-3" in t or "2d sharding" in t or "hsdp" in t or "zero++" in t or (
-            "fsdp" in t and "not resharded" not in t) or re.search(
-            r"(full|hybrid)[_ ]shard", t):
+    said = _STAGE.search(t)
+    stage = int(said.group(1)) if said else None
+    if stage == 3 or "2d sharding" in t or "hsdp" in t or "zero++" in t or (
+            "fsdp" in t and "not resharded" not in t) or re.search(r"(full|hybrid)[_ ]shard", t):
         return 3
-    if "zero-2" in t or "fsdp" in t:
+    if stage == 2 or "fsdp" in t:
         return 2
-    if "zero-1" in t or "distributed optimizer" in t:
-        return 1
-    m = _STAGE.search(t)
-    return int(m.group(1)) if m else 0
+    return 1 if stage == 1 or "distributed optimizer" in t else 0
 
 
 def zero_stated(text: str) -> bool:

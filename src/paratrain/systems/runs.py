@@ -187,20 +187,18 @@ def row_to_case(row: dict) -> Case:
     seq = _num(row, "seq_len", int)
     if not seq:
         raise Skip("no seq_len")
+    out: list = []
     gpus = _num(row, "num_accel", int)
-    dims = [_num(row, k, int) for k in ("TP", "PP", "DP")]
-    if not gpus and all(dims):  # the layout names every axis: its product
-        gpus = dims[0] * dims[1] * dims[2] * (_num(row, "CP", int) or 1)
-        row = {**row, "num_accel": str(gpus)}
-        said_gpus = [("num_accel", gpus, "blank: TP x PP x DP x CP")]
-    elif not gpus:
-        raise Skip("no num_accel (nor TP, PP and DP to multiply)")
-    else:
-        said_gpus = []
+    if not gpus:  # the layout's product, when it names every axis
+        tp, pp, dp = (_num(row, k, int) for k in ("TP", "PP", "DP"))
+        if not (tp and pp and dp):
+            raise Skip("no num_accel (nor TP, PP and DP to multiply)")
+        gpus = tp * pp * dp * (_num(row, "CP", int) or 1)
+        row = {**row, "num_accel": str(gpus)}  # what the reported figure is per
+        out.append(("num_accel", gpus, "blank: TP x PP x DP x CP"))
     if re.search(r"fp4|int4", (row.get("precision") or "").lower()):
         raise Skip(f"precision {row['precision'].strip()!r}: 4-bit training GEMMs are not "
                    "priced (FP8 and 16-bit are); the row is not scored")
-    out: list = [*said_gpus]
     model = row_shape(row, seq, out)
     L = model.n_layers
     hw_key, hw = _hardware(row.get("accelerator") or "")
