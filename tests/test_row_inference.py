@@ -230,8 +230,9 @@ def test_a_run_over_its_hbm_only_by_what_engines_avoid_is_priced_not_refused():
 
 def test_selective_under_an_engine_that_checkpoints_blocks_is_the_least_share_that_fits():
     # fms-fsdp's "Selective AC" wraps a share of the blocks (PyTorch FSDP1's checkpoint
-    # wrapper): Llama 2 70B at 2 x 4096 tokens per A100 keeps 196 GB without it
-    row = BY_ID["fms_llama2_70b_a100_128"]
+    # wrapper): Llama 2 70B at 2 x 4096 tokens per A100 keeps 196 GB without it (the
+    # row's MFU and HFU, which say the share themselves, taken out)
+    row = _without(BY_ID["fms_llama2_70b_a100_128"], "mfu_pct", "hfu_pct")
     case = row_to_case(row)
     assert case.engine == "fsdp" and case.plan.recompute == "full"
     mem = {m: rank_memory(case.model, dataclasses.replace(case.plan, recompute=m), case.hw,
@@ -251,6 +252,29 @@ def test_selective_under_an_engine_that_checkpoints_blocks_is_the_least_share_th
     small = row_to_case({**row, "microbatch": "1", "global_batch_seqs": "128",
                          "tokens_per_step": str(128 * 4096), "model_key": "llama2-7b"})
     assert small.plan.recompute == "none"
+
+
+def test_a_row_giving_its_mfu_and_hfu_recomputes_the_share_their_ratio_says():
+    # recomputing a block reruns its forward, a third of its FLOPs: HFU / MFU = 1 + share / 3
+    row = BY_ID["fms_llama2_34b_h100_96"]  # MFU 38%, HFU 49%: 87% of the blocks
+    case = row_to_case(row)
+    assert case.plan.recompute == "full"
+    assert case.recompute_share == pytest.approx(3 * (49 / 38 - 1))
+    (d,) = [d for d in case.defaults if d[0] == "recompute"]
+    assert d[1] == share_words(case.recompute_share) and "HFU / MFU, 49 / 38" in d[2]
+    # and the step priced with that share does the FLOPs the source counted
+    params = load_params()
+    hfu, mfu = (predict(dataclasses.replace(case, metric=m), params) for m in ("hfu", "mfu"))
+    assert hfu / mfu == pytest.approx(49 / 38)
+    # a ratio rounded past 4/3 is every block, an equal one none
+    assert row_to_case({**row, "hfu_pct": "51"}).recompute_share == 1.0
+    assert row_to_case({**row, "hfu_pct": "38"}).plan.recompute == "none"
+    # a stated mode is kept as stated: Megatron-LM's selective is its attention core
+    assert row_to_case({**row, "engine": "Megatron-LM"}).plan.recompute == "selective"
+    # one figure alone says nothing: the least share that fits the HBM
+    alone = row_to_case(_without(row, "hfu_pct"))
+    (d,) = [d for d in alone.defaults if d[0] == "recompute"]
+    assert "wraps whole blocks" in d[2] and alone.recompute_share < case.recompute_share
 
 
 @pytest.mark.parametrize("engine, zero", [("Megatron-LM", 0), ("NeMo 24.03", 1),

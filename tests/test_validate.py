@@ -55,6 +55,7 @@ def test_toy_table_prices_like_for_like_and_lists_skips(tmp_path):
     toy[2]["layers"] = ""  # cannot be priced: shape incomplete and the model is not catalogued
     toy[2]["model"] = "an uncatalogued 176B model"
     toy[1]["hfu_pct"] = ""  # only TFLOP/s (hardware FLOPs) left
+    toy[0]["tokens_per_s_per_accel"] = toy[0]["step_time_s"] = ""  # only MFU left
     res = run_validate(str(_write(tmp_path / "toy.csv", toy)), None, True, False, (), None)
     recs = {r["id"]: r for r in res["records"]}
     assert recs["dgxc_gpt3_175b_128"]["metric"] == "mfu"
@@ -66,6 +67,21 @@ def test_toy_table_prices_like_for_like_and_lists_skips(tmp_path):
     priced = [r for r in res["records"] if r["predicted"] is not None]
     mape = sum(abs(r["predicted"] - r["reported"]) / r["reported"] for r in priced) / 2 * 100
     assert res["summary"]["overall"]["mape"] == pytest.approx(mape)
+
+
+def test_a_blank_metric_scores_throughput_first():
+    # tokens/s needs neither the source's FLOP count nor the peak its MFU divides by
+    row = {**{r["id"]: r for r in read_runs()}["dgxc_gpt3_175b_128"], "metric": ""}
+    case = row_to_case(row)
+    per_token = case.model.flops_per_token(case.seq_len)
+    assert case.metric == "tflops" and case.tflops_kind == "model"
+    assert case.reported == pytest.approx(float(row["tokens_per_s_per_accel"]) * per_token / 1e12)
+    # a step time alone is throughput too, before the MFU beside it
+    timed = row_to_case({**row, "tokens_per_s_per_accel": ""})
+    assert timed.metric == "tflops" and timed.reported == pytest.approx(
+        float(row["tokens_per_step"]) / float(row["step_time_s"]) / float(row["num_accel"])
+        * per_token / 1e12)
+    assert row_to_case({**row, "tokens_per_s_per_accel": "", "step_time_s": ""}).metric == "mfu"
 
 
 def test_every_shipped_row_is_priced_and_fitted_defaults_are_good():

@@ -44,6 +44,18 @@ def least_share(none: Memory, full: Memory) -> float:
     return 1.0 if saved <= over else over / saved
 
 
+def share_from_utilisation(mfu: float | None, hfu: float | None) -> float | None:
+    """The share of blocks a run recomputes, as its own MFU and HFU say, or None when it
+    does not give both (or gives HFU below MFU). Recomputing a block reruns its forward, a
+    third of its training FLOPs, so HFU / MFU = 1 + share / 3: the convention of the
+    sources that publish both (MosaicML's full recomputation 4/3 to the digit, its runs
+    without 1, fms-fsdp's block checkpointing in between). Rounded figures (55 and 74%)
+    can say a little over 4/3: all of them."""
+    if not mfu or not hfu or hfu < mfu:
+        return None
+    return min(1.0, 3.0 * (hfu / mfu - 1.0))
+
+
 def blend(none: Breakdown, full: Breakdown, share: float) -> Breakdown:
     """The breakdown of a step that recomputes ``share`` of its blocks: each number, and
     each entry of the per-class and per-axis tables, ``(1 - share) none + share full``."""

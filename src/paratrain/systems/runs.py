@@ -9,7 +9,8 @@ sharding, recomputation), the batch, the engine that ran it, and what was report
 :func:`row_to_case` builds the model shape, hardware, :class:`~paratrain.plan.ParallelPlan`
 and batch of one row, or raises :class:`Skip` with the reason the model cannot price it
 (kept as a skipped :class:`Record`). The figure compared is the row's ``metric`` column
-if set, else the first reported of mfu, hfu, tflops, tokens/s per accelerator; tokens/s
+if set, else the first reported of tokens/s per accelerator (or a step time), mfu, hfu,
+tflops (throughput needs neither the source's FLOP count nor its peak); tokens/s
 is priced as model TFLOP/s (tokens/s x the model's FLOPs per token, the count the step
 model uses, so this compares throughput). Rows marked ``confirmed=no`` are skipped with
 that reason. Nothing is read from the free-text ``notes``: what changes a price has its
@@ -34,7 +35,11 @@ from paratrain.cost.moe_layout import default_etp
 from paratrain.cost.shapes import FLOP_COUNTS, ModelShape
 from paratrain.plan import ParallelPlan
 from paratrain.systems.overlap import ENGINES
-from paratrain.systems.partial_recompute import recompute_words
+from paratrain.systems.partial_recompute import (
+    recompute_words,
+    share_from_utilisation,
+    share_words,
+)
 from paratrain.systems.recompute_modules import modules_said
 from paratrain.systems.row_engine import (
     case_engine,
@@ -256,7 +261,8 @@ def row_to_case(row: dict) -> Case:
                 shard_group=_num(row, "shard_group", int), flops_count=count,
                 rerun=modules_said(row.get("recompute") or ""))
     words = row.get("recompute") or ""
-    stated = recompute_stated(words), offloaded(words)
+    said = _num(row, "mfu_pct"), _num(row, "hfu_pct")
+    stated = recompute_stated(words), offloaded(words), said
     try:
         return _fit_memory(case, *stated, list(out))
     except Skip:
@@ -283,10 +289,12 @@ def _least_zero(case: Case, stated: tuple, out: list) -> Case | None:
     return None
 
 
-def _fit_memory(case: Case, stated: bool, offload: bool, out: list) -> Case:
-    """The case with its recompute inferred (blank: the least that fits), or Skip when the
-    layout does not fit even with full recomputation (:mod:`paratrain.systems.
-    row_memory`: the least an engine runs it in)."""
+def _fit_memory(case: Case, stated: bool, offload: bool, said: tuple, out: list) -> Case:
+    """The case with its recompute inferred (blank: the least that fits; a row that gives
+    its MFU and HFU: the share of blocks their ratio says, :func:`paratrain.systems.
+    partial_recompute.share_from_utilisation`), or Skip when the layout does not fit even
+    with full recomputation (:mod:`paratrain.systems.row_memory`: the least an engine runs
+    it in)."""
     eng = case_engine(case)
     att = case_kernel(case)
     # the engine's "selective" is a share of whole blocks (overlap.Engine.selective_blocks)
@@ -302,7 +310,15 @@ def _fit_memory(case: Case, stated: bool, offload: bool, out: list) -> Case:
                                                                   recompute="full"))
         out.append(("recompute", "full", admitted_why(mem, offload)))
         return dataclasses.replace(case, defaults=tuple(out))
-    if not stated or blocks:
+    ratio = share_from_utilisation(*said)
+    if (not stated or blocks) and ratio is not None:
+        mode, share = ("full", ratio) if ratio > 0 else ("none", 1.0)
+        case = dataclasses.replace(case, plan=dataclasses.replace(case.plan, recompute=mode),
+                                   recompute_share=share)
+        out.append(("recompute", recompute_words(case),
+                    f"the source's HFU / MFU, {said[1]:g} / {said[0]:g} = 1 + share / 3: "
+                    f"{share_words(ratio)}"))
+    elif not stated or blocks:
         case = dataclasses.replace(case, plan=dataclasses.replace(case.plan, recompute=mode),
                                    recompute_share=share)
         what = (f"{case.engine}'s selective checkpointing wraps whole blocks: the least "
@@ -343,7 +359,9 @@ def _reported(row: dict, model: ModelShape, seq: int) -> tuple[str, str, float, 
         if not found[want]:
             raise Skip(f"metric {want!r} requested but its column is empty")
         return found[want]
-    for key in found:
+    # blank: throughput first, the one figure that needs neither the source's FLOP count
+    # nor the peak it divides by; then the utilisations and TFLOP/s, counted its way
+    for key in ("tokens", "mfu", "hfu", "tflops"):
         if found[key]:
             return found[key]
     raise Skip("reports none of MFU, HFU, TFLOP/s, tokens/s per accelerator or a step time "
