@@ -208,7 +208,7 @@ def test_validate_explain_prints_one_rows_breakdown(capsys):
     assert main(["validate", "--explain", "dgxc_gpt3_175b_128"]) == 0
     out = capsys.readouterr().out
     for part in ("GEMM mlp", "memory-bound work", "pipeline bubble",
-                 "tensor parallel (exposed)", "reported: mfu 53.5%"):
+                 "tensor parallel (exposed)", "reported: tflops 532.6 TFLOP/s"):
         assert part in out, part
     assert main(["validate", "--explain", "no_such_row"]) == 2
     assert "no_such_row" in capsys.readouterr().err
