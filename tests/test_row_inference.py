@@ -277,6 +277,28 @@ def test_a_row_giving_its_mfu_and_hfu_recomputes_the_share_their_ratio_says():
     assert "wraps whole blocks" in d[2] and alone.recompute_share < case.recompute_share
 
 
+def test_a_blank_sequence_or_batch_is_what_the_rows_other_figures_divide_to():
+    # dgxc-benchmarking's Llama 3.1 405B on 96 H100: 126 sequences of 8,192 tokens,
+    # 1,211.9 tokens/s a GPU at 8.87 s a step (rounded: 125.97 sequences)
+    row = BY_ID["dgxc_llama31_405b_96"]
+    stated = row_to_case(row)
+    for blank in (("seq_len",), ("seq_len", "tokens_per_step"),
+                  ("tokens_per_step", "global_batch_seqs")):
+        case = row_to_case({**row, **dict.fromkeys(blank, "")})
+        assert (case.seq_len, case.tokens, case.plan) == (
+            stated.seq_len, stated.tokens, stated.plan), blank
+        said = {d[0]: d for d in case.defaults}
+        col = "seq_len" if "seq_len" in blank else "global_batch_seqs"
+        assert said[col][1] == (8192 if col == "seq_len" else 126)
+        assert said[col][2].startswith("blank: ")
+    # nothing that divides to a sequence length: refused by name, not guessed
+    with pytest.raises(Skip, match="no seq_len"):
+        row_to_case({**row, "seq_len": "", "tokens_per_step": "", "step_time_s": ""})
+    with pytest.raises(Skip, match="no batch size"):
+        row_to_case({**row, "tokens_per_step": "", "global_batch_seqs": "",
+                     "step_time_s": ""})
+
+
 @pytest.mark.parametrize("engine, zero", [("Megatron-LM", 0), ("NeMo 24.03", 1),
                                           ("torchtitan", 3), ("MaxText (JAX)", 3),
                                           ("DeepSpeed", 0), ("PyTorch FSDP1", 3)])

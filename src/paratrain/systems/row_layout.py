@@ -56,15 +56,64 @@ def schedule(row: dict, pp: int, m: int, L: int, out: list) -> tuple[str, int]:
     return "1f1b", 1
 
 
-def batch(row: dict, seq: int, dp: int, pp: int, out: list) -> tuple[int, int]:
-    """(tokens per step, micro-batches per replica); a blank micro-batch is one sequence
-    under a pipeline, else the replica's whole batch (no accumulation)."""
+def _timed_tokens(row: dict, gpus: int) -> float | None:
+    """Tokens per step as a row's throughput and step time say: tokens/s per accelerator
+    x step time x accelerators (None without both figures)."""
+    tps, step = _num(row, "tokens_per_s_per_accel"), _num(row, "step_time_s")
+    return tps * step * gpus if tps and step and gpus else None
+
+
+def seq_len(row: dict, gpus: int, out: list) -> int:
+    """The sequence length: the ``seq_len`` column, else what the batch columns divide
+    to: tokens per step over sequences per step, the tokens taken from the throughput and
+    step time where the row gives no ``tokens_per_step`` (rounded figures: the nearest
+    multiple of 128, within 2%); Skip when nothing says it."""
+    seq = _num(row, "seq_len", int)
+    if seq:
+        return seq
+    seqs = _num(row, "global_batch_seqs", int)
+    tokens, how = _num(row, "tokens_per_step", int), "tokens_per_step"
+    if seqs and tokens and tokens % seqs == 0:
+        seq = tokens // seqs
+    elif seqs and not tokens and _timed_tokens(row, gpus):
+        tokens, how = _timed_tokens(row, gpus), "tokens/s x step_time_s x num_accel"
+        seq = 128 * round(tokens / seqs / 128)
+        if not seq or abs(tokens / seqs / seq - 1) > 0.02:
+            seq = 0
+    if not seq:
+        raise Skip("no seq_len (nor tokens and sequences per step that divide to one)", out)
+    out.append(("seq_len", seq, f"blank: {how} / global_batch_seqs"))
+    return seq
+
+
+def _whole_batch(seqs: float, unit: int) -> int:
+    """The batch a rounded throughput x step time stands for: the nearest number of
+    sequences that ``unit`` (replicas x micro-batch) divides, if within 2% of ``seqs``,
+    else 0. (Not the nearest power of two: dgxc-benchmarking's Llama 3.1 405B runs 126
+    and 252 sequences.)"""
+    near = unit * round(seqs / unit)
+    return near if near and abs(seqs / near - 1) <= 0.02 else 0
+
+
+def batch(row: dict, seq: int, dp: int, pp: int, out: list, gpus: int = 0
+          ) -> tuple[int, int]:
+    """(tokens per step, micro-batches per replica); a blank batch is what the row's
+    throughput and step time make (rounded figures: the nearest number of sequences that
+    the replicas and a stated micro-batch divide, within 2%); a blank micro-batch is one
+    sequence under a pipeline, else the replica's whole batch (no accumulation)."""
     tokens = _num(row, "tokens_per_step", int)
     seqs = _num(row, "global_batch_seqs", int)
     if not tokens and seqs:
         tokens = seqs * seq
+    timed = _timed_tokens(row, gpus)
+    if not tokens and timed:
+        tokens = _whole_batch(timed / seq, dp * (_num(row, "microbatch", int) or 1)) * seq
+        if tokens:
+            out.append(("global_batch_seqs", tokens // seq,
+                        "blank: tokens/s x step_time_s x num_accel / seq_len"))
     if not tokens:
-        raise Skip("no batch size (tokens_per_step or global_batch_seqs)", out)
+        raise Skip("no batch size (tokens_per_step or global_batch_seqs, or a throughput "
+                   "and step time)", out)
     seqs = tokens // seq
     if seqs % dp:
         raise Skip(f"{seqs} sequences do not split over DP {dp}", out)

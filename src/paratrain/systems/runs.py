@@ -50,7 +50,7 @@ from paratrain.systems.row_engine import (
 )
 from paratrain.systems.row_fields import Default, Skip
 from paratrain.systems.row_fields import num as _num
-from paratrain.systems.row_layout import axes, batch, schedule
+from paratrain.systems.row_layout import axes, batch, schedule, seq_len
 from paratrain.systems.row_memory import (
     BLOCK_ORDER,
     RECOMPUTE_ORDER,
@@ -189,9 +189,6 @@ def row_to_case(row: dict) -> Case:
     (:mod:`paratrain.systems.row_memory`), and a layout that cannot fit is refused."""
     if (row.get("confirmed") or "").strip().lower() == "no":
         raise Skip("confirmed=no: unverified, kept for reference")
-    seq = _num(row, "seq_len", int)
-    if not seq:
-        raise Skip("no seq_len")
     out: list = []
     gpus = _num(row, "num_accel", int)
     if not gpus:  # the layout's product, when it names every axis
@@ -201,6 +198,7 @@ def row_to_case(row: dict) -> Case:
         gpus = tp * pp * dp * (_num(row, "CP", int) or 1)
         row = {**row, "num_accel": str(gpus)}  # what the reported figure is per
         out.append(("num_accel", gpus, "blank: TP x PP x DP x CP"))
+    seq = seq_len(row, gpus, out)
     if re.search(r"fp4|int4", (row.get("precision") or "").lower()):
         raise Skip(f"precision {row['precision'].strip()!r}: 4-bit training GEMMs are not "
                    "priced (FP8 and 16-bit are); the row is not scored")
@@ -218,7 +216,7 @@ def row_to_case(row: dict) -> Case:
     if net:  # the cluster's network as the source states it, Gb/s per accelerator
         hw = dataclasses.replace(hw, inter_bw=net * 1e9 / 8)
     tp, pp, cp, ep, dp = axes(row, gpus, out)
-    tokens, m = batch(row, seq, dp, pp, out)
+    tokens, m = batch(row, seq, dp, pp, out, gpus)
     sched, v = schedule(row, pp, m, L, out)
     sharding = (row.get("zero_or_fsdp") or "").strip()
     eng, why = row_engine(row)
