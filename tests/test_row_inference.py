@@ -277,6 +277,19 @@ def test_a_row_giving_its_mfu_and_hfu_recomputes_the_share_their_ratio_says():
     assert "wraps whole blocks" in d[2] and alone.recompute_share < case.recompute_share
 
 
+def test_one_blank_axis_beside_a_stated_dp_is_what_the_others_leave():
+    row = BY_ID["dgxc_llama31_405b_576"]  # TP 8, PP 9, CP 2, DP 4 on 576 H100
+    stated = row_to_case(row)
+    for col in ("TP", "PP", "CP"):
+        case = row_to_case({**row, col: ""})
+        assert case.plan == stated.plan, col
+        (d,) = [d for d in case.defaults if d[0] == col]
+        assert d[1] == getattr(stated.plan, col.lower()) and "other axes" in d[2]
+    # two blank: which one holds the rest is not said, so each is 1 and the row refused
+    with pytest.raises(Skip, match="!= num_accel 576"):
+        row_to_case({**row, "TP": "", "CP": ""})
+
+
 def test_a_blank_sequence_or_batch_is_what_the_rows_other_figures_divide_to():
     # dgxc-benchmarking's Llama 3.1 405B on 96 H100: 126 sequences of 8,192 tokens,
     # 1,211.9 tokens/s a GPU at 8.87 s a step (rounded: 125.97 sequences)

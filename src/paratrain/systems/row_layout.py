@@ -9,15 +9,26 @@ from paratrain.systems.row_fields import num as _num
 
 
 def axes(row: dict, gpus: int, out: list) -> tuple[int, int, int, int, int]:
-    """(tp, pp, cp, ep, dp): a blank axis is 1, a blank DP what the others leave."""
+    """(tp, pp, cp, ep, dp): a blank axis is 1, a blank DP what the others leave; with DP
+    stated and one of TP, PP and CP blank, that one is what the others leave of the
+    accelerators (more than one blank: each 1, and a product short of them refused)."""
     axes = {}
+    dp = _num(row, "DP", int)
+    blank = [c for c in ("TP", "PP", "CP") if not _num(row, c, int)]
+    stated = dp or 0
+    for col in ("TP", "PP", "CP"):
+        stated *= _num(row, col, int) or 1
     for col in ("TP", "PP", "CP", "EP"):
         axes[col] = _num(row, col, int)
-        if not axes[col]:
+        if axes[col]:
+            continue
+        if dp and blank == [col] and stated and gpus % stated == 0 and gpus > stated:
+            axes[col] = gpus // stated
+            out.append((col, axes[col], "blank: num_accel / the other axes (DP stated)"))
+        else:
             axes[col] = 1
             out.append((col, 1, "blank: no parallelism on this axis"))
     tp, pp, cp, ep = axes["TP"], axes["PP"], axes["CP"], axes["EP"]
-    dp = _num(row, "DP", int)
     if not dp:
         try:
             dp = infer_dp({"tp": tp, "pp": pp, "cp": cp}, gpus, "num_accel")["dp"]
