@@ -290,6 +290,21 @@ def test_one_blank_axis_beside_a_stated_dp_is_what_the_others_leave():
         row_to_case({**row, "TP": "", "CP": ""})
 
 
+def test_a_blank_ep_of_a_moe_model_spans_the_data_ranks_the_experts_allow():
+    # gpt-oss-120b (128 experts) on 64 GB200 ran EP 64 = DP: blank, it is read back
+    row = BY_ID["mb2511_gptoss_120b_gb200_bf16_64"]
+    case = row_to_case({**row, "EP": ""})
+    assert case.plan == row_to_case(row).plan and case.plan.ep == 64
+    (d,) = [d for d in case.defaults if d[0] == "EP"]
+    assert d[1] == 64 and "experts" in d[2]
+    # Mixtral 8x7B over 256 data ranks: no more than its 8 experts
+    mixtral = BY_ID["tpur_v6e_mixtral_8x7b_256"]
+    assert row_to_case({**mixtral, "EP": ""}).plan.ep == 8
+    assert row_to_case(mixtral).plan.ep == 1  # stated: kept
+    # a dense model's blank EP is no expert parallelism
+    assert row_to_case({**BY_ID["dgxc_llama31_405b_96"], "EP": ""}).plan.ep == 1
+
+
 def test_a_blank_sequence_or_batch_is_what_the_rows_other_figures_divide_to():
     # dgxc-benchmarking's Llama 3.1 405B on 96 H100: 126 sequences of 8,192 tokens,
     # 1,211.9 tokens/s a GPU at 8.87 s a step (rounded: 125.97 sequences)
