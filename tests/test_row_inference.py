@@ -305,6 +305,22 @@ def test_a_blank_ep_of_a_moe_model_spans_the_data_ranks_the_experts_allow():
     assert row_to_case({**BY_ID["dgxc_llama31_405b_96"], "EP": ""}).plan.ep == 1
 
 
+def test_a_blank_mlp_width_follows_the_mlp_the_row_names():
+    # GPT-530B's shape columns without ffn_hidden and mlp: GPT's two-matrix MLP at 4 x hidden
+    row = BY_ID["megascale_530b_megatronlm_2240"]
+    assert not row["ffn_hidden"] and not row["mlp"]
+    gpt = row_to_case(row).model
+    assert (gpt.mlp, gpt.d_ff) == ("gelu", 4 * gpt.d_model)
+    # a gated MLP named without its width: LLaMA's 2/3 of 4 x hidden, up to 256
+    llama = row_to_case({**row, "mlp": "swiglu"})
+    assert llama.model.mlp == "swiglu" and llama.model.d_ff == 54784  # 2/3 of 81,920: 54,613
+    (d,) = [d for d in llama.defaults if d[0] == "ffn_hidden"]
+    assert d[1] == llama.model.d_ff and "LLaMA" in d[2]
+    # a width stated as 4 x hidden with no mlp named is GPT's; any other, gated
+    assert row_to_case({**row, "ffn_hidden": str(4 * 20480)}).model.mlp == "gelu"
+    assert row_to_case({**row, "ffn_hidden": "54784"}).model.mlp == "swiglu"
+
+
 def test_a_blank_sequence_or_batch_is_what_the_rows_other_figures_divide_to():
     # dgxc-benchmarking's Llama 3.1 405B on 96 H100: 126 sequences of 8,192 tokens,
     # 1,211.9 tokens/s a GPU at 8.87 s a step (rounded: 125.97 sequences)

@@ -121,9 +121,11 @@ def row_shape(row: dict, seq: int, defaults: list | None = None) -> ModelShape:
                        f"{row.get('model') or rid!r} is not in the model catalogue; fill the "
                        "shape columns or set model_key")
         ffn, kv = _num(row, "ffn_hidden", int), _num(row, "kv_heads", int)
-        style = {"mlp": "gelu" if ffn == 4 * h else "swiglu",
-                 "tie_embeddings": "palm" in (row.get("model") or "").lower()}
-        blank = [("ffn_hidden", 4 * h, "blank: 4 x hidden, GPT's MLP") if not ffn else None,
+        gated = _style(row).get("mlp", "gelu" if not ffn or ffn == 4 * h else "swiglu")
+        style = {"mlp": gated, "tie_embeddings": "palm" in (row.get("model") or "").lower()}
+        blank = [(("ffn_hidden", 4 * h, "blank: 4 x hidden, GPT's MLP") if gated == "gelu"
+                  else ("ffn_hidden", _llama_ffn(h), "blank with a gated MLP: LLaMA's 2/3 of "
+                        "4 x hidden, up to a multiple of 256")) if not ffn else None,
                  ("vocab", 51200, "blank: GPT-2's, padded as Megatron-LM pads it")
                  if not _num(row, "vocab", int) else None,
                  ("kv_heads", heads, "blank: multi-head attention") if not kv else None,
@@ -134,7 +136,8 @@ def row_shape(row: dict, seq: int, defaults: list | None = None) -> ModelShape:
         out.extend(d for d in blank if d)
         return _check_moe_layers(row, ModelShape(
             name=row.get("model") or rid, n_layers=L, d_model=h, n_heads=heads,
-            n_kv_heads=kv if kv and kv != heads else None, d_ff=ffn or 4 * h,
+            n_kv_heads=kv if kv and kv != heads else None,
+            d_ff=ffn or (4 * h if gated == "gelu" else _llama_ffn(h)),
             vocab_size=_num(row, "vocab", int) or 51200, context=seq,
             head_size=_num(row, "head_dim", int), **{**style, **_style(row)},
             **_moe_fields(row, L)))
@@ -142,9 +145,16 @@ def row_shape(row: dict, seq: int, defaults: list | None = None) -> ModelShape:
         raise Skip(f"model shape invalid: {e}") from None
 
 
+def _llama_ffn(h: int) -> int:
+    """A gated MLP's width when a row gives none: LLaMA's 2/3 of GPT's 4 x hidden (three
+    matrices holding GPT's two matrices' parameters), rounded up to a multiple of 256
+    (Touvron et al. 2023: 4,096 -> 11,008, 5,120 -> 13,824, 8,192 -> 22,016)."""
+    return 256 * -(-(8 * h // 3) // 256)
+
+
 # style columns left blank on a shape-column row -> (column, ModelShape field, why)
 _STYLE_DEFAULTS = (
-    ("mlp", "mlp", "blank: gelu where ffn_hidden is stated as 4 x hidden, else swiglu"),
+    ("mlp", "mlp", "blank: gelu where ffn_hidden is blank or 4 x hidden, else swiglu"),
     ("tied", "tie_embeddings", "blank: tied for PaLM (its model text), else not"))
 
 
