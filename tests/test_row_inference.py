@@ -321,6 +321,20 @@ def test_a_blank_mlp_width_follows_the_mlp_the_row_names():
     assert row_to_case({**row, "ffn_hidden": "54784"}).model.mlp == "swiglu"
 
 
+def test_a_blank_mlp_width_is_what_the_rows_parameter_count_gives():
+    # PaLM 540B: 118 layers of 18,432, SwiGLU; LLaMA's default width would make 380B
+    row = {**BY_ID["palm_540b"], "ffn_hidden": ""}
+    case = row_to_case(row)
+    assert case.model.d_ff == 73728 and case.model.num_params() == pytest.approx(540.35e9,
+                                                                                 rel=2e-3)
+    (d,) = [d for d in case.defaults if d[0] == "ffn_hidden"]
+    assert "params_B (540.35B)" in d[2] and "380.0B" in d[2]
+    # a count the default already matches, or none given, leaves the default
+    assert row_to_case({**row, "params_B": ""}).model.d_ff == 49152
+    gpt = BY_ID["megascale_530b_megatronlm_2240"]  # 530B at GPT's 4 x 20,480
+    assert row_to_case(gpt).model.d_ff == 81920
+
+
 def test_a_blank_sequence_or_batch_is_what_the_rows_other_figures_divide_to():
     # dgxc-benchmarking's Llama 3.1 405B on 96 H100: 126 sequences of 8,192 tokens,
     # 1,211.9 tokens/s a GPU at 8.87 s a step (rounded: 125.97 sequences)

@@ -133,16 +133,41 @@ def row_shape(row: dict, seq: int, defaults: list | None = None) -> ModelShape:
                  if not _num(row, "head_dim", int) else None]
         blank += [(col, style[f], why) for col, f, why in _STYLE_DEFAULTS
                   if not (row.get(col) or "").strip()]
-        out.extend(d for d in blank if d)
-        return _check_moe_layers(row, ModelShape(
+        shape = ModelShape(
             name=row.get("model") or rid, n_layers=L, d_model=h, n_heads=heads,
             n_kv_heads=kv if kv and kv != heads else None,
             d_ff=ffn or (4 * h if gated == "gelu" else _llama_ffn(h)),
             vocab_size=_num(row, "vocab", int) or 51200, context=seq,
             head_size=_num(row, "head_dim", int), **{**style, **_style(row)},
-            **_moe_fields(row, L)))
+            **_moe_fields(row, L))
+        if not ffn:
+            shape, blank[0] = _ffn_from_count(shape, _num(row, "params_B"), blank[0])
+        out.extend(d for d in blank if d)
+        return _check_moe_layers(row, shape)
     except (ValueError, TypeError) as e:
         raise Skip(f"model shape invalid: {e}") from None
+
+
+def _ffn_from_count(shape: ModelShape, params_b: float | None, said: tuple
+                    ) -> tuple[ModelShape, tuple]:
+    """A dense shape whose MLP width the row leaves blank but whose parameter count
+    (``params_B``) it gives: the width that count implies (the count is linear in it),
+    to a multiple of 128, where the default's count is more than 3% off and the implied
+    width is a plausible one (1 to 8 x hidden); else the default, as it was."""
+    if not params_b or shape.is_moe:
+        return shape, said
+    want, h = params_b * 1e9, shape.d_model
+    a = shape.num_params()
+    b = dataclasses.replace(shape, d_ff=shape.d_ff + 128).num_params()
+    if abs(a / want - 1) <= 0.03 or b == a:
+        return shape, said
+    width = shape.d_ff + 128 * round((want - a) / (b - a))
+    if not h <= width <= 8 * h:
+        return shape, said
+    return dataclasses.replace(shape, d_ff=width), (
+        "ffn_hidden", width, f"blank: the width its params_B ({params_b:g}B) gives with "
+                             f"this shape and {shape.mlp} MLP ({said[1]} would give "
+                             f"{a / 1e9:,.1f}B)")
 
 
 def _llama_ffn(h: int) -> int:
