@@ -3,22 +3,27 @@ blank filled in and listed as a default (column, value, why); docs/runs.md."""
 
 from __future__ import annotations
 
+import math
+
 from paratrain.plan import SCHEDULES, infer_dp
 from paratrain.systems.row_fields import Skip
 from paratrain.systems.row_fields import num as _num
 
 
-def axes(row: dict, gpus: int, out: list) -> tuple[int, int, int, int, int]:
+def axes(row: dict, gpus: int, out: list, experts: int = 0
+         ) -> tuple[int, int, int, int, int]:
     """(tp, pp, cp, ep, dp): a blank axis is 1, a blank DP what the others leave; with DP
     stated and one of TP, PP and CP blank, that one is what the others leave of the
-    accelerators (more than one blank: each 1, and a product short of them refused)."""
-    axes = {}
+    accelerators (more than one blank: each 1, and a product short of them refused); a
+    blank EP of a model with ``experts`` the largest size DP x CP and the experts both
+    divide, as most MoE recipes run it (1 would keep every expert on every rank)."""
     dp = _num(row, "DP", int)
     blank = [c for c in ("TP", "PP", "CP") if not _num(row, c, int)]
     stated = dp or 0
     for col in ("TP", "PP", "CP"):
         stated *= _num(row, col, int) or 1
-    for col in ("TP", "PP", "CP", "EP"):
+    axes = {}
+    for col in ("TP", "PP", "CP"):
         axes[col] = _num(row, col, int)
         if axes[col]:
             continue
@@ -28,7 +33,7 @@ def axes(row: dict, gpus: int, out: list) -> tuple[int, int, int, int, int]:
         else:
             axes[col] = 1
             out.append((col, 1, "blank: no parallelism on this axis"))
-    tp, pp, cp, ep = axes["TP"], axes["PP"], axes["CP"], axes["EP"]
+    tp, pp, cp = axes["TP"], axes["PP"], axes["CP"]
     if not dp:
         try:
             dp = infer_dp({"tp": tp, "pp": pp, "cp": cp}, gpus, "num_accel")["dp"]
@@ -37,6 +42,14 @@ def axes(row: dict, gpus: int, out: list) -> tuple[int, int, int, int, int]:
         out.append(("DP", dp, "blank: num_accel / (TP x PP x CP)"))
     if tp * pp * dp * cp != gpus:
         raise Skip(f"TP*PP*DP*CP = {tp * pp * dp * cp} != num_accel {gpus}", out)
+    ep = _num(row, "EP", int)
+    if not ep and experts > 1:
+        ep = math.gcd(experts, dp * cp)
+        out.append(("EP", ep, "blank with experts: the largest size DP x CP and the experts "
+                              "both divide (EP over the data ranks)"))
+    elif not ep:
+        ep = 1
+        out.append(("EP", 1, "blank: no parallelism on this axis"))
     return tp, pp, cp, ep, dp
 
 

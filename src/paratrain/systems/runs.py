@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import csv
 import dataclasses
-import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -216,12 +215,7 @@ def row_to_case(row: dict) -> Case:
     net = _num(row, "inter_gbps")
     if net:  # the cluster's network as the source states it, Gb/s per accelerator
         hw = dataclasses.replace(hw, inter_bw=net * 1e9 / 8)
-    tp, pp, cp, ep, dp = axes(row, gpus, out)
-    if model.experts > 1 and not _num(row, "EP", int):
-        ep = math.gcd(model.experts, dp * cp)
-        out[:] = [d for d in out if d[0] != "EP"] + [
-            ("EP", ep, "blank with experts: the most the data ranks and the experts both "
-                       "divide (EP over all of DP x CP, as most MoE recipes run it)")]
+    tp, pp, cp, ep, dp = axes(row, gpus, out, model.experts)
     tokens, m = batch(row, seq, dp, pp, out, gpus)
     sched, v = schedule(row, pp, m, L, out)
     sharding = (row.get("zero_or_fsdp") or "").strip()
