@@ -376,6 +376,30 @@ def test_zero_stage_words():
     assert not zero_stated("") and not zero_stated("not stated")
 
 
+def test_precision_words():
+    """The precision cell as Transformer Engine, torchao / torchtitan ("float8"), MaxText
+    (AQT int8) and PyTorch write it: torchtitan's float8 runs had been priced in BF16."""
+    from paratrain.systems.row_engine import eight_bit, fp8_scaling
+    from paratrain.systems.row_words import eight_bit_said, four_bit_said, fp16_said
+
+    for words in ("FP8", "fp8-hybrid", "MXFP8", "Float8", "float8 tensorwise", "e4m3",
+                  "8-bit floating point", "int8 (AQT)"):
+        assert eight_bit_said(words), words
+    for words in ("bf16", "bfloat16", "bf16 with 8-bit Adam", "fp16 mixed", ""):
+        assert not eight_bit_said(words), words
+    assert four_bit_said("NVFP4") and four_bit_said("float4") and not four_bit_said("fp8")
+    assert fp16_said("fp16 mixed") and fp16_said("torch.float16") and fp16_said("half precision")
+    assert not fp16_said("bf16 (weight_dtype bfloat16)")
+    # a torchtitan row that says float8 runs its linear layers at the 8-bit peak, rowwise
+    # where it says so; a bf16 run on the same row at the 16-bit one
+    row = BY_ID["ao_llama3_8b_h100_8_rw"]
+    case = row_to_case({**row, "precision": "float8 rowwise"})
+    assert eight_bit(case) and fp8_scaling(case) == "rowwise"
+    assert not eight_bit(row_to_case({**row, "precision": "bf16"}))
+    with pytest.raises(Skip, match="4-bit"):
+        row_to_case({**row, "precision": "NVFP4"})
+
+
 def test_a_named_recompute_module_reruns_what_it_holds_and_nothing_else():
     """Megatron-Core's selective recompute of modules "layernorm, moe" reruns the MoE
     layer's forward (its GEMMs and all-to-alls), not the attention core: at 128K tokens,

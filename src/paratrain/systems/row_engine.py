@@ -34,6 +34,7 @@ from dataclasses import replace
 from paratrain.systems.gemm import family
 from paratrain.systems.graph_scopes import SCOPES, scopes_said, unknown_scopes
 from paratrain.systems.overlap import DEFAULT_ENGINE, ENGINES, Engine, engine, named_engine
+from paratrain.systems.row_words import eight_bit_said, fp16_said
 
 COLUMNS = ("engine", "accelerator", "zero_or_fsdp", "precision", "model", "source")
 # words that name a technique, not a stack, per column -> the engine that calls it so
@@ -150,7 +151,7 @@ def case_attention(case) -> str | None:
     default is eager (DeepSpeed's, :data:`paratrain.systems.overlap.ENGINES`) but the
     chip came after it (:func:`pre_flash`) and the row names no kernel of its own."""
     if pre_flash(case):
-        return "eager" if precision_says(case, "fp16") else None
+        return "eager" if fp16_said(getattr(case, "precision", "")) else None
     if "attention" in dict(getattr(case, "engine_options", ())):
         return None  # the row's own words
     return "flash" if case_engine(case).attention == "eager" else None
@@ -166,7 +167,7 @@ def eight_bit(case) -> bool:
     """Whether a case's linear layers multiply in 8 bits: FP8 on GPUs, int8 on TPUs
     (MaxText's AQT ``quantization: int8``), priced alike at the chip's 8-bit peak
     (``Hardware.peak_flops_fp8``) with its casts (:mod:`paratrain.systems.layer_cost`)."""
-    return precision_says(case, "fp8") or precision_says(case, "int8")
+    return eight_bit_said(getattr(case, "precision", "") or "")
 
 
 def fp8_scaling(case) -> bool | str:
@@ -191,6 +192,6 @@ def case_engine(case) -> Engine:
     DeepSpeed's BF16 optimizer's)."""
     eng = replace(engine(getattr(case, "engine", None)),
                   **dict(getattr(case, "engine_options", ())))
-    if precision_says(case, "fp16"):
+    if fp16_said(getattr(case, "precision", "")):
         return replace(eng, hp_grad_bytes=0.0)
     return eng

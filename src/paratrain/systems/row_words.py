@@ -1,6 +1,7 @@
 """What a runs-table row's free-text cells say about its layout: the ZeRO stage its
-sharding cell names (:func:`zero_stage`) and the recomputation its recompute cell names
-(:func:`recompute_mode`, :func:`recompute_stated`).
+sharding cell names (:func:`zero_stage`), the recomputation its recompute cell names
+(:func:`recompute_mode`, :func:`recompute_stated`) and the numbers its precision cell
+names (:func:`fp16_said`, :func:`eight_bit_said`, :func:`four_bit_said`).
 
 A published run names these as its framework does: DeepSpeed's "ZeRO stage 2" or
 ``zero_stage: 3``, PyTorch FSDP's ``FULL_SHARD`` / ``SHARD_GRAD_OP`` / ``HYBRID_SHARD`` /
@@ -73,3 +74,30 @@ def recompute_stated(text: str) -> bool:
     t = text.lower().strip()
     return (t.startswith("none") or t.startswith("no ") or t in _OFF
             or recompute_mode(t) != "none")
+
+
+# 8-bit linear layers as sources write them: Transformer Engine's "FP8" (E4M3 / E5M2
+# operands, "fp8-hybrid", MXFP8), torchao's and torchtitan's "float8" (a converter of
+# that name), "8-bit floating point", MaxText's AQT "int8"; not an "8-bit Adam", which is
+# the optimizer's states
+_EIGHT_BIT = re.compile(r"fp8|float[\s_-]?8|e4m3|e5m2|int8|8[\s-]?bit float")
+_FOUR_BIT = re.compile(r"fp4|float[\s_-]?4|int4|4[\s-]?bit float")
+
+
+# 16-bit floats of the fp16 kind: "fp16", "float16" (not bfloat16), "half precision"
+_FP16 = re.compile(r"fp16|(?<![a-z])float[\s_-]?16|half[\s-]?precision")
+
+
+def fp16_said(text: str) -> bool:
+    """Whether a precision cell says fp16 (not bf16): an fp16 run's era and optimizer."""
+    return bool(_FP16.search((text or "").lower()))
+
+
+def eight_bit_said(text: str) -> bool:
+    """Whether a precision cell says the linear layers multiply in 8 bits."""
+    return bool(_EIGHT_BIT.search((text or "").lower()))
+
+
+def four_bit_said(text: str) -> bool:
+    """Whether a precision cell says 4-bit GEMMs (NVFP4, MXFP4, int4)."""
+    return bool(_FOUR_BIT.search((text or "").lower()))

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import csv
 import dataclasses
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -67,6 +66,8 @@ from paratrain.systems.row_shape import (  # noqa: F401 - the table's readers, r
     row_shape,
 )
 from paratrain.systems.row_words import (
+    eight_bit_said,
+    four_bit_said,
     recompute_mode,
     recompute_stated,
     zero_stage,
@@ -199,13 +200,13 @@ def row_to_case(row: dict) -> Case:
         row = {**row, "num_accel": str(gpus)}  # what the reported figure is per
         out.append(("num_accel", gpus, "blank: TP x PP x DP x CP"))
     seq = seq_len(row, gpus, out)
-    if re.search(r"fp4|int4", (row.get("precision") or "").lower()):
+    if four_bit_said(row.get("precision") or ""):
         raise Skip(f"precision {row['precision'].strip()!r}: 4-bit training GEMMs are not "
                    "priced (FP8 and 16-bit are); the row is not scored")
     model = row_shape(row, seq, out)
     L = model.n_layers
     hw_key, hw = _hardware(row.get("accelerator") or "")
-    if re.search(r"fp8|int8", (row.get("precision") or "").lower()) and not hw.peak_flops_fp8:
+    if eight_bit_said(row.get("precision") or "") and not hw.peak_flops_fp8:
         raise Skip(f"precision {row['precision'].strip()!r} on {hw.name}: the chip has no "
                    "8-bit matmul peak in the catalogue (no FP8 tensor cores); the row is "
                    "not scored")
