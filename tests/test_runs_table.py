@@ -376,7 +376,7 @@ def test_zero_stage_words():
     assert not zero_stated("") and not zero_stated("not stated")
 
 
-def test_precision_words():
+def test_precision_and_flop_kind_words():
     """The precision cell as Transformer Engine, torchao / torchtitan ("float8"), MaxText
     (AQT int8) and PyTorch write it: torchtitan's float8 runs had been priced in BF16."""
     from paratrain.systems.row_engine import eight_bit, fp8_scaling
@@ -390,6 +390,13 @@ def test_precision_words():
     assert four_bit_said("NVFP4") and four_bit_said("float4") and not four_bit_said("fp8")
     assert fp16_said("fp16 mixed") and fp16_said("torch.float16") and fp16_said("half precision")
     assert not fp16_said("bf16 (weight_dtype bfloat16)")
+    from paratrain.systems.row_words import hardware_flops_said
+
+    for words, hw in (("hardware-like: eq.(3) ... includes recompute forward", True),
+                      ("HFU", True), ("incl. recompute", True), ("model", False),
+                      ("including activation recomputation", True), ("not stated", False),
+                      ("model (excluding recompute)", False), ("model (MFU basis)", False)):
+        assert hardware_flops_said(words) == hw, words
     # a torchtitan row that says float8 runs its linear layers at the 8-bit peak, rowwise
     # where it says so; a bf16 run on the same row at the 16-bit one
     row = BY_ID["ao_llama3_8b_h100_8_rw"]

@@ -101,3 +101,13 @@ def eight_bit_said(text: str) -> bool:
 def four_bit_said(text: str) -> bool:
     """Whether a precision cell says 4-bit GEMMs (NVFP4, MXFP4, int4)."""
     return bool(_FOUR_BIT.search((text or "").lower()))
+
+
+# a TFLOP/s figure that counts the recomputed forward too: "hardware", "HFU", "incl.
+# recompute", "including activation recomputation" (not "excluding recompute")
+_HARDWARE = re.compile(r"hardware|\bhfu\b|\bincl\w*\.?\s+(?:the\s+)?(?:activation\s+)?recomput")
+
+
+def hardware_flops_said(text: str) -> bool:
+    """Whether a ``tflops_kind`` cell says the figure counts hardware FLOPs."""
+    return bool(_HARDWARE.search((text or "").lower()))

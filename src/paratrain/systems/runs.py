@@ -68,6 +68,7 @@ from paratrain.systems.row_shape import (  # noqa: F401 - the table's readers, r
 from paratrain.systems.row_words import (
     eight_bit_said,
     four_bit_said,
+    hardware_flops_said,
     recompute_mode,
     recompute_stated,
     zero_stage,
@@ -336,7 +337,7 @@ def _reported(row: dict, model: ModelShape, seq: int) -> tuple[str, str, float, 
     time (``step``) is a tokens row at its tokens per step over the step and the GPUs."""
     mfu, hfu = _num(row, "mfu_pct"), _num(row, "hfu_pct")
     tfl, tps = _num(row, "tflops_per_accel_reported"), _num(row, "tokens_per_s_per_accel")
-    kind = "hardware" if "hardware" in (row.get("tflops_kind") or "").lower() else "model"
+    kind = "hardware" if hardware_flops_said(row.get("tflops_kind") or "") else "model"
     count = (row.get("flops_count") or "").strip()
     if count and count not in FLOP_COUNTS:
         raise Skip(f"flops_count {count!r} is unknown; use one of {', '.join(FLOP_COUNTS)}")
