@@ -407,6 +407,28 @@ def test_precision_and_flop_kind_words():
         row_to_case({**row, "precision": "NVFP4"})
 
 
+def test_schedule_words():
+    """The schedule cell as Megatron, torchtitan, the zero-bubble paper and DeepSeek name
+    theirs; 1F1B beside a vpp > 1 is Megatron's interleaved 1F1B; a V-shaped schedule
+    without a vpp runs its two chunks a rank."""
+    from paratrain.systems.row_words import schedule_said
+
+    for words, name in (("Interleaved 1F1B", "interleaved"), ("virtual pipeline", "interleaved"),
+                        ("VPP", "interleaved"), ("LoopedBFS", "interleaved"),
+                        ("zero bubble", "zb-h1"), ("ZB-H1", "zb-h1"), ("ZB-V", "zb-v"),
+                        ("DualPipe", "dualpipev"), ("PipeDream-Flush", "1f1b"),
+                        ("1F1B", "1f1b"), ("GPipe", "gpipe"), ("chimera", None)):
+        assert schedule_said(words) == name, words
+    row = BY_ID["dgxc_llama31_405b_576"]  # PP 9 with 7 virtual stages a rank
+    stated = row_to_case(row).plan
+    assert row_to_case({**row, "schedule": "1F1B"}).plan == stated
+    assert row_to_case({**row, "schedule": "Interleaved 1F1B"}).plan == stated
+    v = row_to_case({**row, "schedule": "DualPipe", "vpp": ""}).plan
+    assert (v.schedule, v.virtual_stages) == ("dualpipev", 2)
+    with pytest.raises(Skip, match="schedule 'chimera' is unknown"):
+        row_to_case({**row, "schedule": "chimera"})
+
+
 def test_a_named_recompute_module_reruns_what_it_holds_and_nothing_else():
     """Megatron-Core's selective recompute of modules "layernorm, moe" reruns the MoE
     layer's forward (its GEMMs and all-to-alls), not the attention core: at 128K tokens,

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import math
 
-from paratrain.plan import SCHEDULES, infer_dp
+from paratrain.plan import SCHEDULES, V_SHAPED, infer_dp
 from paratrain.systems.row_fields import Skip
 from paratrain.systems.row_fields import num as _num
+from paratrain.systems.row_words import schedule_said
 
 
 def axes(row: dict, gpus: int, out: list, experts: int = 0
@@ -57,17 +58,28 @@ def schedule(row: dict, pp: int, m: int, L: int, out: list) -> tuple[str, int]:
     """(schedule, virtual stages) from the ``schedule`` and ``vpp`` columns. Interleaving
     named without its depth: one block per virtual stage as far as the layers allow (Llama
     3's paper: a first chunk holding only the embedding); a vpp > 1 alone means
-    interleaving. A schedule the layout cannot run falls back to 1F1B, said so."""
-    named = (row.get("schedule") or "").strip().lower()
+    interleaving, and 1F1B with a vpp > 1 is Megatron's interleaved 1F1B. The cell is read
+    as sources write it (:func:`paratrain.systems.row_words.schedule_said`: "Interleaved
+    1F1B", "zero bubble", "DualPipe", "PipeDream-Flush", ...). A schedule the layout
+    cannot run falls back to 1F1B, said so."""
+    cell = (row.get("schedule") or "").strip()
+    named = schedule_said(cell) if cell else ""
     v = _num(row, "vpp", int)
-    if named and named not in SCHEDULES:
-        raise Skip(f"schedule {named!r} is unknown; use one of {', '.join(SCHEDULES)}", out)
+    if named is None:
+        raise Skip(f"schedule {cell.lower()!r} is unknown; use one of {', '.join(SCHEDULES)}",
+                   out)
     if pp == 1:
         return "1f1b", 1
+    if named == "1f1b" and v and v > 1:
+        named = "interleaved"
+        out.append(("schedule", named, f"{cell!r} with vpp {v}: Megatron's interleaved 1F1B"))
     if not named:
         named = "interleaved" if v and v > 1 else "1f1b"
         out.append(("schedule", named, "blank: vpp > 1 means interleaved" if v and v > 1
                     else "blank: 1F1B, Megatron-LM's default"))
+    if named in V_SHAPED and not v:
+        v = 2
+        out.append(("vpp", v, f"blank with schedule {named}: two chunks a rank, in a V"))
     if named != "interleaved":
         return named, v or 1
     if not v:

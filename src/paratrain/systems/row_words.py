@@ -111,3 +111,26 @@ _HARDWARE = re.compile(r"hardware|\bhfu\b|\bincl\w*\.?\s+(?:the\s+)?(?:activatio
 def hardware_flops_said(text: str) -> bool:
     """Whether a ``tflops_kind`` cell says the figure counts hardware FLOPs."""
     return bool(_HARDWARE.search((text or "").lower()))
+
+
+# pipeline schedules as papers and frameworks name them -> paratrain.plan.SCHEDULES
+# (first match wins): Megatron's "interleaved 1F1B" / virtual pipeline, torchtitan's
+# "Interleaved1F1B" and "LoopedBFS" (virtual stages too), Qi et al.'s zero-bubble
+# schedules, DeepSeek's DualPipe (its V-shaped variant the one paratrain runs), GPipe's
+# fill-drain, PipeDream-Flush (1F1B)
+_SCHEDULE_WORDS = (("zb-v", "zb-v"), ("zbv", "zb-v"), ("zero bubble v", "zb-v"),
+                   ("zero-bubble v", "zb-v"), ("dualpipe", "dualpipev"),
+                   ("zb-h1", "zb-h1"), ("zb h1", "zb-h1"), ("zbh1", "zb-h1"),
+                   ("zero bubble", "zb-h1"), ("zero-bubble", "zb-h1"),
+                   ("interleav", "interleaved"), ("virtual", "interleaved"),
+                   ("vpp", "interleaved"), ("looped", "interleaved"),
+                   ("breadth", "interleaved"), ("gpipe", "gpipe"), ("fill-drain", "gpipe"),
+                   ("fill drain", "gpipe"), ("1f1b", "1f1b"), ("pipedream", "1f1b"),
+                   ("one-forward-one-backward", "1f1b"))
+
+
+def schedule_said(text: str) -> str | None:
+    """The pipeline schedule a ``schedule`` cell names (:data:`paratrain.plan.SCHEDULES`),
+    or None when it names none of them."""
+    low = (text or "").strip().lower()
+    return next((name for word, name in _SCHEDULE_WORDS if word in low), None)
