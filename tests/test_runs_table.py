@@ -407,6 +407,22 @@ def test_precision_and_flop_kind_words():
         row_to_case({**row, "precision": "NVFP4"})
 
 
+def test_metric_words():
+    """The metric cell as sources label their columns; a word naming no figure refused."""
+    from paratrain.systems.row_words import metric_said
+
+    for words, key in (("MFU", "mfu"), ("HFU (%)", "hfu"), ("tokens/s/GPU", "tokens"),
+                       ("throughput", "tokens"), ("TFLOP/s per GPU", "tflops"),
+                       ("step time (s)", "step"), ("accuracy", None)):
+        assert metric_said(words) == key, words
+    row = BY_ID["dgxc_gpt3_175b_128"]
+    assert row_to_case({**row, "metric": "Tokens/s/GPU"}).reported == pytest.approx(
+        row_to_case({**row, "metric": "tokens"}).reported)
+    assert row_to_case({**row, "metric": "MFU"}).metric == "mfu"
+    with pytest.raises(Skip, match="metric 'accuracy' is unknown"):
+        row_to_case({**row, "metric": "accuracy"})
+
+
 def test_schedule_words():
     """The schedule cell as Megatron, torchtitan, the zero-bubble paper and DeepSeek name
     theirs; 1F1B beside a vpp > 1 is Megatron's interleaved 1F1B; a V-shaped schedule

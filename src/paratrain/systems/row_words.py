@@ -134,3 +134,16 @@ def schedule_said(text: str) -> str | None:
     or None when it names none of them."""
     low = (text or "").strip().lower()
     return next((name for word, name in _SCHEDULE_WORDS if word in low), None)
+
+
+# a metric cell's words -> the figure it names (runs.py's keys; first match wins)
+_METRIC_WORDS = (("hfu", "hfu"), ("mfu", "mfu"), ("tflop", "tflops"), ("step", "step"),
+                 ("token", "tokens"), ("tok/s", "tokens"), ("throughput", "tokens"),
+                 ("tps", "tokens"))
+
+
+def metric_said(text: str) -> str | None:
+    """The reported figure a ``metric`` cell names ("MFU", "tokens/s/GPU", "TFLOP/s per
+    GPU", "step time", ...), or None when it names none."""
+    low = (text or "").strip().lower()
+    return next((key for word, key in _METRIC_WORDS if word in low), None)

@@ -69,6 +69,7 @@ from paratrain.systems.row_words import (
     eight_bit_said,
     four_bit_said,
     hardware_flops_said,
+    metric_said,
     recompute_mode,
     recompute_stated,
     zero_stage,
@@ -352,10 +353,11 @@ def _reported(row: dict, model: ModelShape, seq: int) -> tuple[str, str, float, 
              "tokens": tps and ("tflops", "model", tps * model.flops_per_token(seq) / 1e12,
                                 "6N")}
     found["step"] = found["tokens"] if timed else None
-    want = (row.get("metric") or "").strip().lower()
-    if want:
+    cell = (row.get("metric") or "").strip()
+    want = metric_said(cell) if cell else ""
+    if cell:
         if want not in found:
-            raise Skip(f"metric {want!r} is unknown; use one of {', '.join(found)}")
+            raise Skip(f"metric {cell.lower()!r} is unknown; use one of {', '.join(found)}")
         if not found[want]:
             raise Skip(f"metric {want!r} requested but its column is empty")
         return found[want]
