@@ -423,6 +423,16 @@ def test_metric_words():
         row_to_case({**row, "metric": "accuracy"})
 
 
+def test_tied_words():
+    from paratrain.systems.row_shape import _style
+
+    for words, tied in (("yes", True), ("true", True), ("tied", True), ("Y", True),
+                        ("shared (input and output)", True), ("no", False),
+                        ("untied", False), ("not tied", False), ("false", False)):
+        assert _style({"tied": words})["tie_embeddings"] == tied, words
+    assert "tie_embeddings" not in _style({"tied": ""})
+
+
 def test_schedule_words():
     """The schedule cell as Megatron, torchtitan, the zero-bubble paper and DeepSeek name
     theirs; 1F1B beside a vpp > 1 is Megatron's interleaved 1F1B; a V-shaped schedule

@@ -97,8 +97,9 @@ def _style(row: dict) -> dict:
     if mlp:
         out["mlp"] = mlp
     tied = (row.get("tied") or "").strip().lower()
-    if tied:
-        out["tie_embeddings"] = tied in ("yes", "true", "1")
+    if tied:  # "yes", "true", "tied", "shared (input and output)"; not "untied", "no"
+        out["tie_embeddings"] = tied.startswith(("yes", "y ", "true", "1", "tied", "shared")) \
+            or tied == "y"
     return out
 
 
