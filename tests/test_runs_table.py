@@ -423,6 +423,18 @@ def test_metric_words():
         row_to_case({**row, "metric": "accuracy"})
 
 
+def test_mlp_words():
+    """Any gated MLP prices as three matrices, any other activation as two."""
+    from paratrain.systems.row_words import mlp_said
+
+    for words, mlp in (("SwiGLU", "swiglu"), ("GeGLU", "swiglu"), ("gated GELU", "swiglu"),
+                       ("ReGLU", "swiglu"), ("GELU", "gelu"), ("squared ReLU", "gelu"),
+                       ("relu", "gelu"), ("", None)):
+        assert mlp_said(words) == mlp, words
+    row = BY_ID["megascale_530b_megatronlm_2240"]
+    assert row_to_case({**row, "mlp": "GeGLU", "ffn_hidden": "54784"}).model.mlp == "swiglu"
+
+
 def test_tied_words():
     from paratrain.systems.row_shape import _style
 

@@ -13,6 +13,7 @@ from paratrain.cost.catalogue import named_in
 from paratrain.cost.shapes import ModelShape, load_model
 from paratrain.systems.row_fields import Skip
 from paratrain.systems.row_fields import num as _num
+from paratrain.systems.row_words import mlp_said
 
 # the expert-parallel issue's column names -> ModelShape (ModelConfig) fields; moe_every:
 # an MoE MLP in every k-th block (Llama 4 Maverick's 2, Switch's 2), 1 = every block
@@ -93,7 +94,7 @@ def _check_moe_layers(row: dict, m: ModelShape) -> ModelShape:
 def _style(row: dict) -> dict:
     """The ``mlp`` (swiglu/gelu: three or two matrices) and ``tied`` (yes/no) columns."""
     out: dict = {}
-    mlp = (row.get("mlp") or "").strip().lower()
+    mlp = mlp_said(row.get("mlp") or "")
     if mlp:
         out["mlp"] = mlp
     tied = (row.get("tied") or "").strip().lower()

@@ -147,3 +147,14 @@ def metric_said(text: str) -> str | None:
     GPU", "step time", ...), or None when it names none."""
     low = (text or "").strip().lower()
     return next((key for word, key in _METRIC_WORDS if word in low), None)
+
+
+def mlp_said(text: str) -> str | None:
+    """The MLP a ``mlp`` cell names, by what the step model prices (its matrices): a gated
+    one ("SwiGLU", "GeGLU", "ReGLU", "gated GELU": gate and up, then down) is "swiglu",
+    any other activation ("GELU", "ReLU", "squared ReLU": up, then down) "gelu"; None
+    when it is blank."""
+    low = (text or "").strip().lower()
+    if not low:
+        return None
+    return "swiglu" if "glu" in low or "gated" in low else "gelu"
