@@ -491,7 +491,16 @@ def test_numbers_are_read_as_tables_print_them():
     assert num({"k": "15,876"}, "k", int) == 15876 and num({"k": "8_192"}, "k", int) == 8192
     assert num({"k": "58.2%"}, "k") == 58.2 and num({"k": "1,234,567.5"}, "k") == 1234567.5
     assert num({"k": "2,4"}, "k") is None and num({"k": "n/a"}, "k") is None
+    # sizes with K / M are binary where whole numbers are set, decimal where measured;
+    # a unit word after the number and a leading "~" are dropped
+    for text, kind, value in (("8K", int, 8192), ("128K tokens", int, 131072),
+                              ("16K GPUs", int, 16384), ("4M", int, 4194304),
+                              ("15.9k", float, 15900.0), ("64 GPUs", int, 64),
+                              ("~400", float, 400.0), ("1e6", float, 1e6)):
+        assert num({"k": text}, "k", kind) == value, text
+    assert num({"k": "405B"}, "k") is None  # a billions column says it in its name
     row = BY_ID["titan_llama3_8b_a100_64_sacop"]
+    assert row_to_case({**row, "seq_len": "8K"}).seq_len == 8192
     assert row_to_case({**row, "tokens_per_s_per_accel": "2,973"}).reported == \
         row_to_case(row).reported
 
