@@ -501,6 +501,12 @@ def test_numbers_are_read_as_tables_print_them():
     assert num({"k": "405B"}, "k") is None  # a billions column says it in its name
     row = BY_ID["titan_llama3_8b_a100_64_sacop"]
     assert row_to_case({**row, "seq_len": "8K"}).seq_len == 8192
+    # an MFU written as a fraction is the percent it is
+    mfu = BY_ID["dgxc_gpt3_175b_128"]
+    as_pct = row_to_case({**mfu, "metric": "mfu"}).reported
+    frac = float(mfu["mfu_pct"]) / 100
+    assert row_to_case({**mfu, "metric": "mfu", "mfu_pct": str(frac)}).reported == \
+        pytest.approx(as_pct)
     assert row_to_case({**row, "tokens_per_s_per_accel": "2,973"}).reported == \
         row_to_case(row).reported
 

@@ -262,7 +262,7 @@ def row_to_case(row: dict) -> Case:
                 shard_group=_num(row, "shard_group", int), flops_count=count,
                 rerun=modules_said(row.get("recompute") or ""))
     words = row.get("recompute") or ""
-    said = _num(row, "mfu_pct"), _num(row, "hfu_pct")
+    said = _pct(row, "mfu_pct"), _pct(row, "hfu_pct")
     stated = recompute_stated(words), offloaded(words), said
     try:
         return _fit_memory(case, *stated, list(out))
@@ -336,7 +336,7 @@ def _reported(row: dict, model: ModelShape, seq: int) -> tuple[str, str, float, 
     docstring. The FLOP count is the row's ``flops_count`` (empty: its engine's), and ours
     (``6N``) for a ``tokens`` row, whose TFLOP/s we compute; a row that gives only its step
     time (``step``) is a tokens row at its tokens per step over the step and the GPUs."""
-    mfu, hfu = _num(row, "mfu_pct"), _num(row, "hfu_pct")
+    mfu, hfu = _pct(row, "mfu_pct"), _pct(row, "hfu_pct")
     tfl, tps = _num(row, "tflops_per_accel_reported"), _num(row, "tokens_per_s_per_accel")
     kind = "hardware" if hardware_flops_said(row.get("tflops_kind") or "") else "model"
     count = (row.get("flops_count") or "").strip()
@@ -368,6 +368,13 @@ def _reported(row: dict, model: ModelShape, seq: int) -> tuple[str, str, float, 
             return found[key]
     raise Skip("reports none of MFU, HFU, TFLOP/s, tokens/s per accelerator or a step time "
                "with its tokens per step")
+
+
+def _pct(row: dict, key: str) -> float | None:
+    """A utilisation in percent; one written as a fraction (0.45: no training step runs
+    under 1% of peak) is read as the percent it is."""
+    x = _num(row, key)
+    return 100 * x if x is not None and 0 < x <= 1 else x
 
 
 def heldout_ids(rows: list[dict]) -> tuple[str, ...]:
