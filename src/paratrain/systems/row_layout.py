@@ -19,15 +19,10 @@ def axes(row: dict, gpus: int, out: list, experts: int = 0
     blank EP of a model with ``experts`` the largest size DP x CP and the experts both
     divide, as most MoE recipes run it (1 would keep every expert on every rank)."""
     dp = _num(row, "DP", int)
-    blank = [c for c in ("TP", "PP", "CP") if not _num(row, c, int)]
-    stated = dp or 0
-    for col in ("TP", "PP", "CP"):
-        stated *= _num(row, col, int) or 1
-    axes = {}
-    for col in ("TP", "PP", "CP"):
-        axes[col] = _num(row, col, int)
-        if axes[col]:
-            continue
+    axes = {col: _num(row, col, int) for col in ("TP", "PP", "CP")}
+    blank = [col for col, n in axes.items() if not n]
+    stated = math.prod(n for n in axes.values() if n) * (dp or 0)
+    for col in blank:
         if dp and blank == [col] and stated and gpus % stated == 0 and gpus > stated:
             axes[col] = gpus // stated
             out.append((col, axes[col], "blank: num_accel / the other axes (DP stated)"))

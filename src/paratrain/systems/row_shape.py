@@ -13,7 +13,7 @@ from paratrain.cost.catalogue import named_in
 from paratrain.cost.shapes import ModelShape, load_model
 from paratrain.systems.row_fields import Skip
 from paratrain.systems.row_fields import num as _num
-from paratrain.systems.row_words import mlp_said
+from paratrain.systems.row_words import mlp_said, tied_said
 
 # the expert-parallel issue's column names -> ModelShape (ModelConfig) fields; moe_every:
 # an MoE MLP in every k-th block (Llama 4 Maverick's 2, Switch's 2), 1 = every block
@@ -94,13 +94,11 @@ def _check_moe_layers(row: dict, m: ModelShape) -> ModelShape:
 def _style(row: dict) -> dict:
     """The ``mlp`` (swiglu/gelu: three or two matrices) and ``tied`` (yes/no) columns."""
     out: dict = {}
-    mlp = mlp_said(row.get("mlp") or "")
+    mlp, tied = mlp_said(row.get("mlp")), tied_said(row.get("tied"))
     if mlp:
         out["mlp"] = mlp
-    tied = (row.get("tied") or "").strip().lower()
-    if tied:  # "yes", "true", "tied", "shared (input and output)"; not "untied", "no"
-        out["tie_embeddings"] = tied.startswith(("yes", "y ", "true", "1", "tied", "shared")) \
-            or tied == "y"
+    if tied is not None:
+        out["tie_embeddings"] = tied
     return out
 
 
@@ -123,12 +121,14 @@ def row_shape(row: dict, seq: int, defaults: list | None = None) -> ModelShape:
                        f"{row.get('model') or rid!r} is not in the model catalogue; fill the "
                        "shape columns or set model_key")
         ffn, kv = _num(row, "ffn_hidden", int), _num(row, "kv_heads", int)
-        gated = _style(row).get("mlp", "gelu" if not ffn or ffn == 4 * h else "swiglu")
-        style = {"mlp": gated, "tie_embeddings": "palm" in (row.get("model") or "").lower()}
-        blank = [(("ffn_hidden", 4 * h, "blank: 4 x hidden, GPT's MLP") if gated == "gelu"
-                  else ("ffn_hidden", _llama_ffn(h), "blank with a gated MLP: LLaMA's 2/3 of "
-                        "4 x hidden, up to a multiple of 256")) if not ffn else None,
-                 ("vocab", 51200, "blank: GPT-2's, padded as Megatron-LM pads it")
+        said = _style(row)
+        gated = said.get("mlp", "gelu" if not ffn or ffn == 4 * h else "swiglu")
+        style = {"mlp": gated, "tie_embeddings": "palm" in (row.get("model") or "").lower(),
+                 **said}
+        width = (("ffn_hidden", 4 * h, "blank: 4 x hidden, GPT's MLP") if gated == "gelu"
+                 else ("ffn_hidden", _llama_ffn(h), "blank with a gated MLP: LLaMA's 2/3 of "
+                       "4 x hidden, up to a multiple of 256"))
+        blank = [("vocab", 51200, "blank: GPT-2's, padded as Megatron-LM pads it")
                  if not _num(row, "vocab", int) else None,
                  ("kv_heads", heads, "blank: multi-head attention") if not kv else None,
                  ("head_dim", h // heads, "blank: hidden / heads")
@@ -137,13 +137,12 @@ def row_shape(row: dict, seq: int, defaults: list | None = None) -> ModelShape:
                   if not (row.get(col) or "").strip()]
         shape = ModelShape(
             name=row.get("model") or rid, n_layers=L, d_model=h, n_heads=heads,
-            n_kv_heads=kv if kv and kv != heads else None,
-            d_ff=ffn or (4 * h if gated == "gelu" else _llama_ffn(h)),
+            n_kv_heads=kv if kv and kv != heads else None, d_ff=ffn or width[1],
             vocab_size=_num(row, "vocab", int) or 51200, context=seq,
-            head_size=_num(row, "head_dim", int), **{**style, **_style(row)},
-            **_moe_fields(row, L))
+            head_size=_num(row, "head_dim", int), **style, **_moe_fields(row, L))
         if not ffn:
-            shape, blank[0] = _ffn_from_count(shape, _num(row, "params_B"), blank[0])
+            shape, width = _ffn_from_count(shape, _num(row, "params_B"), width)
+            out.append(width)
         out.extend(d for d in blank if d)
         return _check_moe_layers(row, shape)
     except (ValueError, TypeError) as e:

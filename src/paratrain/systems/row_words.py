@@ -88,19 +88,29 @@ _FOUR_BIT = re.compile(r"fp4|float[\s_-]?4|int4|4[\s-]?bit float")
 _FP16 = re.compile(r"fp16|(?<![a-z])float[\s_-]?16|half[\s-]?precision")
 
 
+def _says(pattern: re.Pattern, text: str | None) -> bool:
+    return bool(pattern.search((text or "").lower()))
+
+
+def _first(words: tuple, text: str | None) -> str | None:
+    """The value of the first (word, value) pair whose word the cell contains."""
+    low = (text or "").strip().lower()
+    return next((value for word, value in words if word in low), None)
+
+
 def fp16_said(text: str) -> bool:
     """Whether a precision cell says fp16 (not bf16): an fp16 run's era and optimizer."""
-    return bool(_FP16.search((text or "").lower()))
+    return _says(_FP16, text)
 
 
 def eight_bit_said(text: str) -> bool:
     """Whether a precision cell says the linear layers multiply in 8 bits."""
-    return bool(_EIGHT_BIT.search((text or "").lower()))
+    return _says(_EIGHT_BIT, text)
 
 
 def four_bit_said(text: str) -> bool:
     """Whether a precision cell says 4-bit GEMMs (NVFP4, MXFP4, int4)."""
-    return bool(_FOUR_BIT.search((text or "").lower()))
+    return _says(_FOUR_BIT, text)
 
 
 # a TFLOP/s figure that counts the recomputed forward too: "hardware", "HFU", "incl.
@@ -110,7 +120,7 @@ _HARDWARE = re.compile(r"hardware|\bhfu\b|\bincl\w*\.?\s+(?:the\s+)?(?:activatio
 
 def hardware_flops_said(text: str) -> bool:
     """Whether a ``tflops_kind`` cell says the figure counts hardware FLOPs."""
-    return bool(_HARDWARE.search((text or "").lower()))
+    return _says(_HARDWARE, text)
 
 
 # pipeline schedules as papers and frameworks name them -> paratrain.plan.SCHEDULES
@@ -132,8 +142,7 @@ _SCHEDULE_WORDS = (("zb-v", "zb-v"), ("zbv", "zb-v"), ("zero bubble v", "zb-v"),
 def schedule_said(text: str) -> str | None:
     """The pipeline schedule a ``schedule`` cell names (:data:`paratrain.plan.SCHEDULES`),
     or None when it names none of them."""
-    low = (text or "").strip().lower()
-    return next((name for word, name in _SCHEDULE_WORDS if word in low), None)
+    return _first(_SCHEDULE_WORDS, text)
 
 
 # a metric cell's words -> the figure it names (runs.py's keys; first match wins)
@@ -145,8 +154,7 @@ _METRIC_WORDS = (("hfu", "hfu"), ("mfu", "mfu"), ("tflop", "tflops"), ("step", "
 def metric_said(text: str) -> str | None:
     """The reported figure a ``metric`` cell names ("MFU", "tokens/s/GPU", "TFLOP/s per
     GPU", "step time", ...), or None when it names none."""
-    low = (text or "").strip().lower()
-    return next((key for word, key in _METRIC_WORDS if word in low), None)
+    return _first(_METRIC_WORDS, text)
 
 
 def mlp_said(text: str) -> str | None:
@@ -158,3 +166,13 @@ def mlp_said(text: str) -> str | None:
     if not low:
         return None
     return "swiglu" if "glu" in low or "gated" in low else "gelu"
+
+
+_TIED = re.compile(r"(yes|y\b|true|1\b|tied|shared)")
+
+
+def tied_said(text: str) -> bool | None:
+    """Whether a ``tied`` cell says the input and output embeddings are shared ("yes",
+    "true", "tied", "shared (input and output)"; not "untied", "no"); None when blank."""
+    low = (text or "").strip().lower()
+    return bool(_TIED.match(low)) if low else None
