@@ -335,6 +335,31 @@ def test_a_blank_mlp_width_is_what_the_rows_parameter_count_gives():
     assert row_to_case(gpt).model.d_ff == 81920
 
 
+def test_a_model_its_stated_size_contradicts_is_refused_not_priced():
+    # Megatron-Bridge's DeepSeek-V3 on 256 GB200 named by its words alone, as a user's
+    # table names a small debug flavour of the architecture: not the 671B model
+    row = {**BY_ID["mb2511_dsv3_gb200_bf16_256"], "model_key": ""}
+    assert row_to_case(row).model.num_params() > 600e9
+    with pytest.raises(Skip, match=r"DeepSeek-V3 .*671\.\dB, 37\.\dB active.*5B.*model_key"):
+        row_to_case({**row, "model": "DeepSeek-V3 debug 5B (torchtitan)"})
+    with pytest.raises(Skip, match="stated size"):
+        row_to_case({**row, "model": "DeepSeek-V3", "params_B": "16"})
+    # a size that is the total or the active count names it; so does a truncated run of
+    # the full model (four layers under its full name)
+    for said in ({"params_B": "671"}, {"params_B": "37"}, {"model": "DeepSeek-V3 671B"},
+                 {"model": "DeepSeek-V3 671B", "layers": "4"}):
+        row_to_case({**row, **said})
+    # FlashAttention's GPT3-1.3B run without its shape columns: its words contain "GPT3",
+    # which names GPT-3 175B; the catalogue has no 1.3B (XL's 24 heads do not divide 2,048)
+    fa = {**BY_ID["fa2_gpt3_1p3b_a100_8"], "layers": "", "hidden": "", "heads": ""}
+    with pytest.raises(Skip, match=r"GPT-3 175B .*1\.3B"):
+        row_to_case(fa)
+    # an explicit model_key is the user's word: no size check
+    assert row_to_case({**row, "model": "DeepSeek-V3 5B", "model_key": "deepseek-v3"})
+    # "A3B" is an active count, "8x7B" experts times a size: neither is read as a size
+assert row_to_case({**BY_ID["tpur_v6e_mixtral_8x7b_256"], "params_B": ""})
+
+
 def test_a_blank_sequence_or_batch_is_what_the_rows_other_figures_divide_to():
     # dgxc-benchmarking's Llama 3.1 405B on 96 H100: 126 sequences of 8,192 tokens,
     # 1,211.9 tokens/s a GPU at 8.87 s a step (rounded: 125.97 sequences)

@@ -8,6 +8,7 @@ blank filled in is reported as a default (column, value, why); docs/runs.md.
 from __future__ import annotations
 
 import dataclasses
+import re
 
 from paratrain.cost.catalogue import named_in
 from paratrain.cost.shapes import ModelShape, load_model
@@ -115,7 +116,10 @@ def row_shape(row: dict, seq: int, defaults: list | None = None) -> ModelShape:
                    "(data/models.toml); use a catalogue name or fill the shape columns")
     try:
         if base is not None:
-            return _check_moe_layers(row, _over_catalogue(row, base, seq, out))
+            shape = _over_catalogue(row, base, seq, out)
+            if not (row.get("model_key") or "").strip():
+                _check_size(row, base, shape)
+            return _check_moe_layers(row, shape)
         if not (L and h and heads):
             raise Skip(f"model shape incomplete (layers, hidden, heads) and model "
                        f"{row.get('model') or rid!r} is not in the model catalogue; fill the "
@@ -147,6 +151,42 @@ def row_shape(row: dict, seq: int, defaults: list | None = None) -> ModelShape:
         return _check_moe_layers(row, shape)
     except (ValueError, TypeError) as e:
         raise Skip(f"model shape invalid: {e}") from None
+
+
+# a size the model text states: "16B", "1.5B", "124M"; not "A3B" (an active count) nor
+# "8x7B" (an expert count times a size), which a letter precedes
+_SIZE = re.compile(r"(?<![a-z0-9.])(\d+(?:\.\d+)?)\s*([bm])(?![a-z0-9])", re.I)
+# how far a stated size may sit from the named model's count and still name it: Gemma's
+# "2B" is 2.5B with its embeddings, a truncated benchmark model keeps its full name
+SIZE_SLACK = 1.5
+
+
+def sizes_said(row: dict) -> list[float]:
+    """The parameter counts (billions) a row states: its ``params_B`` and the sizes in
+    its model text ("DeepSeek-V3 16B" -> [16.0])."""
+    said = [float(n) * (1e-3 if unit.lower() == "m" else 1.0)
+            for n, unit in _SIZE.findall(row.get("model") or "")]
+    params_b = _num(row, "params_B")
+    return said + ([params_b] if params_b else [])
+
+
+def _check_size(row: dict, base: ModelShape, shape: ModelShape) -> None:
+    """Refuse a row whose model text found a catalogue model every size the row states
+    contradicts (torchtitan's "DeepSeek-V3 16B" is not the 671B model its words name):
+    each stated size must be within :data:`SIZE_SLACK` of the model's total or active
+    count, as catalogued or as the row's shape columns leave it."""
+    counts = [m.num_params() / 1e9 for m in (base, shape)]
+    counts += [m.active_params() / 1e9 for m in (base, shape)]
+    sizes = sizes_said(row)
+    if not sizes or any(c / SIZE_SLACK <= s <= c * SIZE_SLACK for s in sizes
+                        for c in counts):
+        return
+    total, active = counts[0], counts[2]
+    count = f"{total:,.1f}B" + (f", {active:,.1f}B active" if active < total else "")
+    raise Skip(f"model {row.get('model')!r} reads as catalogue model {base.name} ({count}), "
+               f"which its stated size ({', '.join(f'{s:g}B' for s in sizes)}) "
+               "contradicts; set model_key to the catalogue model it ran, or fill the "
+               "shape columns (layers, hidden, heads, ...)")
 
 
 def _ffn_from_count(shape: ModelShape, params_b: float | None, said: tuple
