@@ -75,6 +75,12 @@ _CHIPS = {
     "mi300x": Chip("mi300x", 256, 256, 304),
     "mi355x": Chip("mi355x", 256, 256, 256),  # CDNA 4: 8 XCDs of 32 CUs, its own die
     "mi250x": Chip("mi250x", 128, 128, 110),  # one CDNA2 die (GCD): 110 compute units
+    "mi250": Chip("mi250", 128, 128, 104, "mi250x"),  # MI250's GCD: 104 CUs, MI250X's die
+    # H20: a GH100 with 78 SMs and a capped tensor rate (Hopper's kernels and efficiencies)
+    "h20": Chip("h20", 128, 256, 78, "h100"),
+    # L40S: Ada's AD102 with 142 SMs; no run of the table is on it, so its own family takes
+    # the GPU families' mean (StepParams.gemm_for)
+    "l40s": Chip("l40s", 128, 128, 142),
     # Gaudi's matrix engines (MMEs) are 256 x 256 arrays a graph compiler shapes and feeds
     # as one, as a TPU's MXUs: no waves to quantise
     "gaudi2": Chip("gaudi2", 256, 256, 1),
@@ -96,6 +102,7 @@ _NAME_KEYS = (("h100-pcie", "h100-pcie"), ("h100 pcie", "h100-pcie"), ("a100", "
               ("v100", "v100"), ("mi300", "mi300x"), ("mi325", "mi300x"),
               ("mi355", "mi355x"), ("mi350", "mi355x"),
               ("mi250x", "mi250x"), ("gaudi2", "gaudi2"), ("gaudi3", "gaudi3"),
+              ("mi250", "mi250"), ("h20", "h20"), ("l40s", "l40s"),
               ("tpu-v3", "tpu-v3"),
               ("tpu v3", "tpu-v3"), ("tpu-v4", "tpu-v4"), ("tpu v4", "tpu-v4"),
               ("tpu-v5e", "tpu-v5e"), ("tpu v5e", "tpu-v5e"), ("tpu-v5p", "tpu-v5p"),
