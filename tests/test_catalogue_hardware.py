@@ -127,17 +127,20 @@ def test_tiles_follow_the_die():
     assert chip_of(load_hardware("mi250").name).tile_m == chip_of("MI250X-GCD").tile_m
 
 
-def test_unfitted_families_take_the_gpu_mean():
-    """MI250 shares MI250X's (unfitted) family; L40S has its own, which no run of the table
-    fits: both take the mean of the GPU families' fitted GEMM efficiencies, as V100 and
-    MI250X do. A PCIe A100 and H20 take their die's fitted figure."""
+def test_unfitted_families_take_their_makers_fitted_figure():
+    """MI250 shares MI250X's (unfitted) family and takes AMD's fitted figure (MI300X's);
+    L40S has its own family, which no run of the table fits, and takes the mean of the
+    NVIDIA families' fitted GEMM efficiencies (``gemm.maker``). A PCIe A100 and H20 take
+    their die's fitted figure."""
     from paratrain.systems.fitting import load_params
+    from paratrain.systems.gemm import maker
 
     p = load_params()
-    gpus = [v for k, v in p.gemm_eff.items() if not k.startswith("tpu")]
-    mean = sum(gpus) / len(gpus)
-    assert "l40s" in FAMILIES and "l40s" not in p.gemm_eff
-    for key in ("l40s", "mi250"):
-        assert p.gemm_for(load_hardware(key).name) == pytest.approx(mean)
+    nvidia = [v for k, v in p.gemm_eff.items() if maker(k) == "nvidia"]
+    assert "l40s" in FAMILIES and "l40s" not in p.gemm_eff and len(nvidia) >= 3
+    assert p.gemm_for(load_hardware("l40s").name) == pytest.approx(sum(nvidia) / len(nvidia))
+    assert p.gemm_for(load_hardware("mi250").name) == p.gemm_eff["mi300x"]
+    assert [maker(f) for f in ("mi355x", "gaudi3", "tpu-v7x", "b300", "l40s")] == [
+        "amd", "intel", "google", "nvidia", "nvidia"]
     assert p.gemm_for(load_hardware("a100-pcie").name) == p.gemm_eff["a100"]
     assert p.gemm_for(load_hardware("h20").name) == p.gemm_eff["h100"]

@@ -79,7 +79,7 @@ _CHIPS = {
     # H20: a GH100 with 78 SMs and a capped tensor rate (Hopper's kernels and efficiencies)
     "h20": Chip("h20", 128, 256, 78, "h100"),
     # L40S: Ada's AD102 with 142 SMs; no run of the table is on it, so its own family takes
-    # the GPU families' mean (StepParams.gemm_for)
+    # the NVIDIA families' mean (StepParams.gemm_for)
     "l40s": Chip("l40s", 128, 128, 142),
     # Gaudi's matrix engines (MMEs) are 256 x 256 arrays a graph compiler shapes and feeds
     # as one, as a TPU's MXUs: no waves to quantise
@@ -143,6 +143,18 @@ def is_tpu(fam: str) -> bool:
     """Whether a :func:`family` is a TPU generation's (attention runs as the compiler's
     fused kernel there: no FlashAttention-2 efficiency of its own)."""
     return fam.startswith("tpu-")
+
+
+def maker(fam: str) -> str:
+    """Who makes a :func:`family`'s chips and writes their kernel libraries: AMD (MI*),
+    Intel (Gaudi), Google (TPU), else NVIDIA. A family no run pins takes its maker's
+    fitted efficiency (``StepParams.gemm_for``): one vendor's libraries carry across its
+    generations more than chips in general do."""
+    if fam.startswith("mi"):
+        return "amd"
+    if fam.startswith("gaudi"):
+        return "intel"
+    return "google" if is_tpu(fam) else "nvidia"
 
 
 def _tiles(chip: Chip) -> set[tuple[int, int]]:

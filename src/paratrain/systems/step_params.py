@@ -21,8 +21,9 @@ gemm_eff[tpu-v*]   0.85     large matmuls on the 128 x 128 MXUs (Jouppi et al. 2
                             v6e and TPU7x (Ironwood, v7x) differ in MXUs per core, HBM per
                             FLOP and compiler generation (one shared figure left MaxText's
                             v4 rows up to 9% fast, its v5e rows up to 16% slow)
-gemm_eff[mi300x]   (mean)   no start of its own: the GPU families' mean (``gemm_for``), as
-                            for any chip the table does not run; torchao's four MI300X
+gemm_eff[mi300x]   (mean)   no start of its own: the GPU families' mean (``gemm_for``: a
+                            chip the table does not run takes its maker's fitted figure,
+                            else its kind's mean); torchao's four MI300X
                             runs fit it (and ``attn_eff[mi300x]``, whose start is 0.7 x
                             the GEMM figure)
 attn_eff[a100]     0.60     FlashAttention-2 forward+backward at ~50-70% of peak on A100
@@ -100,7 +101,7 @@ from dataclasses import dataclass, field
 from functools import cache
 
 from paratrain.cost.hardware import load_hardware
-from paratrain.systems.gemm import TPU_CHIPS, family, is_tpu
+from paratrain.systems.gemm import TPU_CHIPS, family, is_tpu, maker
 from paratrain.systems.layer_cost import Rates
 
 GEMM_EFF = {"a100": 0.85, "h100": 0.75, "b200": 0.75, "b300": 0.75,
@@ -187,14 +188,16 @@ class StepParams:
     overlap_tax: float = OVERLAP_TAX  # fixed, not fitted (module docstring)
 
     def gemm_for(self, hw_name: str) -> float:
-        """The GEMM efficiency of this chip's family; a family no parameter names (MI300X,
-        V100: no run of the table pins them) takes the mean of its kind's (the GPU or
-        the TPU families'), what the published runs say of chips in general, rather
-        than a start value no run has tested."""
+        """The GEMM efficiency of this chip's family; a family no parameter names (MI355X,
+        V100: no run of the table pins them) takes the mean of its maker's fitted
+        families (:func:`~paratrain.systems.gemm.maker`: MI355X MI300X's), else of its
+        kind's (the GPU or the TPU families'), what the published runs say of such chips,
+        rather than a start value no run has tested."""
         fam = family(hw_name)
         if fam in self.gemm_eff:
             return self.gemm_eff[fam]
-        kind = [v for k, v in self.gemm_eff.items() if is_tpu(k) == is_tpu(fam)]
+        same = [v for k, v in self.gemm_eff.items() if maker(k) == maker(fam)]
+        kind = same or [v for k, v in self.gemm_eff.items() if is_tpu(k) == is_tpu(fam)]
         return sum(kind) / len(kind) if kind else 0.75
 
     def attn_for(self, hw_name: str, kernel: str = "flash",
