@@ -116,8 +116,14 @@ def row_shape(row: dict, seq: int, defaults: list | None = None) -> ModelShape:
                    "(data/models.toml); use a catalogue name or fill the shape columns")
     try:
         if base is not None:
-            shape = _over_catalogue(row, base, seq, out)
-            if not (row.get("model_key") or "").strip():
+            by_words = not (row.get("model_key") or "").strip()
+            try:
+                shape = _over_catalogue(row, base, seq, out)
+            except (ValueError, TypeError):
+                if by_words:  # the columns contradict a model the words only seem to name
+                    _check_size(row, base, base)
+                raise
+            if by_words:
                 _check_size(row, base, shape)
             return _check_moe_layers(row, shape)
         if not (L and h and heads):
