@@ -468,6 +468,11 @@ def test_eager_attention_is_an_era_not_a_choice_after_flashattention():
         assert case_kernel(said) == "eager"  # a kernel the row names is the row's
         fast, slow = (predict(c, load_params()) for c in (h100, said))
         assert fast > slow  # the metric is throughput (MFU or TFLOP/s)
+    # an fp16 A100 run that names its kernel runs it: Megatron-DeepSpeed's GPT-3 125M
+    # with FlashAttention 1 (its era's rule had made every fp16 A100 row eager)
+    fa1 = row_to_case({**opt, "engine": "Megatron-DeepSpeed, FlashAttention 1"})
+    assert case_kernel(fa1) == "flash1"
+    assert case_kernel(row_to_case({**opt, "engine": "Megatron-DeepSpeed"})) == "eager"
 
 
 def test_an_eight_bit_run_on_a_chip_without_an_eight_bit_peak_is_refused():

@@ -145,15 +145,17 @@ def pre_flash(case) -> bool:
 
 
 def case_attention(case) -> str | None:
-    """The attention kernel a case runs when it is not its engine's (None): eager for a
-    run in fp16 on a chip from before FlashAttention's adoption in 2022-23 (the table's
-    fp16 rows are all of that era); FlashAttention-2 class ("flash") where the engine's
-    default is eager (DeepSpeed's, :data:`paratrain.systems.overlap.ENGINES`) but the
-    chip came after it (:func:`pre_flash`) and the row names no kernel of its own."""
-    if pre_flash(case):
-        return "eager" if fp16_said(getattr(case, "precision", "")) else None
+    """The attention kernel a case runs when it is not its engine's (None): the kernel the
+    row names, always (its engine options: "FlashAttention 1" on an fp16 A100 run is
+    FlashAttention 1); else eager for a run in fp16 on a chip from before
+    FlashAttention's adoption in 2022-23 (the table's fp16 rows are all of that era);
+    FlashAttention-2 class ("flash") where the engine's default is eager (DeepSpeed's,
+    :data:`paratrain.systems.overlap.ENGINES`) but the chip came after it
+    (:func:`pre_flash`)."""
     if "attention" in dict(getattr(case, "engine_options", ())):
         return None  # the row's own words
+    if pre_flash(case):
+        return "eager" if fp16_said(getattr(case, "precision", "")) else None
     return "flash" if case_engine(case).attention == "eager" else None
 
 
