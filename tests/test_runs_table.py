@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 
 from paratrain.cost.shapes import load_model
-from paratrain.systems.fitting import predict
+from paratrain.systems.fitting import load_params, predict
 from paratrain.systems.row_shape import SHAPE_COLUMNS
 from paratrain.systems.runs import (
     SPLITS,
@@ -357,8 +357,26 @@ def test_recompute_words():
     # as configs and tables write it: a flag, torchtitan's AC / SAC
     for words, mode in (("true", "full"), ("yes", "full"), ("AC", "full"),
                         ("SAC", "selective"), ("op-level SAC", "selective"),
-                        ("false", "none"), ("no", "none"), ("off", "none")):
+                        ("false", "none"), ("no", "none"), ("off", "none"),
+                        ("remat", "full"), ("act ckpt", "full")):
         assert _recompute(words) == mode and recompute_stated(words), words
+    assert not recompute_stated("remat_policy: minimal")  # MaxText's: saves most
+
+
+def test_a_recompute_cell_that_names_a_share_of_the_blocks_reruns_that_share():
+    from paratrain.systems.row_words import recompute_share_said
+
+    assert recompute_share_said("full on 50% of the blocks") == 0.5
+    assert recompute_share_said("activation checkpointing on 8 of 32 layers") == 0.25
+    assert recompute_share_said("full") == recompute_share_said("selective 50%") == 1.0
+    # a shipped row (NeMo's Llama 3.1 70B, every block rerun) told it reruns half its
+    # blocks: priced between none and full
+    row = {**BY_ID["dgxc_llama31_70b_64"], "recompute": "full"}
+    full, half, none = (row_to_case({**row, "recompute": w})
+                        for w in ("full", "full on 50% of the blocks", "none"))
+    assert (full.recompute_share, half.recompute_share) == (1.0, 0.5)
+    p = load_params()
+    assert predict(full, p) < predict(half, p) < predict(none, p)
 
 
 def test_zero_stage_words():
@@ -369,8 +387,11 @@ def test_zero_stage_words():
                          ("ZeRO stage 2", 2), ("zero_stage: 1", 1), ("FSDP FULL_SHARD", 3),
                          ("HYBRID_SHARD", 3), ("FSDP2", 3), ("SHARD_GRAD_OP", 2),
                          ("FSDP NO_SHARD", 0), ("distributed optimizer (Megatron-Core)", 1),
-                         ("DDP", 0), ("", 0)):
+                         ("DDP", 0), ("", 0), ("dist opt", 1),
+                         ("0", 0), ("1", 1), ("2", 2), ("3", 3), ("stage 2", 2)):
         assert zero_stage(words) == stage, words
+    # a zero_stage column's bare number says its stage, 0 included
+    assert zero_stated("0") and zero_stated("3") and not zero_stated("12")
     # DDP and NO_SHARD say their stage (none); silence leaves the engine's default
     assert zero_stated("DDP") and zero_stated("FSDP NO_SHARD") and zero_stated("none")
     assert not zero_stated("") and not zero_stated("not stated")

@@ -19,6 +19,8 @@ import re
 from paratrain.systems.recompute_modules import modules_said
 
 _STAGE = re.compile(r"zero(?:\+\+)?[\s_\-]*(?:stage[\s_\-=:]*)?([0-3])(?![0-9])")
+# a cell that is the stage alone, as a zero_stage column holds it: "2", "stage 2"
+_BARE_STAGE = re.compile(r"(?:stage[\s_\-=:]*)?([0-3])")
 
 
 def zero_stage(text: str) -> int:
@@ -31,14 +33,14 @@ def zero_stage(text: str) -> int:
         return 0
     if "shard_grad_op" in t or "shard grad op" in t:
         return 2
-    said = _STAGE.search(t)
+    said = _STAGE.search(t) or _BARE_STAGE.fullmatch(t.strip())
     stage = int(said.group(1)) if said else None
     if stage == 3 or "2d sharding" in t or "hsdp" in t or "zero++" in t or (
             "fsdp" in t and "not resharded" not in t) or re.search(r"(full|hybrid)[_ ]shard", t):
         return 3
     if stage == 2 or "fsdp" in t:
         return 2
-    return 1 if stage == 1 or "distributed optimizer" in t else 0
+    return 1 if stage == 1 or re.search(r"dist(?:ributed)?[\s_-]*opt", t) else 0
 
 
 def zero_stated(text: str) -> bool:
@@ -46,7 +48,8 @@ def zero_stated(text: str) -> bool:
     ``NO_SHARD``); otherwise the engine's own default applies."""
     t = text.lower()
     return zero_stage(t) > 0 or t.strip().startswith("none") or "no_shard" in t or \
-        "no shard" in t or re.search(r"\bddp\b", t) is not None
+        "no shard" in t or re.search(r"\bddp\b", t) is not None or \
+        _BARE_STAGE.fullmatch(t.strip()) is not None
 
 
 _OFF = ("false", "no", "off", "0", "disabled", "n")
@@ -66,7 +69,26 @@ def recompute_mode(text: str) -> str:
         return "full" if {"mlp", "moe"} & set(modules_said(t)) else "selective"
     if t in _ON or any(k in t for k in ("full", "checkpoint", "rematerial", "recomput")):
         return "full"
+    # JAX's remat (not a MaxText policy that saves most: "minimal", "save_..."), "ckpt"
+    if re.search(r"\bremat\b|\bckpt\b", t) and not re.search(r"minimal|save", t):
+        return "full"
     return "none"
+
+
+_SHARE = (re.compile(r"(\d+(?:\.\d+)?)\s*%"),
+          re.compile(r"(\d+)\s*(?:of|/)\s*(\d+)\s*(?:layers|blocks)"))
+
+
+def recompute_share_said(text: str) -> float:
+    """The share of blocks a full-recompute cell says it reruns: "full on 50% of the
+    blocks", "activation checkpointing on 8 of 32 layers"; 1 where it names none."""
+    t = text.lower()
+    if recompute_mode(t) != "full":
+        return 1.0
+    pct, frac = (p.search(t) for p in _SHARE)
+    share = float(pct.group(1)) / 100 if pct else (
+        int(frac.group(1)) / int(frac.group(2)) if frac and int(frac.group(2)) else 1.0)
+    return share if 0 < share <= 1 else 1.0
 
 
 def recompute_stated(text: str) -> bool:

@@ -71,6 +71,7 @@ from paratrain.systems.row_words import (
     hardware_flops_said,
     metric_said,
     recompute_mode,
+    recompute_share_said,
     recompute_stated,
     zero_stage,
     zero_stated,
@@ -260,7 +261,8 @@ def row_to_case(row: dict) -> Case:
                 step_time_s=_num(row, "step_time_s"),
                 tokens_per_s=_num(row, "tokens_per_s_per_accel"),
                 shard_group=_num(row, "shard_group", int), flops_count=count,
-                rerun=modules_said(row.get("recompute") or ""))
+                rerun=modules_said(row.get("recompute") or ""),
+                recompute_share=recompute_share_said(row.get("recompute") or ""))
     words = row.get("recompute") or ""
     said = _pct(row, "mfu_pct"), _pct(row, "hfu_pct")
     stated = recompute_stated(words), offloaded(words), said
