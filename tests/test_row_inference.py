@@ -529,6 +529,13 @@ def test_numbers_are_read_as_tables_print_them():
                               ("~400", float, 400.0), ("1e6", float, 1e6)):
         assert num({"k": text}, "k", kind) == value, text
     assert num({"k": "405B"}, "k") is None  # a billions column says it in its name
+    # a count as nodes times accelerators, a parenthetical after it, a time in ms or
+    # minutes; a count of nodes is no count of accelerators
+    for text, kind, value in (("8x8", int, 64), ("16 \u00d7 8 GPUs", int, 128),
+                              ("64 (8 nodes)", int, 64), ("1500 ms", float, 1.5),
+                              ("2 min", float, 120.0), ("1.5 s", float, 1.5)):
+        assert num({"k": text}, "k", kind) == value, text
+    assert num({"k": "8 nodes"}, "k", int) is None
     row = BY_ID["titan_llama3_8b_a100_64_sacop"]
     assert row_to_case({**row, "seq_len": "8K"}).seq_len == 8192
     # an MFU written as a fraction is the percent it is
