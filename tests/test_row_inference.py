@@ -141,8 +141,25 @@ def test_every_default_is_listed_in_the_case_and_the_record(tmp_path):
     json.dumps(res)  # the record is JSON as it stands
 
 
+def test_a_blank_recompute_under_eager_attention_is_full_checkpointing():
+    """Before FlashAttention and selective recomputation (2022) a large run checkpointed
+    every block (Megatron-LM's and Megatron-DeepSpeed's --checkpoint-activations): a
+    blank recompute on an eager-attention run (fp16 on an A100, DeepSpeed's engine) is
+    full, said so, not the least that fits."""
+    row = {**BY_ID["narayanan21_t1_1.7B"], "recompute": ""}
+    case = row_to_case(row)
+    assert case_kernel(case) == "eager"
+    assert (case.plan.recompute, case.recompute_share) == ("full", 1.0)
+    (d,) = [d for d in case.defaults if d[0] == "recompute"]
+    assert d[1] == "full" and "eager attention" in d[2]
+    # the same row on an H100 runs FlashAttention-2 class: the least that fits again
+    h100 = row_to_case({**row, "accelerator": "H100-SXM5-80GB"})
+    (d,) = [d for d in h100.defaults if d[0] == "recompute"]
+    assert d[2].startswith("inferred: the least of none < selective")
+
+
 @pytest.mark.parametrize("rid", ["megascale_530b_megatronlm_2240", "dgxc_llama31_8b_8",
-                                 "narayanan21_t1_1.7B", "titan_llama3_8b_a100_64_sacop"])
+                                 "titan_llama3_8b_a100_64_sacop"])
 def test_a_blank_recompute_is_the_least_that_fits_and_marked_inferred(rid):
     row = {**BY_ID[rid], "recompute": ""}
     case = row_to_case(row)

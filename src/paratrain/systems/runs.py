@@ -322,11 +322,14 @@ def _fit_memory(case: Case, stated: bool, offload: bool, said: tuple, out: list)
                     f"the source's HFU / MFU, {said[1]:g} / {said[0]:g} = 1 + share / 3: "
                     f"{share_words(ratio)}"))
     elif not stated or blocks:
+        era = not stated and att == "eager"  # before selective recompute and FlashAttention
+        mode, share = ("full", 1.0) if era else (mode, share)
         case = dataclasses.replace(case, plan=dataclasses.replace(case.plan, recompute=mode),
                                    recompute_share=share)
         what = (f"{case.engine}'s selective checkpointing wraps whole blocks: the least "
-                "share of them that fits" if blocks else "inferred: the least of none < "
-                "selective < full (on the least share of the blocks) that fits")
+                "share of them that fits" if blocks else "blank under eager attention: "
+                "full, that era's checkpointing" if era else "inferred: the least of none "
+                "< selective < full (on the least share of the blocks) that fits")
         out.append(("recompute", recompute_words(case),
                     f"{what} ({mem.total_bytes / 1e9:,.1f} GB of "
                     f"{mem.hbm_bytes / 1e9:,.1f} GB HBM)"))
