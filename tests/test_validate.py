@@ -95,7 +95,7 @@ def test_every_shipped_row_is_priced_and_fitted_defaults_are_good():
     # (a release can move the same MoE layout by 1.5x, gpt-oss in BF16 on Blackwell is
     # 30-110% fast: docs/systems-model.md), and fms-fsdp's, flash-attention's, NeMo
     # 24.07's, gpu-recipes', torchtitan's Blackwell and one AutoModel row (6.7%); 10.9%
-    # since stop 65's 75 runs from 21 new sources joined (AMD's MI355X, nanotron's 64-node
+    # since stop 65's 75 runs from 17 sources joined (AMD's MI355X, nanotron's 64-node
     # runs 57-193% fast: docs/systems-model.md); the rows before them stay near 8.7%
     assert res["summary"]["overall"]["mape"] < 11.2
     assert res["summary_heldout"]["overall"]["mape"] < 12
