@@ -320,6 +320,18 @@ def test_a_blank_ep_of_a_moe_model_spans_the_data_ranks_the_experts_allow():
     assert row_to_case(mixtral).plan.ep == 1  # stated: kept
     # a dense model's blank EP is no expert parallelism
     assert row_to_case({**BY_ID["dgxc_llama31_405b_96"], "EP": ""}).plan.ep == 1
+    # on 8-GPU nodes a blank EP stays in the node (the ROCm blog's DeepSeek-V3 on 64
+    # MI355X ran EP 8 in each node, FSDP across: read back), unless only the data ranks
+    # across nodes hold the experts (NeMo AutoModel's DeepSeek-V3 on 256 H100: EP 8
+    # needs 130 GB a GPU, so EP 64 = its DP x CP and 256's gcd, as it ran)
+    amd = BY_ID["amd_maxtext_dsv3_mi355x_64_cf125_pdbs4"]
+    case = row_to_case({**amd, "EP": ""})
+    assert case.plan.ep == row_to_case(amd).plan.ep == 8
+    (d,) = [d for d in case.defaults if d[0] == "EP"]
+    assert "within the fast domain" in d[2]
+    wide = row_to_case({**BY_ID["automodel_dsv3_256"], "EP": ""})
+    (d,) = [d for d in wide.defaults if d[0] == "EP"]
+    assert wide.plan.ep > 8 and "does not fit" in d[2]
 
 
 def test_a_blank_mlp_width_follows_the_mlp_the_row_names():

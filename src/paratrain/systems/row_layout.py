@@ -11,13 +11,15 @@ from paratrain.systems.row_fields import num as _num
 from paratrain.systems.row_words import schedule_said
 
 
-def axes(row: dict, gpus: int, out: list, experts: int = 0
+def axes(row: dict, gpus: int, out: list, experts: int = 0, domain: int = 0
          ) -> tuple[int, int, int, int, int]:
     """(tp, pp, cp, ep, dp): a blank axis is 1, a blank DP what the others leave; with DP
     stated and one of TP, PP and CP blank, that one is what the others leave of the
     accelerators (more than one blank: each 1, and a product short of them refused); a
     blank EP of a model with ``experts`` the largest size DP x CP and the experts both
-    divide, as most MoE recipes run it (1 would keep every expert on every rank)."""
+    divide, as most MoE recipes run it (1 would keep every expert on every rank), within
+    the fast ``domain`` where one is given (EP x TP on NVLink: MaxText's EP inside a node,
+    FSDP across)."""
     dp = _num(row, "DP", int)
     axes = {col: _num(row, col, int) for col in ("TP", "PP", "CP")}
     blank = [col for col, n in axes.items() if not n]
@@ -40,9 +42,12 @@ def axes(row: dict, gpus: int, out: list, experts: int = 0
         raise Skip(f"TP*PP*DP*CP = {tp * pp * dp * cp} != num_accel {gpus}", out)
     ep = _num(row, "EP", int)
     if not ep and experts > 1:
-        ep = math.gcd(experts, dp * cp)
+        g = math.gcd(experts, dp * cp)
+        cap = max(1, domain // tp) if domain else g
+        ep = max(d for d in range(1, g + 1) if g % d == 0 and d <= cap)
         out.append(("EP", ep, "blank with experts: the largest size DP x CP and the experts "
-                              "both divide (EP over the data ranks)"))
+                              "both divide" + (", within the fast domain" if domain else
+                                               " (within the fast domain it does not fit)")))
     elif not ep:
         ep = 1
         out.append(("EP", 1, "blank: no parallelism on this axis"))

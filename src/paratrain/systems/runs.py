@@ -34,11 +34,7 @@ from paratrain.cost.moe_layout import default_etp
 from paratrain.cost.shapes import FLOP_COUNTS, ModelShape
 from paratrain.plan import ParallelPlan
 from paratrain.systems.overlap import ENGINES
-from paratrain.systems.partial_recompute import (
-    recompute_words,
-    share_from_utilisation,
-    share_words,
-)
+from paratrain.systems.partial_recompute import recompute_words, share_from_utilisation, share_words
 from paratrain.systems.recompute_modules import modules_said
 from paratrain.systems.row_engine import (
     case_engine,
@@ -187,10 +183,11 @@ def _hardware(name: str) -> tuple[str, Hardware]:
     return key, load_hardware(key)
 
 
-def row_to_case(row: dict) -> Case:
-    """Turn one CSV row into a priceable case, or raise Skip with the reason. Every blank
-    filled in is listed in ``Case.defaults``; a blank recompute is inferred from memory
-    (:mod:`paratrain.systems.row_memory`), and a layout that cannot fit is refused."""
+def row_to_case(row: dict, ep_in_domain: bool = True) -> Case:
+    """One CSV row as a priceable case, or Skip with the reason; every blank filled in is
+    in ``Case.defaults``, a blank recompute inferred from memory (:mod:`paratrain.systems.
+    row_memory`), a blank EP in the fast domain unless only all data ranks fit."""
+    given = row
     if (row.get("confirmed") or "").strip().lower() == "no":
         raise Skip("confirmed=no: unverified, kept for reference")
     out: list = []
@@ -219,7 +216,7 @@ def row_to_case(row: dict) -> Case:
     net = _num(row, "inter_gbps")
     if net:  # the cluster's network as the source states it, Gb/s per accelerator
         hw = dataclasses.replace(hw, inter_bw=net * 1e9 / 8)
-    tp, pp, cp, ep, dp = axes(row, gpus, out, model.experts)
+    tp, pp, cp, ep, dp = axes(row, gpus, out, model.experts, ep_in_domain and hw.gpus_per_node)
     tokens, m = batch(row, seq, dp, pp, out, gpus)
     sched, v = schedule(row, pp, m, L, out)
     sharding = (row.get("zero_or_fsdp") or "").strip()
@@ -261,15 +258,16 @@ def row_to_case(row: dict) -> Case:
                 step_time_s=_num(row, "step_time_s"),
                 tokens_per_s=_num(row, "tokens_per_s_per_accel"),
                 shard_group=_num(row, "shard_group", int), flops_count=count,
-                rerun=modules_said(row.get("recompute") or ""),
-                recompute_share=recompute_share_said(row.get("recompute") or ""))
-    words = row.get("recompute") or ""
-    said = _pct(row, "mfu_pct"), _pct(row, "hfu_pct")
+                rerun=modules_said(row.get("recompute") or ""), recompute_share=
+                recompute_share_said(row.get("recompute") or ""))
+    words, said = row.get("recompute") or "", (_pct(row, "mfu_pct"), _pct(row, "hfu_pct"))
     stated = recompute_stated(words), offloaded(words), said
     try:
         return _fit_memory(case, *stated, list(out))
     except Skip:
         fitted = None if zero_said else _least_zero(case, stated, out)
+        if fitted is None and ep_in_domain and model.is_moe and not _num(given, "EP", int):
+            return row_to_case(given, ep_in_domain=False)
         if fitted is None:
             raise  # a stated sharding, or no stage fits: the default's refusal stands
         return fitted
