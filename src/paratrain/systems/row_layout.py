@@ -47,7 +47,8 @@ def axes(row: dict, gpus: int, out: list, experts: int = 0, domain: int = 0
         ep = max(d for d in range(1, g + 1) if g % d == 0 and d <= cap)
         out.append(("EP", ep, "blank with experts: the largest size DP x CP and the experts "
                               "both divide" + (", within the fast domain" if domain else
-                                               " (within the fast domain it does not fit)")))
+                                               ", over all the data ranks (within the "
+                                               "fast domain it does not fit)")))
     elif not ep:
         ep = 1
         out.append(("EP", 1, "blank: no parallelism on this axis"))

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -216,7 +217,8 @@ def row_to_case(row: dict, ep_in_domain: bool = True) -> Case:
     net = _num(row, "inter_gbps")
     if net:  # the cluster's network as the source states it, Gb/s per accelerator
         hw = dataclasses.replace(hw, inter_bw=net * 1e9 / 8)
-    tp, pp, cp, ep, dp = axes(row, gpus, out, model.experts, ep_in_domain and hw.gpus_per_node)
+    domain = hw.gpus_per_node if ep_in_domain else 0  # a blank EP's reach (row_layout.axes)
+    tp, pp, cp, ep, dp = axes(row, gpus, out, model.experts, domain)
     tokens, m = batch(row, seq, dp, pp, out, gpus)
     sched, v = schedule(row, pp, m, L, out)
     sharding = (row.get("zero_or_fsdp") or "").strip()
@@ -266,7 +268,8 @@ def row_to_case(row: dict, ep_in_domain: bool = True) -> Case:
         return _fit_memory(case, *stated, list(out))
     except Skip:
         fitted = None if zero_said else _least_zero(case, stated, out)
-        if fitted is None and ep_in_domain and model.is_moe and not _num(given, "EP", int):
+        if fitted is None and model.is_moe and not _num(given, "EP", int) and \
+                ep < math.gcd(model.experts, dp * cp):  # the domain held it back
             return row_to_case(given, ep_in_domain=False)
         if fitted is None:
             raise  # a stated sharding, or no stage fits: the default's refusal stands
